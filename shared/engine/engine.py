@@ -1,0 +1,237 @@
+"""The generation engine: requests in, token/text deltas out, one step at a time.
+
+Life cycle of an ordinary request: `add_request` validates and queues it;
+each `step()` schedules a batch (continuous batching, chunked prefill,
+preemption), runs the model, samples, and returns one `RequestOutput` per
+request that produced a token; a finished request's blocks are freed at once
+(`abort` does the same for a live request).
+
+Two entry points serve disaggregated serving:
+(a) prefill only — `add_request(..., prefill_only=True)`: after its first token
+    the request is parked with its KV kept; `read_kv` hands out per-layer K/V
+    (the `on_layer` hook of `step` signals each layer as it is computed) and
+    `release` frees it.
+(b) KV from outside — `reserve` allocates blocks for a prompt (reusing the
+    local prefix cache), `write_kv` fills layers as they arrive, and
+    `activate(first_token)` joins the request to the decode batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from shared.config import CacheConfig, EngineConfig, ModelConfig
+from shared.engine.model_runner import ModelRunner
+from shared.engine.output import OutputState, RequestOutput
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import Scheduler
+from shared.engine.sequence import Sequence, Status
+from shared.errors import RequestError
+from shared.kv.block_manager import BlockManager, NoFreeBlocks
+from shared.kv.pool import KVPool
+from shared.models.loader import load_model, resolve_dtype
+from shared.tokenizer import Tokenizer
+
+LayerHook = Callable[[int, list[tuple[Sequence, int]]], None]
+
+
+class LLMEngine:
+    def __init__(self, model, config: ModelConfig, tokenizer: Tokenizer | None = None,
+                 cache_config: CacheConfig | None = None, engine_config: EngineConfig | None = None):
+        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
+        self.cache_config = cache_config or CacheConfig()
+        self.engine_config = engine_config or EngineConfig()
+        self.max_model_len = self.engine_config.max_model_len or config.max_position_embeddings
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, str(param.device)
+        kv_heads = model.model.layers[0].self_attn.num_kv_heads
+        self.pool = KVPool(config, self.cache_config, self.dtype, self.device, num_kv_heads=kv_heads,
+                           num_layers=len(model.model.layers))
+        self.block_manager = BlockManager(self.cache_config.num_blocks, self.cache_config.block_size,
+                                          self.cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.engine_config)
+        self.runner = ModelRunner(model, self.pool, config.sliding_window)
+        self.requests: dict[str, OutputState] = {}
+        self.eos_ids = config.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and
+                                                 tokenizer.eos_token_id is not None else ())
+        self._pending: list[RequestOutput] = []
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, dtype="auto", device: str = "cpu",
+                 cache_config: CacheConfig | None = None, engine_config: EngineConfig | None = None):
+        config = ModelConfig.from_dir(model_dir)
+        tokenizer = Tokenizer.from_dir(model_dir)
+        model = load_model(model_dir, resolve_dtype(dtype, device), device, config=config)
+        return cls(model, config, tokenizer, cache_config, engine_config)
+
+    # ---- requests -------------------------------------------------------
+    def _new_sequence(self, request_id: str, prompt, params: SamplingParams, prefill_only: bool) -> Sequence:
+        if request_id in self.requests:
+            raise RequestError(f"request id '{request_id}' is already in use", param="request_id")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer; pass token ids", param="prompt")
+            prompt = self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        vocab = self.config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        need = len(ids) + (1 if prefill_only else params.max_tokens)
+        if need > self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the request "
+                f"needs {len(ids)} prompt tokens + {need - len(ids)} completion tokens",
+                param="max_tokens" if len(ids) < self.max_model_len else "prompt",
+                code="context_length_exceeded")
+        capacity = self.cache_config.num_blocks * self.cache_config.block_size
+        if need > capacity:
+            raise RequestError(f"the request needs {need} tokens of KV cache but the cache holds {capacity}",
+                               param="prompt", code="context_length_exceeded")
+        seq = Sequence(request_id, ids, params, prefill_only)
+        if params.seed is not None and not params.greedy:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed % 2**63)
+        self.requests[request_id] = OutputState(seq, self.tokenizer, self.eos_ids, self.max_model_len)
+        return seq
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    prefill_only: bool = False) -> Sequence:
+        seq = self._new_sequence(request_id, prompt, params or SamplingParams(), prefill_only)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return False
+        seq = state.seq
+        if seq.status is Status.PARKED:
+            self.block_manager.free_table(seq.table)
+            seq.status = Status.FINISHED
+        elif seq.status is not Status.FINISHED:
+            self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    def get(self, request_id: str) -> Sequence | None:
+        state = self.requests.get(request_id)
+        return state.seq if state else None
+
+    # ---- stepping -------------------------------------------------------
+    def step(self, on_layer: LayerHook | None = None) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        hook = (lambda layer: on_layer(layer, batch.items)) if on_layer else None
+        samplers, result = self.runner.run(batch, hook)
+        self.scheduler.complete(batch)
+        for i, seq in enumerate(samplers):
+            state = self.requests[seq.request_id]
+            lp = result.logprobs[i] if result.logprobs is not None and seq.params.logprobs is not None else None
+            top = result.top[i] if result.top is not None else None
+            out = state.push(result.token_ids[i], lp, top)
+            if seq.prefill_only and not out.finished:
+                out.finished, out.finish_reason = True, "prefill"
+            if out.finished:
+                self.scheduler.finish(seq, out.finish_reason, keep_blocks=seq.prefill_only)
+                if not seq.prefill_only:
+                    del self.requests[seq.request_id]
+            outputs.append(out)
+        return outputs
+
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[dict]:
+        """Run prompts to completion; returns per prompt {token_ids, text, finish_reason, logprobs}."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [f"gen-{id(self)}-{i}" for i in range(len(prompts))]
+        results = {rid: {"token_ids": [], "text": "", "finish_reason": None, "logprobs": []} for rid in ids}
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        while self.has_unfinished():
+            for out in self.step():
+                r = results[out.request_id]
+                r["token_ids"] += out.new_token_ids
+                r["text"] += out.new_text
+                if out.logprobs:
+                    r["logprobs"] += out.logprobs
+                if out.finished:
+                    r["finish_reason"] = out.finish_reason
+        return [results[rid] for rid in ids]
+
+    # ---- (a) prefill only: hand out KV ------------------------------------
+    def kv_slots(self, request_id: str, start: int = 0, end: int | None = None) -> torch.Tensor:
+        seq = self.requests[request_id].seq
+        end = seq.num_computed_tokens if end is None else end
+        return self.pool.slots(seq.table.blocks, start, end)
+
+    def read_kv(self, request_id: str, layer: int, start: int = 0, end: int | None = None):
+        """K, V [tokens, kv_heads, head_dim] of one layer for a request's computed tokens."""
+        return self.pool.read(layer, self.kv_slots(request_id, start, end))
+
+    def release(self, request_id: str) -> None:
+        """Free a parked (prefill-only or reserved) request's KV."""
+        self.abort(request_id)
+
+    # ---- (b) KV from outside: decode it -----------------------------------
+    def reserve(self, request_id: str, prompt, params: SamplingParams | None = None) -> tuple[Sequence, int]:
+        """Allocate blocks for a prompt whose KV will be written from outside.
+
+        Returns the sequence and how many leading tokens are already in the local
+        prefix cache (their KV need not be sent). Raises NoFreeBlocks when full.
+        """
+        seq = self._new_sequence(request_id, prompt, params or SamplingParams(), False)
+        try:
+            cached = self.block_manager.allocate_prompt(seq.table, seq.token_ids, seq.num_tokens)
+        except NoFreeBlocks:
+            del self.requests[request_id]
+            raise
+        seq.num_cached_tokens = cached
+        seq.status = Status.PARKED
+        return seq, cached
+
+    def write_kv(self, request_id: str, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        seq = self.requests[request_id].seq
+        slots = self.pool.slots(seq.table.blocks, start, start + k.shape[0])
+        self.pool.write(layer, slots, k, v)
+
+    def activate(self, request_id: str, first_token: int, logprob: float | None = None, top=None) -> None:
+        """The request's KV is complete: record its first token and join the decode batch."""
+        state = self.requests[request_id]
+        seq = state.seq
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.register_full_blocks(seq.table, seq.token_ids, seq.num_computed_tokens)
+        out = state.push(first_token, logprob if seq.params.logprobs is not None else None, top)
+        self._pending.append(out)
+        if out.finished:
+            self.block_manager.free_table(seq.table)
+            seq.status = Status.FINISHED
+            seq.finish_reason = out.finish_reason
+            del self.requests[request_id]
+        else:
+            seq.status = Status.RUNNING
+            self.scheduler.running.append(seq)
+
+    # ---- stats ------------------------------------------------------------
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "parked": sum(1 for s in self.requests.values() if s.seq.status is Status.PARKED),
+            "blocks_total": len(bm.blocks),
+            "blocks_used": bm.num_used,
+            "blocks_cached": len(bm.evictable),
+            "kv_cache_usage": bm.num_used / max(1, len(bm.blocks)),
+            "prefix_cache_hit_tokens": bm.hits,
+            "prefix_cache_query_tokens": bm.queries,
+            "preemptions": self.scheduler.num_preemptions,
+        }

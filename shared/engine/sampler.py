@@ -1,0 +1,75 @@
+"""Token sampling for a batch of rows, each with its own parameters.
+
+Life cycle: per step, the engine passes the logits of the rows that sample
+(float32 [S, vocab]) and their sequences. Greedy rows take the argmax;
+the others apply temperature, top-k and top-p, then draw with the
+exponential-race trick (argmax of p / E, E ~ Exp(1)), where a seeded request
+draws E from its own generator so its tokens do not depend on what else is
+in the batch. Logprobs are those of the model's raw distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None            # chosen tokens' logprobs (None if no row asked)
+    top: list[list[tuple[int, float]]] | None  # per row: top-N (token, logprob)
+
+
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k / top-p set with -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device).expand_as(sorted_logits)
+    drop = ranks >= top_k.unsqueeze(1)
+    probs = sorted_logits.softmax(-1)
+    drop |= (probs.cumsum(-1) - probs) > top_p.unsqueeze(1)    # keep the token that crosses top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    vocab = logits.shape[-1]
+    greedy = [s.params.greedy for s in seqs]
+    tokens = logits.argmax(-1)
+    if not all(greedy):
+        rows = [i for i, g in enumerate(greedy) if not g]
+        sub = logits[rows]
+        params = [seqs[i].params for i in rows]
+        temp = torch.tensor([p.temperature for p in params], dtype=sub.dtype, device=sub.device)
+        sub = sub / temp.unsqueeze(1)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=sub.device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=sub.dtype, device=sub.device)
+        if (top_k < vocab).any() or (top_p < 1).any():
+            sub = _filter(sub, top_k, top_p)
+        probs = sub.softmax(-1)
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, i in enumerate(rows) if seqs[i].generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab, device=sub.device).exponential_()
+        for j, i in enumerate(rows):
+            if seqs[i].generator is not None:
+                noise[j].exponential_(generator=seqs[i].generator)
+        tokens[rows] = (probs / noise).argmax(-1)
+    token_list = tokens.tolist()
+    want = [s.params.logprobs for s in seqs]
+    if all(w is None for w in want):
+        return SampleResult(token_list, None, None)
+    logp = logits.log_softmax(-1)
+    chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    k = max(w or 0 for w in want)
+    top = [[] for _ in seqs]
+    if k:
+        values, ids = logp.topk(k, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+        for i, w in enumerate(want):
+            if w:
+                top[i] = list(zip(ids[i][:w], values[i][:w]))
+    return SampleResult(token_list, chosen, top)

@@ -1,0 +1,67 @@
+"""One request's state inside an engine: tokens, progress, blocks, outcome.
+
+Life cycle: WAITING (queued, or preempted back to the queue with its KV
+dropped) → RUNNING (scheduled each step; `num_computed_tokens` grows by the
+chunk computed) → FINISHED (stop token, stop string, length, abort) or PARKED
+(prefill-only requests: first token sampled, KV kept for a reader until
+released; externally filled requests: blocks reserved until their KV lands).
+
+The tokens still to compute are `token_ids[num_computed_tokens:]`: the prompt
+(or its uncached rest) during prefill, then exactly one token per decode step,
+so chunked prefill, decode and recompute after preemption share one rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from shared.engine.sampling_params import SamplingParams
+from shared.kv.block_manager import BlockTable
+
+_arrival = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PARKED = "parked"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 prefill_only: bool = False):
+        self.request_id = request_id
+        self.token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.params = params
+        self.prefill_only = prefill_only
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0      # prompt tokens served from the prefix cache (first admission)
+        self.num_preemptions = 0
+        self.table = BlockTable()
+        self.arrival = next(_arrival)
+        self.finish_reason: str | None = None
+        self.generator = None           # per-request torch.Generator when seeded
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.table.blocks)})")

@@ -1,0 +1,26 @@
+"""Exceptions a user can cause, each with a message naming the thing to fix.
+
+The CLI prints `str(exc)` on one line and exits non-zero for any `EdgecoreError`;
+the HTTP layer maps them to OpenAI-style error objects.
+"""
+
+
+class EdgecoreError(Exception):
+    """Base of every error caused by input (files, flags, requests), not by a bug."""
+
+
+class ConfigError(EdgecoreError):
+    """A configuration file or value is missing, malformed or unsupported."""
+
+
+class ModelLoadError(EdgecoreError):
+    """Model files are missing, corrupt, or do not match the configuration."""
+
+
+class RequestError(EdgecoreError):
+    """A request cannot be served as asked (too long, bad sampling parameters)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code

@@ -1,0 +1,189 @@
+"""Paged KV block bookkeeping: no tensors, only block ids, ref counts and hashes.
+
+Life cycle of a block: free → allocated to one or more sequences (ref_count ≥ 1)
+→ once full and computed, registered in the prefix cache under the chained
+hash of its tokens → released (ref_count 0): a hashed block waits in an LRU of
+evictable cached blocks (a later request with the same prefix takes it back),
+an unhashed one returns to the free list. Allocation takes free blocks first,
+then evicts the least recently released cached block.
+
+Chained hash: hash(block i) = H(hash(block i-1) ‖ tokens of block i), so a hit
+on block i means the whole prefix up to it matches. Only full blocks are ever
+shared, and the last prompt token is always recomputed (its logits are needed),
+so shared blocks are never written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+
+def block_hash(prev: int | None, tokens) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    h.update((prev or 0).to_bytes(8, "little"))
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def prefix_hashes(token_ids, block_size: int, limit: int | None = None) -> list[int]:
+    """Chained hashes of the full blocks among the first `limit` tokens."""
+    n = len(token_ids) if limit is None else min(limit, len(token_ids))
+    hashes, prev = [], None
+    for start in range(0, n - block_size + 1, block_size):
+        prev = block_hash(prev, token_ids[start:start + block_size])
+        hashes.append(prev)
+    return hashes
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+
+
+@dataclass
+class BlockTable:
+    """What a sequence owns: its block ids and how many of them are registered in the cache."""
+    blocks: list[int] = field(default_factory=list)
+    num_hashed: int = 0
+    last_hash: int | None = None
+
+
+class NoFreeBlocks(Exception):
+    pass
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: deque[int] = deque(range(num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()   # hashed blocks with ref 0, LRU first
+        self.cached: dict[int, int] = {}                          # hash → block id
+        self.caching = enable_prefix_caching
+        self.hits = 0          # prompt tokens served from the cache (counter)
+        self.queries = 0       # prompt tokens looked up (counter)
+
+    # ---- capacity -------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks obtainable now: free plus evictable cached blocks."""
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def num_used(self) -> int:
+        return len(self.blocks) - self.num_free
+
+    def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(table.blocks))
+
+    # ---- allocation -----------------------------------------------------
+    def _take(self) -> int:
+        if self.free:
+            bid = self.free.popleft()
+        elif self.evictable:
+            bid, _ = self.evictable.popitem(last=False)
+            old = self.blocks[bid]
+            if self.cached.get(old.hash) == bid:
+                del self.cached[old.hash]
+            old.hash = None
+        else:
+            raise NoFreeBlocks
+        self.blocks[bid].ref_count = 1
+        return bid
+
+    def match_prefix(self, token_ids) -> list[int]:
+        """Cached block ids covering the longest cached prefix (never the last token)."""
+        if not self.caching:
+            return []
+        hits = []
+        for h in prefix_hashes(token_ids, self.block_size, len(token_ids) - 1):
+            bid = self.cached.get(h)
+            if bid is None:
+                break
+            hits.append(bid)
+        return hits
+
+    def allocate_prompt(self, table: BlockTable, token_ids, max_new_tokens: int) -> int:
+        """Give a new sequence its cached prefix blocks plus fresh blocks for up to
+        `max_new_tokens` more tokens. Returns how many tokens are already cached.
+        All or nothing: raises NoFreeBlocks and changes nothing when short.
+        """
+        hits = self.match_prefix(token_ids)
+        cached_tokens = len(hits) * self.block_size
+        cover = cached_tokens + min(len(token_ids) - cached_tokens, max_new_tokens)
+        fresh = -(-cover // self.block_size) - len(hits)
+        reclaim = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        if fresh > self.num_free - reclaim:
+            raise NoFreeBlocks
+        for bid in hits:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                self.evictable.pop(bid, None)
+            block.ref_count += 1
+            table.blocks.append(bid)
+        table.num_hashed = len(hits)
+        table.last_hash = self.blocks[hits[-1]].hash if hits else None
+        for _ in range(fresh):
+            table.blocks.append(self._take())
+        self.queries += len(token_ids)
+        self.hits += cached_tokens
+        return cached_tokens
+
+    def grow(self, table: BlockTable, num_tokens: int) -> None:
+        """Make `table` cover `num_tokens` tokens. All or nothing."""
+        need = self.blocks_needed(table, num_tokens)
+        if need > self.num_free:
+            raise NoFreeBlocks
+        for _ in range(need):
+            table.blocks.append(self._take())
+
+    def register_full_blocks(self, table: BlockTable, token_ids, num_computed: int) -> None:
+        """Enter every newly completed block (KV computed) into the prefix cache."""
+        if not self.caching:
+            return
+        full = min(num_computed, len(token_ids)) // self.block_size
+        bs = self.block_size
+        while table.num_hashed < full:
+            i = table.num_hashed
+            h = block_hash(table.last_hash, token_ids[i * bs:(i + 1) * bs])
+            block = self.blocks[table.blocks[i]]
+            if block.hash is None:
+                block.hash = h
+                self.cached.setdefault(h, block.block_id)
+            table.last_hash = h
+            table.num_hashed += 1
+
+    def free_table(self, table: BlockTable) -> None:
+        """Release a sequence's blocks, last block first so that prefix heads stay cached longest."""
+        for bid in reversed(table.blocks):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None and self.cached.get(block.hash) == bid:
+                    self.evictable[bid] = None
+                else:
+                    block.hash = None
+                    self.free.append(bid)
+        table.blocks.clear()
+        table.num_hashed = 0
+        table.last_hash = None
+
+    def pin(self, block_ids: list[int]) -> None:
+        """Take an extra reference (pinned contexts, transfers in flight)."""
+        for bid in block_ids:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                self.evictable.pop(bid, None)
+            block.ref_count += 1
+
+    def reset_prefix_cache(self) -> None:
+        for bid in list(self.evictable):
+            self.blocks[bid].hash = None
+            self.free.append(bid)
+        self.evictable.clear()
+        self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].ref_count > 0}

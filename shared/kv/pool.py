@@ -1,0 +1,49 @@
+"""The paged KV pool: the tensors behind the block manager's block ids.
+
+Life cycle: allocated once at engine start as one K and one V tensor per layer,
+shaped [num_blocks * block_size, kv_heads, head_dim] (a flat slot index
+= block_id * block_size + offset). Attention writes and reads through slots;
+`read`/`write` move one sequence's K/V for a range of layers and tokens in and
+out (used by the KV sender and receiver of disaggregated serving).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.config import CacheConfig, ModelConfig
+
+
+class KVPool:
+    def __init__(self, config: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: str,
+                 num_kv_heads: int | None = None, num_layers: int | None = None):
+        self.block_size = cache.block_size
+        self.num_slots = cache.num_blocks * cache.block_size
+        heads = num_kv_heads or config.num_key_value_heads
+        layers = num_layers if num_layers is not None else config.num_hidden_layers
+        shape = (self.num_slots, heads, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.dtype, self.device = dtype, device
+
+    @property
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(zip(self.k, self.v))
+
+    def slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Flat slot indices of token positions [start, end) of a sequence with these blocks."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_ids, dtype=torch.long)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [tokens, kv_heads, head_dim] at these slots (a copy)."""
+        return self.k[layer][slots], self.v[layer][slots]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].index_copy_(0, slots, k.to(self.dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)

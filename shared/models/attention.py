@@ -1,0 +1,83 @@
+"""Attention over the paged KV cache.
+
+Life cycle per step: the model runner builds one `AttentionMetadata` for the
+whole batch (where each new token's K/V goes, which cache slots each sequence
+reads, masks), then every layer calls `paged_attention`, which
+1. writes the step's new K/V into that layer's cache slots,
+2. runs the decode group (one query token per sequence) as one batched call,
+3. runs each prefill chunk on its own (fresh K/V when nothing precedes it,
+   otherwise the cached context gathered through its slots),
+4. calls `on_layer(layer_index)` so a KV sender can ship that layer at once.
+
+Token order in the flattened batch: all decode tokens first, then prefill
+chunks back to back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int               # offset of the chunk in the flattened batch
+    q_len: int                 # tokens computed in this step
+    ctx_len: int               # tokens attended to (cached + new)
+    slots: torch.Tensor | None  # [ctx_len] cache slots, None when ctx_len == q_len
+    mask: torch.Tensor | None   # [q_len, ctx_len] bool, None for plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor          # [T] cache slot of each new token
+    num_decode: int = 0                 # decode tokens at the front of the batch
+    decode_slots: torch.Tensor | None = None  # [B, L] slots read by each decode sequence
+    decode_mask: torch.Tensor | None = None   # [B, 1, 1, L] True where attended
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer [slots, H, D]
+    on_layer: Callable[[int], None] | None = None
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[H_kv, L, D] -> [H_kv * groups, L, D] (each KV head serves `groups` query heads)."""
+    if groups == 1:
+        return x
+    h, length, d = x.shape
+    return x[:, None].expand(h, groups, length, d).reshape(h * groups, length, d)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""
+    k_cache, v_cache = meta.kv_caches[layer]
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    groups = hq // hkv
+    out = torch.empty_like(q)
+    b = meta.num_decode
+    if b:
+        # Query heads of one KV head act as a short query sequence: [B, Hkv, G, D].
+        qd = q[:b].view(b, hkv, groups, d)
+        kd = k_cache[meta.decode_slots].transpose(1, 2)   # [B, Hkv, L, D]
+        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        out[:b] = od.reshape(b, hq, d)
+    for chunk in meta.prefills:
+        s, n = chunk.q_start, chunk.q_len
+        qp = q[s:s + n].transpose(0, 1)                  # [Hq, n, D]
+        if chunk.slots is None:
+            kp, vp = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)
+        else:
+            kp, vp = k_cache[chunk.slots].transpose(0, 1), v_cache[chunk.slots].transpose(0, 1)
+        kp, vp = repeat_kv(kp, groups), repeat_kv(vp, groups)
+        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask,
+                                            is_causal=chunk.mask is None, scale=scale)
+        out[s:s + n] = op.transpose(0, 1)
+    if meta.on_layer is not None:
+        meta.on_layer(layer)
+    return out

@@ -1,0 +1,181 @@
+"""Linear and embedding layers that shard themselves across tensor-parallel ranks.
+
+Life cycle: a layer is built with its full (logical) sizes, allocates only its
+rank's shard, and fills it through `weight_loader(param, source, shard_id)`
+where `source` is a lazy safetensors slice: each rank reads only its own rows
+or columns, never the full tensor. With one rank every layer is a plain
+`nn.Linear`/`nn.Embedding` and no communication happens.
+
+Column-parallel layers split the output dimension (no communication);
+row-parallel layers split the input dimension and all-reduce their output, so a
+column→row pair (QKV→O, gate_up→down) costs one all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.parallel import all_gather_last_dim, all_reduce, tensor_parallel
+
+
+def _read(source, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+    """Read a (sub)tensor from a safetensors slice or a plain tensor."""
+    if rows is None and cols is None:
+        return source[:] if not isinstance(source, torch.Tensor) else source
+    rows = rows or slice(None)
+    if cols is None:
+        return source[rows]
+    return source[rows, cols]
+
+
+def _shape(source) -> tuple[int, ...]:
+    return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
+
+
+def _copy_checked(param: torch.Tensor, value: torch.Tensor, what: str) -> None:
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(f"{what}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
+    param.data.copy_(value)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        tp = tensor_parallel()
+        if out_features % tp.size:
+            raise ValueError(f"output size {out_features} is not divisible by tensor-parallel size {tp.size}")
+        self.in_features, self.out_features = in_features, out_features
+        self.out_per_rank = out_features // tp.size
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, source, shard_id=None) -> None:
+        rank = tensor_parallel().rank
+        n = param.shape[0]
+        _copy_checked(param, _read(source, slice(rank * n, (rank + 1) * n)), "column-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections stored as one matrix (gate and up)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        super().__init__(in_features, sum(output_sizes), bias)
+        self.output_sizes = output_sizes
+
+    def weight_loader(self, param: nn.Parameter, source, shard_id: int = 0) -> None:
+        tp = tensor_parallel()
+        size = self.output_sizes[shard_id] // tp.size
+        offset = sum(self.output_sizes[:shard_id]) // tp.size
+        value = _read(source, slice(tp.rank * size, (tp.rank + 1) * size))
+        _copy_checked(param.data[offset:offset + size], value, f"merged shard {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matrix; heads split across ranks.
+
+    KV heads are split when there are at least as many as ranks, and
+    replicated (each rank keeps the one its query heads use) otherwise.
+    """
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp = tensor_parallel()
+        if num_heads % tp.size:
+            raise ValueError(f"{num_heads} attention heads are not divisible by tensor-parallel size {tp.size}")
+        if num_kv_heads >= tp.size and num_kv_heads % tp.size:
+            raise ValueError(f"{num_kv_heads} KV heads are not divisible by tensor-parallel size {tp.size}")
+        if num_kv_heads < tp.size and tp.size % num_kv_heads:
+            raise ValueError(f"tensor-parallel size {tp.size} is not a multiple of {num_kv_heads} KV heads")
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        self.total_kv_heads = num_kv_heads
+        nn.Module.__init__(self)
+        self.in_features = hidden
+        self.out_per_rank = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self.out_features = self.out_per_rank * tp.size
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, hidden), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
+
+    def kv_head_start(self) -> int:
+        """Index of this rank's first KV head in the full model."""
+        tp = tensor_parallel()
+        if self.total_kv_heads >= tp.size:
+            return tp.rank * self.num_kv_heads
+        return tp.rank * self.total_kv_heads // tp.size
+
+    def weight_loader(self, param: nn.Parameter, source, shard_id: str = "q") -> None:
+        d = self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            start, size, offset = tensor_parallel().rank * q_size, q_size, 0
+        else:
+            start, size = self.kv_head_start() * d, kv_size
+            offset = q_size if shard_id == "k" else q_size + kv_size
+        value = _read(source, slice(start, start + size))
+        _copy_checked(param.data[offset:offset + size], value, f"{shard_id} projection")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by input columns; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        tp = tensor_parallel()
+        if in_features % tp.size:
+            raise ValueError(f"input size {in_features} is not divisible by tensor-parallel size {tp.size}")
+        self.in_per_rank = in_features // tp.size
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, source, shard_id=None) -> None:
+        if param.dim() == 1:  # bias: replicated, added once after the reduce
+            _copy_checked(param, _read(source), "row-parallel bias")
+            return
+        rank, n = tensor_parallel().rank, param.shape[1]
+        _copy_checked(param, _read(source, None, slice(rank * n, (rank + 1) * n)), "row-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; lookups outside a rank's range are zeroed, then summed."""
+
+    def __init__(self, vocab_size: int, hidden: int):
+        super().__init__()
+        tp = tensor_parallel()
+        self.vocab_size = vocab_size
+        self.per_rank = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.per_rank
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, source, shard_id=None) -> None:
+        end = min(self.start + self.per_rank, _shape(source)[0])
+        value = _read(source, slice(self.start, end))
+        param.data.zero_()
+        param.data[: end - self.start].copy_(value)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if tensor_parallel().size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.per_rank)
+        out = F.embedding(local.clamp(0, self.per_rank - 1), self.weight) * inside.unsqueeze(-1)
+        return all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection split by vocabulary; logits are gathered on every rank."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        logits = all_gather_last_dim(logits)
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,226 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+Life cycle: `LlamaForCausalLM(config)` allocates this rank's weight shards,
+`load_weights` fills them from (name, lazy slice) pairs named as in the
+Hugging Face checkpoint, then each engine step calls
+`forward(input_ids [T], positions [T], meta)` → hidden [T, hidden] and
+`compute_logits(hidden [S, hidden])` → [S, vocab] for the rows that sample.
+RoPE and the inverse-frequency schedule are pure functions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.config import ModelConfig
+from shared.models.attention import AttentionMetadata, paged_attention
+from shared.models.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                                  RowParallelLinear, VocabParallelEmbedding)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with `linear` or `llama3` scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling.rope_type == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.rope_type == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(config: ModelConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [max_positions, head_dim] in float32 (halves repeated, HF layout)."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(config))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, 1, D]."""
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=config.qkv_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
+                                        bias=config.o_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+        q = apply_rope(q.view(t, self.num_heads, d), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, d), cos, sin)
+        o = paged_attention(q, k, v.view(t, self.num_kv_heads, d), self.layer, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.num_heads * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter])
+        self.down_proj = RowParallelLinear(inter, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, layers: range | None = None):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # Layers this process owns (all of them unless pipeline-parallel).
+        self.layer_ids = list(layers if layers is not None else range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in self.layer_ids)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint projection name → (packed parameter, shard id).
+    packed = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, layers: range | None = None):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, layers)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        cos, sin = rope_cos_sin(config, config.max_position_embeddings)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Embed (unless `hidden` comes from a previous pipeline stage) and run this process's layers."""
+        x = self.model.embed_tokens(input_ids) if hidden is None else hidden
+        dtype = x.dtype
+        cos = self.rope_cos[positions].unsqueeze(1).to(dtype)
+        sin = self.rope_sin[positions].unsqueeze(1).to(dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden)).float()
+
+    def expected_weights(self) -> set[str]:
+        """Checkpoint tensor names this process needs."""
+        names = set()
+        for name, _ in self.named_parameters(remove_duplicate=False):
+            names.update(self._checkpoint_names(name))
+        if self.config.tie_word_embeddings:
+            names.discard("lm_head.weight")
+        return names
+
+    def _checkpoint_names(self, name: str) -> list[str]:
+        name = self._to_checkpoint_layer(name)
+        for ckpt, (packed, _) in self.packed.items():
+            if f".{packed}." in name:
+                return [name.replace(packed, c) for c, (p, _) in self.packed.items() if p == packed]
+        return [name]
+
+    def _to_checkpoint_layer(self, name: str) -> str:
+        # Local layer index → global index (differs under pipeline parallelism).
+        parts = name.split(".")
+        if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers":
+            parts[2] = str(self.model.layer_ids[int(parts[2])])
+        return ".".join(parts)
+
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
+        """Fill parameters from (checkpoint name, tensor or lazy slice). Returns the names used."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        local = {gid: i for i, gid in enumerate(self.model.layer_ids)}
+        used: set[str] = set()
+        for name, source in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers":
+                if int(parts[2]) not in local:
+                    continue  # another pipeline stage's layer
+                parts[2] = str(local[int(parts[2])])
+            target, shard = ".".join(parts), None
+            for ckpt, (packed, shard_id) in self.packed.items():
+                if f".{ckpt}." in target:
+                    target, shard = target.replace(ckpt, packed), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                continue
+            owner = self.get_submodule(target.rsplit(".", 1)[0])
+            loader = getattr(owner, "weight_loader", None)
+            try:
+                if loader is None:
+                    value = source if isinstance(source, torch.Tensor) else source[:]
+                    if tuple(value.shape) != tuple(param.shape):
+                        raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
+                    param.data.copy_(value)
+                elif shard is None:
+                    loader(param, source)
+                else:
+                    loader(param, source, shard)
+            except ValueError as exc:
+                raise ValueError(f"tensor '{name}': {exc}") from None
+            used.add(name)
+        return used

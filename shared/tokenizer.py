@@ -1,0 +1,140 @@
+"""Tokenizer, chat templates and incremental detokenization.
+
+Life cycle: `Tokenizer.from_dir` loads `tokenizer.json` (the `tokenizers`
+library) and `tokenizer_config.json` (special tokens, chat template). Plain
+prompts are encoded with the tokenizer's own special-token handling (as HF
+does); chat messages are rendered with the template in a sandboxed jinja2
+environment and encoded *without* adding special tokens, because the template
+writes them. Each generating request owns an `IncrementalDetokenizer` that
+turns new token ids into text deltas, emitting only complete UTF-8 text.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+from shared.errors import ConfigError, RequestError
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, backend: _HFTokenizer, config: dict):
+        self.backend = backend
+        self.config = config
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token_id = backend.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = backend.token_to_id(self.eos_token) if self.eos_token else None
+        self.chat_template = config.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in self.chat_template}
+            self.chat_template = named.get("default") or next(iter(named.values()), None)
+        self._template = None
+        self.special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ConfigError(f"model directory {model_dir} has no tokenizer.json")
+        try:
+            backend = _HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises plain Exception
+            raise ConfigError(f"{path} cannot be loaded: {exc}") from None
+        config = {}
+        cfg_path = model_dir / "tokenizer_config.json"
+        if cfg_path.is_file():
+            try:
+                config = json.loads(cfg_path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"{cfg_path} is not valid JSON: {exc}") from None
+        template_file = model_dir / "chat_template.jinja"
+        if template_file.is_file() and not config.get("chat_template"):
+            config["chat_template"] = template_file.read_text()
+        return cls(backend, config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list | None = None, **extra) -> str:
+        if not self.chat_template:
+            raise RequestError("this model has no chat template; use /v1/completions", param="messages")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
+            env.globals["raise_exception"] = _raise_template_error
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         tools=tools, bos_token=self.bos_token or "",
+                                         eos_token=self.eos_token or "", **extra)
+        except TemplateError as exc:
+            raise RequestError(f"chat template failed: {exc}", param="messages") from None
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt, **extra)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _raise_template_error(message):
+    raise TemplateError(message)
+
+
+class IncrementalDetokenizer:
+    """Token ids in, text deltas out; holds back bytes that do not yet form complete UTF-8.
+
+    Decodes only a short window (a few context tokens plus the unread ones),
+    so each step costs O(1) in the length of the output.
+    """
+
+    CONTEXT = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids = list(prompt_ids[-self.CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""  # incomplete UTF-8 sequence (or nothing visible yet)
+        delta = full[len(prefix):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of generation: whatever is still held back (may contain U+FFFD)."""
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        delta = full[len(prefix):] if len(full) > len(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
