@@ -65,7 +65,8 @@ class LLMEngine:
     def from_dir(cls, model_dir: str | Path, dtype="auto", device: str = "cpu",
                  cache_config: CacheConfig | None = None, engine_config: EngineConfig | None = None):
         config = ModelConfig.from_dir(model_dir)
-        tokenizer = Tokenizer.from_dir(model_dir)
+        # A checkpoint without tokenizer files still serves token-id prompts.
+        tokenizer = Tokenizer.from_dir(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
         model = load_model(model_dir, resolve_dtype(dtype, device), device, config=config)
         return cls(model, config, tokenizer, cache_config, engine_config)
 
@@ -139,7 +140,7 @@ class LLMEngine:
             lp = result.logprobs[i] if result.logprobs is not None and seq.params.logprobs is not None else None
             top = result.top[i] if result.top is not None else None
             out = state.push(result.token_ids[i], lp, top)
-            if seq.prefill_only and not out.finished:
+            if seq.prefill_only:   # stop rules apply where decoding happens, not here
                 out.finished, out.finish_reason = True, "prefill"
             if out.finished:
                 self.scheduler.finish(seq, out.finish_reason, keep_blocks=seq.prefill_only)

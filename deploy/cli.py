@@ -1,0 +1,59 @@
+"""The `edgecore` command: one argparse parser, subcommands registered by each package.
+
+Life cycle: `main()` builds the parser (each package's `cli.register` adds
+its subcommands), runs the chosen one, and turns user errors into one line
+on stderr and a non-zero exit (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shared import cli as shared_cli
+from shared.errors import EdgecoreError
+
+EXIT_USER_ERROR = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="edgecore",
+        description="Edge-plus-core LLM inference: prefill at the core, compressed KV over the WAN, "
+                    "decode at the edge.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for module in _modules():
+        module.register(sub)
+    return parser
+
+
+def _modules():
+    mods = [shared_cli]
+    for name in ("core.cli", "edge.cli", "deploy.commands"):
+        try:
+            mods.append(__import__(name, fromlist=["register"]))
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+    return mods
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from shared.env import apply_threads
+        apply_threads()
+        return args.func(args) or 0
+    except EdgecoreError as exc:
+        print(f"edgecore: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except (FileNotFoundError, PermissionError, IsADirectoryError) as exc:
+        print(f"edgecore: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Every environment variable edgecore reads, in one place.
+
+EDGECORE_MODEL      default model directory (else the bundled models/pydoc-llama)
+EDGECORE_DEVICE     default device (else cuda when available, otherwise cpu)
+EDGECORE_THREADS    torch intra-op threads (else torch's default)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "models" / "pydoc-llama"
+
+
+def default_model() -> str:
+    return os.environ.get("EDGECORE_MODEL") or str(BUNDLED_MODEL)
+
+
+def default_device() -> str:
+    env = os.environ.get("EDGECORE_DEVICE")
+    if env:
+        return env
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def apply_threads() -> None:
+    value = os.environ.get("EDGECORE_THREADS")
+    if value:
+        import torch
+        torch.set_num_threads(int(value))

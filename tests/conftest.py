@@ -1,0 +1,55 @@
+"""Shared fixtures: the bundled model, one engine per session, the transformers reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = ROOT / "models" / "pydoc-llama"
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def golden() -> dict:
+    return json.loads((MODEL_DIR / "golden.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def heldout() -> str:
+    return (MODEL_DIR / "heldout.txt").read_text()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from shared.tokenizer import Tokenizer
+    return Tokenizer.from_dir(MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32).eval()
+
+
+def make_engine(model_dir=MODEL_DIR, **kw):
+    from shared.config import CacheConfig, EngineConfig
+    from shared.engine.engine import LLMEngine
+    cache = CacheConfig(block_size=kw.pop("block_size", 16), num_blocks=kw.pop("num_blocks", 1024),
+                        enable_prefix_caching=kw.pop("prefix_caching", True))
+    eng = EngineConfig(max_num_batched_tokens=kw.pop("budget", 2048), max_num_seqs=kw.pop("max_seqs", 128))
+    return LLMEngine.from_dir(model_dir, kw.pop("dtype", "fp32"), "cpu", cache, eng)
+
+
+@pytest.fixture
+def engine():
+    return make_engine()

@@ -1,0 +1,47 @@
+"""Test helpers: step-by-step logits from our runtime, random HF checkpoints."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.sequence import Sequence
+
+
+def stepwise_logits(engine, token_ids: list[int], prefill_len: int) -> torch.Tensor:
+    """Logits at every position from prefill_len-1 on: one prefill of `prefill_len`
+    tokens, then one decode step per remaining token (teacher forcing)."""
+    seq = Sequence("probe", token_ids, SamplingParams(max_tokens=1))
+    engine.block_manager.allocate_prompt(seq.table, token_ids, len(token_ids))
+    rows = []
+    with torch.inference_mode():
+        steps = [prefill_len] + [1] * (len(token_ids) - prefill_len)
+        for n in steps:
+            _, ids, pos, meta = engine.runner.prepare([(seq, n)])
+            hidden = engine.model(ids, pos, meta)
+            rows.append(engine.model.compute_logits(hidden[-1:]))
+            seq.num_computed_tokens += n
+    engine.block_manager.free_table(seq.table)
+    return torch.cat(rows)
+
+
+def random_hf_checkpoint(tmp_path, arch: str, **overrides):
+    """Save a small random transformers model (safetensors) and return (dir, hf_model)."""
+    import transformers
+
+    base = dict(vocab_size=257, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    base.update(overrides)
+    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+               "mistral": transformers.MistralConfig}[arch]
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+           "mistral": transformers.MistralForCausalLM}[arch]
+    torch.manual_seed(0)
+    model = cls(cfg_cls(**base)).eval()
+    with torch.no_grad():   # make biases and norms non-trivial so they are tested
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return tmp_path, model

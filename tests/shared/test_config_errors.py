@@ -1,0 +1,85 @@
+"""Unsupported configs and broken model files give errors naming the problem."""
+
+import json
+import shutil
+
+import pytest
+
+from shared.config import ModelConfig
+from shared.errors import ConfigError, ModelLoadError
+from shared.models.loader import load_model
+
+BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+        "max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"vocab_size": -1}, "vocab_size"),
+    ({"head_dim": 7}, "head_dim"),
+])
+def test_unsupported_values_name_the_field(change, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        ModelConfig.from_dict({**BASE, **change})
+
+
+def test_missing_field_is_named():
+    raw = dict(BASE)
+    del raw["intermediate_size"]
+    with pytest.raises(ConfigError, match="intermediate_size"):
+        ModelConfig.from_dict(raw)
+
+
+def test_missing_and_corrupt_model_files(tmp_path, model_dir):
+    with pytest.raises(ConfigError, match="config.json"):
+        load_model(tmp_path)
+    broken = tmp_path / "m"
+    shutil.copytree(model_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        load_model(broken)
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no model.safetensors"):
+        load_model(broken)
+
+
+def test_truncated_checkpoint_names_missing_tensor(tmp_path, model_dir):
+    from safetensors.torch import load_file, save_file
+    broken = tmp_path / "m"
+    shutil.copytree(model_dir, broken)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    del tensors["model.layers.2.mlp.down_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="model.layers.2.mlp.down_proj.weight"):
+        load_model(broken)
+
+
+def test_sharded_checkpoint_loads(tmp_path, model_dir):
+    from safetensors.torch import load_file, save_file
+    out = tmp_path / "sharded"
+    shutil.copytree(model_dir, out)
+    (out / "model.safetensors").unlink()
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    names = sorted(tensors)
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        fname = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, str(out / fname))
+        weight_map.update({n: fname for n in part})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    a, b = load_model(model_dir), load_model(out)
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert na == nb and (pa == pb).all()
+
+
+def test_dtype_selection(model_dir):
+    import torch
+    assert next(load_model(model_dir, "bf16").parameters()).dtype == torch.bfloat16
+    assert next(load_model(model_dir, "fp16").parameters()).dtype == torch.float16
+    with pytest.raises(ConfigError, match="dtype"):
+        load_model(model_dir, "int3")

@@ -1,0 +1,39 @@
+"""The `edgecore` command: help everywhere, streamed generation, one-line errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_generate_streams_the_golden_continuation(golden):
+    case = golden["cases"][0]
+    r = run("generate", "--prompt", case["prompt"], "--max-tokens", "64")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == case["prompt"] + case["greedy_text"] + "\n"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["generate", "--prompt", "x", "--model", "/nonexistent"], "config.json"),
+    (["generate", "--prompt", "x " * 1200], "context length"),
+    (["generate", "--prompt", "x", "--temperature", "-3"], "temperature"),
+])
+def test_user_errors_are_one_line_and_non_zero(args, needle):
+    r = run(*args)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr
+
+
+def test_every_command_has_help():
+    from deploy.cli import build_parser
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    for name in commands:
+        r = run(name, "--help")
+        assert r.returncode == 0 and "usage: edgecore " + name in r.stdout
