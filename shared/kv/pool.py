@@ -38,7 +38,7 @@ class KVPool:
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [tokens, kv_heads, head_dim] at these slots (a copy)."""
-        return self.k[layer][slots], self.v[layer][slots]
+        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(0, slots, k.to(self.dtype))

@@ -63,8 +63,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     if b:
         # Query heads of one KV head act as a short query sequence: [B, Hkv, G, D].
         qd = q[:b].view(b, hkv, groups, d)
-        kd = k_cache[meta.decode_slots].transpose(1, 2)   # [B, Hkv, L, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        length = meta.decode_slots.numel() // b
+        flat = meta.decode_slots.view(-1)
+        kd = k_cache.index_select(0, flat).view(b, length, hkv, d).transpose(1, 2)   # [B, Hkv, L, D]
+        vd = v_cache.index_select(0, flat).view(b, length, hkv, d).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         out[:b] = od.reshape(b, hq, d)
     for chunk in meta.prefills:
@@ -73,7 +75,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         if chunk.slots is None:
             kp, vp = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)
         else:
-            kp, vp = k_cache[chunk.slots].transpose(0, 1), v_cache[chunk.slots].transpose(0, 1)
+            kp = k_cache.index_select(0, chunk.slots).transpose(0, 1)
+            vp = v_cache.index_select(0, chunk.slots).transpose(0, 1)
         kp, vp = repeat_kv(kp, groups), repeat_kv(vp, groups)
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask,
                                             is_causal=chunk.mask is None, scale=scale)

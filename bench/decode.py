@@ -1,0 +1,126 @@
+"""Decode throughput of the engine vs transformers `generate`, and bandwidth use at batch 1.
+
+Default: the bundled model, 1/8/32/64 concurrent requests of 128 prompt + 128 new tokens,
+greedy; our engine and transformers side by side in the same run; ratio per batch size.
+`--synthetic`: a random-weight Llama of about 1 GB; batch-1 decode step time against the time
+to read those bytes once at the memory bandwidth measured now (a large tensor copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from common import ROOT, emit, median_time, progress
+
+import torch
+
+from shared.config import CacheConfig, EngineConfig, ModelConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.sampling_params import SamplingParams
+from shared.models.loader import build_model
+
+MODEL = ROOT / "models" / "pydoc-llama"
+
+
+def engine_tps(engine, prompts, new_tokens):
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    t = time.perf_counter()
+    out = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - t
+    assert all(len(r["token_ids"]) == new_tokens for r in out)
+    return len(prompts) * new_tokens / elapsed
+
+
+def hf_tps(hf, prompts, new_tokens):
+    ids = torch.tensor(prompts)
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=2)
+    elapsed = time.perf_counter() - t
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return len(prompts) * new_tokens / elapsed
+
+
+def bench_bundled(batches, prompt_len, new_tokens, repeats):
+    import transformers
+    transformers.logging.set_verbosity_error()
+    engine = LLMEngine.from_dir(MODEL, "fp32", "cpu", CacheConfig(num_blocks=4096),
+                                EngineConfig(max_num_batched_tokens=4096, max_num_seqs=256))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for b in batches:
+        prompts = torch.randint(3, 2048, (b, prompt_len), generator=gen).tolist()
+        engine_tps(engine, prompts[:1], 4)     # warm-up
+        ours = statistics.median(engine_tps(engine, prompts, new_tokens) for _ in range(repeats))
+        theirs = statistics.median(hf_tps(hf, prompts, new_tokens) for _ in range(repeats))
+        rows.append({"batch": b, "edgecore_tok_s": round(ours, 1), "transformers_tok_s": round(theirs, 1),
+                     "ratio": round(ours / theirs, 2)})
+        progress(f"batch {b}: edgecore {ours:.0f} tok/s, transformers {theirs:.0f} tok/s, {ours / theirs:.2f}x")
+    at32 = next((r["ratio"] for r in rows if r["batch"] == 32), rows[-1]["ratio"])
+    emit("decode", "ratio_vs_transformers_at_32", at32, target=3.0, rows=rows,
+         prompt_tokens=prompt_len, new_tokens=new_tokens, threads=torch.get_num_threads())
+
+
+def synthetic_config() -> ModelConfig:
+    return ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 2048,
+        "intermediate_size": 5632, "num_hidden_layers": 10, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "max_position_embeddings": 2048, "tie_word_embeddings": False})
+
+
+def bench_synthetic(dtype_name, steps):
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    config = synthetic_config()
+    progress(f"building a random {dtype_name} model")
+    model = build_model(config, dtype, "cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    # Bytes a decode step must read: every weight except the embedding table (one row is read).
+    read_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                     if "embed_tokens" not in n)
+    engine = LLMEngine(model, config, None, CacheConfig(num_blocks=64), EngineConfig())
+    progress(f"weights read per step: {read_bytes / 1e9:.2f} GB; measuring memory bandwidth")
+    src = torch.empty(read_bytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_t = median_time(lambda: dst.copy_(src), 5)
+    bandwidth = 2 * src.numel() * 4 / copy_t      # a copy reads and writes every byte
+    del src, dst
+    engine.add_request("r", list(range(16)), SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
+    engine.step()                                  # prefill
+    times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    step = statistics.median(times[2:])
+    ideal = read_bytes / bandwidth
+    progress(f"bandwidth {bandwidth / 1e9:.1f} GB/s, step {step * 1e3:.1f} ms, ideal {ideal * 1e3:.1f} ms")
+    return {"dtype": dtype_name, "weight_bytes": read_bytes, "bandwidth_GBps": round(bandwidth / 1e9, 2),
+            "step_ms": round(step * 1e3, 2), "ideal_ms": round(ideal * 1e3, 2),
+            "fraction": round(ideal / step, 3)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--synthetic", action="store_true", help="batch-1 bandwidth test on a ~1 GB random model")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    args = ap.parse_args()
+    if args.synthetic:
+        r = bench_synthetic(args.dtype, 40)
+        emit("decode_synthetic", "fraction_of_memory_bandwidth", r["fraction"], target=0.5, **r)
+    else:
+        bench_bundled([int(b) for b in args.batches.split(",")], args.prompt_len, args.new_tokens, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
