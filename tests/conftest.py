@@ -53,3 +53,11 @@ def make_engine(model_dir=MODEL_DIR, **kw):
 @pytest.fixture
 def engine():
     return make_engine()
+
+
+try:   # deterministic property tests: the same examples on every run
+    from hypothesis import settings as _hsettings
+    _hsettings.register_profile("edgecore", derandomize=True, deadline=None, print_blob=True)
+    _hsettings.load_profile("edgecore")
+except ImportError:
+    pass

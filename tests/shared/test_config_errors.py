@@ -83,3 +83,12 @@ def test_dtype_selection(model_dir):
     assert next(load_model(model_dir, "fp16").parameters()).dtype == torch.float16
     with pytest.raises(ConfigError, match="dtype"):
         load_model(model_dir, "int3")
+
+
+def test_fingerprint_is_stable_and_model_specific(tmp_path, model_dir):
+    from tests.helpers import random_hf_checkpoint
+    from shared.fingerprint import model_fingerprint
+    a = model_fingerprint(model_dir)
+    assert a == model_fingerprint(model_dir) and len(a) == 64
+    other, _ = random_hf_checkpoint(tmp_path, "llama")
+    assert model_fingerprint(other) != a

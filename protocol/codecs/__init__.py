@@ -1,0 +1,28 @@
+"""KV codec registry: name ↔ id ↔ implementation.
+
+Peers advertise the codec names they support in Hello/Welcome and each
+PrefillRequest lists those it allows; a KVChunk names the codec it used.
+"""
+
+from __future__ import annotations
+
+from protocol.codecs.base import Codec, PlaneInfo, from_float32, to_float32
+from protocol.codecs.fp8 import Fp8Codec
+from protocol.codecs.lossless import LosslessCodec
+from protocol.codecs.quant import QuantCodec
+from protocol.codecs.raw import RawCodec
+from protocol.errors import CodecError
+
+CODECS: dict[str, Codec] = {c.name: c for c in (
+    RawCodec(), LosslessCodec(), Fp8Codec(), QuantCodec(8, "int8", 3), QuantCodec(4, "int4", 4))}
+LOSSLESS = tuple(name for name, c in CODECS.items() if c.lossless)
+
+
+def get_codec(name: str) -> Codec:
+    codec = CODECS.get(name)
+    if codec is None:
+        raise CodecError(f"unknown KV codec '{name}' (known: {', '.join(CODECS)})")
+    return codec
+
+
+__all__ = ["CODECS", "LOSSLESS", "Codec", "PlaneInfo", "get_codec", "to_float32", "from_float32"]

@@ -1,0 +1,108 @@
+"""Codec contract and the float bit helpers every codec shares.
+
+A codec turns one plane (all K, or all V, of a chunk) into bytes and back.
+Planes are numpy arrays of raw bits shaped [layers, tokens, heads, head_dim]:
+uint16 for bfloat16/float16, uint32 for float32 (numpy has no bfloat16), so
+`protocol/` never needs torch. `decode` returns bits of the same dtype, so
+a lossy codec's output is already in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+from protocol.errors import CodecError
+
+BITS_DTYPES = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32}
+
+
+@dataclass(frozen=True)
+class PlaneInfo:
+    dtype: str                      # "bfloat16" | "float16" | "float32"
+    shape: tuple[int, int, int, int]  # layers, tokens, heads, head_dim
+    kind: str = "k"                 # "k" or "v"
+    token_start: int = 0            # position of the chunk's first token in the prompt
+    total_tokens: int = 0           # prompt length (0: unknown, treat the chunk as the whole prompt)
+
+    def __post_init__(self):
+        if self.dtype not in BITS_DTYPES:
+            raise CodecError(f"unknown KV dtype '{self.dtype}'")
+        if len(self.shape) != 4 or any(int(s) < 0 for s in self.shape):
+            raise CodecError(f"bad KV plane shape {self.shape}")
+
+    @property
+    def count(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def raw_bytes(self) -> int:
+        return self.count * np.dtype(BITS_DTYPES[self.dtype]).itemsize
+
+
+class Codec:
+    name = ""
+    codec_id = 0
+    lossless = False
+
+    def encode(self, bits: np.ndarray, info: PlaneInfo) -> bytes | memoryview:
+        raise NotImplementedError
+
+    def decode(self, data, info: PlaneInfo) -> np.ndarray:
+        raise NotImplementedError
+
+
+def to_float32(bits: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    if dtype == "float16":
+        return bits.view(np.float16).astype(np.float32)
+    return bits.view(np.float32)
+
+
+def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if dtype == "bfloat16":
+        u = values.view(np.uint32)
+        return ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)   # round to nearest even
+    if dtype == "float16":
+        return values.astype(np.float16).view(np.uint16)
+    return values.view(np.uint32).copy()
+
+
+_local = threading.local()
+
+
+def zstd_compress(data, level: int = 1) -> bytes:
+    cache = getattr(_local, "c", None)
+    if cache is None:
+        cache = _local.c = {}
+    comp = cache.get(level)
+    if comp is None:
+        comp = cache[level] = zstandard.ZstdCompressor(level=level)
+    return comp.compress(data)
+
+
+def zstd_decompress(data, size: int) -> bytes:
+    dec = getattr(_local, "d", None)
+    if dec is None:
+        dec = _local.d = zstandard.ZstdDecompressor()
+    try:
+        out = dec.decompress(data, max_output_size=size)
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"corrupt entropy-coded section: {exc}") from None
+    if len(out) != size:
+        raise CodecError(f"entropy-coded section decodes to {len(out)} bytes, expected {size}")
+    return out
+
+
+def check_bits(bits: np.ndarray, info: PlaneInfo) -> None:
+    if bits.dtype != BITS_DTYPES[info.dtype] or tuple(bits.shape) != tuple(info.shape):
+        raise CodecError(f"plane is {bits.dtype}{tuple(bits.shape)}, expected "
+                         f"{np.dtype(BITS_DTYPES[info.dtype])}{tuple(info.shape)}")

@@ -1,0 +1,65 @@
+"""`lossless` (id 1): exponent plane entropy-coded, sign+mantissa plane stored; bit-exact.
+
+Each value is rotated left by one bit, which moves the sign below the
+mantissa and leaves the exponent in the top byte (all 8 exponent bits for
+bfloat16 and float32; for float16 the 5 exponent bits plus the 3 top mantissa
+bits). The top bytes form the exponent plane — few distinct values, so zstd
+shrinks it several-fold — and the remaining bytes (sign+mantissa, close to
+random) are stored as they are.
+
+Byte layout: u32 LE length E of the zstd frame | E bytes zstd(exponent plane) |
+sign+mantissa plane (1 byte per value for 16-bit types, 3 for float32).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from protocol.codecs.base import BITS_DTYPES, Codec, PlaneInfo, check_bits, zstd_compress, zstd_decompress
+from protocol.errors import CodecError
+
+_LEN = struct.Struct("<I")
+
+
+def _rotl(bits: np.ndarray) -> np.ndarray:
+    width = bits.dtype.itemsize * 8
+    return (bits << 1) | (bits >> (width - 1))
+
+
+def _rotr(bits: np.ndarray) -> np.ndarray:
+    width = bits.dtype.itemsize * 8
+    return (bits >> 1) | (bits << (width - 1))
+
+
+class LosslessCodec(Codec):
+    name, codec_id, lossless = "lossless", 1, True
+
+    def __init__(self, level: int = 1):
+        self.level = level
+
+    def encode(self, bits: np.ndarray, info: PlaneInfo) -> bytes:
+        check_bits(bits, info)
+        size = bits.dtype.itemsize
+        planes = _rotl(bits.reshape(-1)).view(np.uint8).reshape(-1, size)
+        exponent = np.ascontiguousarray(planes[:, size - 1])
+        mantissa = np.ascontiguousarray(planes[:, : size - 1])
+        packed = zstd_compress(exponent, self.level)
+        return b"".join((_LEN.pack(len(packed)), packed, mantissa))
+
+    def decode(self, data, info: PlaneInfo) -> np.ndarray:
+        n = info.count
+        size = np.dtype(BITS_DTYPES[info.dtype]).itemsize
+        view = memoryview(data)
+        if len(view) < 4:
+            raise CodecError("lossless plane is truncated")
+        (elen,) = _LEN.unpack_from(view, 0)
+        if 4 + elen + n * (size - 1) != len(view):
+            raise CodecError(f"lossless plane has {len(view)} bytes, layout needs {4 + elen + n * (size - 1)}")
+        exponent = zstd_decompress(view[4:4 + elen], n)
+        out = np.empty(n, dtype=BITS_DTYPES[info.dtype])
+        planes = out.view(np.uint8).reshape(n, size)
+        planes[:, size - 1] = np.frombuffer(exponent, dtype=np.uint8)
+        planes[:, : size - 1] = np.frombuffer(view[4 + elen:], dtype=np.uint8).reshape(n, size - 1)
+        return _rotr(out).reshape(info.shape)

@@ -1,0 +1,126 @@
+"""Protocol messages: msgspec Structs, one tagged union, one decoder.
+
+Each message type has a small integer tag, which is also the frame type byte
+of the frame that carries it (see docs/wire-format.md). Structs are encoded
+as msgpack arrays (`array_like=True`) with trailing defaults omitted; tensor
+bytes never go inside msgpack — a KVChunk's K and V planes travel as the
+frame's raw payload.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, tag_field="t", frozen=True):
+    pass
+
+
+class Hello(_Msg, tag=1):
+    versions: list[int]
+    codecs: list[str]
+    model_fingerprint: str
+    nonce: bytes                       # client challenge for the server (32 random bytes)
+    capabilities: list[str] = []
+    name: str = ""
+
+
+class Welcome(_Msg, tag=2):
+    version: int
+    codecs: list[str]                  # codecs both sides support
+    model_fingerprint: str
+    nonce: bytes                       # server challenge for the client
+    capabilities: list[str] = []
+    name: str = ""
+    layout: dict[str, int] = {}        # core layout: tp, pp, num_layers, num_kv_heads
+
+
+class Auth(_Msg, tag=3):
+    mac: bytes                         # HMAC-SHA256(secret, "edgecore-auth-client" ‖ transcript)
+
+
+class AuthOk(_Msg, tag=4):
+    mac: bytes                         # HMAC-SHA256(secret, "edgecore-auth-server" ‖ transcript)
+
+
+class SamplingSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    logprobs: int | None = None
+
+
+class PrefillRequest(_Msg, tag=5):
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingSpec = SamplingSpec()
+    codecs: list[str] = msgspec.field(default_factory=lambda: ["lossless"])  # allowed, by preference
+    deadline_ms: int = 0               # time budget from receipt; 0 = none
+    skip_tokens: int = 0               # leading tokens whose KV the edge already holds
+
+
+class KVChunk(_Msg, tag=6):
+    request_id: str
+    layer_start: int
+    layer_end: int                     # exclusive
+    token_start: int
+    token_end: int                     # exclusive
+    head_start: int                    # KV heads carried (tensor-parallel cores send slices)
+    head_end: int
+    head_dim: int
+    dtype: str                         # "bfloat16" | "float16" | "float32"
+    codec: str
+    k_bytes: int                       # encoded K length; V follows in the payload
+    raw_len: int                       # bytes of K+V before encoding
+    checksum: int                      # CRC-32 of the whole payload
+    total_tokens: int = 0              # prompt length (lossy codecs keep the last tokens exact)
+
+
+class PrefillDone(_Msg, tag=7):
+    request_id: str
+    first_token: int
+    logprob: float = 0.0
+    top_logprobs: list[tuple[int, float]] = []
+    num_tokens: int = 0
+    cached_tokens: int = 0
+    timings: dict[str, float] = {}
+
+
+class Ack(_Msg, tag=8):
+    request_id: str
+
+
+class Cancel(_Msg, tag=9):
+    request_id: str
+
+
+class Error(_Msg, tag=10):
+    code: int
+    message: str
+    request_id: str = ""               # empty: the connection is failing
+
+
+class Ping(_Msg, tag=11):
+    nonce: int
+
+
+class Pong(_Msg, tag=12):
+    nonce: int
+
+
+Message = Union[Hello, Welcome, Auth, AuthOk, PrefillRequest, KVChunk, PrefillDone, Ack, Cancel, Error,
+                Ping, Pong]
+MESSAGE_TYPES: dict[int, type] = {cls.__struct_config__.tag: cls for cls in Message.__args__}
+
+encoder = msgspec.msgpack.Encoder()
+decoder = msgspec.msgpack.Decoder(Message)
+
+
+def tag_of(msg) -> int:
+    return msg.__struct_config__.tag

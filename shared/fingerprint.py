@@ -1,0 +1,30 @@
+"""Model fingerprint: what two peers must agree on before exchanging KV.
+
+A SHA-256 over the canonical config (the fields that shape KV and logits),
+the tokenizer file, and every weight's name, dtype and shape (read from
+safetensors headers only). Weights' values are not hashed (too slow for
+large models); a retrained checkpoint of identical shapes should change its
+config or tokenizer, or be deployed under a different model name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+from shared.config import ModelConfig
+from shared.weights import weight_index
+
+
+def model_fingerprint(model_dir: str | Path, config: ModelConfig | None = None) -> str:
+    model_dir = Path(model_dir)
+    config = config or ModelConfig.from_dir(model_dir)
+    h = hashlib.sha256()
+    h.update(json.dumps(dataclasses.asdict(config), sort_keys=True, default=str).encode())
+    tok = model_dir / "tokenizer.json"
+    h.update(hashlib.sha256(tok.read_bytes()).digest() if tok.is_file() else b"no-tokenizer")
+    for name, (dtype, shape) in sorted(weight_index(model_dir).items()):
+        h.update(f"{name}:{dtype}:{shape};".encode())
+    return h.hexdigest()
