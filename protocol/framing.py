@@ -82,9 +82,17 @@ class FrameParser:
         total = FIXED_SIZE + hlen + plen
         if len(self._buf) < total:
             return None
-        with memoryview(self._buf) as buf:
-            frame_bytes = bytes(buf[:total])        # one copy out of the receive buffer
-        del self._buf[:total]
+        rest = len(self._buf) - total
+        if rest <= total:
+            # Hand the buffer itself to the frame and copy only the (smaller) remainder,
+            # so a large KV payload is never copied out of the receive buffer.
+            frame_bytes = self._buf
+            self._buf = bytearray(frame_bytes[total:]) if rest else bytearray()
+            del frame_bytes[total:]
+        else:
+            with memoryview(self._buf) as buf:
+                frame_bytes = bytes(buf[:total])
+            del self._buf[:total]
         self._need = None
         view = memoryview(frame_bytes)
         return RawFrame(version, ftype, view[FIXED_SIZE:FIXED_SIZE + hlen], view[FIXED_SIZE + hlen:])
