@@ -112,6 +112,7 @@ class Ping(_Msg, tag=11):
 
 class Pong(_Msg, tag=12):
     nonce: int
+    load: int = 0                      # sender's queued + running requests
 
 
 Message = Union[Hello, Welcome, Auth, AuthOk, PrefillRequest, KVChunk, PrefillDone, Ack, Cancel, Error,

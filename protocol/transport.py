@@ -47,8 +47,10 @@ class PeerError(Exception):
 
 class Peer:
     def __init__(self, conn: Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 timeouts: Timeouts):
+                 timeouts: Timeouts, load_fn: Callable[[], int] | None = None):
         self.conn, self.reader, self.writer, self.timeouts = conn, reader, writer, timeouts
+        self.load_fn = load_fn
+        self.peer_load = 0
         self.closed = False
         self.rtt: float | None = None
         self.last_received = time.monotonic()
@@ -119,9 +121,10 @@ class Peer:
                     raise PeerError(str(exc), exc.code) from None
                 continue
             if isinstance(event, m.Ping):
-                await self.send(m.Pong(event.nonce))
+                await self.send(m.Pong(event.nonce, self.load_fn() if self.load_fn else 0))
                 continue
             if isinstance(event, m.Pong):
+                self.peer_load = event.load
                 sent = self._pings.pop(event.nonce, None)
                 if sent is not None:
                     self.rtt = time.monotonic() - sent
@@ -206,10 +209,11 @@ Handler = Callable[[Peer], Awaitable[None]]
 
 async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0, secret: bytes, fingerprint: str,
                 codecs: list[str], timeouts: Timeouts = Timeouts(), ssl: ssl_module.SSLContext | None = None,
-                name: str = "core", layout: dict | None = None, limits=None) -> asyncio.base_events.Server:
+                name: str = "core", layout: dict | None = None, limits=None,
+                load_fn: Callable[[], int] | None = None) -> asyncio.base_events.Server:
     async def on_connect(reader, writer):
         peer = Peer(Connection(Role.SERVER, secret, fingerprint, codecs, limits, name, layout), reader, writer,
-                    timeouts)
+                    timeouts, load_fn)
         try:
             await asyncio.wait_for(_handshake_server(peer), timeouts.handshake)
         except asyncio.TimeoutError:

@@ -209,6 +209,10 @@ class LLMEngine:
         state = self.requests[request_id]
         seq = state.seq
         seq.num_computed_tokens = seq.num_prompt_tokens
+        if seq.generator is not None:
+            # The first token was drawn elsewhere from the same seed: consume that draw so the
+            # following tokens equal a single-node run's.
+            torch.empty(self.config.vocab_size, device=self.device).exponential_(generator=seq.generator)
         self.block_manager.register_full_blocks(seq.table, seq.token_ids, seq.num_computed_tokens)
         out = state.push(first_token, logprob if seq.params.logprobs is not None else None, top)
         self._pending.append(out)

@@ -1,0 +1,48 @@
+"""The core's HTTP control port: /health, /ready, /metrics, /stats (and the batch API routes).
+
+Life cycle: `start_control_port(core, host, port)` builds the aiohttp app,
+binds it (127.0.0.1 by default) and returns the runner; the core cleans it
+up on stop.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+
+def build_app(core) -> web.Application:
+    app = web.Application(client_max_size=1 << 20)
+    app["core"] = core
+
+    async def health(_):
+        return web.json_response({"status": "ok"})
+
+    async def ready(_):
+        ok = core.aengine is not None and core.aengine.alive and core.server is not None
+        return web.json_response({"ready": ok}, status=200 if ok else 503)
+
+    async def metrics(_):
+        core.metrics.kv_usage.set(core.engine.stats()["kv_cache_usage"])
+        return web.Response(body=generate_latest(core.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def stats(_):
+        return web.json_response(core.stats())
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/stats", stats)
+    for extend in getattr(core, "http_extensions", []):
+        extend(app)
+    return app
+
+
+async def start_control_port(core, host: str, port: int):
+    runner = web.AppRunner(build_app(core), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]
+    return runner, bound

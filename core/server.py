@@ -1,0 +1,275 @@
+"""The core node: accepts edges over the KV protocol and prefills for them.
+
+Life cycle of one edge connection (a `Session`): handshake (transport) →
+loop over incoming messages: PrefillRequest starts `_prefill` (a task),
+Cancel aborts, Ack releases the KV → on disconnect every request of the
+session is aborted and its blocks freed.
+
+Life cycle of one remote request: validated → registered with the
+`LayerStreamer` → added to the engine as prefill-only (it is batched with
+other prefills under the step token budget, chunked if long, and reuses the
+core's prefix cache) → each layer's K/V leaves as soon as it is computed →
+PrefillDone with the first token → KV held under a lease until the edge's Ack
+(or Cancel, or the lease expiring) frees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from core.kv_sender import LayerStreamer, RemoteRequest
+from core.metrics import CoreMetrics
+from protocol import messages as m
+from protocol.codecs import CODECS
+from protocol.errors import ErrorCode
+from protocol.kv import encode_chunk
+from protocol.transport import Peer, PeerError, Timeouts, serve
+from shared.config import CacheConfig, EngineConfig
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.engine import LLMEngine
+from shared.engine.sampling_params import SamplingParams
+from shared.errors import RequestError
+from shared.fingerprint import model_fingerprint
+from shared.kv.wire import DTYPE_NAMES, to_bits
+
+log = logging.getLogger("edgecore.core")
+
+
+@dataclass
+class CoreConfig:
+    model_dir: str
+    secret: bytes
+    host: str = "127.0.0.1"
+    port: int = 7100
+    http_host: str = "127.0.0.1"
+    http_port: int | None = 7101
+    dtype: str = "auto"
+    device: str = "cpu"
+    lease_seconds: float = 30.0
+    codecs: list[str] = field(default_factory=lambda: list(CODECS))
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    name: str = "core"
+    ssl: object = None
+    data_dir: str | None = None
+
+
+class Session:
+    _ids = itertools.count(1)
+
+    def __init__(self, peer: Peer):
+        self.id = next(self._ids)
+        self.peer = peer
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.requests: dict[str, RemoteRequest] = {}
+
+
+class CoreServer:
+    def __init__(self, config: CoreConfig, engine: LLMEngine | None = None):
+        self.config = config
+        self.engine = engine or LLMEngine.from_dir(config.model_dir, config.dtype, config.device,
+                                                   config.cache, config.engine)
+        self.fingerprint = model_fingerprint(config.model_dir, self.engine.config)
+        self.dtype_name = DTYPE_NAMES[self.engine.dtype]
+        self.metrics = CoreMetrics()
+        self.sessions: set[Session] = set()
+        self.encoder_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edgecore-encode")
+        self.server = None
+        self.http_runner = None
+        self.aengine: AsyncEngine | None = None
+        self.streamer: LayerStreamer | None = None
+        self.started_at = time.time()
+
+    @property
+    def layout(self) -> dict:
+        cfg = self.engine.config
+        return {"tp": 1, "pp": 1, "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads}
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.streamer = LayerStreamer(self.engine, loop)
+        self.aengine = AsyncEngine(self.engine, on_layer=self.streamer.on_layer)
+        self.aengine.start()
+        c = self.config
+        self.server = await serve(self._session, host=c.host, port=c.port, secret=c.secret,
+                                  fingerprint=self.fingerprint, codecs=c.codecs, timeouts=c.timeouts,
+                                  ssl=c.ssl, name=c.name, layout=self.layout, load_fn=self.load)
+        self.port = self.server.sockets[0].getsockname()[1]
+        if c.http_port is not None:
+            from core.http import start_control_port
+            self.http_runner, self.http_port = await start_control_port(self, c.http_host, c.http_port)
+        log.info("core %s: protocol on %s:%d", c.name, c.host, self.port)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for session in list(self.sessions):
+            await session.peer.close()
+        if self.http_runner is not None:
+            await self.http_runner.cleanup()
+        if self.aengine is not None:
+            self.aengine.stop()
+        self.encoder_pool.shutdown(wait=False)
+
+    # ---- one edge connection ---------------------------------------------
+    async def _session(self, peer: Peer) -> None:
+        session = Session(peer)
+        self.sessions.add(session)
+        self.metrics.connections.inc()
+        sender = asyncio.create_task(self._sender(session))
+        tasks: set[asyncio.Task] = set()
+        try:
+            while True:
+                msg = await peer.recv()
+                if isinstance(msg, m.PrefillRequest):
+                    task = asyncio.create_task(self._prefill(session, msg))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                elif isinstance(msg, m.Ack):
+                    self._release(session, msg.request_id)
+                elif isinstance(msg, m.Cancel):
+                    self._release(session, msg.request_id, cancelled=True)
+        except PeerError as exc:
+            log.info("edge %s left: %s", peer.peername, exc)
+        finally:
+            for rid in list(session.requests):
+                self._release(session, rid, cancelled=True)
+            for task in tasks:
+                task.cancel()
+            sender.cancel()
+            self.sessions.discard(session)
+            self.metrics.connections.dec()
+
+    async def _sender(self, session: Session) -> None:
+        """Encodes and sends queued KV layers and PrefillDone messages, in order."""
+        loop = asyncio.get_running_loop()
+        peer = session.peer
+        try:
+            while True:
+                item = await session.queue.get()
+                if item[0] == "kv":
+                    _, req, layer, start, end, k, v = item
+                    if req.cancelled:
+                        continue
+                    kb, vb = to_bits(k)[None], to_bits(v)[None]
+                    data = await loop.run_in_executor(self.encoder_pool, lambda: encode_chunk(
+                        req.request_id, kb, vb, layer_start=layer, token_start=start, dtype=self.dtype_name,
+                        codec=req.codec, total_tokens=len(req.token_ids)))
+                    await peer.send(data)
+                    if req.first_chunk_sent_at is None:
+                        req.first_chunk_sent_at = time.perf_counter()
+                    self.metrics.kv_chunks.inc()
+                    self.metrics.kv_bytes_sent.labels(req.codec).inc(len(data.payload))
+                    self.metrics.kv_raw_bytes.labels(req.codec).inc(data.chunk.raw_len)
+                else:
+                    await peer.send(item[1])
+        except PeerError:
+            pass
+
+    async def _prefill(self, session: Session, msg: m.PrefillRequest) -> None:
+        peer = session.peer
+        rid = msg.request_id
+        codec = next((c for c in msg.codecs if c in peer.conn.peer_codecs), None)
+        error = None
+        if rid in session.requests:
+            error = f"request id {rid} is already in flight on this connection"
+        elif codec is None:
+            error = f"none of the codecs {msg.codecs} is available (negotiated: {peer.conn.peer_codecs})"
+        elif not 0 <= msg.skip_tokens < len(msg.token_ids):
+            error = f"skip_tokens {msg.skip_tokens} must be below the prompt length {len(msg.token_ids)}"
+        if error:
+            self.metrics.prefill_requests.labels("rejected").inc()
+            await peer.send(m.Error(ErrorCode.BAD_REQUEST if codec else ErrorCode.CODEC, error, rid))
+            return
+        internal = f"s{session.id}/{rid}"
+        req = RemoteRequest(internal, rid, session, codec, list(msg.token_ids), msg.skip_tokens)
+        s = msg.sampling
+        try:
+            params = SamplingParams(max_tokens=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                    seed=s.seed, logprobs=s.logprobs)
+        except RequestError as exc:
+            await peer.send(m.Error(ErrorCode.BAD_REQUEST, str(exc), rid))
+            return
+        session.requests[rid] = req
+        self.streamer.remote[internal] = req
+        first = None
+        try:
+            gen = self.aengine.generate(internal, req.token_ids, params, prefill_only=True)
+            deadline = msg.deadline_ms / 1000 if msg.deadline_ms > 0 else None
+            async with asyncio.timeout(deadline):
+                async for out in gen:
+                    if out.finished:
+                        first = out
+        except RequestError as exc:
+            self._forget(session, rid)
+            self.metrics.prefill_requests.labels("rejected").inc()
+            await peer.send(m.Error(ErrorCode.BAD_REQUEST, str(exc), rid))
+            return
+        except TimeoutError:
+            self._release(session, rid, cancelled=True)
+            self.metrics.prefill_requests.labels("timeout").inc()
+            await peer.send(m.Error(ErrorCode.TIMEOUT, f"prefill missed its deadline of {msg.deadline_ms} ms", rid))
+            return
+        if first is None or req.cancelled:
+            return
+        seq_info = first.logprobs[0] if first.logprobs else None
+        timings = {"total_ms": (time.perf_counter() - req.received_at) * 1e3}
+        if req.first_chunk_sent_at is not None:
+            timings["first_chunk_sent_ms"] = (req.first_chunk_sent_at - req.received_at) * 1e3
+        if req.last_layer_at is not None:
+            timings["last_layer_done_ms"] = (req.last_layer_at - req.received_at) * 1e3
+        done = m.PrefillDone(rid, first.new_token_ids[0], seq_info.logprob if seq_info else 0.0,
+                             list(seq_info.top) if seq_info else [], len(req.token_ids), first.num_cached_tokens,
+                             timings)
+        req.done = True
+        session.queue.put_nowait(("done", done))
+        self.metrics.prefill_requests.labels("ok").inc()
+        self.metrics.prompt_tokens.inc(len(req.token_ids))
+        self.metrics.cached_tokens.inc(first.num_cached_tokens)
+        self.metrics.prefill_seconds.observe(time.perf_counter() - req.received_at)
+        req.lease = asyncio.get_running_loop().call_later(self.config.lease_seconds, self._release, session, rid)
+        self.metrics.leases.inc()
+
+    def _forget(self, session: Session, rid: str) -> RemoteRequest | None:
+        req = session.requests.pop(rid, None)
+        if req is not None:
+            self.streamer.remote.pop(req.internal_id, None)
+        return req
+
+    def _release(self, session: Session, rid: str, cancelled: bool = False) -> None:
+        """Free a request's KV at the core (Ack, Cancel, lease expiry, disconnect)."""
+        req = self._forget(session, rid)
+        if req is None:
+            return
+        req.cancelled = req.cancelled or cancelled
+        if req.lease is not None:
+            req.lease.cancel()
+            self.metrics.leases.dec()
+        self.aengine.abort(req.internal_id)
+
+    def load(self) -> int:
+        sched = self.engine.scheduler
+        return len(sched.waiting) + len(sched.running)
+
+    def stats(self) -> dict:
+        stats = self.engine.stats()
+        stats.update({
+            "connections": len(self.sessions),
+            "remote_requests": sum(len(s.requests) for s in self.sessions),
+            "leases": sum(1 for s in self.sessions for r in s.requests.values() if r.lease is not None),
+            "engine_alive": bool(self.aengine and self.aengine.alive),
+            "model_fingerprint": self.fingerprint,
+            "layout": self.layout,
+        })
+        return stats
+
+
+def model_name(model_dir: str) -> str:
+    return Path(model_dir).name

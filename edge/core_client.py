@@ -1,0 +1,154 @@
+"""One edge→core connection: multiplexes prefill requests and routes replies.
+
+Life cycle: `connect()` runs the handshake; a reader task then routes every
+KVChunk / PrefillDone / request Error to the queue of its request. If the link
+fails, every in-flight request's queue receives the `PeerError` and the client
+is marked unhealthy until `connect()` succeeds again. Link bandwidth is
+measured from the KV bytes that arrive per transfer (EWMA).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from protocol import messages as m
+from protocol.state import KVData
+from protocol.transport import Peer, PeerError, Timeouts, connect
+
+log = logging.getLogger("edgecore.edge")
+
+
+class CoreClient:
+    def __init__(self, host: str, port: int, *, secret: bytes, fingerprint: str, codecs: list[str],
+                 timeouts: Timeouts = Timeouts(), ssl=None, name: str = "edge"):
+        self.host, self.port = host, port
+        self.secret, self.fingerprint, self.codecs = secret, fingerprint, codecs
+        self.timeouts, self.ssl, self.name = timeouts, ssl, name
+        self.peer: Peer | None = None
+        self.reader: asyncio.Task | None = None
+        self.inflight: dict[str, asyncio.Queue] = {}
+        self.last_error: str | None = None
+        self.bandwidth: float | None = None      # bytes/s, EWMA of completed transfers
+        self._lock = asyncio.Lock()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def healthy(self) -> bool:
+        return self.peer is not None and not self.peer.closed
+
+    @property
+    def rtt(self) -> float:
+        return self.peer.rtt if self.peer is not None and self.peer.rtt is not None else 0.05
+
+    @property
+    def load(self) -> int:
+        return len(self.inflight) + (self.peer.peer_load if self.peer else 0)
+
+    @property
+    def layout(self) -> dict:
+        return self.peer.conn.peer_layout if self.peer else {}
+
+    async def connect(self) -> None:
+        async with self._lock:
+            if self.healthy:
+                return
+            try:
+                self.peer = await connect(self.host, self.port, secret=self.secret, fingerprint=self.fingerprint,
+                                          codecs=self.codecs, timeouts=self.timeouts, ssl=self.ssl, name=self.name)
+            except PeerError as exc:
+                self.last_error = str(exc)
+                raise
+            self.last_error = None
+            self.reader = asyncio.create_task(self._read(self.peer))
+            await self.peer.ping()
+
+    async def _read(self, peer: Peer) -> None:
+        try:
+            while True:
+                ev = await peer.recv()
+                rid = ev.chunk.request_id if isinstance(ev, KVData) else getattr(ev, "request_id", "")
+                queue = self.inflight.get(rid)
+                if queue is not None:
+                    queue.put_nowait(ev)
+        except PeerError as exc:
+            self.last_error = str(exc)
+            log.warning("core %s: %s", self.address, exc)
+            for queue in self.inflight.values():
+                queue.put_nowait(exc)
+
+    async def prefill(self, request: m.PrefillRequest) -> asyncio.Queue:
+        if not self.healthy:
+            raise PeerError(f"core {self.address} is not connected")
+        queue: asyncio.Queue = asyncio.Queue()
+        self.inflight[request.request_id] = queue
+        try:
+            await self.peer.send(request)
+        except PeerError:
+            self.inflight.pop(request.request_id, None)
+            raise
+        return queue
+
+    def finish(self, request_id: str, raw_bytes: int = 0, seconds: float = 0.0) -> None:
+        self.inflight.pop(request_id, None)
+        if raw_bytes > 1 << 16 and seconds > 0:
+            rate = raw_bytes / seconds
+            self.bandwidth = rate if self.bandwidth is None else 0.7 * self.bandwidth + 0.3 * rate
+
+    async def send(self, msg) -> None:
+        if self.healthy:
+            with contextlib.suppress(PeerError):
+                await self.peer.send(msg)
+
+    async def close(self) -> None:
+        if self.peer is not None:
+            await self.peer.close()
+        if self.reader is not None:
+            self.reader.cancel()
+
+
+class CoreRouter:
+    """The configured cores, health-checked; picks the best by RTT and load."""
+
+    def __init__(self, clients: list[CoreClient], check_interval: float = 2.0):
+        self.clients = clients
+        self.check_interval = check_interval
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await asyncio.gather(*(self._try_connect(c) for c in self.clients))
+        self._task = asyncio.create_task(self._health_loop())
+
+    async def _try_connect(self, client: CoreClient) -> None:
+        with contextlib.suppress(PeerError):
+            await client.connect()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.check_interval)
+            for client in self.clients:
+                if client.healthy:
+                    with contextlib.suppress(PeerError):
+                        await client.peer.ping()
+                else:
+                    await self._try_connect(client)
+
+    def healthy(self) -> list[CoreClient]:
+        return [c for c in self.clients if c.healthy]
+
+    def pick(self, exclude: set[str] = frozenset()) -> CoreClient | None:
+        candidates = [c for c in self.healthy() if c.address not in exclude]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda c: c.rtt * (1 + c.load) + 0.001 * c.load)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for client in self.clients:
+            await client.close()

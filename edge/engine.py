@@ -1,0 +1,246 @@
+"""The edge engine: decides where each prompt is prefilled, receives KV, decodes.
+
+Life cycle of a request (`generate`):
+1. Placement: prefill locally when no core is healthy, when the prompt is
+   short (below `local_prefill_below`, a measured crossover), or when the edge's
+   own prefix cache leaves only a short uncached suffix; otherwise pick a core
+   by RTT and load.
+2. Remote: reserve blocks for the prompt (the locally cached prefix is reused
+   and announced as `skip_tokens`), send a PrefillRequest with the codec
+   chosen (fixed or adaptive), decode arriving KVChunks in a worker thread
+   (checksum first) and write them into the paged cache while later layers
+   are still in flight, check every layer and token arrived, then `activate`
+   with the core's first token: the request joins the decode batch. Ack
+   frees the core's copy.
+3. Any failure before the KV is complete (core died, Error, timeout, bad
+   chunk): free the reservation, Cancel at the core, retry on another core,
+   and finally prefill locally — the caller always gets a full answer.
+4. A caller that stops iterating (client disconnect) aborts the request on
+   the edge and cancels it at the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from edge.codec_policy import choose_codec
+from edge.core_client import CoreClient, CoreRouter
+from edge.metrics import EdgeMetrics
+from protocol import messages as m
+from protocol.errors import ProtocolError
+from protocol.kv import decode_chunk
+from protocol.state import KVData
+from protocol.transport import PeerError, Timeouts
+from shared.config import CacheConfig, EngineConfig
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.engine import LLMEngine
+from shared.engine.output import RequestOutput
+from shared.engine.sampling_params import SamplingParams
+from shared.fingerprint import model_fingerprint
+from shared.kv.wire import DTYPE_NAMES, from_bits
+
+log = logging.getLogger("edgecore.edge")
+
+
+@dataclass
+class EdgeConfig:
+    model_dir: str
+    cores: list[tuple[str, int]] = field(default_factory=list)
+    secret: bytes | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    codecs: list[str] = field(default_factory=lambda: ["lossless"])   # allowed; lossy only if listed
+    adaptive: bool = False
+    ttft_target_ms: float | None = None
+    local_prefill_below: int = 32
+    transfer_timeout: float = 30.0
+    max_core_attempts: int = 2
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    name: str = "edge"
+    ssl: object = None
+
+
+class RemotePrefillFailed(Exception):
+    pass
+
+
+class EdgeEngine:
+    def __init__(self, config: EdgeConfig, engine: LLMEngine | None = None):
+        self.config = config
+        self.engine = engine or LLMEngine.from_dir(config.model_dir, config.dtype, config.device,
+                                                   config.cache, config.engine)
+        self.tokenizer = self.engine.tokenizer
+        self.metrics = EdgeMetrics()
+        self.aengine = AsyncEngine(self.engine)
+        self.fingerprint = model_fingerprint(config.model_dir, self.engine.config) if config.cores else ""
+        wire_codecs = sorted(set(config.codecs) | {"lossless", "raw"})
+        self.router = CoreRouter([CoreClient(h, p, secret=config.secret, fingerprint=self.fingerprint,
+                                             codecs=wire_codecs, timeouts=config.timeouts, ssl=config.ssl,
+                                             name=config.name) for h, p in config.cores])
+        self.decoder_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edgecore-decode")
+        self.kv_bytes_per_token = (2 * self.engine.config.num_hidden_layers * self.engine.config.num_key_value_heads
+                                   * self.engine.config.head_dim * self.engine.pool.k[0].element_size())
+        self.active = 0
+
+    async def start(self) -> None:
+        self.aengine.start()
+        self.aengine.on_outputs = self._observe
+        if self.router.clients:
+            await self.router.start()
+
+    async def stop(self) -> None:
+        await self.router.stop()
+        self.aengine.stop()
+        self.decoder_pool.shutdown(wait=False)
+
+    @property
+    def ready(self) -> bool:
+        return self.aengine.alive
+
+    def _observe(self, outputs: list[RequestOutput]) -> None:
+        self.metrics.generation_tokens.inc(sum(len(o.new_token_ids) for o in outputs))
+
+    # ---- placement ---------------------------------------------------------
+    async def _placement(self, prompt_ids: list[int]) -> tuple[str, str]:
+        if not self.router.healthy():
+            return "local", "no_core" if self.router.clients else "no_core_configured"
+        cached = await self.aengine.call(lambda e: len(e.block_manager.match_prefix(prompt_ids))
+                                         * e.block_manager.block_size)
+        if len(prompt_ids) - cached < self.config.local_prefill_below:
+            return "local", "short" if cached == 0 else "prefix_cached"
+        return "remote", ""
+
+    def _codec(self, client: CoreClient, num_tokens: int) -> str:
+        allowed = [c for c in self.config.codecs if c in client.peer.conn.peer_codecs] or ["lossless"]
+        if not self.config.adaptive:
+            return allowed[0]
+        target = self.config.ttft_target_ms / 1000 if self.config.ttft_target_ms else None
+        return choose_codec(allowed, num_tokens * self.kv_bytes_per_token, client.bandwidth, target)
+
+    # ---- the request -------------------------------------------------------
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        arrived = time.perf_counter()
+        self.active += 1
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        first_at = last_at = None
+        try:
+            where, reason = await self._placement(prompt_ids)
+            self.metrics.queue_time.observe(time.perf_counter() - arrived)
+            stream = None
+            if where == "remote":
+                stream = await self._remote_with_retries(request_id, prompt_ids, params)
+                reason = "core_failed"
+            if stream is None:
+                self.metrics.local_prefills.labels(reason).inc()
+                stream = self.aengine.generate(request_id, prompt_ids, params)
+            async for out in stream:
+                now = time.perf_counter()
+                if first_at is None:
+                    first_at = now
+                    self.metrics.ttft.observe(now - arrived)
+                    self.metrics.cached_tokens.inc(out.num_cached_tokens)
+                elif out.new_token_ids:
+                    self.metrics.itl.observe(now - last_at)
+                last_at = now
+                if out.finished:
+                    self.metrics.requests.labels(out.finish_reason).inc()
+                    self.metrics.e2e.observe(now - arrived)
+                yield out
+        finally:
+            self.active -= 1
+            self.aengine.close_stream(request_id)
+
+    async def _remote_with_retries(self, request_id, prompt_ids, params):
+        tried: set[str] = set()
+        for attempt in range(self.config.max_core_attempts):
+            client = self.router.pick(tried)
+            if client is None:
+                break
+            tried.add(client.address)
+            try:
+                return await self._remote(client, request_id, prompt_ids, params)
+            except RemotePrefillFailed as exc:
+                log.warning("request %s: core %s failed (%s); %s", request_id, client.address, exc,
+                            "retrying" if attempt + 1 < self.config.max_core_attempts else "prefilling locally")
+                self.metrics.failovers.inc()
+        return None
+
+    async def _remote(self, client: CoreClient, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        engine_cfg = self.engine.config
+        seq, cached = await self.aengine.call(lambda e: e.reserve(request_id, prompt_ids, params))
+        queue = self.aengine.open_stream(request_id)
+        codec = self._codec(client, len(prompt_ids) - cached)
+        spec = m.SamplingSpec(params.temperature, params.top_p, params.top_k, params.seed, params.logprobs)
+        want = len(prompt_ids) - cached
+        got = [0] * engine_cfg.num_hidden_layers
+        heads = engine_cfg.num_key_value_heads
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        encoded = raw = 0
+        ok = False
+        try:
+            events = await client.prefill(m.PrefillRequest(request_id, prompt_ids, spec, [codec],
+                                                           int(self.config.transfer_timeout * 1000), cached))
+            while True:
+                ev = await asyncio.wait_for(events.get(), self.config.transfer_timeout)
+                if isinstance(ev, KVData):
+                    c = ev.chunk
+                    if (c.token_start < cached or c.token_end > len(prompt_ids) or c.layer_end > len(got)
+                            or c.head_start != 0 or c.head_end != heads):
+                        raise RemotePrefillFailed(f"chunk outside the request: {c}")
+                    k, v = await loop.run_in_executor(self.decoder_pool, decode_chunk, ev)
+                    kt, vt = from_bits(k, c.dtype), from_bits(v, c.dtype)
+                    for i, layer in enumerate(range(c.layer_start, c.layer_end)):
+                        self.aengine.post(lambda e, l=layer, s=c.token_start, kk=kt[i], vv=vt[i]:
+                                          e.write_kv(request_id, l, s, kk, vv))
+                        got[layer] += c.token_end - c.token_start
+                    encoded += len(ev.payload)
+                    raw += c.raw_len
+                elif isinstance(ev, m.PrefillDone):
+                    if any(n != want for n in got):
+                        raise RemotePrefillFailed(f"incomplete KV: tokens per layer {got}, expected {want}")
+                    top = [tuple(t) for t in ev.top_logprobs]
+                    await self.aengine.call(lambda e: e.activate(request_id, ev.first_token,
+                                                                 ev.logprob if params.logprobs is not None else None,
+                                                                 top))
+                    ok = True
+                    await client.send(m.Ack(request_id))
+                    break
+                elif isinstance(ev, m.Error):
+                    raise RemotePrefillFailed(f"core error {ev.code}: {ev.message}")
+                elif isinstance(ev, BaseException):
+                    raise RemotePrefillFailed(str(ev))
+        except (asyncio.TimeoutError, PeerError, ProtocolError) as exc:
+            raise RemotePrefillFailed(str(exc) or type(exc).__name__) from None
+        finally:
+            seconds = time.perf_counter() - started
+            client.finish(request_id, raw, seconds)
+            if not ok:
+                self.aengine.close_stream(request_id)
+                self.aengine.post(lambda e: e.release(request_id))
+                await client.send(m.Cancel(request_id))
+        self.metrics.remote_prefills.labels(codec).inc()
+        self.metrics.kv_bytes.labels(codec).inc(encoded)
+        self.metrics.kv_raw_bytes.labels(codec).inc(raw)
+        if encoded:
+            self.metrics.compression.labels(codec).set(raw / encoded)
+        self.metrics.transfer.labels(codec).observe(time.perf_counter() - started)
+        return self.aengine.stream(request_id, queue)
+
+    def stats(self) -> dict:
+        stats = self.engine.stats()
+        stats.update({
+            "requests": self.active,
+            "cores": [{"address": c.address, "healthy": c.healthy, "rtt_ms": round(c.rtt * 1e3, 2),
+                       "load": c.load, "bandwidth_MBps": round(c.bandwidth / 1e6, 1) if c.bandwidth else None,
+                       "error": c.last_error} for c in self.router.clients],
+        })
+        return stats

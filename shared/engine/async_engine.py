@@ -1,0 +1,173 @@
+"""Runs an `LLMEngine` on its own thread and streams its outputs into asyncio.
+
+Life cycle: `start()` spawns the engine thread; coroutines call
+`generate()` (an async iterator of `RequestOutput`), `abort()`, or `call(fn)`
+to run any engine method between two steps (the engine itself is never
+touched from two threads). The thread steps while there is work and sleeps on
+a condition otherwise; each step's outputs reach the event loop in one
+`call_soon_threadsafe`. `stop()` ends the thread. A failure inside a step is
+delivered to every waiting stream, so no caller hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from typing import Any, AsyncIterator, Callable
+
+from shared.engine.engine import LayerHook, LLMEngine
+from shared.engine.output import RequestOutput
+from shared.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("edgecore.engine")
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_layer: LayerHook | None = None):
+        self.engine = engine
+        self.on_layer = on_layer
+        self._commands: deque[tuple[Callable, asyncio.Future | None]] = deque()
+        self._wake = threading.Condition()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.on_outputs: Callable[[list[RequestOutput]], None] | None = None   # observer (metrics)
+
+    # ---- lifecycle --------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="edgecore-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # ---- API for coroutines ------------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps; return its result."""
+        if self.error is not None:
+            raise EngineDead(f"engine failed: {self.error}")
+        fut = self._loop.create_future()
+        with self._wake:
+            self._commands.append((fn, fut))
+            self._wake.notify()
+        return await fut
+
+    def post(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Like `call` without waiting for the result (errors are logged)."""
+        with self._wake:
+            self._commands.append((fn, None))
+            self._wake.notify()
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        return queue
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def generate(self, request_id: str, prompt, params: SamplingParams,
+                       prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
+        queue = self.open_stream(request_id)
+        try:
+            await self.call(lambda e: e.add_request(request_id, prompt, params, prefill_only))
+            async for out in self.stream(request_id, queue):
+                yield out
+        finally:
+            self.close_stream(request_id)
+
+    async def stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """Outputs of a request already in the engine until it finishes; aborts it if the consumer leaves."""
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise EngineDead(f"engine failed: {out}")
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.post(lambda e: e.abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self.post(lambda e: e.abort(request_id))
+
+    # ---- engine thread ----------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._wake:
+                    while not self._commands and not engine.has_unfinished() and not self._stopping:
+                        self._wake.wait()
+                    if self._stopping:
+                        return
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for fn, fut in commands:
+                    try:
+                        result = fn(engine)
+                    except Exception as exc:  # delivered to the awaiting coroutine
+                        if fut is not None:
+                            self._loop.call_soon_threadsafe(_set_exception, fut, exc)
+                        else:
+                            log.warning("engine command failed: %s", exc)
+                    else:
+                        if fut is not None:
+                            self._loop.call_soon_threadsafe(_set_result, fut, result)
+                if engine.has_unfinished():
+                    outputs = engine.step(self.on_layer)
+                    if outputs:
+                        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        except BaseException as exc:   # a bug or resource failure: fail every stream, stay dead
+            log.exception("engine thread failed")
+            self.error = exc
+            self._loop.call_soon_threadsafe(self._fail_all, exc)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        if self.on_outputs is not None:
+            self.on_outputs(outputs)
+        for out in outputs:
+            queue = self._streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for queue in self._streams.values():
+            queue.put_nowait(exc)
+        with self._wake:
+            pending = list(self._commands)
+            self._commands.clear()
+        for _, fut in pending:
+            if fut is not None and not fut.done():
+                fut.set_exception(EngineDead(f"engine failed: {exc}"))
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,27 @@
+"""Torch KV tensors ↔ the numpy bit planes the protocol's codecs take.
+
+bfloat16/float16 travel as uint16 bits, float32 as uint32 bits, in
+[layers, tokens, heads, head_dim] order; conversions are views, not copies.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+TORCH_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def to_bits(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.float32:
+        return t.numpy().view(np.uint32)
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def from_bits(bits: np.ndarray, dtype: str) -> torch.Tensor:
+    arr = np.ascontiguousarray(bits)
+    if dtype == "float32":
+        return torch.from_numpy(arr.view(np.float32))
+    return torch.from_numpy(arr.view(np.int16)).view(TORCH_DTYPES[dtype])
