@@ -3,6 +3,9 @@
 EDGECORE_MODEL      default model directory (else the bundled models/pydoc-llama)
 EDGECORE_DEVICE     default device (else cuda when available, otherwise cpu)
 EDGECORE_THREADS    torch intra-op threads (else torch's default)
+EDGECORE_SECRET     cluster secret (else --secret-file)
+EDGECORE_API_KEYS   comma-separated API keys for the edge (else --api-key-file)
+EDGECORE_LOG_LEVEL  logging level (INFO)
 """
 
 from __future__ import annotations

@@ -1,0 +1,56 @@
+"""`edgecore core`: run a core (prefill) node."""
+
+from __future__ import annotations
+
+import argparse
+
+from shared.cli import add_model_args
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("core", help="run a core node: prefill for edges, stream compressed KV",
+                       description="Serve prefill to edges over the edgecore protocol, with an HTTP control "
+                                   "port (/health, /ready, /metrics, /stats).")
+    add_model_args(p)
+    p.add_argument("--listen", default="127.0.0.1:7100", metavar="HOST:PORT", help="protocol address")
+    p.add_argument("--http", default="127.0.0.1:7101", metavar="HOST:PORT", help="control port address")
+    p.add_argument("--secret-file", default=None, help="cluster secret file (or EDGECORE_SECRET)")
+    p.add_argument("--name", default="core", help="node name shown to peers and in logs")
+    p.add_argument("--lease", type=float, default=30.0, help="seconds a finished prefill's KV waits for the "
+                   "edge's Ack (default 30)")
+    p.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill token budget per step")
+    p.add_argument("--kv-blocks", type=int, default=4096, help="KV cache blocks of 16 tokens")
+    p.add_argument("--tls-cert", default=None)
+    p.add_argument("--tls-key", default=None)
+    p.add_argument("--tls-ca", default=None, help="CA to verify edge certificates (enables mutual TLS)")
+    p.add_argument("--data-dir", default=None, help="batch API storage (default: ./edgecore-data/NAME)")
+    p.set_defaults(func=run_core)
+
+
+def run_core(args: argparse.Namespace) -> int:
+    from core.server import CoreConfig, CoreServer
+    from protocol.transport import tls_context
+    from shared.config import CacheConfig, EngineConfig
+    from shared.env import default_device, default_model
+    from shared.secrets import parse_hostport, read_secret
+    from shared.service import run_service, setup_logging
+
+    setup_logging(f"[{args.name}] ")
+    host, port = parse_hostport(args.listen)
+    http_host, http_port = parse_hostport(args.http)
+    ssl = tls_context(True, args.tls_cert, args.tls_key, args.tls_ca, args.tls_ca is not None) \
+        if args.tls_cert else None
+    config = CoreConfig(model_dir=args.model or default_model(), secret=read_secret(args.secret_file), host=host,
+                        port=port, http_host=http_host, http_port=http_port, dtype=args.dtype,
+                        device=args.device or default_device(), lease_seconds=args.lease,
+                        cache=CacheConfig(num_blocks=args.kv_blocks),
+                        engine=EngineConfig(max_num_batched_tokens=args.max_batched_tokens),
+                        name=args.name, ssl=ssl, data_dir=args.data_dir)
+    core = CoreServer(config)
+
+    async def start():
+        await core.start()
+        print(f"edgecore core '{args.name}' ready: protocol {host}:{core.port}, "
+              f"http http://{http_host}:{core.http_port}", flush=True)
+
+    return run_service(start, core.stop)

@@ -1,0 +1,80 @@
+"""`edgecore edge`: run an edge (decode) node with the OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from shared.cli import add_model_args
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("edge", help="run an edge node: OpenAI-compatible API, decode near users",
+                       description="Serve /v1/completions and /v1/chat/completions; prefill on cores given by "
+                                   "--core (or locally), decode here.")
+    add_model_args(p)
+    p.add_argument("--core", action="append", default=[], metavar="HOST:PORT",
+                   help="a core's protocol address (repeatable); none: prefill locally")
+    p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="HTTP address")
+    p.add_argument("--api-key-file", default=None, help="API keys, one per line (or EDGECORE_API_KEYS)")
+    p.add_argument("--secret-file", default=None, help="cluster secret file (or EDGECORE_SECRET)")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: directory name)")
+    p.add_argument("--name", default="edge")
+    p.add_argument("--codec", action="append", default=None, metavar="NAME",
+                   help="allowed KV codec(s), in preference order (default lossless); lossy codecs "
+                        "(fp8, int8, int4) only when listed")
+    p.add_argument("--adaptive", action="store_true", help="pick the codec per request from link bandwidth")
+    p.add_argument("--ttft-target-ms", type=float, default=None)
+    p.add_argument("--local-prefill-below", type=int, default=32,
+                   help="prompts (or uncached suffixes) shorter than this prefill at the edge")
+    p.add_argument("--max-concurrent", type=int, default=256, help="requests in flight before 503")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="request body limit")
+    p.add_argument("--kv-blocks", type=int, default=4096, help="KV cache blocks of 16 tokens")
+    p.add_argument("--tls-ca", default=None, help="CA for the cores' certificates (enables TLS to cores)")
+    p.add_argument("--tls-cert", default=None, help="client certificate for mutual TLS")
+    p.add_argument("--tls-key", default=None)
+    p.set_defaults(func=run_edge)
+
+
+def run_edge(args: argparse.Namespace) -> int:
+    from edge.engine import EdgeConfig, EdgeEngine
+    from edge.http import EdgeHTTP, start_http
+    from protocol.codecs import CODECS
+    from protocol.transport import tls_context
+    from shared.config import CacheConfig
+    from shared.env import default_device, default_model
+    from shared.errors import ConfigError
+    from shared.secrets import parse_hostport, read_api_keys, read_secret
+    from shared.service import run_service, setup_logging
+
+    setup_logging(f"[{args.name}] ")
+    cores = [parse_hostport(c) for c in args.core]
+    codecs = args.codec or ["lossless"]
+    for c in codecs:
+        if c not in CODECS:
+            raise ConfigError(f"unknown codec '{c}' (known: {', '.join(CODECS)})")
+    model_dir = args.model or default_model()
+    host, port = parse_hostport(args.listen)
+    ssl = tls_context(False, args.tls_cert, args.tls_key, args.tls_ca) if args.tls_ca else None
+    config = EdgeConfig(model_dir=model_dir, cores=cores, secret=read_secret(args.secret_file, required=bool(cores)),
+                        dtype=args.dtype, device=args.device or default_device(), codecs=codecs,
+                        adaptive=args.adaptive, ttft_target_ms=args.ttft_target_ms,
+                        local_prefill_below=args.local_prefill_below, cache=CacheConfig(num_blocks=args.kv_blocks),
+                        name=args.name, ssl=ssl)
+    edge = EdgeEngine(config)
+    http = EdgeHTTP(edge, args.served_model_name or Path(model_dir).name, read_api_keys(args.api_key_file),
+                    int(args.max_body_mb * 1024 * 1024), args.max_concurrent)
+    state = {}
+
+    async def start():
+        await edge.start()
+        state["runner"], bound = await start_http(http, host, port)
+        print(f"edgecore edge '{args.name}' ready: http://{host}:{bound}/v1 (model {http.served_model}, "
+              f"cores: {', '.join(args.core) or 'none, local prefill'})", flush=True)
+
+    async def stop():
+        if "runner" in state:
+            await state["runner"].cleanup()
+        await edge.stop()
+
+    return run_service(start, stop)

@@ -1,0 +1,306 @@
+"""The edge's OpenAI-compatible HTTP endpoint (aiohttp).
+
+Life cycle of a request: middleware checks the API key (constant-time) and
+turns every failure into an OpenAI error object → the handler reads the body
+(size-limited: 413), decodes JSON (400), validates fields (400/404), checks
+capacity (503) → one engine stream per choice (prompts × n), merged → either
+one JSON response, or SSE chunks as tokens decode (role first, deltas,
+finish_reason, optional usage chunk, `data: [DONE]`). A client that
+disconnects cancels the handler, which aborts every choice and frees its KV
+at the edge and the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from functools import lru_cache
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from edge.engine import EdgeEngine
+from edge.openai_request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
+
+log = logging.getLogger("edgecore.http")
+json_encode = msgspec.json.Encoder().encode
+
+
+class EdgeHTTP:
+    def __init__(self, edge: EdgeEngine, served_model: str, api_keys: list[bytes] | None = None,
+                 max_body: int = 8 * 1024 * 1024, max_concurrent: int = 256):
+        self.edge = edge
+        self.served_model = served_model
+        self.api_keys = api_keys or []
+        self.max_body = max_body
+        self.max_concurrent = max_concurrent
+        self.created = int(time.time())
+        tok = edge.tokenizer
+
+        @lru_cache(maxsize=65536)
+        def token_str(token_id: int) -> str:
+            return tok.decode([token_id], skip_special_tokens=False)
+        self.token_str = token_str
+
+    # ---- app ----------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body, middlewares=[self._errors])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/stats", self.stats)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            if request.path.startswith("/v1/"):
+                self._check_key(request)
+            return await handler(request)
+        except ApiError as exc:
+            self.edge.metrics.errors.labels(str(exc.status)).inc()
+            return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+        except web.HTTPRequestEntityTooLarge:
+            exc = ApiError(413, f"Request body exceeds the limit of {self.max_body} bytes", None,
+                           "request_too_large")
+            return web.json_response(exc.body(), status=413)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            err = ApiError(exc.status, exc.reason or "error", None, None)
+            return web.json_response(err.body(), status=exc.status)
+
+    def _check_key(self, request: web.Request) -> None:
+        if not self.api_keys:
+            return
+        header = request.headers.get("Authorization", "")
+        given = header[7:].strip().encode() if header.startswith("Bearer ") else b""
+        ok = False
+        for key in self.api_keys:   # compare with every key: timing does not reveal which matched
+            ok |= hmac.compare_digest(given, key)
+        if not ok:
+            raise ApiError(401, "Incorrect or missing API key. Pass it as 'Authorization: Bearer KEY'.", None,
+                           "invalid_api_key")
+
+    async def _body(self, request: web.Request) -> dict:
+        ctype = request.content_type
+        if ctype not in ("application/json", "", "application/octet-stream") and not ctype.endswith("+json"):
+            raise ApiError(415, f"Content-Type must be application/json, got {ctype}", None, "invalid_content_type")
+        raw = await request.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ApiError(400, "The request body is not valid UTF-8", None, "invalid_encoding") from None
+        try:
+            body = msgspec.json.decode(text)
+        except msgspec.DecodeError as exc:
+            raise ApiError(400, f"We could not parse the JSON body of your request: {exc}", None,
+                           "invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "The JSON body must be an object", None, "invalid_json")
+        return body
+
+    def _capacity(self) -> None:
+        if not self.edge.ready:
+            raise ApiError(503, "The engine is not running", None, "engine_unavailable",
+                           headers={"x-should-retry": "false"})
+        if self.edge.active >= self.max_concurrent:
+            raise ApiError(503, f"The server is at capacity ({self.max_concurrent} requests); retry shortly", None,
+                           "server_overloaded", headers={"retry-after": "1"})
+
+    # ---- endpoints ------------------------------------------------------------
+    async def completions(self, request: web.Request):
+        body = await self._body(request)
+        check_model(body, self.served_model)
+        cfg = self.edge.engine.config
+        parsed = parse_completion(body, self.edge.tokenizer, cfg.vocab_size, self.edge.engine.max_model_len)
+        self._capacity()
+        return await self._serve(request, parsed, chat=False)
+
+    async def chat(self, request: web.Request):
+        body = await self._body(request)
+        check_model(body, self.served_model)
+        cfg = self.edge.engine.config
+        parsed = parse_chat(body, self.edge.tokenizer, cfg.vocab_size, self.edge.engine.max_model_len)
+        self._capacity()
+        return await self._serve(request, parsed, chat=True)
+
+    async def models(self, _):
+        return web.json_response({"object": "list", "data": [{
+            "id": self.served_model, "object": "model", "created": self.created, "owned_by": "edgecore",
+            "max_model_len": self.edge.engine.max_model_len}]})
+
+    async def health(self, _):
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, _):
+        has_path = self.edge.ready   # local prefill is always a prefill path once the engine runs
+        return web.json_response({"ready": has_path, "cores_healthy": len(self.edge.router.healthy())},
+                                 status=200 if has_path else 503)
+
+    async def metrics(self, _):
+        stats = self.edge.engine.stats()
+        m = self.edge.metrics
+        m.running.set(stats["running"])
+        m.waiting.set(stats["waiting"])
+        m.kv_usage.set(stats["kv_cache_usage"])
+        return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def stats(self, _):
+        return web.json_response(self.edge.stats())
+
+    # ---- generation -------------------------------------------------------------
+    async def _serve(self, request: web.Request, parsed: ParsedRequest, chat: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        queue: asyncio.Queue = asyncio.Queue()
+        count = len(parsed.params)
+
+        async def pump(i: int):
+            try:
+                async for out in self.edge.generate(f"{rid}-{i}", parsed.prompts[i // parsed.n], parsed.params[i]):
+                    queue.put_nowait((i, out))
+                queue.put_nowait((i, None))
+            except Exception as exc:   # engine failure: reported to the client, never a hang
+                log.exception("choice %d of %s failed", i, rid)
+                queue.put_nowait((i, exc))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(count)]
+        try:
+            if parsed.stream:
+                return await self._stream(request, parsed, chat, rid, created, queue, count)
+            return await self._collect(parsed, chat, rid, created, queue, count)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def _usage(self, parsed: ParsedRequest, completion_tokens: int, cached: dict[int, int]) -> dict:
+        prompt_tokens = sum(len(p) for p in parsed.prompts)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+
+    async def _collect(self, parsed, chat, rid, created, queue, count):
+        texts, reasons, lps, ntoks = [""] * count, [None] * count, [[] for _ in range(count)], [0] * count
+        cached: dict[int, int] = {}
+        remaining = count
+        while remaining:
+            i, out = await queue.get()
+            if out is None:
+                remaining -= 1
+                continue
+            if isinstance(out, Exception):
+                raise ApiError(500, f"generation failed: {out}", None, "internal_error")
+            cached.setdefault(i // parsed.n, out.num_cached_tokens)
+            texts[i] += out.new_text
+            ntoks[i] += len(out.new_token_ids)
+            if out.logprobs:
+                lps[i] += out.logprobs
+            if out.finished:
+                reasons[i] = out.finish_reason
+        choices = []
+        for i in range(count):
+            if chat:
+                choice = {"index": i, "message": {"role": "assistant", "content": texts[i]},
+                          "logprobs": self._chat_logprobs(lps[i]) if parsed.logprobs is not None else None,
+                          "finish_reason": reasons[i]}
+            else:
+                prefix = parsed.prompt_texts[i // parsed.n] if parsed.echo else ""
+                choice = {"index": i, "text": prefix + texts[i],
+                          "logprobs": self._completion_logprobs(lps[i], len(prefix))
+                          if parsed.logprobs is not None else None,
+                          "finish_reason": reasons[i]}
+            choices.append(choice)
+        body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": self.served_model, "choices": choices, "usage": self._usage(parsed, sum(ntoks), cached),
+                "system_fingerprint": self.edge.fingerprint[:16] or None}
+        return web.Response(body=json_encode(body), content_type="application/json")
+
+    async def _stream(self, request, parsed, chat, rid, created, queue, count):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        base = {"id": rid, "object": obj, "created": created, "model": self.served_model}
+
+        async def send(payload: dict):
+            await resp.write(b"data: " + json_encode(payload) + b"\n\n")
+
+        if chat:
+            for i in range(count):
+                await send({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
+        elif parsed.echo:
+            for i in range(count):
+                await send({**base, "choices": [{"index": i, "text": parsed.prompt_texts[i // parsed.n],
+                                                 "logprobs": None, "finish_reason": None}]})
+        ntoks, cached, remaining = 0, {}, count
+        offsets = [0] * count
+        try:
+            while remaining:
+                i, out = await queue.get()
+                if out is None:
+                    remaining -= 1
+                    continue
+                if isinstance(out, Exception):
+                    raise ApiError(500, f"generation failed: {out}", None, "internal_error")
+                cached.setdefault(i // parsed.n, out.num_cached_tokens)
+                ntoks += len(out.new_token_ids)
+                if not out.new_text and not out.finished and not out.logprobs:
+                    continue
+                reason = out.finish_reason if out.finished else None
+                if chat:
+                    lp = self._chat_logprobs(out.logprobs or []) if parsed.logprobs is not None else None
+                    delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+                    choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+                else:
+                    lp = self._completion_logprobs(out.logprobs or [], offsets[i]) \
+                        if parsed.logprobs is not None else None
+                    choice = {"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": reason}
+                offsets[i] += len(out.new_text)
+                await send({**base, "choices": [choice]})
+            if parsed.include_usage:
+                await send({**base, "choices": [], "usage": self._usage(parsed, ntoks, cached)})
+        except ApiError as exc:
+            await send(exc.body())
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # ---- logprobs formatting ------------------------------------------------------
+    def _completion_logprobs(self, lps, offset: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for lp in lps:
+            s = self.token_str(lp.token_id)
+            tokens.append(s)
+            token_lps.append(lp.logprob)
+            tops.append({self.token_str(t): v for t, v in lp.top})
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_logprobs(self, lps) -> dict:
+        content = []
+        for lp in lps:
+            s = self.token_str(lp.token_id)
+            content.append({"token": s, "logprob": lp.logprob, "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": self.token_str(t), "logprob": v,
+                                              "bytes": list(self.token_str(t).encode())} for t, v in lp.top]})
+        return {"content": content}
+
+
+async def start_http(http: EdgeHTTP, host: str, port: int):
+    runner = web.AppRunner(http.build_app(), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
