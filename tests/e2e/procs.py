@@ -1,0 +1,98 @@
+"""Start real edgecore processes for end-to-end tests and stop them without leaving orphans."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Node:
+    def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 60):
+        self.args = args
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "EDGECORE_THREADS": "1", **(env or {})}
+        self.log = open(f"/tmp/edgecore-test-{os.getpid()}-{free_port()}.log", "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], cwd=ROOT, env=full_env,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
+        deadline = time.monotonic() + ready_timeout
+        self.ready_line = ""
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if "ready" in line:
+                self.ready_line = line
+                return
+            if not line and self.proc.poll() is not None:
+                break
+        self.stop()
+        raise RuntimeError(f"node {args} did not start: {self.logs()}")
+
+    def logs(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_core(secret_file: str, *extra: str) -> tuple[Node, int, int]:
+    port, http = free_port(), free_port()
+    node = Node(["core", "--listen", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{http}", "--secret-file",
+                 secret_file, *extra])
+    return node, port, http
+
+
+def start_edge(*extra: str, cores: list[int] = (), secret_file: str | None = None) -> tuple[Node, int]:
+    http = free_port()
+    args = ["edge", "--listen", f"127.0.0.1:{http}", *extra]
+    for p in cores:
+        args += ["--core", f"127.0.0.1:{p}"]
+    if secret_file:
+        args += ["--secret-file", secret_file]
+    return Node(args), http
+
+
+def get_json(url: str, timeout: float = 10) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def post_json(url: str, body: dict, timeout: float = 60, headers: dict | None = None) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_for(predicate, timeout: float = 15, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,233 @@
+"""The official `openai` client against a running edge, with and without a core; hostile HTTP input."""
+
+import asyncio
+import json
+import socket
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.engine.sampling_params import SamplingParams
+from tests.conftest import make_engine
+from tests.e2e.procs import get_json, start_core, start_edge, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+KEY = "sk-edge-test-key"
+
+
+@pytest.fixture(scope="module", params=["with-core", "edge-only"])
+def server(request, secret_file, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(f"# test keys\n{KEY}\nsk-second\n")
+    core = None
+    if request.param == "with-core":
+        core, port, _ = start_core(secret_file)
+        edge, http = start_edge("--api-key-file", str(keys), "--local-prefill-below", "0", "--max-body-mb", "1",
+                                cores=[port], secret_file=secret_file)
+    else:
+        edge, http = start_edge("--api-key-file", str(keys), "--max-body-mb", "1")
+    yield {"http": http, "mode": request.param}
+    edge.stop()
+    if core:
+        core.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server['http']}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_models_and_completion_match_engine(client, golden):
+    assert [m.id for m in client.models.list().data] == ["pydoc-llama"]
+    case = golden["cases"][0]
+    r = client.completions.create(model="pydoc-llama", prompt=case["prompt"], max_tokens=64, temperature=0)
+    assert r.choices[0].text == case["greedy_text"]
+    assert r.usage.prompt_tokens == len(case["prompt_ids"]) and r.usage.completion_tokens == 64
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    r = client.completions.create(model="pydoc-llama", prompt=case["prompt_ids"], max_tokens=8, temperature=0,
+                                  echo=True)
+    assert r.choices[0].text.startswith(case["prompt"])
+
+
+def test_chat_matches_engine(client, tokenizer):
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a tuple?"}]
+    ids = tokenizer.encode_chat(messages)
+    ref = make_engine().generate([ids], SamplingParams(max_tokens=20, temperature=0))[0]
+    r = client.chat.completions.create(model="pydoc-llama", messages=messages, max_completion_tokens=20,
+                                       temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref["text"]
+    assert r.choices[0].finish_reason == ref["finish_reason"]
+
+
+def test_streaming_with_usage(client):
+    kw = dict(model="pydoc-llama", messages=[{"role": "user", "content": "Explain the for statement."}],
+              max_tokens=30, temperature=0)
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    comp = list(client.completions.create(model="pydoc-llama", prompt="The module", max_tokens=12, temperature=0,
+                                          stream=True, stream_options={"include_usage": True}))
+    assert comp[-1].usage.total_tokens == comp[-1].usage.prompt_tokens + 12
+
+
+def test_stop_sequences(client, golden):
+    case = golden["cases"][0]
+    stop = case["greedy_text"][25:31]
+    r = client.completions.create(model="pydoc-llama", prompt=case["prompt"], max_tokens=64, temperature=0,
+                                  stop=[stop, "zzz-never"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == case["greedy_text"][:case["greedy_text"].index(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="pydoc-llama", prompt=case["prompt"], max_tokens=64, temperature=0, stop=stop, stream=True)
+        if c.choices)
+    assert streamed == r.choices[0].text
+
+
+def test_n_and_seed(client):
+    kw = dict(model="pydoc-llama", prompt="The class", max_tokens=16, temperature=1.0, seed=42, n=2)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert len(a.choices) == 2 and sorted(c.index for c in a.choices) == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text
+    chat = client.chat.completions.create(model="pydoc-llama", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=10, n=2, temperature=0.8, seed=1)
+    assert len(chat.choices) == 2 and chat.usage.completion_tokens <= 20
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model="pydoc-llama", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for item in content:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 3
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob, abs=1e-5)   # greedy: chosen = top
+    c = client.completions.create(model="pydoc-llama", prompt="The class", max_tokens=4, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.top_logprobs[0]) == 2 and "".join(lp.tokens) == c.choices[0].text
+
+
+def test_error_mapping(client, server):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="pydoc-llama", prompt="x", max_tokens=5000)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="pydoc-llama", messages=[{"role": "user", "content": "x " * 1100}])
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="pydoc-llama", prompt="x", temperature=5)
+    bad = openai.OpenAI(base_url=f"http://127.0.0.1:{server['http']}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.models.list()
+    assert e.value.body["code"] == "invalid_api_key"
+
+
+def raw_request(port, payload: bytes, content_type="application/json", key=KEY, method="POST",
+                path="/v1/completions"):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=payload, method=method,
+                                 headers={"Content-Type": content_type, "Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.parametrize("payload, ctype, status", [
+    (b'{"prompt": "x", "max_tokens": 2', "application/json", 400),            # malformed JSON
+    (b'{"prompt": "\xff\xfe", "max_tokens": 2}', "application/json", 400),      # invalid UTF-8
+    (b'{"prompt": "x", "max_tokens": 1e400}', "application/json", 400),         # huge number
+    (b'{"prompt": "x", "max_tokens": 99999999999999999999999}', "application/json", 400),
+    (b'{"prompt": "x", "max_tokens": -3}', "application/json", 400),
+    (b'{"prompt": "x", "max_tokens": 2, "n": 1000000000}', "application/json", 400),
+    (b'{"prompt": 5}', "application/json", 400),                                # wrong type
+    (b'["not", "an", "object"]', "application/json", 400),
+    (b'prompt=x', "application/x-www-form-urlencoded", 415),
+])
+def test_hostile_input_gets_4xx_and_server_keeps_serving(server, client, payload, ctype, status):
+    code, body = raw_request(server["http"], payload, ctype)
+    assert code == status and set(body["error"]) >= {"message", "type", "param", "code"}
+    assert client.completions.create(model="pydoc-llama", prompt="ok", max_tokens=2).choices
+
+
+def test_huge_body_is_413_json(server, client):
+    big = b'{"prompt": "' + b"a" * (50 * 1024 * 1024) + b'"}'
+    sock = socket.create_connection(("127.0.0.1", server["http"]), timeout=30)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Length: {len(big)}\r\n\r\n").encode()
+    sock.sendall(head)
+    try:
+        sock.sendall(big)
+    except (BrokenPipeError, ConnectionResetError):
+        pass     # the server may answer and close before the whole body is sent
+    reply = b""
+    while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+        data = sock.recv(65536)
+        if not data:
+            break
+        reply += data
+    sock.close()
+    assert reply.startswith(b"HTTP/1.1 413") and b'"request_too_large"' in reply
+    assert client.completions.create(model="pydoc-llama", prompt="ok", max_tokens=2).choices
+
+
+def test_disconnect_mid_stream_frees_blocks_and_metrics_move(server):
+    port = server["http"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    before = {s.name + str(s.labels): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    async def drop():
+        import aiohttp
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as s:
+            resp = await s.post(f"http://127.0.0.1:{port}/v1/completions",
+                                json={"prompt": "The", "max_tokens": 900, "stream": True, "ignore_eos": True})
+            await resp.content.readline()
+            await resp.content.readline()
+            assert get_json(f"http://127.0.0.1:{port}/stats")["blocks_used"] > 0
+            resp.close()
+
+    asyncio.run(drop())
+    stats = wait_for(lambda: (s := get_json(f"http://127.0.0.1:{port}/stats"))["blocks_used"] == 0
+                     and s["requests"] == 0 and s)
+    assert stats and stats["blocks_used"] == 0
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    after = {s.name + str(s.labels): s.value for f in families.values() for s in f.samples}
+    assert "edgecore:time_to_first_token_seconds" in families
+    assert after["edgecore:generation_tokens_total{}"] > before["edgecore:generation_tokens_total{}"]
+    assert after["edgecore:time_to_first_token_seconds_count{}"] > before["edgecore:time_to_first_token_seconds_count{}"]
+
+
+def test_64_simultaneous_streams(server):
+    port = server["http"]
+
+    async def one(s, i):
+        resp = await s.post(f"http://127.0.0.1:{port}/v1/completions",
+                            json={"prompt": f"Request {i}: the", "max_tokens": 16, "stream": True,
+                                  "ignore_eos": True, "temperature": 0})
+        assert resp.status == 200
+        chunks = 0
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                chunks += 1
+        return chunks
+
+    async def main():
+        import aiohttp
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"},
+                                         connector=aiohttp.TCPConnector(limit=100)) as s:
+            return await asyncio.gather(*(one(s, i) for i in range(64)))
+
+    counts = asyncio.run(main())
+    assert len(counts) == 64 and all(c >= 1 for c in counts)
+    assert get_json(f"http://127.0.0.1:{port}/stats")["blocks_used"] == 0
