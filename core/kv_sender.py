@@ -36,14 +36,16 @@ class RemoteRequest:
     done: bool = False
     cancelled: bool = False
     lease: asyncio.TimerHandle | None = None
+    held: list = field(default_factory=list)   # chunks kept back when layer streaming is off
 
     def __post_init__(self):
         self.sent_until = self.skip_tokens
 
 
 class LayerStreamer:
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, stream: bool = True):
         self.engine = engine
+        self.stream = stream
         self.loop = loop
         self.remote: dict[str, RemoteRequest] = {}
         self.last_layer = len(engine.model.model.layers) - 1
@@ -60,7 +62,10 @@ class LayerStreamer:
                 slots = pool.slots(seq.table.blocks, req.sent_until, end)
                 k, v = pool.read(layer, slots)
                 item = ("kv", req, layer + self.layer_offset, req.sent_until, end, k, v)
-                self.loop.call_soon_threadsafe(req.session.queue.put_nowait, item)
+                if self.stream:
+                    self.loop.call_soon_threadsafe(req.session.queue.put_nowait, item)
+                else:
+                    req.held.append(item)
             if layer == self.last_layer:
                 req.sent_until = max(req.sent_until, end)
                 if end >= len(req.token_ids):

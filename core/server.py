@@ -59,6 +59,7 @@ class CoreConfig:
     name: str = "core"
     ssl: object = None
     data_dir: str | None = None
+    stream_layers: bool = True          # False: hold all KV until the prefill ends (baseline mode)
 
 
 class Session:
@@ -94,7 +95,7 @@ class CoreServer:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.streamer = LayerStreamer(self.engine, loop)
+        self.streamer = LayerStreamer(self.engine, loop, self.config.stream_layers)
         self.aengine = AsyncEngine(self.engine, on_layer=self.streamer.on_layer)
         self.aengine.start()
         c = self.config
@@ -229,6 +230,9 @@ class CoreServer:
                              list(seq_info.top) if seq_info else [], len(req.token_ids), first.num_cached_tokens,
                              timings)
         req.done = True
+        for item in req.held:            # baseline mode: all KV after the last layer
+            session.queue.put_nowait(item)
+        req.held.clear()
         session.queue.put_nowait(("done", done))
         self.metrics.prefill_requests.labels("ok").inc()
         self.metrics.prompt_tokens.inc(len(req.token_ids))

@@ -31,7 +31,7 @@ class CoreClient:
         self.reader: asyncio.Task | None = None
         self.inflight: dict[str, asyncio.Queue] = {}
         self.last_error: str | None = None
-        self.bandwidth: float | None = None      # bytes/s, EWMA of completed transfers
+        self.bandwidth: float | None = None      # wire bytes/s while KV arrived, EWMA over transfers
         self._lock = asyncio.Lock()
 
     @property
@@ -94,10 +94,10 @@ class CoreClient:
             raise
         return queue
 
-    def finish(self, request_id: str, raw_bytes: int = 0, seconds: float = 0.0) -> None:
+    def finish(self, request_id: str, wire_bytes: int = 0, seconds: float = 0.0) -> None:
         self.inflight.pop(request_id, None)
-        if raw_bytes > 1 << 16 and seconds > 0:
-            rate = raw_bytes / seconds
+        if wire_bytes > 1 << 18 and seconds > 0.005:
+            rate = wire_bytes / seconds
             self.bandwidth = rate if self.bandwidth is None else 0.7 * self.bandwidth + 0.3 * rate
 
     async def send(self, msg) -> None:

@@ -185,6 +185,7 @@ class EdgeEngine:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         encoded = raw = 0
+        first_chunk_at = last_chunk_at = None
         ok = False
         try:
             events = await client.prefill(m.PrefillRequest(request_id, prompt_ids, spec, [codec],
@@ -204,6 +205,9 @@ class EdgeEngine:
                         got[layer] += c.token_end - c.token_start
                     encoded += len(ev.payload)
                     raw += c.raw_len
+                    last_chunk_at = time.perf_counter()
+                    if first_chunk_at is None:
+                        first_chunk_at = last_chunk_at
                 elif isinstance(ev, m.PrefillDone):
                     if any(n != want for n in got):
                         raise RemotePrefillFailed(f"incomplete KV: tokens per layer {got}, expected {want}")
@@ -221,8 +225,9 @@ class EdgeEngine:
         except (asyncio.TimeoutError, PeerError, ProtocolError) as exc:
             raise RemotePrefillFailed(str(exc) or type(exc).__name__) from None
         finally:
-            seconds = time.perf_counter() - started
-            client.finish(request_id, raw, seconds)
+            # Link estimate: encoded bytes over the span in which chunks arrived.
+            span = (last_chunk_at - first_chunk_at) if first_chunk_at is not None else 0.0
+            client.finish(request_id, encoded, span)
             if not ok:
                 self.aengine.close_stream(request_id)
                 self.aengine.post(lambda e: e.release(request_id))

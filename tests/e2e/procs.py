@@ -24,7 +24,7 @@ def free_port() -> int:
 class Node:
     def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 60):
         self.args = args
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "EDGECORE_THREADS": "1", **(env or {})}
+        full_env = {"EDGECORE_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log = open(f"/tmp/edgecore-test-{os.getpid()}-{free_port()}.log", "w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], cwd=ROOT, env=full_env,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)

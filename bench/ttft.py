@@ -1,0 +1,153 @@
+"""TTFT over an emulated WAN: local prefill vs core prefill with different KV shipping.
+
+A random-weight Llama with an 8k context (MHA so the KV is large); an edge and
+a core in this process, connected through a userspace relay limited to
+`--mbit` (200) Mbit/s with `--delay-ms` (20) ms one-way delay. For prompts of
+512, 2k and 8k tokens, in one run:
+ (a) edge-local prefill, (b) core prefill, raw KV sent after the last layer,
+ (c) layer-wise streaming + lossless, (d) layer-wise + int8, (e) adaptive
+ (lossless or int8, chosen from the measured link). Each is reported as a
+ratio to (b). Medians of `--repeats` runs (one for the longest prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from common import ROOT, emit, progress
+
+import torch
+
+from core.server import CoreConfig, CoreServer
+from deploy.wan_relay import LinkSpec, WanRelay
+from edge.engine import EdgeConfig, EdgeEngine
+from shared.config import CacheConfig, EngineConfig, ModelConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.sampling_params import SamplingParams
+from shared.models.loader import build_model
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
+          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 128,
+          "max_position_embeddings": 8192 + 64, "tie_word_embeddings": True}
+
+
+def write_model(path: Path) -> None:
+    """A random checkpoint on disk (config + safetensors), so core and edge fingerprints agree."""
+    import json
+    from safetensors.torch import save_file
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    model = build_model(ModelConfig.from_dict(CONFIG), torch.bfloat16, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, p in model.state_dict().items():
+        if "rope" in name or name == "lm_head.weight":
+            continue
+        p.copy_(torch.randn(p.shape, generator=gen) * (0.02 if p.dim() > 1 else 1.0))
+    # Unpack merged parameters into checkpoint names.
+    sd = model.state_dict()
+    for i in range(CONFIG["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        q, k, v = sd[pre + "self_attn.qkv_proj.weight"].split([512, 512, 512])
+        tensors.update({pre + "self_attn.q_proj.weight": q, pre + "self_attn.k_proj.weight": k,
+                        pre + "self_attn.v_proj.weight": v, pre + "self_attn.o_proj.weight": sd[pre + "self_attn.o_proj.weight"]})
+        g, u = sd[pre + "mlp.gate_up_proj.weight"].chunk(2)
+        tensors.update({pre + "mlp.gate_proj.weight": g, pre + "mlp.up_proj.weight": u,
+                        pre + "mlp.down_proj.weight": sd[pre + "mlp.down_proj.weight"],
+                        pre + "input_layernorm.weight": sd[pre + "input_layernorm.weight"],
+                        pre + "post_attention_layernorm.weight": sd[pre + "post_attention_layernorm.weight"]})
+    tensors["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"]
+    tensors["model.norm.weight"] = sd["model.norm.weight"]
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+
+
+async def measure(edge: EdgeEngine, prompt: list[int], tag: str) -> float:
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    t = time.perf_counter()
+    async for _ in edge.generate(tag, prompt, params):
+        break
+    ttft = time.perf_counter() - t
+    await asyncio.sleep(0.05)
+    return ttft
+
+
+async def run(args, model_dir: Path):
+    cache = CacheConfig(num_blocks=(8192 + 256) // 16 * 2)
+    budget = EngineConfig(max_num_batched_tokens=1024, max_num_seqs=4)
+    link = LinkSpec(delay_ms=args.delay_ms, bandwidth_mbit=args.mbit)
+    secret = b"ttft"
+    cores, relays = {}, {}
+    for mode, streaming in (("stream", True), ("batch", False)):
+        core = CoreServer(CoreConfig(str(model_dir), secret, port=0, http_port=None, dtype="bf16", cache=cache,
+                                     engine=budget, stream_layers=streaming, lease_seconds=5))
+        await core.start()
+        relay = WanRelay(link)
+        relays[mode] = (relay, await relay.start(("127.0.0.1", 0), ("127.0.0.1", core.port)))
+        cores[mode] = core
+
+    def edge_for(mode: str | None, codecs: list[str], adaptive=False) -> EdgeEngine:
+        addr = [("127.0.0.1", relays[mode][1])] if mode else []
+        engine = LLMEngine.from_dir(model_dir, "bf16", "cpu", cache, budget)
+        return EdgeEngine(EdgeConfig(str(model_dir), cores=addr, secret=secret, codecs=codecs, adaptive=adaptive,
+                                     local_prefill_below=0, cache=cache, engine=budget, transfer_timeout=300),
+                          engine=engine)
+
+    variants = {
+        "a_local": edge_for(None, ["lossless"]),
+        "b_raw_after_prefill": edge_for("batch", ["raw"]),
+        "c_stream_lossless": edge_for("stream", ["lossless"]),
+        "d_stream_int8": edge_for("stream", ["int8"]),
+        "e_adaptive": edge_for("stream", ["lossless", "int8"], adaptive=True),
+    }
+    for edge in variants.values():
+        await edge.start()
+    gen = torch.Generator().manual_seed(1)
+    results = {}
+    for n in args.lengths:
+        reps = 1 if n >= 8192 else args.repeats
+        row = {}
+        for name, edge in variants.items():
+            times = []
+            for r in range(reps + (1 if name == "e_adaptive" else 0)):   # adaptive: one warm-up to measure the link
+                prompt = torch.randint(5, 4000, (n,), generator=gen).tolist()   # fresh: no prefix-cache hits
+                t = await measure(edge, prompt, f"{name}-{n}-{r}")
+                if not (name == "e_adaptive" and r == 0):
+                    times.append(t)
+            row[name] = statistics.median(times)
+            progress(f"{n} tokens, {name}: TTFT {row[name] * 1e3:.0f} ms")
+        base = row["b_raw_after_prefill"]
+        results[n] = {k: {"ttft_ms": round(v * 1e3, 1), "ratio_to_b": round(v / base, 3)} for k, v in row.items()}
+    for edge in variants.values():
+        await edge.stop()
+    for mode in cores:
+        await relays[mode][0].stop()
+        await cores[mode].stop()
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="512,2048,8192")
+    ap.add_argument("--mbit", type=float, default=200)
+    ap.add_argument("--delay-ms", type=float, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "random-8k"
+        progress("writing a random 8k-context model")
+        write_model(model_dir)
+        results = asyncio.run(run(args, model_dir))
+    longest = results[max(results)]
+    emit("ttft", "stream_lossless_ratio_to_raw_at_longest", longest["c_stream_lossless"]["ratio_to_b"],
+         targets={"c": 0.85, "d": 0.6, "e": "within 10% of the best fixed"}, link_mbit=args.mbit,
+         delay_ms=args.delay_ms, results={str(k): v for k, v in results.items()}, model=CONFIG)
+
+
+if __name__ == "__main__":
+    main()

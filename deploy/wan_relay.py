@@ -1,0 +1,127 @@
+"""A userspace WAN link: a TCP relay that adds one-way delay, jitter and a bandwidth cap.
+
+Life cycle: `WanRelay(spec).start(listen, target)` accepts connections and, for
+each, opens the target and pumps both directions through a `Link`: every read
+is stamped with the time its last bit would leave a link of `bandwidth_bps`
+(serialization, FIFO) plus the propagation delay (± uniform jitter, never
+reordering), and is written when that time comes. The queue between reader
+and writer holds at most `buffer_bytes` (a router buffer): beyond it the
+reader stops reading, so TCP back-pressure reaches the sender. Packet loss is
+not emulated here (nftables does that under `--emulate-wan`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    delay_ms: float = 0.0
+    jitter_ms: float = 0.0
+    bandwidth_mbit: float | None = None
+    buffer_bytes: int = 4 * 1024 * 1024
+
+
+class Link:
+    def __init__(self, spec: LinkSpec, seed: int = 0):
+        self.spec = spec
+        self.free_at = 0.0          # when the link finishes serializing what is queued
+        self.last_release = 0.0
+        self.rng = random.Random(seed)
+
+    def release_time(self, nbytes: int, now: float) -> float:
+        s = self.spec
+        start = max(now, self.free_at)
+        if s.bandwidth_mbit:
+            self.free_at = start + nbytes * 8 / (s.bandwidth_mbit * 1e6)
+        else:
+            self.free_at = start
+        jitter = self.rng.uniform(-s.jitter_ms, s.jitter_ms) if s.jitter_ms else 0.0
+        release = self.free_at + max(0.0, s.delay_ms + jitter) / 1000
+        self.last_release = max(self.last_release, release)   # keep order
+        return self.last_release
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Link) -> None:
+    queue: asyncio.Queue = asyncio.Queue()
+    budget = asyncio.Semaphore(max(1, link.spec.buffer_bytes // 65536))
+
+    async def feed():
+        try:
+            while True:
+                await budget.acquire()
+                data = await reader.read(65536)
+                if not data:
+                    break
+                queue.put_nowait((link.release_time(len(data), time.monotonic()), data))
+        except (ConnectionError, OSError):
+            pass
+        queue.put_nowait((None, None))
+
+    feeder = asyncio.create_task(feed())
+    try:
+        while True:
+            at, data = await queue.get()
+            if data is None:
+                break
+            wait = at - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            writer.write(data)
+            budget.release()
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        feeder.cancel()
+        with contextlib.suppress(Exception):
+            writer.close()
+
+
+class WanRelay:
+    def __init__(self, spec: LinkSpec, reverse: LinkSpec | None = None):
+        self.spec, self.reverse = spec, reverse or spec
+        self.server: asyncio.base_events.Server | None = None
+        self.connections: set[asyncio.Task] = set()
+        self.cut = False
+
+    async def start(self, listen: tuple[str, int], target: tuple[str, int]) -> int:
+        async def on_conn(reader, writer):
+            if self.cut:
+                writer.close()
+                return
+            try:
+                up_reader, up_writer = await asyncio.open_connection(*target)
+            except OSError:
+                writer.close()
+                return
+            task = asyncio.current_task()
+            self.connections.add(task)
+            try:
+                await asyncio.gather(_pump(reader, up_writer, Link(self.spec, 1)),
+                                     _pump(up_reader, writer, Link(self.reverse, 2)))
+            except asyncio.CancelledError:      # the link was cut
+                writer.close()
+                up_writer.close()
+            finally:
+                self.connections.discard(task)
+
+        self.server = await asyncio.start_server(on_conn, *listen)
+        return self.server.sockets[0].getsockname()[1]
+
+    def cut_link(self) -> None:
+        """Drop every connection and refuse new ones (a link failure)."""
+        self.cut = True
+        for task in list(self.connections):
+            task.cancel()
+
+    async def stop(self) -> None:
+        self.cut_link()
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
