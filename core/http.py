@@ -13,7 +13,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 def build_app(core) -> web.Application:
     app = web.Application(client_max_size=1 << 20)
-    app["core"] = core
 
     async def health(_):
         return web.json_response({"status": "ok"})

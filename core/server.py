@@ -87,6 +87,11 @@ class CoreServer:
         self.aengine: AsyncEngine | None = None
         self.streamer: LayerStreamer | None = None
         self.started_at = time.time()
+        data_dir = Path(config.data_dir) if config.data_dir else Path("edgecore-data") / config.name
+        self.data_dir = data_dir
+        from core.model_server import ModelServer
+        self.model_server = ModelServer(config.model_dir, data_dir)
+        self.http_extensions = [self.model_server.routes]
 
     @property
     def layout(self) -> dict:

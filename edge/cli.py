@@ -30,6 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-concurrent", type=int, default=256, help="requests in flight before 503")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="request body limit")
     p.add_argument("--kv-blocks", type=int, default=4096, help="KV cache blocks of 16 tokens")
+    p.add_argument("--model-from", default=None, metavar="CORE_URL",
+                   help="fetch the packed model from a core's control port (e.g. http://core:7101), "
+                        "resuming and verifying, then serve it")
+    p.add_argument("--model-cache", default=None, help="where fetched models are kept (default "
+                   "~/.cache/edgecore/models)")
     p.add_argument("--tls-ca", default=None, help="CA for the cores' certificates (enables TLS to cores)")
     p.add_argument("--tls-cert", default=None, help="client certificate for mutual TLS")
     p.add_argument("--tls-key", default=None)
@@ -54,6 +59,13 @@ def run_edge(args: argparse.Namespace) -> int:
         if c not in CODECS:
             raise ConfigError(f"unknown codec '{c}' (known: {', '.join(CODECS)})")
     model_dir = args.model or default_model()
+    if args.model_from:
+        from edge.model_fetch import fetch_model
+        from shared.cli import Progress
+        cache = args.model_cache or str(Path.home() / ".cache" / "edgecore" / "models")
+        progress = Progress("fetch")
+        model_dir = str(fetch_model(args.model_from, cache, progress))
+        progress.done(f"model ready in {model_dir}")
     host, port = parse_hostport(args.listen)
     ssl = tls_context(False, args.tls_cert, args.tls_key, args.tls_ca) if args.tls_ca else None
     config = EdgeConfig(model_dir=model_dir, cores=cores, secret=read_secret(args.secret_file, required=bool(cores)),
@@ -62,7 +74,11 @@ def run_edge(args: argparse.Namespace) -> int:
                         local_prefill_below=args.local_prefill_below, cache=CacheConfig(num_blocks=args.kv_blocks),
                         name=args.name, ssl=ssl)
     edge = EdgeEngine(config)
-    http = EdgeHTTP(edge, args.served_model_name or Path(model_dir).name, read_api_keys(args.api_key_file),
+    served = args.served_model_name or Path(args.model or default_model()).name
+    if args.model_from and not args.served_model_name:
+        import json
+        served = json.loads((Path(model_dir) / "edgecore-pack.json").read_text()).get("name", "model")
+    http = EdgeHTTP(edge, served, read_api_keys(args.api_key_file),
                     int(args.max_body_mb * 1024 * 1024), args.max_concurrent)
     state = {}
 

@@ -29,6 +29,74 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=run_generate)
 
+    p = sub.add_parser("pack", help="losslessly compress a checkpoint for shipping to edges",
+                       description="Write a packed checkpoint: bf16/fp16/fp32 tensors split into exponent and "
+                                   "sign+mantissa planes, the exponent plane zstd-coded; per-tensor checksums.")
+    p.add_argument("model_dir", help="Hugging Face model directory (safetensors)")
+    p.add_argument("out_dir", help="where to write the packed checkpoint")
+    p.add_argument("--level", type=int, default=3, help="zstd level for exponent planes (default 3)")
+    p.add_argument("--threads", type=int, default=2)
+    p.set_defaults(func=run_pack)
+
+    p = sub.add_parser("unpack", help="restore the original safetensors files from a packed checkpoint",
+                       description="Rewrite the original safetensors files byte for byte (SHA-256 checked).")
+    p.add_argument("packed_dir")
+    p.add_argument("out_dir")
+    p.set_defaults(func=run_unpack)
+
+
+class Progress:
+    """One self-overwriting status line on stderr (plain lines when stderr is not a terminal)."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.tty = sys.stderr.isatty()
+        self.last = 0.0
+
+    def __call__(self, message: str) -> None:
+        import time
+        now = time.monotonic()
+        if self.tty:
+            sys.stderr.write(f"\r{self.label}: {message}\x1b[K")
+        elif now - self.last >= 1.0:
+            sys.stderr.write(f"{self.label}: {message}\n")
+        else:
+            return
+        self.last = now
+        sys.stderr.flush()
+
+    def done(self, message: str) -> None:
+        sys.stderr.write(("\r" if self.tty else "") + f"{self.label}: {message}" + ("\x1b[K" if self.tty else "")
+                         + "\n")
+
+
+def run_pack(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from shared.pack import pack_model
+    progress = Progress("pack")
+    manifest = pack_model(args.model_dir, args.out_dir, args.level, args.threads, progress)
+    original = sum(s["size"] for s in manifest["shards"])
+    packed = manifest["files"]["model.edgepack"]["size"]
+    progress.done(f"{len(manifest['tensors'])} tensors, {original / 1e6:.1f} MB → {packed / 1e6:.1f} MB "
+                  f"({packed / max(1, original):.3f}×) in {Path(args.out_dir)}")
+    return 0
+
+
+def run_unpack(args: argparse.Namespace) -> int:
+    from shared.errors import ModelLoadError
+    from shared.pack import PackedCheckpoint, is_packed
+    if not is_packed(args.packed_dir):
+        raise ModelLoadError(f"{args.packed_dir} is not a packed checkpoint (no edgecore-pack.json)")
+    progress = Progress("unpack")
+    packed = PackedCheckpoint(args.packed_dir)
+    try:
+        packed.unpack(args.out_dir, progress)
+    finally:
+        packed.close()
+    progress.done(f"restored {len(packed.manifest['shards'])} safetensors file(s) in {args.out_dir}")
+    return 0
+
 
 def run_generate(args: argparse.Namespace) -> int:
     from shared.engine.engine import LLMEngine

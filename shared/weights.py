@@ -39,7 +39,19 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
-    """(checkpoint name, lazy safetensors slice) for every tensor in the checkpoint."""
+    """(checkpoint name, lazy safetensors slice) for every tensor in the checkpoint.
+
+    A packed checkpoint yields decoded tensors instead (decoded in parallel threads,
+    a few at a time, each checksum-verified).
+    """
+    from shared.pack import PackedCheckpoint, is_packed
+    if is_packed(model_dir):
+        packed = PackedCheckpoint(model_dir)
+        try:
+            yield from packed.iter_tensors()
+        finally:
+            packed.close()
+        return
     for path in checkpoint_files(model_dir):
         try:
             handle = safe_open(str(path), framework="pt")
@@ -54,7 +66,14 @@ def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
 
 
 def weight_index(model_dir: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name → (dtype, shape) for every tensor, read from headers only."""
+    """name → (dtype, shape) for every tensor, read from headers only (or the pack manifest)."""
+    from shared.pack import PackedCheckpoint, is_packed
+    if is_packed(model_dir):
+        packed = PackedCheckpoint(model_dir)
+        try:
+            return packed.index()
+        finally:
+            packed.close()
     out = {}
     for name, sl in iter_weights(model_dir):
         out[name] = (str(sl.get_dtype()), tuple(sl.get_shape()))

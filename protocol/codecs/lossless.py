@@ -18,19 +18,10 @@ import struct
 import numpy as np
 
 from protocol.codecs.base import BITS_DTYPES, Codec, PlaneInfo, check_bits, zstd_compress, zstd_decompress
+from protocol.codecs.planes import join_planes, split_planes
 from protocol.errors import CodecError
 
 _LEN = struct.Struct("<I")
-
-
-def _rotl(bits: np.ndarray) -> np.ndarray:
-    width = bits.dtype.itemsize * 8
-    return (bits << 1) | (bits >> (width - 1))
-
-
-def _rotr(bits: np.ndarray) -> np.ndarray:
-    width = bits.dtype.itemsize * 8
-    return (bits >> 1) | (bits << (width - 1))
 
 
 class LosslessCodec(Codec):
@@ -41,10 +32,7 @@ class LosslessCodec(Codec):
 
     def encode(self, bits: np.ndarray, info: PlaneInfo) -> bytes:
         check_bits(bits, info)
-        size = bits.dtype.itemsize
-        planes = _rotl(bits.reshape(-1)).view(np.uint8).reshape(-1, size)
-        exponent = np.ascontiguousarray(planes[:, size - 1])
-        mantissa = np.ascontiguousarray(planes[:, : size - 1])
+        exponent, mantissa = split_planes(bits)
         packed = zstd_compress(exponent, self.level)
         return b"".join((_LEN.pack(len(packed)), packed, mantissa))
 
@@ -58,8 +46,4 @@ class LosslessCodec(Codec):
         if 4 + elen + n * (size - 1) != len(view):
             raise CodecError(f"lossless plane has {len(view)} bytes, layout needs {4 + elen + n * (size - 1)}")
         exponent = zstd_decompress(view[4:4 + elen], n)
-        out = np.empty(n, dtype=BITS_DTYPES[info.dtype])
-        planes = out.view(np.uint8).reshape(n, size)
-        planes[:, size - 1] = np.frombuffer(exponent, dtype=np.uint8)
-        planes[:, : size - 1] = np.frombuffer(view[4 + elen:], dtype=np.uint8).reshape(n, size - 1)
-        return _rotr(out).reshape(info.shape)
+        return join_planes(exponent, view[4 + elen:], BITS_DTYPES[info.dtype], n).reshape(info.shape)

@@ -1,0 +1,42 @@
+"""Exponent / sign+mantissa plane split of IEEE-style floats, as raw bits.
+
+Rotating each value left by one bit moves the sign below the mantissa and
+leaves the exponent in the top byte (bfloat16, float32: all 8 exponent bits;
+float16: 5 exponent bits + 3 mantissa bits). The top bytes form the exponent
+plane — few distinct values, entropy-codes well — and the rest form the
+sign+mantissa plane, close to random. Used by the `lossless` KV codec and by
+the packed weight format.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def split_planes(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """bits (uint16/uint32, any shape) → (exponent plane [n] u8, sign+mantissa plane [n, itemsize-1] u8)."""
+    size = bits.dtype.itemsize
+    width = size * 8
+    flat = bits.reshape(-1)
+    planes = ((flat << 1) | (flat >> (width - 1))).view(np.uint8).reshape(-1, size)
+    return np.ascontiguousarray(planes[:, size - 1]), np.ascontiguousarray(planes[:, : size - 1])
+
+
+def join_planes(exponent, mantissa, dtype: np.dtype, count: int) -> np.ndarray:
+    """Inverse of split_planes: flat array of `count` values of `dtype` (uint16/uint32)."""
+    dtype = np.dtype(dtype)
+    size = dtype.itemsize
+    if size == 2:   # fast path: whole-word shifts, in place, no strided byte writes
+        out = np.frombuffer(exponent, dtype=np.uint8, count=count).astype(np.uint16)
+        out <<= 8
+        out |= np.frombuffer(mantissa, dtype=np.uint8, count=count)
+        low = out >> 1
+        out <<= 15
+        out |= low
+        return out
+    out = np.empty(count, dtype=dtype)
+    planes = out.view(np.uint8).reshape(count, size)
+    planes[:, size - 1] = np.frombuffer(exponent, dtype=np.uint8, count=count)
+    planes[:, : size - 1] = np.frombuffer(mantissa, dtype=np.uint8, count=count * (size - 1)).reshape(count, size - 1)
+    width = size * 8
+    return (out >> 1) | (out << (width - 1))

@@ -1,0 +1,12 @@
+"""Packed checkpoints: lossless, smaller safetensors for shipping models to edges.
+
+`pack_model(src, out)` writes a packed checkpoint; `PackedCheckpoint(dir)` reads
+it (tensor by tensor, in parallel threads, checksums verified) and restores the
+original safetensors files byte for byte with `unpack`. See `format.py`.
+"""
+
+from shared.pack.format import MANIFEST, is_packed
+from shared.pack.reader import PackedCheckpoint
+from shared.pack.writer import pack_model
+
+__all__ = ["MANIFEST", "PackedCheckpoint", "is_packed", "pack_model"]

@@ -1,0 +1,135 @@
+"""Reading packed checkpoints: tensors for the model loader, byte-identical unpack.
+
+Life cycle: `PackedCheckpoint(dir)` validates the manifest and memory-maps the
+pack file. `iter_tensors()` decodes tensors in a thread pool with a bounded
+look-ahead (so at most a few decoded tensors exist beside the model) and
+yields (name, torch tensor) in file order; `unpack(out)` rewrites every
+original shard (exact header bytes, then the tensors' bytes in offset order)
+and checks its SHA-256. Every tensor's CRC-32 is checked after decoding; a
+mismatch or a malformed blob raises `ModelLoadError` naming the tensor.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import mmap
+import shutil
+import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+import zstandard
+
+from protocol.codecs.planes import join_planes
+from shared.errors import ModelLoadError
+from shared.pack.format import BITS, FORMAT, MAGIC, MANIFEST, NUMPY, PACK_FILE, VERSION, sha256_file
+
+
+class PackedCheckpoint:
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        try:
+            self.manifest = json.loads((self.dir / MANIFEST).read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"{self.dir / MANIFEST} is unreadable: {exc}") from None
+        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+            raise ModelLoadError(f"{self.dir} holds an unsupported pack format "
+                                 f"{self.manifest.get('format')} v{self.manifest.get('version')}")
+        path = self.dir / PACK_FILE
+        try:
+            self._file = open(path, "rb")
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read {path}: {exc}") from None
+        if hasattr(mmap, "MADV_WILLNEED"):
+            self._map.madvise(mmap.MADV_WILLNEED)    # start reading ahead while the first tensors decode
+        if self._map[:8] != MAGIC or struct.unpack_from("<I", self._map, 8)[0] != VERSION:
+            raise ModelLoadError(f"{path} is not an edgecore pack file")
+        self.tensors = self.manifest["tensors"]
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:
+            pass    # a view is still alive (e.g. held by a traceback); the map closes when it dies
+        self._file.close()
+
+    def index(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {t["name"]: (t["dtype"], tuple(t["shape"])) for t in self.tensors}
+
+    def tensor_bytes(self, entry: dict) -> bytes | memoryview:
+        """The original bytes of one tensor, checksum verified."""
+        name = entry["name"]
+        start, length, size = entry["offset"], entry["length"], entry["end"] - entry["begin"]
+        if start + length > len(self._map):
+            raise ModelLoadError(f"packed tensor '{name}' is truncated (pack file too short)")
+        blob = memoryview(self._map)[start:start + length]
+        try:
+            if entry["encoding"] == "raw":
+                data = blob
+            elif entry["encoding"] == "planes":
+                container = np.dtype(BITS[entry["dtype"]])
+                count = size // container.itemsize
+                exp_len = entry["exponent_length"]
+                exponent = zstandard.ZstdDecompressor().decompress(blob[:exp_len], max_output_size=count)
+                if len(exponent) != count or length - exp_len != count * (container.itemsize - 1):
+                    raise ValueError("plane sizes do not match the tensor")
+                data = memoryview(join_planes(exponent, blob[exp_len:], container, count)).cast("B")
+            else:
+                raise ValueError(f"unknown encoding {entry['encoding']!r}")
+        except (ValueError, KeyError, zstandard.ZstdError) as exc:
+            raise ModelLoadError(f"packed tensor '{name}' is corrupt: {exc}") from None
+        if len(data) != size or (zlib.crc32(data) & 0xFFFFFFFF) != entry["crc32"]:
+            raise ModelLoadError(f"packed tensor '{name}' failed its checksum (corrupt pack)")
+        return data
+
+    def tensor(self, entry: dict) -> torch.Tensor:
+        data = self.tensor_bytes(entry)
+        dtype = entry["dtype"]
+        if dtype not in NUMPY:
+            raise ModelLoadError(f"packed tensor '{entry['name']}' has unsupported dtype {dtype}")
+        arr = np.frombuffer(data, dtype=NUMPY[dtype]).copy() if entry["encoding"] == "raw" \
+            else np.frombuffer(data, dtype=NUMPY[dtype])
+        t = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) if dtype == "BF16" else torch.from_numpy(arr)
+        return t.reshape(entry["shape"])
+
+    def iter_tensors(self, threads: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
+        with ThreadPoolExecutor(threads) as pool:
+            pending = []
+            for entry in self.tensors:
+                pending.append((entry["name"], pool.submit(self.tensor, entry)))
+                if len(pending) >= 2 * threads:
+                    name, fut = pending.pop(0)
+                    yield name, fut.result()
+            for name, fut in pending:
+                yield name, fut.result()
+
+    def unpack(self, out: str | Path, progress: Callable[[str], None] | None = None) -> None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        by_shard: dict[int, list[dict]] = {}
+        for entry in self.tensors:
+            by_shard.setdefault(entry["shard"], []).append(entry)
+        for index, shard in enumerate(self.manifest["shards"]):
+            path = out / shard["file"]
+            header = base64.b64decode(shard["header"])
+            with open(path, "wb") as f:
+                f.write(struct.pack("<Q", len(header)) + header)
+                pos = 0
+                for entry in sorted(by_shard.get(index, []), key=lambda e: e["begin"]):
+                    if entry["begin"] != pos:
+                        raise ModelLoadError(f"pack manifest leaves a gap before tensor '{entry['name']}'")
+                    f.write(self.tensor_bytes(entry))
+                    pos = entry["end"]
+                    if progress:
+                        progress(f"{shard['file']}: {entry['name']}")
+            if sha256_file(path) != shard["sha256"]:
+                raise ModelLoadError(f"unpacked {shard['file']} differs from the original (checksum)")
+        for name in self.manifest["files"]:
+            if name != PACK_FILE and (self.dir / name).is_file():
+                shutil.copyfile(self.dir / name, out / name)

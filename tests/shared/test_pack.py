@@ -1,0 +1,105 @@
+"""Packed checkpoints: byte-identical round trips, same tokens, corruption named by tensor."""
+
+import filecmp
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from shared.engine.sampling_params import SamplingParams
+from shared.errors import ModelLoadError
+from shared.fingerprint import model_fingerprint
+from shared.models.loader import load_model
+from shared.pack import PackedCheckpoint, pack_model
+from tests.conftest import make_engine
+
+
+def round_trip(src, tmp_path):
+    pack_model(src, tmp_path / "packed")
+    packed = PackedCheckpoint(tmp_path / "packed")
+    packed.unpack(tmp_path / "unpacked")
+    packed.close()
+    return tmp_path / "packed", tmp_path / "unpacked"
+
+
+def test_bundled_model_round_trip_is_byte_identical_and_smaller(model_dir, tmp_path):
+    packed, unpacked = round_trip(model_dir, tmp_path)
+    assert filecmp.cmp(unpacked / "model.safetensors", model_dir / "model.safetensors", shallow=False)
+    assert (packed / "model.edgepack").stat().st_size < 0.75 * (model_dir / "model.safetensors").stat().st_size
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert filecmp.cmp(packed / name, model_dir / name, shallow=False)
+    assert model_fingerprint(packed) == model_fingerprint(model_dir)
+
+
+def test_packed_model_generates_the_same_tokens(model_dir, tmp_path, golden):
+    packed, _ = round_trip(model_dir, tmp_path)
+    prompts = [c["prompt_ids"] for c in golden["cases"]]
+    params = SamplingParams(max_tokens=32, temperature=0)
+    assert [r["token_ids"] for r in make_engine(packed).generate(prompts, params)] == \
+           [r["token_ids"] for r in make_engine(model_dir).generate(prompts, params)]
+
+
+def special_tensor(dtype, n=5000):
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(n, generator=g).to(dtype)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0,
+                             torch.finfo(dtype).tiny / 4, -torch.finfo(dtype).tiny / 2, torch.finfo(dtype).max])
+    t[:len(specials)] = specials.to(dtype)
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_random_tensors_with_special_values_round_trip(tmp_path, model_dir, dtype):
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(model_dir / "config.json", src / "config.json")
+    tensors = {"big": special_tensor(dtype).reshape(50, 100), "empty": torch.zeros(0, dtype=dtype),
+               "zeros": torch.zeros(3000, dtype=dtype), "small": torch.arange(7).to(dtype),
+               "ints": torch.arange(100, dtype=torch.int64)}
+    save_file(tensors, str(src / "model.safetensors"), metadata={"note": "special values"})
+    _, unpacked = round_trip(src, tmp_path)
+    assert (unpacked / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    manifest = json.loads((tmp_path / "packed" / "edgecore-pack.json").read_text())
+    assert {t["name"]: t["encoding"] for t in manifest["tensors"]}["big"] == "planes"
+
+
+def test_sharded_checkpoint_round_trip(tmp_path, model_dir):
+    from safetensors.torch import load_file
+    src = tmp_path / "sharded"
+    shutil.copytree(model_dir, src)
+    (src / "model.safetensors").unlink()
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[:10], names[10:])):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, str(src / fname))
+        weight_map.update({n: fname for n in part})
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    packed, unpacked = round_trip(src, tmp_path)
+    for i in (1, 2):
+        fname = f"model-{i:05d}-of-00002.safetensors"
+        assert filecmp.cmp(unpacked / fname, src / fname, shallow=False)
+    a, b = load_model(src), load_model(packed)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_corrupted_pack_names_the_tensor(model_dir, tmp_path):
+    pack_model(model_dir, tmp_path / "packed")
+    manifest = json.loads((tmp_path / "packed" / "edgecore-pack.json").read_text())
+    victim = next(t for t in manifest["tensors"] if t["name"] == "model.layers.1.mlp.up_proj.weight")
+    data = bytearray((tmp_path / "packed" / "model.edgepack").read_bytes())
+    data[victim["offset"] + victim["length"] - 10] ^= 0x55        # a mantissa byte
+    (tmp_path / "packed" / "model.edgepack").write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="model.layers.1.mlp.up_proj.weight"):
+        load_model(tmp_path / "packed")
+    data[victim["offset"] + 2] ^= 0xFF                            # inside the zstd frame
+    (tmp_path / "packed" / "model.edgepack").write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="model.layers.1.mlp.up_proj.weight"):
+        load_model(tmp_path / "packed")
+    (tmp_path / "packed" / "model.edgepack").write_bytes(bytes(data[: victim["offset"]]))
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_model(tmp_path / "packed")
