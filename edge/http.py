@@ -17,14 +17,13 @@ import hmac
 import logging
 import time
 import uuid
-from functools import lru_cache
-
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from edge.engine import EdgeEngine
-from edge.openai_request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
+from shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
+from shared.openai.response import ChoiceResult, TokenText, response_body, usage
 
 log = logging.getLogger("edgecore.http")
 json_encode = msgspec.json.Encoder().encode
@@ -39,12 +38,7 @@ class EdgeHTTP:
         self.max_body = max_body
         self.max_concurrent = max_concurrent
         self.created = int(time.time())
-        tok = edge.tokenizer
-
-        @lru_cache(maxsize=65536)
-        def token_str(token_id: int) -> str:
-            return tok.decode([token_id], skip_special_tokens=False)
-        self.token_str = token_str
+        self.texts = TokenText(edge.tokenizer)
 
     # ---- app ----------------------------------------------------------------
     def build_app(self) -> web.Application:
@@ -181,46 +175,19 @@ class EdgeHTTP:
             for task in tasks:
                 task.cancel()
 
-    def _usage(self, parsed: ParsedRequest, completion_tokens: int, cached: dict[int, int]) -> dict:
-        prompt_tokens = sum(len(p) for p in parsed.prompts)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
-
     async def _collect(self, parsed, chat, rid, created, queue, count):
-        texts, reasons, lps, ntoks = [""] * count, [None] * count, [[] for _ in range(count)], [0] * count
-        cached: dict[int, int] = {}
+        results = [ChoiceResult() for _ in range(count)]
         remaining = count
         while remaining:
             i, out = await queue.get()
             if out is None:
                 remaining -= 1
-                continue
-            if isinstance(out, Exception):
+            elif isinstance(out, Exception):
                 raise ApiError(500, f"generation failed: {out}", None, "internal_error")
-            cached.setdefault(i // parsed.n, out.num_cached_tokens)
-            texts[i] += out.new_text
-            ntoks[i] += len(out.new_token_ids)
-            if out.logprobs:
-                lps[i] += out.logprobs
-            if out.finished:
-                reasons[i] = out.finish_reason
-        choices = []
-        for i in range(count):
-            if chat:
-                choice = {"index": i, "message": {"role": "assistant", "content": texts[i]},
-                          "logprobs": self._chat_logprobs(lps[i]) if parsed.logprobs is not None else None,
-                          "finish_reason": reasons[i]}
             else:
-                prefix = parsed.prompt_texts[i // parsed.n] if parsed.echo else ""
-                choice = {"index": i, "text": prefix + texts[i],
-                          "logprobs": self._completion_logprobs(lps[i], len(prefix))
-                          if parsed.logprobs is not None else None,
-                          "finish_reason": reasons[i]}
-            choices.append(choice)
-        body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": self.served_model, "choices": choices, "usage": self._usage(parsed, sum(ntoks), cached),
-                "system_fingerprint": self.edge.fingerprint[:16] or None}
+                results[i].add(out)
+        body = response_body(parsed, results, chat, rid, created, self.served_model, self.texts,
+                             self.edge.fingerprint[:16] or None)
         return web.Response(body=json_encode(body), content_type="application/json")
 
     async def _stream(self, request, parsed, chat, rid, created, queue, count):
@@ -257,17 +224,17 @@ class EdgeHTTP:
                     continue
                 reason = out.finish_reason if out.finished else None
                 if chat:
-                    lp = self._chat_logprobs(out.logprobs or []) if parsed.logprobs is not None else None
+                    lp = self.texts.chat_logprobs(out.logprobs or []) if parsed.logprobs is not None else None
                     delta = {"content": out.new_text} if out.new_text or not out.finished else {}
                     choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
                 else:
-                    lp = self._completion_logprobs(out.logprobs or [], offsets[i]) \
+                    lp = self.texts.completion_logprobs(out.logprobs or [], offsets[i]) \
                         if parsed.logprobs is not None else None
                     choice = {"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": reason}
                 offsets[i] += len(out.new_text)
                 await send({**base, "choices": [choice]})
             if parsed.include_usage:
-                await send({**base, "choices": [], "usage": self._usage(parsed, ntoks, cached)})
+                await send({**base, "choices": [], "usage": usage(parsed, ntoks, sum(cached.values()))})
         except ApiError as exc:
             await send(exc.body())
         except (ConnectionResetError, asyncio.CancelledError):
@@ -275,27 +242,6 @@ class EdgeHTTP:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
-
-    # ---- logprobs formatting ------------------------------------------------------
-    def _completion_logprobs(self, lps, offset: int) -> dict:
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for lp in lps:
-            s = self.token_str(lp.token_id)
-            tokens.append(s)
-            token_lps.append(lp.logprob)
-            tops.append({self.token_str(t): v for t, v in lp.top})
-            offsets.append(offset)
-            offset += len(s)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-    def _chat_logprobs(self, lps) -> dict:
-        content = []
-        for lp in lps:
-            s = self.token_str(lp.token_id)
-            content.append({"token": s, "logprob": lp.logprob, "bytes": list(s.encode()),
-                            "top_logprobs": [{"token": self.token_str(t), "logprob": v,
-                                              "bytes": list(self.token_str(t).encode())} for t, v in lp.top]})
-        return {"content": content}
 
 
 async def start_http(http: EdgeHTTP, host: str, port: int):
