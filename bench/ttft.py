@@ -84,6 +84,7 @@ async def run(args, model_dir: Path):
     cores, relays = {}, {}
     for mode, streaming in (("stream", True), ("batch", False)):
         core = CoreServer(CoreConfig(str(model_dir), secret, port=0, http_port=None, dtype="bf16", cache=cache,
+                                     data_dir=str(model_dir.parent / f"core-{mode}"),
                                      engine=budget, stream_layers=streaming, lease_seconds=5))
         await core.start()
         relay = WanRelay(link)

@@ -24,6 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-key", default=None)
     p.add_argument("--tls-ca", default=None, help="CA to verify edge certificates (enables mutual TLS)")
     p.add_argument("--data-dir", default=None, help="batch API storage (default: ./edgecore-data/NAME)")
+    p.add_argument("--api-key-file", default=None, help="API keys for the HTTP /v1/ routes (batch API)")
+    p.add_argument("--max-file-mb", type=float, default=200.0, help="upload limit of /v1/files")
     p.set_defaults(func=run_core)
 
 
@@ -32,7 +34,7 @@ def run_core(args: argparse.Namespace) -> int:
     from protocol.transport import tls_context
     from shared.config import CacheConfig, EngineConfig
     from shared.env import default_device, default_model
-    from shared.secrets import parse_hostport, read_secret
+    from shared.secrets import parse_hostport, read_api_keys, read_secret
     from shared.service import run_service, setup_logging
 
     setup_logging(f"[{args.name}] ")
@@ -45,7 +47,9 @@ def run_core(args: argparse.Namespace) -> int:
                         device=args.device or default_device(), lease_seconds=args.lease,
                         cache=CacheConfig(num_blocks=args.kv_blocks),
                         engine=EngineConfig(max_num_batched_tokens=args.max_batched_tokens),
-                        name=args.name, ssl=ssl, data_dir=args.data_dir)
+                        name=args.name, ssl=ssl, data_dir=args.data_dir,
+                        api_keys=read_api_keys(args.api_key_file),
+                        max_file_bytes=int(args.max_file_mb * 1024 * 1024))
     core = CoreServer(config)
 
     async def start():

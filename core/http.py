@@ -10,9 +10,12 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from shared.openai.http import error_middleware
+
 
 def build_app(core) -> web.Application:
-    app = web.Application(client_max_size=1 << 20)
+    app = web.Application(client_max_size=1 << 20,
+                          middlewares=[error_middleware(core.config.api_keys, 1 << 20)])
 
     async def health(_):
         return web.json_response({"status": "ok"})

@@ -60,6 +60,9 @@ class CoreConfig:
     ssl: object = None
     data_dir: str | None = None
     stream_layers: bool = True          # False: hold all KV until the prefill ends (baseline mode)
+    api_keys: list[bytes] = field(default_factory=list)   # for the HTTP /v1/ routes (batch API)
+    max_file_bytes: int = 200 * 1024 * 1024
+    batch_inflight: int = 256           # > engine max_num_seqs, so a queue refills the batch at once
 
 
 class Session:
@@ -92,6 +95,7 @@ class CoreServer:
         from core.model_server import ModelServer
         self.model_server = ModelServer(config.model_dir, data_dir)
         self.http_extensions = [self.model_server.routes]
+        self.store = self.batches = self.contexts = None
 
     @property
     def layout(self) -> dict:
@@ -104,6 +108,16 @@ class CoreServer:
         self.aengine = AsyncEngine(self.engine, on_layer=self.streamer.on_layer)
         self.aengine.start()
         c = self.config
+        from core.batch_api import BatchAPI
+        from core.batch_runner import BatchRunner
+        from core.batch_store import BatchStore
+        from core.contexts import Contexts
+        self.store = BatchStore(self.data_dir)
+        self.contexts = Contexts(self, self.store)
+        await self.contexts.restore()
+        self.batches = BatchRunner(self, self.store, model_name(c.model_dir), c.batch_inflight)
+        self.batches.start()
+        self.http_extensions.append(BatchAPI(self, self.store, self.batches, self.contexts, c.max_file_bytes).routes)
         self.server = await serve(self._session, host=c.host, port=c.port, secret=c.secret,
                                   fingerprint=self.fingerprint, codecs=c.codecs, timeouts=c.timeouts,
                                   ssl=c.ssl, name=c.name, layout=self.layout, load_fn=self.load)
@@ -120,8 +134,12 @@ class CoreServer:
             await session.peer.close()
         if self.http_runner is not None:
             await self.http_runner.cleanup()
+        if self.batches is not None:
+            await self.batches.stop()
         if self.aengine is not None:
             self.aengine.stop()
+        if self.store is not None:
+            self.store.close()
         self.encoder_pool.shutdown(wait=False)
 
     # ---- one edge connection ---------------------------------------------
@@ -275,10 +293,16 @@ class CoreServer:
             "leases": sum(1 for s in self.sessions for r in s.requests.values() if r.lease is not None),
             "engine_alive": bool(self.aengine and self.aengine.alive),
             "model_fingerprint": self.fingerprint,
+            "contexts": len(self.contexts.pinned) if self.contexts else 0,
             "layout": self.layout,
         })
         return stats
 
 
 def model_name(model_dir: str) -> str:
-    return Path(model_dir).name
+    """The model id in API requests and responses: the model directory's name (or the packed original's)."""
+    from shared.pack import is_packed
+    if is_packed(model_dir):
+        import json
+        return json.loads((Path(model_dir) / "edgecore-pack.json").read_text()).get("name", Path(model_dir).name)
+    return Path(model_dir).resolve().name

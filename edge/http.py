@@ -13,7 +13,6 @@ at the edge and the core.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
@@ -22,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from edge.engine import EdgeEngine
+from shared.openai.http import error_middleware, json_body
 from shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
 from shared.openai.response import ChoiceResult, TokenText, response_body, usage
 
@@ -42,7 +42,8 @@ class EdgeHTTP:
 
     # ---- app ----------------------------------------------------------------
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.max_body, middlewares=[error_middleware(
+            self.api_keys, self.max_body, lambda status: self.edge.metrics.errors.labels(str(status)).inc())])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -51,55 +52,6 @@ class EdgeHTTP:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/stats", self.stats)
         return app
-
-    @web.middleware
-    async def _errors(self, request: web.Request, handler):
-        try:
-            if request.path.startswith("/v1/"):
-                self._check_key(request)
-            return await handler(request)
-        except ApiError as exc:
-            self.edge.metrics.errors.labels(str(exc.status)).inc()
-            return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
-        except web.HTTPRequestEntityTooLarge:
-            exc = ApiError(413, f"Request body exceeds the limit of {self.max_body} bytes", None,
-                           "request_too_large")
-            return web.json_response(exc.body(), status=413)
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            err = ApiError(exc.status, exc.reason or "error", None, None)
-            return web.json_response(err.body(), status=exc.status)
-
-    def _check_key(self, request: web.Request) -> None:
-        if not self.api_keys:
-            return
-        header = request.headers.get("Authorization", "")
-        given = header[7:].strip().encode() if header.startswith("Bearer ") else b""
-        ok = False
-        for key in self.api_keys:   # compare with every key: timing does not reveal which matched
-            ok |= hmac.compare_digest(given, key)
-        if not ok:
-            raise ApiError(401, "Incorrect or missing API key. Pass it as 'Authorization: Bearer KEY'.", None,
-                           "invalid_api_key")
-
-    async def _body(self, request: web.Request) -> dict:
-        ctype = request.content_type
-        if ctype not in ("application/json", "", "application/octet-stream") and not ctype.endswith("+json"):
-            raise ApiError(415, f"Content-Type must be application/json, got {ctype}", None, "invalid_content_type")
-        raw = await request.read()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ApiError(400, "The request body is not valid UTF-8", None, "invalid_encoding") from None
-        try:
-            body = msgspec.json.decode(text)
-        except msgspec.DecodeError as exc:
-            raise ApiError(400, f"We could not parse the JSON body of your request: {exc}", None,
-                           "invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "The JSON body must be an object", None, "invalid_json")
-        return body
 
     def _capacity(self) -> None:
         if not self.edge.ready:
@@ -111,7 +63,7 @@ class EdgeHTTP:
 
     # ---- endpoints ------------------------------------------------------------
     async def completions(self, request: web.Request):
-        body = await self._body(request)
+        body = await json_body(request)
         check_model(body, self.served_model)
         cfg = self.edge.engine.config
         parsed = parse_completion(body, self.edge.tokenizer, cfg.vocab_size, self.edge.engine.max_model_len)
@@ -119,7 +71,7 @@ class EdgeHTTP:
         return await self._serve(request, parsed, chat=False)
 
     async def chat(self, request: web.Request):
-        body = await self._body(request)
+        body = await json_body(request)
         check_model(body, self.served_model)
         cfg = self.edge.engine.config
         parsed = parse_chat(body, self.edge.tokenizer, cfg.vocab_size, self.edge.engine.max_model_len)

@@ -37,3 +37,4 @@ def test_every_command_has_help():
     for name in commands:
         r = run(name, "--help")
         assert r.returncode == 0 and "usage: edgecore " + name in r.stdout
+    assert run("batch", "submit", "--help").returncode == 0

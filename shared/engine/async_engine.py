@@ -35,6 +35,7 @@ class AsyncEngine:
         self._commands: deque[tuple[Callable, asyncio.Future | None]] = deque()
         self._wake = threading.Condition()
         self._streams: dict[str, asyncio.Queue] = {}
+        self._collected: dict[str, list[RequestOutput]] = {}   # requests delivered only when finished
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -75,19 +76,24 @@ class AsyncEngine:
             self._commands.append((fn, None))
             self._wake.notify()
 
-    def open_stream(self, request_id: str) -> asyncio.Queue:
+    def open_stream(self, request_id: str, collect: bool = False) -> asyncio.Queue:
+        """A queue of the request's outputs; with `collect`, they arrive together when it finishes
+        (no per-token wake-ups for callers that only need the end result)."""
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
+        if collect:
+            self._collected[request_id] = []
         return queue
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self._collected.pop(request_id, None)
 
-    async def generate(self, request_id: str, prompt, params: SamplingParams,
-                       prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
-        queue = self.open_stream(request_id)
+    async def generate(self, request_id: str, prompt, params: SamplingParams, prefill_only: bool = False,
+                       priority: int = 0, collect: bool = False) -> AsyncIterator[RequestOutput]:
+        queue = self.open_stream(request_id, collect)
         try:
-            await self.call(lambda e: e.add_request(request_id, prompt, params, prefill_only))
+            await self.call(lambda e: e.add_request(request_id, prompt, params, prefill_only, priority))
             async for out in self.stream(request_id, queue):
                 yield out
         finally:
@@ -98,13 +104,14 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise EngineDead(f"engine failed: {out}")
-                yield out
-                if out.finished:
-                    finished = True
-                    return
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDead(f"engine failed: {item}")
+                for out in (item if isinstance(item, list) else (item,)):
+                    yield out
+                    if out.finished:
+                        finished = True
+                        return
         finally:
             if not finished:
                 self.post(lambda e: e.abort(request_id))
@@ -149,8 +156,16 @@ class AsyncEngine:
             self.on_outputs(outputs)
         for out in outputs:
             queue = self._streams.get(out.request_id)
-            if queue is not None:
+            if queue is None:
+                continue
+            held = self._collected.get(out.request_id)
+            if held is None:
                 queue.put_nowait(out)
+            else:
+                held.append(out)
+                if out.finished:
+                    queue.put_nowait(held)
+                    self._collected[out.request_id] = []
 
     def _fail_all(self, exc: BaseException) -> None:
         for queue in self._streams.values():

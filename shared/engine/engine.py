@@ -71,7 +71,8 @@ class LLMEngine:
         return cls(model, config, tokenizer, cache_config, engine_config)
 
     # ---- requests -------------------------------------------------------
-    def _new_sequence(self, request_id: str, prompt, params: SamplingParams, prefill_only: bool) -> Sequence:
+    def _new_sequence(self, request_id: str, prompt, params: SamplingParams, prefill_only: bool,
+                      priority: int = 0) -> Sequence:
         if request_id in self.requests:
             raise RequestError(f"request id '{request_id}' is already in use", param="request_id")
         if isinstance(prompt, str):
@@ -95,15 +96,15 @@ class LLMEngine:
         if need > capacity:
             raise RequestError(f"the request needs {need} tokens of KV cache but the cache holds {capacity}",
                                param="prompt", code="context_length_exceeded")
-        seq = Sequence(request_id, ids, params, prefill_only)
+        seq = Sequence(request_id, ids, params, prefill_only, priority)
         if params.seed is not None and not params.greedy:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed % 2**63)
         self.requests[request_id] = OutputState(seq, self.tokenizer, self.eos_ids, self.max_model_len)
         return seq
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    prefill_only: bool = False) -> Sequence:
-        seq = self._new_sequence(request_id, prompt, params or SamplingParams(), prefill_only)
+                    prefill_only: bool = False, priority: int = 0) -> Sequence:
+        seq = self._new_sequence(request_id, prompt, params or SamplingParams(), prefill_only, priority)
         self.scheduler.add(seq)
         return seq
 
@@ -181,6 +182,16 @@ class LLMEngine:
     def release(self, request_id: str) -> None:
         """Free a parked (prefill-only or reserved) request's KV."""
         self.abort(request_id)
+
+    def pin_prefix(self, request_id: str) -> list[int]:
+        """Keep a parked request's full, cached blocks resident after it is released (contexts)."""
+        seq = self.requests[request_id].seq
+        full = seq.table.blocks[:seq.table.num_hashed]
+        self.block_manager.pin(full)
+        return list(full)
+
+    def unpin(self, block_ids: list[int]) -> None:
+        self.block_manager.release_blocks(block_ids)
 
     # ---- (b) KV from outside: decode it -----------------------------------
     def reserve(self, request_id: str, prompt, params: SamplingParams | None = None) -> tuple[Sequence, int]:

@@ -47,8 +47,15 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue `seq` behind every waiting sequence of its priority or better (lower value)."""
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        if not self.waiting or self.waiting[-1].priority <= seq.priority:
+            self.waiting.append(seq)
+            return
+        for i, other in enumerate(self.waiting):
+            if other.priority > seq.priority:
+                self.waiting.insert(i, seq)
+                return
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

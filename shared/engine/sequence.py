@@ -31,12 +31,13 @@ class Status(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 prefill_only: bool = False):
+                 prefill_only: bool = False, priority: int = 0):
         self.request_id = request_id
         self.token_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.params = params
         self.prefill_only = prefill_only
+        self.priority = priority        # 0 interactive; higher values wait (batch work fills idle capacity)
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0      # prompt tokens served from the prefix cache (first admission)

@@ -160,7 +160,14 @@ class BlockManager:
 
     def free_table(self, table: BlockTable) -> None:
         """Release a sequence's blocks, last block first so that prefix heads stay cached longest."""
-        for bid in reversed(table.blocks):
+        self.release_blocks(list(reversed(table.blocks)))
+        table.blocks.clear()
+        table.num_hashed = 0
+        table.last_hash = None
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block; unreferenced cached blocks become evictable."""
+        for bid in block_ids:
             block = self.blocks[bid]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -169,9 +176,6 @@ class BlockManager:
                 else:
                     block.hash = None
                     self.free.append(bid)
-        table.blocks.clear()
-        table.num_hashed = 0
-        table.last_hash = None
 
     def pin(self, block_ids: list[int]) -> None:
         """Take an extra reference (pinned contexts, transfers in flight)."""

@@ -59,10 +59,11 @@ class Node:
                 self.kill()
 
 
-def start_core(secret_file: str, *extra: str) -> tuple[Node, int, int]:
+def start_core(secret_file: str, *extra: str, data_dir: str | None = None) -> tuple[Node, int, int]:
+    import tempfile
     port, http = free_port(), free_port()
     node = Node(["core", "--listen", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{http}", "--secret-file",
-                 secret_file, *extra])
+                 secret_file, "--data-dir", data_dir or tempfile.mkdtemp(prefix="edgecore-core-"), *extra])
     return node, port, http
 
 

@@ -15,8 +15,8 @@ from shared.fingerprint import model_fingerprint
 pytestmark = pytest.mark.timeout(60)
 
 
-async def test_first_chunks_leave_before_last_layer_is_computed(model_dir, tokenizer, heldout):
-    core = CoreServer(CoreConfig(str(model_dir), b"s", port=0, http_port=None,
+async def test_first_chunks_leave_before_last_layer_is_computed(model_dir, tokenizer, heldout, tmp_path):
+    core = CoreServer(CoreConfig(str(model_dir), b"s", port=0, http_port=None, data_dir=str(tmp_path),
                                  engine=EngineConfig(max_num_batched_tokens=64)))
     await core.start()
     client = CoreClient("127.0.0.1", core.port, secret=b"s", fingerprint=model_fingerprint(model_dir),
@@ -59,8 +59,8 @@ async def test_first_chunks_leave_before_last_layer_is_computed(model_dir, token
         await core.stop()
 
 
-async def test_lease_expiry_and_disconnect_free_kv(model_dir):
-    core = CoreServer(CoreConfig(str(model_dir), b"s", port=0, http_port=None, lease_seconds=0.2))
+async def test_lease_expiry_and_disconnect_free_kv(model_dir, tmp_path):
+    core = CoreServer(CoreConfig(str(model_dir), b"s", port=0, http_port=None, data_dir=str(tmp_path), lease_seconds=0.2))
     await core.start()
     client = CoreClient("127.0.0.1", core.port, secret=b"s", fingerprint=model_fingerprint(model_dir),
                         codecs=["lossless"])
@@ -83,8 +83,8 @@ async def test_lease_expiry_and_disconnect_free_kv(model_dir):
         await core.stop()
 
 
-async def test_bad_prefill_requests_get_request_errors(model_dir):
-    core = CoreServer(CoreConfig(str(model_dir), b"s", port=0, http_port=None))
+async def test_bad_prefill_requests_get_request_errors(model_dir, tmp_path):
+    core = CoreServer(CoreConfig(str(model_dir), b"s", port=0, http_port=None, data_dir=str(tmp_path)))
     await core.start()
     client = CoreClient("127.0.0.1", core.port, secret=b"s", fingerprint=model_fingerprint(model_dir),
                         codecs=["lossless"])

@@ -75,3 +75,15 @@ def test_finish_frees_blocks():
     assert bm.num_used == 2
     sched.finish(a, "stop")
     assert bm.num_used == 0 and a.status is Status.FINISHED and not sched.running
+
+
+def test_interactive_requests_are_admitted_before_queued_batch_work():
+    sched = Scheduler(BlockManager(64, 4), EngineConfig(max_num_batched_tokens=8, max_num_seqs=8))
+    batch = [Sequence(f"b{i}", [1, 2, 3, 4], SamplingParams(), priority=1) for i in range(3)]
+    for s in batch:
+        sched.add(s)
+    urgent = Sequence("edge", [5, 6, 7, 8], SamplingParams(), priority=0)
+    sched.add(urgent)
+    assert [s.request_id for s in sched.waiting] == ["edge", "b0", "b1", "b2"]
+    step = run_step(sched)
+    assert [s.request_id for s, _ in step.items] == ["edge", "b0"]

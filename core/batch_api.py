@@ -1,0 +1,196 @@
+"""HTTP routes of the batch ingestion API on the core's control port (OpenAI Files + Batches), and contexts.
+
+Life cycle of an upload: multipart `purpose` + `file` streamed to a temporary
+file under the data directory (limit checked while streaming: 413 and the
+partial file removed), fsynced, renamed, then recorded. Batches are created in
+`validating` and handed to the `BatchRunner`.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from aiohttp import web
+
+from core.batch_runner import ENDPOINTS
+from shared.openai.http import json_body
+from shared.openai.request import ApiError
+
+
+def _not_found(kind: str, ident: str) -> ApiError:
+    return ApiError(404, f"No {kind} with id '{ident}'", "id", "not_found")
+
+
+class BatchAPI:
+    def __init__(self, core, store, runner, contexts, max_file_bytes: int):
+        self.core, self.store, self.runner, self.contexts = core, store, runner, contexts
+        self.max_file_bytes = max_file_bytes
+
+    def routes(self, app: web.Application) -> None:
+        r = app.router
+        r.add_post("/v1/files", self.upload)
+        r.add_get("/v1/files", self.list_files)
+        r.add_get("/v1/files/{id}", self.get_file)
+        r.add_get("/v1/files/{id}/content", self.file_content)
+        r.add_delete("/v1/files/{id}", self.delete_file)
+        r.add_post("/v1/batches", self.create_batch)
+        r.add_get("/v1/batches", self.list_batches)
+        r.add_get("/v1/batches/{id}", self.get_batch)
+        r.add_post("/v1/batches/{id}/cancel", self.cancel_batch)
+        r.add_post("/v1/contexts", self.create_context)
+        r.add_get("/v1/contexts", self.list_contexts)
+        r.add_get("/v1/contexts/{id}", self.get_context)
+        r.add_delete("/v1/contexts/{id}", self.delete_context)
+
+    # ---- files ----------------------------------------------------------------------
+    async def upload(self, request: web.Request):
+        if not request.content_type.startswith("multipart/"):
+            raise ApiError(415, "Upload files as multipart/form-data with 'purpose' and 'file'", None,
+                           "invalid_content_type")
+        reader = await request.multipart()
+        purpose, file_id, filename, size = None, None, None, 0
+        tmp = None
+        try:
+            async for part in reader:
+                if part.name == "purpose":
+                    purpose = (await part.text()).strip()
+                elif part.name == "file":
+                    file_id = f"file-{uuid.uuid4().hex[:24]}"
+                    filename = part.filename or "upload.jsonl"
+                    tmp = self.store.files_dir / f"{file_id}.part"
+                    with open(tmp, "wb") as f:
+                        while chunk := await part.read_chunk(1 << 20):
+                            size += len(chunk)
+                            if size > self.max_file_bytes:
+                                raise ApiError(413, f"File exceeds the limit of {self.max_file_bytes} bytes",
+                                               "file", "file_too_large")
+                            f.write(chunk)
+                        f.flush()
+                        os.fsync(f.fileno())
+            if purpose != "batch":
+                raise ApiError(400, f"'purpose' must be 'batch', got {purpose!r}", "purpose", "invalid_value")
+            if tmp is None:
+                raise ApiError(400, "missing 'file' part", "file", "missing_required_parameter")
+            tmp.rename(self.store.file_path(file_id))
+            tmp = None
+            return web.json_response(self.store.add_file(file_id, filename, purpose, size))
+        finally:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+
+    async def list_files(self, request: web.Request):
+        data = self.store.list_files(request.query.get("purpose"))
+        return web.json_response({"object": "list", "data": data, "has_more": False,
+                                  "first_id": data[0]["id"] if data else None,
+                                  "last_id": data[-1]["id"] if data else None})
+
+    def _file(self, request) -> dict:
+        obj = self.store.get_file(request.match_info["id"])
+        if obj is None:
+            raise _not_found("file", request.match_info["id"])
+        return obj
+
+    async def get_file(self, request):
+        return web.json_response(self._file(request))
+
+    async def file_content(self, request):
+        obj = self._file(request)
+        return web.FileResponse(self.store.file_path(obj["id"]), headers={"Content-Type": "application/jsonl"})
+
+    async def delete_file(self, request):
+        obj = self._file(request)
+        self.store.delete_file(obj["id"])
+        return web.json_response({"id": obj["id"], "object": "file", "deleted": True})
+
+    # ---- batches ----------------------------------------------------------------------
+    async def create_batch(self, request):
+        body = await json_body(request)
+        file_id, endpoint = body.get("input_file_id"), body.get("endpoint")
+        window = body.get("completion_window", "24h")
+        if not isinstance(file_id, str):
+            raise ApiError(400, "'input_file_id' is required", "input_file_id", "missing_required_parameter")
+        if endpoint not in ENDPOINTS:
+            raise ApiError(400, f"'endpoint' must be one of {sorted(ENDPOINTS)}", "endpoint", "invalid_value")
+        if window != "24h":
+            raise ApiError(400, "'completion_window' must be '24h'", "completion_window", "invalid_value")
+        metadata = body.get("metadata")
+        if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                for k, v in metadata.items())):
+            raise ApiError(400, "'metadata' must map up to 16 strings to strings", "metadata", "invalid_value")
+        if self.store.get_file(file_id) is None:
+            raise ApiError(404, f"No file with id '{file_id}'", "input_file_id", "not_found")
+        batch = self.store.create_batch(file_id, endpoint, window, metadata)
+        self.runner.notify()
+        return web.json_response(batch)
+
+    async def list_batches(self, request):
+        try:
+            limit = int(request.query.get("limit", "20"))
+        except ValueError:
+            raise ApiError(400, "'limit' must be an integer", "limit", "invalid_type") from None
+        if not 1 <= limit <= 100:
+            raise ApiError(400, "'limit' must be between 1 and 100", "limit", "invalid_value")
+        data, more = self.store.list_batches(request.query.get("after"), limit)
+        return web.json_response({"object": "list", "data": data, "has_more": more,
+                                  "first_id": data[0]["id"] if data else None,
+                                  "last_id": data[-1]["id"] if data else None})
+
+    async def get_batch(self, request):
+        batch = self.store.get_batch(request.match_info["id"])
+        if batch is None:
+            raise _not_found("batch", request.match_info["id"])
+        return web.json_response(batch)
+
+    async def cancel_batch(self, request):
+        batch_id = request.match_info["id"]
+        batch = self.store.get_batch(batch_id)
+        if batch is None:
+            raise _not_found("batch", batch_id)
+        if batch["status"] in ("validating", "in_progress"):
+            self.store.set_status(batch_id, "cancelling")
+            self.runner.cancel(batch_id)
+        elif batch["status"] != "cancelling":
+            raise ApiError(409, f"Batch {batch_id} is {batch['status']} and cannot be cancelled", None,
+                           "invalid_state")
+        return web.json_response(self.store.get_batch(batch_id))
+
+    # ---- contexts ----------------------------------------------------------------------
+    async def create_context(self, request):
+        body = await json_body(request)
+        engine = self.core.engine
+        if isinstance(body.get("token_ids"), list):
+            ids = body["token_ids"]
+            if not ids or any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < engine.config.vocab_size
+                              for t in ids):
+                raise ApiError(400, "'token_ids' must be a non-empty list of token ids", "token_ids", "invalid_value")
+        elif isinstance(body.get("text"), str) and body["text"]:
+            ids = engine.tokenizer.encode(body["text"])
+        elif isinstance(body.get("messages"), list) and body["messages"]:
+            msgs = body["messages"]
+            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in msgs):
+                raise ApiError(400, "'messages' must be role/content objects", "messages", "invalid_value")
+            ids = engine.tokenizer.encode_chat(msgs, add_generation_prompt=False)
+        else:
+            raise ApiError(400, "give one of 'text', 'messages' or 'token_ids'", None, "missing_required_parameter")
+        if len(ids) >= engine.max_model_len:
+            raise ApiError(400, f"context of {len(ids)} tokens exceeds the model's {engine.max_model_len}", None,
+                           "context_length_exceeded")
+        return web.json_response(await self.contexts.ingest(ids))
+
+    async def list_contexts(self, _):
+        return web.json_response({"object": "list", "data": [self.contexts.describe(c) for c in self.contexts.pinned]})
+
+    async def get_context(self, request):
+        obj = self.contexts.describe(request.match_info["id"])
+        if obj is None:
+            raise _not_found("context", request.match_info["id"])
+        return web.json_response(obj)
+
+    async def delete_context(self, request):
+        ctx = request.match_info["id"]
+        if not await self.contexts.delete(ctx):
+            raise _not_found("context", ctx)
+        return web.json_response({"id": ctx, "object": "context", "deleted": True})

@@ -1,0 +1,253 @@
+"""Runs batches on the core's engine: validate → in_progress → finalizing → completed/cancelled/failed/expired.
+
+Life cycle of a batch: `validating` reads the input file line by line (JSON
+object, unique `custom_id`, `method` POST, `url` = the batch endpoint, body
+valid for it); invalid lines become error-file entries with their line
+numbers, the rest are stored as pending; a file with no JSON line at all
+fails the batch (`errors.data`). `in_progress` runs pending requests at batch
+priority (interactive prefill from edges is always admitted first) with at
+most `max_inflight` in the engine; each finished request's response line is
+committed with its state (grouped, one transaction per `COMMIT_EVERY` results
+or `COMMIT_DELAY` seconds), so after a crash only uncommitted requests run
+again and every custom_id appears exactly once. `cancelling`
+(or expiry) aborts what is in flight and keeps finished results;
+`finalizing` writes the output and error files under deterministic ids, so
+finalizing twice after a crash rewrites the same files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+from core.batch_store import BatchStore
+from shared.openai.request import ApiError, check_model, parse_chat, parse_completion
+from shared.openai.response import ChoiceResult, TokenText, response_body
+
+log = logging.getLogger("edgecore.batch")
+ENDPOINTS = {"/v1/chat/completions": (parse_chat, True), "/v1/completions": (parse_completion, False)}
+BATCH_PRIORITY = 1
+COMMIT_EVERY = 32
+COMMIT_DELAY = 0.05
+
+
+class BatchRunner:
+    def __init__(self, core, store: BatchStore, model_name: str, max_inflight: int = 64):
+        self.core = core
+        self.store = store
+        self.model_name = model_name
+        self.max_inflight = max_inflight
+        self.texts = TokenText(core.engine.tokenizer)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._cancelled: set[str] = set()
+        self._unsaved: list[tuple[int, str, dict]] = []
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._batch_id: str | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def notify(self) -> None:
+        self._wake.set()
+
+    def cancel(self, batch_id: str) -> None:
+        self._cancelled.add(batch_id)
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        while True:
+            for batch_id in self.store.unfinished_batches():
+                try:
+                    await self._process(batch_id)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:   # never lose the runner to one batch; the batch fails visibly
+                    log.exception("batch %s failed", batch_id)
+                    self.store.set_status(batch_id, "failed", errors=json.dumps({"object": "list", "data": [
+                        {"code": "internal_error", "message": "the batch failed inside the core", "param": None,
+                         "line": None}]}))
+            await self._wake.wait()
+            self._wake.clear()
+
+    async def _process(self, batch_id: str) -> None:
+        row = self.store.batch_row(batch_id)
+        if row["status"] == "validating":
+            if not self._validate(row):
+                return
+            self.store.set_status(batch_id, "in_progress")
+            row = self.store.batch_row(batch_id)
+        if row["status"] == "in_progress":
+            outcome = await self._run(row)
+            if outcome == "cancelling":
+                self.store.set_status(batch_id, "cancelling")
+            self.store.set_status(batch_id, "finalizing", **({"expired_at": int(time.time())}
+                                                               if outcome == "expired" else {}))
+            row = self.store.batch_row(batch_id)
+        final = "cancelled" if row["cancelling_at"] else ("expired" if row["expired_at"] else "completed")
+        if row["status"] in ("finalizing", "cancelling"):
+            self._finalize(batch_id, final)
+        self._cancelled.discard(batch_id)
+
+    # ---- validation -------------------------------------------------------------
+    def _validate(self, row) -> bool:
+        batch_id, endpoint = row["id"], row["endpoint"]
+        path = self.store.file_path(row["input_file_id"])
+        try:
+            data = path.read_bytes()
+        except OSError:
+            self._fail(batch_id, "file_not_found", f"input file {row['input_file_id']} is gone", None)
+            return False
+        lines = data.split(b"\n")
+        parse, _ = ENDPOINTS[endpoint]
+        engine = self.core.engine
+        rows, seen, json_lines = [], set(), 0
+        for number, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            custom_id = None
+            try:
+                obj = json.loads(raw)
+                json_lines += 1
+                if not isinstance(obj, dict):
+                    raise ValueError("each line must be a JSON object")
+                custom_id = obj.get("custom_id")
+                if not isinstance(custom_id, str) or not custom_id:
+                    raise ValueError("'custom_id' must be a non-empty string")
+                if custom_id in seen:
+                    raise ValueError(f"duplicate custom_id '{custom_id}'")
+                if obj.get("method") != "POST":
+                    raise ValueError("'method' must be POST")
+                if obj.get("url") != endpoint:
+                    raise ValueError(f"'url' must be the batch endpoint {endpoint}, got {obj.get('url')!r}")
+                body = obj.get("body")
+                if not isinstance(body, dict):
+                    raise ValueError("'body' must be an object")
+                check_model(body, self.model_name)
+                parse(body, engine.tokenizer, engine.config.vocab_size, engine.max_model_len)
+            except (ValueError, ApiError) as exc:   # json.JSONDecodeError is a ValueError
+                message = f"line {number}: {exc}"
+                if isinstance(custom_id, str) and custom_id not in seen:
+                    seen.add(custom_id)
+                rows.append((number, custom_id if isinstance(custom_id, str) else None, None, "error", json.dumps({
+                    "id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": custom_id if isinstance(custom_id, str)
+                    else None, "response": None,
+                    "error": {"code": "invalid_request", "message": message, "line": number}})))
+                continue
+            seen.add(custom_id)
+            rows.append((number, custom_id, json.dumps(body), "pending", None))
+        if json_lines == 0:
+            self._fail(batch_id, "invalid_file", "the input file is not JSONL: no line holds a JSON object", 1)
+            return False
+        self.store.add_requests(batch_id, rows)
+        return True
+
+    def _fail(self, batch_id: str, code: str, message: str, line: int | None) -> None:
+        errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": line}]}
+        self.store.set_status(batch_id, "failed", errors=json.dumps(errors))
+
+    # ---- execution --------------------------------------------------------------
+    def _record(self, line: int, state: str, result: dict) -> None:
+        self._unsaved.append((line, state, result))
+        if len(self._unsaved) >= COMMIT_EVERY:
+            self._flush()
+        elif self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_later(COMMIT_DELAY, self._flush)
+
+    def _flush(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        if self._unsaved:
+            rows, self._unsaved = self._unsaved, []
+            self.store.finish_requests(self._batch_id, rows)
+
+    async def _run(self, row) -> str:
+        batch_id, endpoint = row["id"], row["endpoint"]
+        self._batch_id = batch_id
+        try:
+            return await self._run_pending(row, batch_id, endpoint)
+        finally:
+            self._flush()
+
+    async def _run_pending(self, row, batch_id: str, endpoint: str) -> str:
+        parse, chat = ENDPOINTS[endpoint]
+        pending = self.store.pending(batch_id)
+        slots = asyncio.Semaphore(self.max_inflight)
+        tasks: set[asyncio.Task] = set()
+        outcome = "done"
+        for req in pending:
+            await slots.acquire()
+            if batch_id in self._cancelled or self.store.batch_row(batch_id)["cancelling_at"]:
+                outcome = "cancelling"
+                break
+            if time.time() > row["expires_at"]:
+                outcome = "expired"
+                break
+            task = asyncio.create_task(self._one(batch_id, req, parse, chat))
+            tasks.add(task)
+            task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
+        while tasks:
+            if outcome == "done" and batch_id in self._cancelled:
+                outcome = "cancelling"
+            if outcome != "done":
+                for task in list(tasks):
+                    task.cancel()
+            await asyncio.wait(set(tasks), timeout=0.2)
+        return outcome
+
+    async def _one(self, batch_id: str, req, parse, chat: bool) -> None:
+        engine = self.core.engine
+        body = json.loads(req["body"])
+        parsed = parse(body, engine.tokenizer, engine.config.vocab_size, engine.max_model_len)
+        rid = f"req_{uuid.uuid4().hex[:24]}"
+        results = [ChoiceResult() for _ in parsed.params]
+
+        async def choice(i: int):
+            async for out in self.core.aengine.generate(f"{batch_id}/{req['line']}/{i}",
+                                                        parsed.prompts[i // parsed.n], parsed.params[i],
+                                                        priority=BATCH_PRIORITY, collect=True):
+                results[i].add(out)
+
+        await asyncio.gather(*(choice(i) for i in range(len(parsed.params))))
+        response = response_body(parsed, results, chat, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+                                 int(time.time()), self.model_name, self.texts)
+        self._record(req["line"], "done", {
+            "id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": req["custom_id"],
+            "response": {"status_code": 200, "request_id": rid, "body": response}, "error": None})
+
+    # ---- finalization -------------------------------------------------------------
+    def _finalize(self, batch_id: str, final: str) -> None:
+        fields = {}
+        for state, suffix, key in (("done", "output", "output_file_id"), ("error", "errors", "error_file_id")):
+            lines = self.store.results(batch_id, state)
+            if lines:
+                file_id = f"file-{batch_id}-{suffix}"
+                data = ("\n".join(lines) + "\n").encode()
+                self._write_fixed(file_id, f"{batch_id}_{suffix}.jsonl", data)
+                fields[key] = file_id
+        self.store.set_status(batch_id, final, **fields)
+
+    def _write_fixed(self, file_id: str, filename: str, data: bytes) -> None:
+        import os
+        store = self.store
+        tmp = store.files_dir / f"{file_id}.part"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.rename(store.file_path(file_id))
+        with store.tx():
+            store.db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, 'batch_output', ?, ?)",
+                             (file_id, filename, len(data), int(time.time())))
