@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/edgecore generate --prompt "The for statement is used to" --max-tokens 64
+	$(VENV)/bin/edgecore up
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

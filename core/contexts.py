@@ -43,10 +43,15 @@ class Contexts:
                                         prefill_only=True):
             pass
         blocks = await aengine.call(lambda e: (e.pin_prefix(rid), e.release(rid))[0])
-        self.pinned[ctx] = {"blocks": blocks, "tokens": len(token_ids), "created_at": int(time.time())}
+        self.pinned[ctx] = {"blocks": blocks, "tokens": len(token_ids), "token_ids": list(token_ids),
+                            "created_at": int(time.time())}
         if persist:
             self.store.save_context(ctx, token_ids)
         return self.describe(ctx)
+
+    def tokens(self, ctx: str) -> list[int] | None:
+        info = self.pinned.get(ctx)
+        return info["token_ids"] if info else None
 
     def describe(self, ctx: str) -> dict | None:
         info = self.pinned.get(ctx)

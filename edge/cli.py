@@ -15,6 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--core", action="append", default=[], metavar="HOST:PORT",
                    help="a core's protocol address (repeatable); none: prefill locally")
+    p.add_argument("--core-dns", action="append", default=[], metavar="NAME:PORT",
+                   help="a DNS name whose addresses are cores (e.g. a headless Service), re-resolved periodically")
     p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="HTTP address")
     p.add_argument("--api-key-file", default=None, help="API keys, one per line (or EDGECORE_API_KEYS)")
     p.add_argument("--secret-file", default=None, help="cluster secret file (or EDGECORE_SECRET)")
@@ -54,6 +56,7 @@ def run_edge(args: argparse.Namespace) -> int:
 
     setup_logging(f"[{args.name}] ")
     cores = [parse_hostport(c) for c in args.core]
+    core_dns = [parse_hostport(c) for c in args.core_dns]
     codecs = args.codec or ["lossless"]
     for c in codecs:
         if c not in CODECS:
@@ -68,7 +71,8 @@ def run_edge(args: argparse.Namespace) -> int:
         progress.done(f"model ready in {model_dir}")
     host, port = parse_hostport(args.listen)
     ssl = tls_context(False, args.tls_cert, args.tls_key, args.tls_ca) if args.tls_ca else None
-    config = EdgeConfig(model_dir=model_dir, cores=cores, secret=read_secret(args.secret_file, required=bool(cores)),
+    config = EdgeConfig(model_dir=model_dir, cores=cores, core_dns=core_dns,
+                        secret=read_secret(args.secret_file, required=bool(cores or core_dns)),
                         dtype=args.dtype, device=args.device or default_device(), codecs=codecs,
                         adaptive=args.adaptive, ttft_target_ms=args.ttft_target_ms,
                         local_prefill_below=args.local_prefill_below, cache=CacheConfig(num_blocks=args.kv_blocks),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
+import socket
 
 from protocol import messages as m
 from protocol.state import KVData
@@ -113,14 +113,38 @@ class CoreClient:
 
 
 class CoreRouter:
-    """The configured cores, health-checked; picks the best by RTT and load."""
+    """The configured cores, health-checked; picks the best by RTT and load.
 
-    def __init__(self, clients: list[CoreClient], check_interval: float = 2.0):
+    Cores come from static addresses and/or DNS names (e.g. a headless Service):
+    each name is resolved at start and on every health check, and every address
+    it yields becomes a core (`make_client` builds the connection).
+    """
+
+    def __init__(self, clients: list[CoreClient], check_interval: float = 2.0,
+                 dns: list[tuple[str, int]] | None = None, make_client=None):
         self.clients = clients
         self.check_interval = check_interval
+        self.dns = dns or []
+        self.make_client = make_client
         self._task: asyncio.Task | None = None
 
+    async def _resolve(self) -> None:
+        loop = asyncio.get_running_loop()
+        known = {c.address for c in self.clients}
+        for host, port in self.dns:
+            try:
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                log.warning("cannot resolve core name %s: %s", host, exc)
+                continue
+            for info in infos:
+                ip = info[4][0]
+                if f"{ip}:{port}" not in known:
+                    self.clients.append(self.make_client(ip, port))
+                    known.add(f"{ip}:{port}")
+
     async def start(self) -> None:
+        await self._resolve()
         await asyncio.gather(*(self._try_connect(c) for c in self.clients))
         self._task = asyncio.create_task(self._health_loop())
 
@@ -131,6 +155,7 @@ class CoreRouter:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.check_interval)
+            await self._resolve()
             for client in self.clients:
                 if client.healthy:
                     with contextlib.suppress(PeerError):

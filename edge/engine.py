@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -51,6 +52,7 @@ log = logging.getLogger("edgecore.edge")
 class EdgeConfig:
     model_dir: str
     cores: list[tuple[str, int]] = field(default_factory=list)
+    core_dns: list[tuple[str, int]] = field(default_factory=list)   # names resolved to cores (headless Service)
     secret: bytes | None = None
     dtype: str = "auto"
     device: str = "cpu"
@@ -79,20 +81,24 @@ class EdgeEngine:
         self.tokenizer = self.engine.tokenizer
         self.metrics = EdgeMetrics()
         self.aengine = AsyncEngine(self.engine)
-        self.fingerprint = model_fingerprint(config.model_dir, self.engine.config) if config.cores else ""
+        remote = bool(config.cores or config.core_dns)
+        self.fingerprint = model_fingerprint(config.model_dir, self.engine.config) if remote else ""
         wire_codecs = sorted(set(config.codecs) | {"lossless", "raw"})
-        self.router = CoreRouter([CoreClient(h, p, secret=config.secret, fingerprint=self.fingerprint,
-                                             codecs=wire_codecs, timeouts=config.timeouts, ssl=config.ssl,
-                                             name=config.name) for h, p in config.cores])
+
+        def client(host: str, port: int) -> CoreClient:
+            return CoreClient(host, port, secret=config.secret, fingerprint=self.fingerprint, codecs=wire_codecs,
+                              timeouts=config.timeouts, ssl=config.ssl, name=config.name)
+        self.router = CoreRouter([client(h, p) for h, p in config.cores], dns=config.core_dns, make_client=client)
         self.decoder_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edgecore-decode")
         self.kv_bytes_per_token = (2 * self.engine.config.num_hidden_layers * self.engine.config.num_key_value_heads
                                    * self.engine.config.head_dim * self.engine.pool.k[0].element_size())
         self.active = 0
+        self.pinned: list[list[int]] = []      # prefetched contexts' blocks
 
     async def start(self) -> None:
         self.aengine.start()
         self.aengine.on_outputs = self._observe
-        if self.router.clients:
+        if self.router.clients or self.router.dns:
             await self.router.start()
 
     async def stop(self) -> None:
@@ -173,7 +179,29 @@ class EdgeEngine:
                 self.metrics.failovers.inc()
         return None
 
-    async def _remote(self, client: CoreClient, request_id: str, prompt_ids: list[int], params: SamplingParams):
+    async def prefetch(self, prompt_ids: list[int]) -> dict:
+        """Bring a context's KV to this edge ahead of requests (from a core if one is healthy, else by
+        prefilling locally) and pin it in the prefix cache; later prompts starting with it only prefill
+        the rest."""
+        rid = f"prefetch-{uuid.uuid4().hex}"
+        params = SamplingParams(max_tokens=1, temperature=0)
+        source = "local"
+        for client in [c for c in [self.router.pick()] if c is not None]:
+            try:
+                await self._remote(client, rid, prompt_ids, params, activate=False)
+                source = client.address
+            except RemotePrefillFailed as exc:
+                log.warning("prefetch from %s failed (%s); prefilling locally", client.address, exc)
+        if source == "local":
+            async for _ in self.aengine.generate(rid, prompt_ids, params, prefill_only=True):
+                pass
+        blocks = await self.aengine.call(lambda e: e.commit_prefix(rid))
+        self.pinned.append(blocks)
+        return {"tokens": len(prompt_ids), "cached_tokens": len(blocks) * self.engine.block_manager.block_size,
+                "source": source}
+
+    async def _remote(self, client: CoreClient, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      activate: bool = True):
         engine_cfg = self.engine.config
         seq, cached = await self.aengine.call(lambda e: e.reserve(request_id, prompt_ids, params))
         queue = self.aengine.open_stream(request_id)
@@ -212,9 +240,9 @@ class EdgeEngine:
                     if any(n != want for n in got):
                         raise RemotePrefillFailed(f"incomplete KV: tokens per layer {got}, expected {want}")
                     top = [tuple(t) for t in ev.top_logprobs]
-                    await self.aengine.call(lambda e: e.activate(request_id, ev.first_token,
-                                                                 ev.logprob if params.logprobs is not None else None,
-                                                                 top))
+                    if activate:
+                        await self.aengine.call(lambda e: e.activate(
+                            request_id, ev.first_token, ev.logprob if params.logprobs is not None else None, top))
                     ok = True
                     await client.send(m.Ack(request_id))
                     break
@@ -238,6 +266,9 @@ class EdgeEngine:
         if encoded:
             self.metrics.compression.labels(codec).set(raw / encoded)
         self.metrics.transfer.labels(codec).observe(time.perf_counter() - started)
+        if not activate:
+            self.aengine.close_stream(request_id)
+            return None
         return self.aengine.stream(request_id, queue)
 
     def stats(self) -> dict:

@@ -47,6 +47,7 @@ class EdgeHTTP:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/contexts", self.prefetch)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics)
@@ -77,6 +78,24 @@ class EdgeHTTP:
         parsed = parse_chat(body, self.edge.tokenizer, cfg.vocab_size, self.edge.engine.max_model_len)
         self._capacity()
         return await self._serve(request, parsed, chat=True)
+
+    async def prefetch(self, request: web.Request):
+        """Context prefetch: a core (or an operator) pushes a shared prefix here ahead of requests."""
+        body = await json_body(request)
+        tok = self.edge.tokenizer
+        ids = body.get("token_ids")
+        if ids is None and isinstance(body.get("text"), str) and body["text"]:
+            ids = tok.encode(body["text"])
+        vocab = self.edge.engine.config.vocab_size
+        if not isinstance(ids, list) or not ids or any(
+                not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise ApiError(400, "give 'token_ids' (a non-empty list of token ids) or 'text'", "token_ids",
+                           "invalid_value")
+        if len(ids) >= self.edge.engine.max_model_len:
+            raise ApiError(400, "the context is longer than the model's context", "token_ids",
+                           "context_length_exceeded")
+        result = await self.edge.prefetch(ids)
+        return web.json_response({"object": "context", **result})
 
     async def models(self, _):
         return web.json_response({"object": "list", "data": [{

@@ -190,6 +190,16 @@ class LLMEngine:
         self.block_manager.pin(full)
         return list(full)
 
+    def commit_prefix(self, request_id: str) -> list[int]:
+        """A parked request whose KV is complete (computed here or written from outside): register its
+        full blocks in the prefix cache, pin them, and release the request. Returns the pinned blocks."""
+        seq = self.requests[request_id].seq
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.register_full_blocks(seq.table, seq.token_ids, seq.num_prompt_tokens)
+        blocks = self.pin_prefix(request_id)
+        self.release(request_id)
+        return blocks
+
     def unpin(self, block_ids: list[int]) -> None:
         self.block_manager.release_blocks(block_ids)
 

@@ -1,0 +1,193 @@
+"""`edgecore up`: run a whole topology on this machine as processes.
+
+Life cycle: make or read the cluster secret → start every core (its own
+process group), wait until each answers /ready → start every edge pointed at
+its cores, nearest first, wait for /ready → print each edge's URL and an
+example request → wait for SIGINT/SIGTERM or a node dying → SIGTERM every
+node, SIGKILL what is still alive after a grace period, remove temporary
+files. Each node's output is echoed with a `[region/node]` prefix. With
+`--emulate-wan` the nodes run inside per-region network namespaces
+(deploy/wan.py) and reach each other through emulated links.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from deploy.topology import Topology
+from shared.errors import EdgecoreError
+
+
+@dataclass
+class Proc:
+    label: str
+    popen: subprocess.Popen
+    ready_url: str
+
+
+class Launcher:
+    def __init__(self, topology: Topology, emulate_wan: bool = False, data_dir: str | None = None,
+                 ready_timeout: float = 180.0, out=sys.stdout):
+        self.topology = topology
+        self.emulate_wan = emulate_wan
+        self.data_dir = Path(data_dir) if data_dir else None
+        self.ready_timeout = ready_timeout
+        self.out = out
+        self.procs: list[Proc] = []
+        self.tmp = tempfile.TemporaryDirectory(prefix="edgecore-up-")
+        self.wan = None
+        self._lock = threading.Lock()
+        self.edge_urls: dict[str, str] = {}
+
+    # ---- output ----------------------------------------------------------------
+    def say(self, line: str) -> None:
+        with self._lock:
+            self.out.write(line + "\n")
+            self.out.flush()
+
+    def _echo(self, label: str, stream) -> None:
+        for line in iter(stream.readline, ""):
+            self.say(f"[{label}] {line.rstrip()}")
+        stream.close()
+
+    # ---- processes -----------------------------------------------------------------
+    def _spawn(self, label: str, args: list[str], ready_url: str, netns: str | None = None) -> Proc:
+        cmd = [sys.executable, "-m", "deploy.cli", *args]
+        if netns:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        root = Path(__file__).resolve().parents[1]
+        popen = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 start_new_session=True)
+        threading.Thread(target=self._echo, args=(label, popen.stdout), daemon=True).start()
+        proc = Proc(label, popen, ready_url)
+        self.procs.append(proc)
+        return proc
+
+    def _wait_ready(self, procs: list[Proc]) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        pending = list(procs)
+        while pending:
+            for proc in list(pending):
+                if proc.popen.poll() is not None:
+                    raise EdgecoreError(f"{proc.label} exited with code {proc.popen.returncode} before it was ready")
+                try:
+                    with urllib.request.urlopen(proc.ready_url, timeout=2) as r:
+                        if r.status == 200:
+                            pending.remove(proc)
+                except OSError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise EdgecoreError(f"{', '.join(p.label for p in pending)} not ready after {self.ready_timeout:.0f} s")
+            time.sleep(0.2)
+
+    def _secret_file(self) -> str:
+        if self.topology.secret_file:
+            return self.topology.secret_file
+        path = Path(self.tmp.name) / "cluster.secret"
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
+        return str(path)
+
+    def start(self) -> None:
+        topo = self.topology
+        secret = self._secret_file()
+        addr = {}
+        if self.emulate_wan:
+            from deploy.wan import WanEmulation
+            self.wan = WanEmulation(topo, Path(self.tmp.name))
+            self.wan.setup()
+        for core in topo.cores:
+            host = self.wan.host(core.region) if self.wan else "127.0.0.1"
+            data = (self.data_dir or Path(self.tmp.name)) / core.name
+            args = ["core", "--model", topo.model, "--listen", f"{host}:{core.port}",
+                    "--http", f"{host}:{core.http_port}", "--name", core.name, "--secret-file", secret,
+                    "--data-dir", str(data), "--device", core.device]
+            self._spawn(f"{core.region}/{core.name}", args, f"http://{host}:{core.http_port}/ready",
+                        self.wan.netns(core.region) if self.wan else None)
+            addr[core.name] = (host, core.port)
+        self._wait_ready(list(self.procs))
+        edges = []
+        for edge in topo.edges:
+            host = self.wan.host(edge.region) if self.wan else "127.0.0.1"
+            args = ["edge", "--model", topo.model, "--listen", f"{host}:{edge.port}", "--name", edge.name,
+                    "--served-model-name", topo.model_name]
+            for core in topo.cores_for(edge.region):
+                target = self.wan.core_address(edge.region, core) if self.wan else addr[core.name]
+                args += ["--core", f"{target[0]}:{target[1]}"]
+            if topo.cores_for(edge.region):
+                args += ["--secret-file", secret]
+            if topo.api_keys_file:
+                args += ["--api-key-file", topo.api_keys_file]
+            for codec in edge.codecs:
+                args += ["--codec", codec]
+            edges.append(self._spawn(f"{edge.region}/{edge.name}", args, f"http://{host}:{edge.port}/ready",
+                                     self.wan.netns(edge.region) if self.wan else None))
+            self.edge_urls[edge.name] = f"http://{host}:{edge.port}/v1"
+        self._wait_ready(edges)
+        self.say("edgecore is up:")
+        for name, url in self.edge_urls.items():
+            self.say(f"  {name}: {url}")
+        if self.edge_urls:
+            first = next(iter(self.edge_urls.values()))
+            self.say(f"try:\n  curl {first}/chat/completions -H 'Content-Type: application/json' "
+                     f"-d '{{\"model\": \"{topo.model_name}\", \"messages\": [{{\"role\": \"user\", "
+                     f"\"content\": \"What does the for statement do?\"}}], \"max_tokens\": 40}}'")
+        self.say("Ctrl-C stops everything.")
+
+    def wait(self) -> int:
+        stop = threading.Event()
+        handlers = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while not stop.is_set():
+                for proc in self.procs:
+                    if proc.popen.poll() is not None:
+                        self.say(f"{proc.label} exited with code {proc.popen.returncode}; stopping")
+                        return 1
+                stop.wait(0.5)
+            return 0
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.popen.poll() is None:
+                try:
+                    os.killpg(proc.popen.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 15
+        for proc in self.procs:
+            try:
+                proc.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            try:   # whatever is left of the group, children included
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.wan is not None:
+            self.wan.teardown()
+        self.tmp.cleanup()
+
+    def run(self) -> int:
+        try:
+            self.start()
+            return self.wait()
+        finally:
+            self.stop()

@@ -1,0 +1,51 @@
+"""A minimal YAML writer for manifests (maps, lists, strings, numbers, booleans, null).
+
+Strings are always double-quoted JSON strings, which YAML reads verbatim, so
+no value can change meaning (`on`, `yes`, `1e3`, `:`).
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def dump(value, indent: int = 0) -> str:
+    return "".join(_lines(value, indent)).rstrip("\n") + "\n"
+
+
+def _scalar(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return json.dumps(value)
+    return json.dumps(str(value))
+
+
+def _lines(value, indent: int):
+    pad = " " * indent
+    if isinstance(value, dict):
+        if not value:
+            yield pad + "{}\n"
+        for key, item in value.items():
+            if isinstance(item, (dict, list)) and item:
+                yield f"{pad}{_key(key)}:\n"
+                yield from _lines(item, indent + 2)
+            else:
+                yield f"{pad}{_key(key)}: {_scalar(item) if not isinstance(item, (dict, list)) else ('{}' if isinstance(item, dict) else '[]')}\n"
+    elif isinstance(value, list):
+        for item in value:
+            if isinstance(item, (dict, list)) and item:
+                first, *rest = list(_lines(item, indent + 2))
+                yield f"{pad}- {first.lstrip()}"
+                yield from rest
+            else:
+                yield f"{pad}- {_scalar(item) if not isinstance(item, (dict, list)) else '{}'}\n"
+    else:
+        yield pad + _scalar(value) + "\n"
+
+
+def _key(key) -> str:
+    text = str(key)
+    return text if text.replace("-", "").replace(".", "").replace("/", "").replace("_", "").isalnum() else _scalar(text)
