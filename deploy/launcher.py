@@ -110,8 +110,11 @@ class Launcher:
         for core in topo.cores:
             host = self.wan.host(core.region) if self.wan else "127.0.0.1"
             data = (self.data_dir or Path(self.tmp.name)) / core.name
-            args = ["core", "--model", topo.model, "--listen", f"{host}:{core.port}",
-                    "--http", f"{host}:{core.http_port}", "--name", core.name, "--secret-file", secret,
+            # Under WAN emulation a core listens on every address of its namespace, so that
+            # edges reach it over the link interfaces.
+            bind = "0.0.0.0" if self.wan else host
+            args = ["core", "--model", topo.model, "--listen", f"{bind}:{core.port}",
+                    "--http", f"{bind}:{core.http_port}", "--name", core.name, "--secret-file", secret,
                     "--data-dir", str(data), "--device", core.device]
             self._spawn(f"{core.region}/{core.name}", args, f"http://{host}:{core.http_port}/ready",
                         self.wan.netns(core.region) if self.wan else None)
@@ -131,6 +134,7 @@ class Launcher:
                 args += ["--api-key-file", topo.api_keys_file]
             for codec in edge.codecs:
                 args += ["--codec", codec]
+            args += ["--transfer-timeout", str(edge.transfer_timeout)]
             edges.append(self._spawn(f"{edge.region}/{edge.name}", args, f"http://{host}:{edge.port}/ready",
                                      self.wan.netns(edge.region) if self.wan else None))
             self.edge_urls[edge.name] = f"http://{host}:{edge.port}/v1"

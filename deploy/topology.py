@@ -42,6 +42,7 @@ class EdgeNode:
     replicas: int = 1
     max_replicas: int = 4
     codecs: tuple[str, ...] = ("lossless",)
+    transfer_timeout: float = 30.0      # seconds without KV progress before the edge gives up on a core
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ def load_topology(path: str | Path) -> Topology:
                     fail(t, "name", f"repeats node name {name!r}", i)
                 names.add(name)
                 allowed = ({"name", "device", "tp", "pp", "port", "http_port", "replicas"} if kind == "cores"
-                           else {"name", "port", "replicas", "max_replicas", "codecs"})
+                           else {"name", "port", "replicas", "max_replicas", "codecs", "transfer_timeout"})
                 for key in node:
                     if key not in allowed:
                         fail(t, key, f"is not a known key of {kind} (expected {', '.join(sorted(allowed))})", i)
@@ -199,7 +200,8 @@ def load_topology(path: str | Path) -> Topology:
                         fail(t, "codecs", "must list codecs among raw, lossless, fp8, int8, int4", i)
                     replicas = get(node, t, "replicas", int, 1, i, 1)
                     edges.append(EdgeNode(name, region, get(node, t, "port", int, 8000, i, 1), replicas,
-                                          max(replicas, get(node, t, "max_replicas", int, 4, i, 1)), tuple(codecs)))
+                                          max(replicas, get(node, t, "max_replicas", int, 4, i, 1)), tuple(codecs),
+                                          get(node, t, "transfer_timeout", float, 30.0, i, 0.1)))
     if not cores and not edges:
         raise TopologyError(f"{path}:1: the topology has no nodes")
     links = []

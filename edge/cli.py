@@ -30,6 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local-prefill-below", type=int, default=32,
                    help="prompts (or uncached suffixes) shorter than this prefill at the edge")
     p.add_argument("--max-concurrent", type=int, default=256, help="requests in flight before 503")
+    p.add_argument("--transfer-timeout", type=float, default=30.0,
+                   help="seconds without KV progress before giving up on a core (then retry or prefill locally)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="request body limit")
     p.add_argument("--kv-blocks", type=int, default=4096, help="KV cache blocks of 16 tokens")
     p.add_argument("--model-from", default=None, metavar="CORE_URL",
@@ -76,6 +78,7 @@ def run_edge(args: argparse.Namespace) -> int:
                         dtype=args.dtype, device=args.device or default_device(), codecs=codecs,
                         adaptive=args.adaptive, ttft_target_ms=args.ttft_target_ms,
                         local_prefill_below=args.local_prefill_below, cache=CacheConfig(num_blocks=args.kv_blocks),
+                        transfer_timeout=args.transfer_timeout,
                         name=args.name, ssl=ssl)
     edge = EdgeEngine(config)
     served = args.served_model_name or Path(args.model or default_model()).name

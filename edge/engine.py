@@ -214,6 +214,7 @@ class EdgeEngine:
         started = time.perf_counter()
         encoded = raw = 0
         first_chunk_at = last_chunk_at = None
+        first_chunk_bytes = 0
         ok = False
         try:
             events = await client.prefill(m.PrefillRequest(request_id, prompt_ids, spec, [codec],
@@ -235,7 +236,7 @@ class EdgeEngine:
                     raw += c.raw_len
                     last_chunk_at = time.perf_counter()
                     if first_chunk_at is None:
-                        first_chunk_at = last_chunk_at
+                        first_chunk_at, first_chunk_bytes = last_chunk_at, len(ev.payload)
                 elif isinstance(ev, m.PrefillDone):
                     if any(n != want for n in got):
                         raise RemotePrefillFailed(f"incomplete KV: tokens per layer {got}, expected {want}")
@@ -253,9 +254,9 @@ class EdgeEngine:
         except (asyncio.TimeoutError, PeerError, ProtocolError) as exc:
             raise RemotePrefillFailed(str(exc) or type(exc).__name__) from None
         finally:
-            # Link estimate: encoded bytes over the span in which chunks arrived.
+            # Link estimate: the bytes that arrived after the first chunk, over the span they took.
             span = (last_chunk_at - first_chunk_at) if first_chunk_at is not None else 0.0
-            client.finish(request_id, encoded, span)
+            client.finish(request_id, encoded - first_chunk_bytes, span)
             if not ok:
                 self.aengine.close_stream(request_id)
                 self.aengine.post(lambda e: e.release(request_id))

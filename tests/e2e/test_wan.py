@@ -1,0 +1,103 @@
+"""`edgecore up --emulate-wan` (root only): RTT and bandwidth follow the topology; a far edge is slower
+by about the extra delay; cutting a link makes the edge fall back."""
+
+import io
+import os
+import shutil
+import statistics
+import time
+
+import pytest
+
+from deploy.launcher import Launcher
+from deploy.topology import load_topology
+from tests.e2e.procs import ROOT, get_json, post_json
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300),
+              pytest.mark.skipif(os.geteuid() != 0, reason="WAN emulation needs root (namespaces, tc, nftables)"),
+              pytest.mark.skipif(shutil.which("ip") is None or shutil.which("tc") is None,
+                                 reason="needs iproute2 (ip, tc)")]
+
+NEAR_DELAY, FAR_DELAY, NEAR_MBIT, FAR_MBIT = 10, 40, 40, 16
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    loss = 0.5 if shutil.which("nft") else 0.0
+    topo = tmp_path_factory.mktemp("wan") / "topology.toml"
+    topo.write_text(f"""
+[model]
+path = "{ROOT / 'models' / 'pydoc-llama'}"
+[[regions.dc.cores]]
+name = "core-dc"
+[[regions.near.edges]]
+name = "edge-near"
+port = 8000
+[[regions.far.edges]]
+name = "edge-far"
+port = 8001
+transfer_timeout = 3
+[[links]]
+from = "near"
+to = "dc"
+delay_ms = {NEAR_DELAY}
+bandwidth_mbit = {NEAR_MBIT}
+[[links]]
+from = "far"
+to = "dc"
+delay_ms = {FAR_DELAY}
+bandwidth_mbit = {FAR_MBIT}
+loss_pct = {loss}
+""")
+    launcher = Launcher(load_topology(topo), emulate_wan=True, out=io.StringIO())
+    launcher.start()
+    yield launcher
+    launcher.stop()
+    assert "ec-" not in os.popen("ip netns list").read()     # namespaces cleaned up
+
+
+def edge_url(launcher, name):
+    return launcher.edge_urls[name][:-3]
+
+
+def test_rtt_matches_topology(wan):
+    for name, delay in (("edge-near", NEAR_DELAY), ("edge-far", FAR_DELAY)):
+        rtts = []
+        for _ in range(4):
+            time.sleep(2.2)   # the router pings every 2 s
+            rtts.append(get_json(f"{edge_url(wan, name)}/stats")["cores"][0]["rtt_ms"])
+        assert abs(statistics.median(rtts) - 2 * delay) <= 0.15 * 2 * delay, (name, rtts)
+
+
+def test_bandwidth_matches_topology(wan, tokenizer, heldout):
+    url = edge_url(wan, "edge-far")
+    prompt = tokenizer.encode(heldout)[:900]
+    post_json(f"{url}/v1/completions", {"prompt": prompt, "max_tokens": 1}, timeout=120)
+    measured = get_json(f"{url}/stats")["cores"][0]["bandwidth_MBps"] * 8
+    assert abs(measured - FAR_MBIT) <= 0.15 * FAR_MBIT, measured
+
+
+def test_far_edge_ttft_exceeds_near_by_the_delay(wan, tokenizer, heldout):
+    prompt = tokenizer.encode(heldout[4000:6000])[:48]      # above the local-prefill threshold: via the core
+    ttft = {}
+    for name in ("edge-near", "edge-far"):
+        times = []
+        for i in range(5):
+            t = time.perf_counter()
+            post_json(f"{edge_url(wan, name)}/v1/completions", {"prompt": prompt[i:], "max_tokens": 1})
+            times.append(time.perf_counter() - t)
+        ttft[name] = statistics.median(times) * 1000
+    extra = ttft["edge-far"] - ttft["edge-near"]
+    rtt_extra = 2 * (FAR_DELAY - NEAR_DELAY)
+    assert 0.6 * rtt_extra <= extra <= 1.6 * rtt_extra + 20, ttft
+
+
+def test_cut_link_falls_back(wan, tokenizer):
+    url = edge_url(wan, "edge-far")
+    wan.wan.cut("far", "dc")
+    prompt = tokenizer.encode("The for statement is used to iterate over the elements of a sequence " * 3)
+    out = post_json(f"{url}/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0}, timeout=120)
+    assert out["choices"][0]["finish_reason"] == "length"
+    metrics = __import__("urllib.request").request.urlopen(f"{url}/metrics").read().decode()
+    assert 'edgecore:local_prefills_total{reason="core_failed"}' in metrics or \
+        'edgecore:local_prefills_total{reason="no_core"}' in metrics
