@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", default=None, help="batch API storage (default: ./edgecore-data/NAME)")
     p.add_argument("--api-key-file", default=None, help="API keys for the HTTP /v1/ routes (batch API)")
     p.add_argument("--max-file-mb", type=float, default=200.0, help="upload limit of /v1/files")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process each)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (one process per stage and TP rank)")
+    p.add_argument("--pp-split", default=None, metavar="N,N,...", help="layers per pipeline stage")
     p.set_defaults(func=run_core)
 
 
@@ -49,7 +52,11 @@ def run_core(args: argparse.Namespace) -> int:
                         engine=EngineConfig(max_num_batched_tokens=args.max_batched_tokens),
                         name=args.name, ssl=ssl, data_dir=args.data_dir,
                         api_keys=read_api_keys(args.api_key_file),
-                        max_file_bytes=int(args.max_file_mb * 1024 * 1024))
+                        max_file_bytes=int(args.max_file_mb * 1024 * 1024), tp=args.tp, pp=args.pp,
+                        pp_split=[int(x) for x in args.pp_split.split(",")] if args.pp_split else None)
+    if args.tp < 1 or args.pp < 1:
+        from shared.errors import ConfigError
+        raise ConfigError("--tp and --pp must be at least 1")
     core = CoreServer(config)
 
     async def start():

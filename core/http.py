@@ -21,7 +21,7 @@ def build_app(core) -> web.Application:
         return web.json_response({"status": "ok"})
 
     async def ready(_):
-        ok = core.aengine is not None and core.aengine.alive and core.server is not None
+        ok = core.aengine is not None and core.aengine.alive and core.server is not None and core.failure is None
         return web.json_response({"ready": ok}, status=200 if ok else 503)
 
     async def metrics(_):

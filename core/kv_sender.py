@@ -43,15 +43,19 @@ class RemoteRequest:
 
 
 class LayerStreamer:
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, stream: bool = True):
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, mode: str = "stream"):
+        """mode: "stream" (send each layer as computed), "hold" (send all after the prefill: the baseline),
+        or "off" (a parallel core gathers KV from its ranks instead)."""
         self.engine = engine
-        self.stream = stream
+        self.mode = mode
         self.loop = loop
         self.remote: dict[str, RemoteRequest] = {}
         self.last_layer = len(engine.model.model.layers) - 1
         self.layer_offset = engine.model.model.layer_ids[0]
 
     def on_layer(self, layer: int, items) -> None:
+        if self.mode == "off":
+            return
         pool = self.engine.pool
         for seq, n in items:
             req = self.remote.get(seq.request_id)
@@ -61,8 +65,8 @@ class LayerStreamer:
             if end > req.sent_until:
                 slots = pool.slots(seq.table.blocks, req.sent_until, end)
                 k, v = pool.read(layer, slots)
-                item = ("kv", req, layer + self.layer_offset, req.sent_until, end, k, v)
-                if self.stream:
+                item = ("kv", req, layer + self.layer_offset, req.sent_until, end, k[None], v[None], 0)
+                if self.mode == "stream":
                     self.loop.call_soon_threadsafe(req.session.queue.put_nowait, item)
                 else:
                     req.held.append(item)

@@ -63,6 +63,9 @@ class CoreConfig:
     api_keys: list[bytes] = field(default_factory=list)   # for the HTTP /v1/ routes (batch API)
     max_file_bytes: int = 200 * 1024 * 1024
     batch_inflight: int = 256           # > engine max_num_seqs, so a queue refills the batch at once
+    tp: int = 1                         # tensor-parallel ranks
+    pp: int = 1                         # pipeline stages
+    pp_split: list[int] | None = None   # layers per stage (default: balanced)
 
 
 class Session:
@@ -78,6 +81,13 @@ class Session:
 class CoreServer:
     def __init__(self, config: CoreConfig, engine: LLMEngine | None = None):
         self.config = config
+        self.workers = []
+        self.parallel = config.tp * config.pp > 1
+        self.failure: str | None = None
+        if engine is None and self.parallel:
+            from core.ranks import start_parallel_engine
+            engine, self.workers = start_parallel_engine(config.model_dir, config.tp, config.pp, config.dtype,
+                                                         config.device, config.cache, config.engine, config.pp_split)
         self.engine = engine or LLMEngine.from_dir(config.model_dir, config.dtype, config.device,
                                                    config.cache, config.engine)
         self.fingerprint = model_fingerprint(config.model_dir, self.engine.config)
@@ -100,11 +110,14 @@ class CoreServer:
     @property
     def layout(self) -> dict:
         cfg = self.engine.config
-        return {"tp": 1, "pp": 1, "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads}
+        return {"tp": self.config.tp, "pp": self.config.pp, "num_layers": cfg.num_hidden_layers,
+                "num_kv_heads": cfg.num_key_value_heads}
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.streamer = LayerStreamer(self.engine, loop, self.config.stream_layers)
+        # A parallel core's layers and heads live on several ranks: its KV is gathered after the prefill.
+        mode = "off" if self.parallel else ("stream" if self.config.stream_layers else "hold")
+        self.streamer = LayerStreamer(self.engine, loop, mode)
         self.aengine = AsyncEngine(self.engine, on_layer=self.streamer.on_layer)
         self.aengine.start()
         c = self.config
@@ -122,12 +135,30 @@ class CoreServer:
                                   fingerprint=self.fingerprint, codecs=c.codecs, timeouts=c.timeouts,
                                   ssl=c.ssl, name=c.name, layout=self.layout, load_fn=self.load)
         self.port = self.server.sockets[0].getsockname()[1]
+        if self.workers:
+            from core.ranks import RankWatch
+            self.watch = RankWatch(self.workers, lambda why: loop.call_soon_threadsafe(self._rank_failed, why))
+            self.watch.start()
         if c.http_port is not None:
             from core.http import start_control_port
             self.http_runner, self.http_port = await start_control_port(self, c.http_host, c.http_port)
         log.info("core %s: protocol on %s:%d", c.name, c.host, self.port)
 
+    def _rank_failed(self, why: str) -> None:
+        """A rank died: stop serving (edges fail over), report unhealthy on /ready and /stats."""
+        log.error("core %s is unhealthy: %s", self.config.name, why)
+        self.failure = why
+        if self.server is not None:
+            self.server.close()
+        for session in list(self.sessions):
+            asyncio.ensure_future(session.peer.fail(f"core failed: {why}", ErrorCode.INTERNAL))
+
     async def stop(self) -> None:
+        if self.workers and self.failure is None and self.aengine is not None and self.aengine.alive:
+            await self.aengine.call(lambda e: e.runner.shutdown())
+            self.watch.stopped.set()
+        if self.workers:
+            self.watch.stop_all()
         if self.server is not None:
             self.server.close()
         for session in list(self.sessions):
@@ -178,14 +209,14 @@ class CoreServer:
         try:
             while True:
                 item = await session.queue.get()
-                if item[0] == "kv":
-                    _, req, layer, start, end, k, v = item
+                if item[0] == "kv":   # K, V: [layers, tokens, heads, head_dim]
+                    _, req, layer, start, end, k, v, head = item
                     if req.cancelled:
                         continue
-                    kb, vb = to_bits(k)[None], to_bits(v)[None]
+                    kb, vb = to_bits(k), to_bits(v)
                     data = await loop.run_in_executor(self.encoder_pool, lambda: encode_chunk(
-                        req.request_id, kb, vb, layer_start=layer, token_start=start, dtype=self.dtype_name,
-                        codec=req.codec, total_tokens=len(req.token_ids)))
+                        req.request_id, kb, vb, layer_start=layer, token_start=start, head_start=head,
+                        dtype=self.dtype_name, codec=req.codec, total_tokens=len(req.token_ids)))
                     await peer.send(data)
                     if req.first_chunk_sent_at is None:
                         req.first_chunk_sent_at = time.perf_counter()
@@ -253,6 +284,12 @@ class CoreServer:
                              list(seq_info.top) if seq_info else [], len(req.token_ids), first.num_cached_tokens,
                              timings)
         req.done = True
+        if self.parallel:
+            internal = req.internal_id
+            pieces = await self.aengine.call(lambda e: e.runner.read_kv(
+                e.requests[internal].seq.table.blocks, req.skip_tokens, len(req.token_ids)))
+            for layer0, head0, k, v in pieces:
+                req.held.append(("kv", req, layer0, req.skip_tokens, len(req.token_ids), k, v, head0))
         for item in req.held:            # baseline mode: all KV after the last layer
             session.queue.put_nowait(item)
         req.held.clear()
@@ -291,7 +328,9 @@ class CoreServer:
             "connections": len(self.sessions),
             "remote_requests": sum(len(s.requests) for s in self.sessions),
             "leases": sum(1 for s in self.sessions for r in s.requests.values() if r.lease is not None),
-            "engine_alive": bool(self.aengine and self.aengine.alive),
+            "engine_alive": bool(self.aengine and self.aengine.alive) and self.failure is None,
+            "failure": self.failure,
+            "ranks": getattr(self.engine, "rank_stats", None),
             "model_fingerprint": self.fingerprint,
             "contexts": len(self.contexts.pinned) if self.contexts else 0,
             "layout": self.layout,

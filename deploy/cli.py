@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _modules():
     mods = [shared_cli]
-    for name in ("core.cli", "core.batch_cli", "edge.cli", "deploy.commands"):
+    for name in ("core.cli", "core.batch_cli", "core.ranks", "edge.cli", "deploy.commands"):
         try:
             mods.append(__import__(name, fromlist=["register"]))
         except ModuleNotFoundError as exc:

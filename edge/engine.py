@@ -224,22 +224,23 @@ class EdgeEngine:
                 if isinstance(ev, KVData):
                     c = ev.chunk
                     if (c.token_start < cached or c.token_end > len(prompt_ids) or c.layer_end > len(got)
-                            or c.head_start != 0 or c.head_end != heads):
+                            or c.head_start < 0 or c.head_end > heads):
                         raise RemotePrefillFailed(f"chunk outside the request: {c}")
                     k, v = await loop.run_in_executor(self.decoder_pool, decode_chunk, ev)
                     kt, vt = from_bits(k, c.dtype), from_bits(v, c.dtype)
                     for i, layer in enumerate(range(c.layer_start, c.layer_end)):
-                        self.aengine.post(lambda e, l=layer, s=c.token_start, kk=kt[i], vv=vt[i]:
-                                          e.write_kv(request_id, l, s, kk, vv))
-                        got[layer] += c.token_end - c.token_start
+                        self.aengine.post(lambda e, l=layer, s=c.token_start, kk=kt[i], vv=vt[i], h=c.head_start:
+                                          e.write_kv(request_id, l, s, kk, vv, h))
+                        got[layer] += (c.token_end - c.token_start) * (c.head_end - c.head_start)
                     encoded += len(ev.payload)
                     raw += c.raw_len
                     last_chunk_at = time.perf_counter()
                     if first_chunk_at is None:
                         first_chunk_at, first_chunk_bytes = last_chunk_at, len(ev.payload)
                 elif isinstance(ev, m.PrefillDone):
-                    if any(n != want for n in got):
-                        raise RemotePrefillFailed(f"incomplete KV: tokens per layer {got}, expected {want}")
+                    if any(n != want * heads for n in got):
+                        raise RemotePrefillFailed(f"incomplete KV: token×heads per layer {got}, expected "
+                                                  f"{want * heads}")
                     top = [tuple(t) for t in ev.top_logprobs]
                     if activate:
                         await self.aengine.call(lambda e: e.activate(

@@ -220,10 +220,11 @@ class LLMEngine:
         seq.status = Status.PARKED
         return seq, cached
 
-    def write_kv(self, request_id: str, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_kv(self, request_id: str, layer: int, start: int, k: torch.Tensor, v: torch.Tensor,
+                 head_start: int = 0) -> None:
         seq = self.requests[request_id].seq
         slots = self.pool.slots(seq.table.blocks, start, start + k.shape[0])
-        self.pool.write(layer, slots, k, v)
+        self.pool.write(layer, slots, k, v, head_start)
 
     def activate(self, request_id: str, first_token: int, logprob: float | None = None, top=None) -> None:
         """The request's KV is complete: record its first token and join the decode batch."""

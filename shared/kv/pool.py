@@ -40,9 +40,16 @@ class KVPool:
         """K, V [tokens, kv_heads, head_dim] at these slots (a copy)."""
         return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, slots, k.to(self.dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_start: int = 0) -> None:
+        """Write K, V [tokens, heads, head_dim]; a slice of the KV heads starting at `head_start` is allowed
+        (KV from a tensor-parallel core arrives per head range)."""
+        if head_start == 0 and k.shape[1] == self.k[layer].shape[1]:
+            self.k[layer].index_copy_(0, slots, k.to(self.dtype))
+            self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+        else:
+            heads = slice(head_start, head_start + k.shape[1])
+            self.k[layer][slots, heads] = k.to(self.dtype)
+            self.v[layer][slots, heads] = v.to(self.dtype)
 
     @property
     def bytes(self) -> int:

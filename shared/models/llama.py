@@ -126,7 +126,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # Layers this process owns (all of them unless pipeline-parallel).
         self.layer_ids = list(layers if layers is not None else range(config.num_hidden_layers))
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in self.layer_ids)
+        # Each layer addresses its KV cache by its index in this process (pipeline stages own a slice).
+        self.layers = nn.ModuleList(DecoderLayer(config, local) for local in range(len(self.layer_ids)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

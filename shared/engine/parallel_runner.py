@@ -1,0 +1,133 @@
+"""Running one engine step across tensor- and pipeline-parallel ranks.
+
+Life cycle per step: the driver (rank 0, which owns the scheduler) encodes the
+scheduled items (`step_plan`) and broadcasts them; every rank rebuilds the
+same attention metadata with `ModelRunner.prepare`; stage 0 embeds, each stage
+runs its layers (its TP group all-reducing inside each block) and sends the
+hidden states to the next stage; the last stage computes the logits of the
+sampling rows and its TP rank 0 sends them to the driver, which samples.
+`read_kv` gathers a request's K/V from every rank (each holds some layers and
+some KV heads) and returns the pieces with their layer and head offsets, so
+the edge can reassemble any layout. `worker_loop` is the other ranks' side;
+STOP ends it. Stages run one after another within a step (no micro-batching).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shared.engine.model_runner import ModelRunner
+from shared.engine.sampler import sample
+from shared.engine.step_plan import READ_KV, STEP, STOP, decode_plan, encode_read_kv, encode_step, encode_stop
+from shared.parallel import Layout
+
+
+def kv_head_start(tp_rank: int, tp: int, total_kv_heads: int) -> int:
+    per = max(1, total_kv_heads // tp)
+    return tp_rank * per if total_kv_heads >= tp else tp_rank * total_kv_heads // tp
+
+
+class StageRunner(ModelRunner):
+    """A rank's part of a step (used directly by worker ranks, extended by the driver)."""
+
+    def __init__(self, model, pool, sliding_window, layout: Layout, total_kv_heads: int):
+        super().__init__(model, pool, sliding_window)
+        self.layout = layout
+        self.total_kv_heads = total_kv_heads
+        self.hidden_size = model.config.hidden_size
+        self.dtype = next(model.parameters()).dtype
+
+    @torch.inference_mode()
+    def execute(self, items, on_layer=None):
+        lay = self.layout
+        ordered, ids, positions, meta = self.prepare(items, on_layer)
+        hidden = None
+        if lay.stage > 0:
+            hidden = torch.empty(len(ids), self.hidden_size, dtype=self.dtype)
+            dist.recv(hidden, src=lay.rank_of(lay.stage - 1, lay.tp_rank))
+        hidden = self.model(ids, positions, meta, hidden=hidden)
+        rows, samplers, end = [], [], 0
+        for seq, n in ordered:
+            end += n
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                rows.append(end - 1)
+                samplers.append(seq)
+        if lay.stage < lay.pp - 1:
+            dist.send(hidden.contiguous(), dst=lay.rank_of(lay.stage + 1, lay.tp_rank))
+            logits = None
+        else:
+            logits = self.model.compute_logits(hidden[rows]) if rows else None
+        if lay.pp > 1 and rows:
+            last_driver = lay.rank_of(lay.pp - 1, 0)
+            if lay.rank == last_driver:
+                dist.send(logits.contiguous(), dst=0)
+            elif lay.rank == 0:
+                logits = torch.empty(len(rows), self.model.config.vocab_size, dtype=torch.float32)
+                dist.recv(logits, src=last_driver)
+        return samplers, logits
+
+    def local_kv(self, blocks: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's K, V for tokens [start, end): [local layers, tokens, local heads, head_dim]."""
+        slots = self.pool.slots(blocks, start, end)
+        ks, vs = zip(*(self.pool.read(layer, slots) for layer in range(len(self.pool.k))))
+        return torch.stack(ks), torch.stack(vs)
+
+
+class ParallelModelRunner(StageRunner):
+    """The driver's runner: same interface as `ModelRunner.run`."""
+
+    def _broadcast(self, plan: torch.Tensor) -> None:
+        dist.broadcast(torch.tensor([plan.numel()], dtype=torch.long), 0)
+        dist.broadcast(plan, 0)
+
+    def run(self, batch, on_layer=None):
+        self._broadcast(encode_step(batch.items))
+        samplers, logits = self.execute(batch.items, on_layer)
+        if not samplers:
+            return [], None
+        return samplers, sample(logits, samplers)
+
+    def read_kv(self, blocks: list[int], start: int, end: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """(layer_start, head_start, K, V) pieces covering every layer and KV head once."""
+        lay = self.layout
+        self._broadcast(encode_read_kv(blocks, start, end))
+        pieces, seen = [], set()
+        heads = self.pool.k[0].shape[1]
+        dim = self.pool.k[0].shape[2]
+        for rank in range(lay.world):
+            stage, tp_rank = divmod(rank, lay.tp)
+            layers = lay.stage_layers(stage)
+            if rank == 0:
+                k, v = self.local_kv(blocks, start, end)
+            else:
+                k = torch.empty(len(layers), end - start, heads, dim, dtype=self.pool.dtype)
+                v = torch.empty_like(k)
+                dist.recv(k, src=rank)
+                dist.recv(v, src=rank)
+            head0 = kv_head_start(tp_rank, lay.tp, self.total_kv_heads)
+            if (layers.start, head0) not in seen:     # replicated KV heads are sent once
+                seen.add((layers.start, head0))
+                pieces.append((layers.start, head0, k, v))
+        return pieces
+
+    def shutdown(self) -> None:
+        self._broadcast(encode_stop())
+
+
+def worker_loop(runner: StageRunner) -> None:
+    """A non-driver rank: follow the driver's plans until STOP (or the driver disappears)."""
+    while True:
+        size = torch.empty(1, dtype=torch.long)
+        dist.broadcast(size, 0)
+        plan = torch.empty(int(size.item()), dtype=torch.long)
+        dist.broadcast(plan, 0)
+        kind, payload = decode_plan(plan)
+        if kind == STOP:
+            return
+        if kind == STEP:
+            runner.execute(payload)
+        elif kind == READ_KV:
+            k, v = runner.local_kv(*payload)
+            dist.send(k.contiguous(), dst=0)
+            dist.send(v.contiguous(), dst=0)

@@ -1,0 +1,108 @@
+"""Tensor and pipeline parallelism on CPU (gloo, real processes): logits and tokens equal one process;
+an edge decodes KV from TP and PP cores; a dead rank makes the core unhealthy without hangs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shared.engine.sampling_params import SamplingParams
+from tests.conftest import make_engine
+from tests.e2e.procs import ROOT, get_json, post_json, start_core, start_edge, wait_for
+from tests.helpers import random_hf_checkpoint, stepwise_logits
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+LAYOUTS = [(2, 1), (1, 2), (2, 2)]
+
+
+def probe(model_dir, tp, pp, ids, prefill, prompts, tmp_path):
+    out = tmp_path / f"probe-{tp}-{pp}.json"
+    r = subprocess.run([sys.executable, "-m", "tests.parallel_probe", "--model", str(model_dir), "--tp", str(tp),
+                        "--pp", str(pp), "--ids", json.dumps(ids), "--prefill", str(prefill), "--prompts",
+                        json.dumps(prompts), "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=240, env={"PATH": "/usr/bin:/bin", "EDGECORE_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    path, _ = random_hf_checkpoint(tmp_path_factory.mktemp("qwen"), "qwen2", num_attention_heads=4,
+                                   num_key_value_heads=4, num_hidden_layers=4, hidden_size=64, intermediate_size=128)
+    return path
+
+
+@pytest.mark.parametrize("tp, pp", LAYOUTS)
+@pytest.mark.parametrize("which", ["bundled", "qwen2-4kv"])
+def test_parallel_logits_and_tokens_match_one_process(tp, pp, which, model_dir, qwen_dir, tmp_path, tokenizer,
+                                                      heldout):
+    path = model_dir if which == "bundled" else qwen_dir
+    if which == "bundled":
+        ids = tokenizer.encode(heldout[:1500])[:120]
+        prompts = [tokenizer.encode(t) for t in ("The for statement", "A dictionary maps", "import sys\n")]
+    else:
+        g = torch.Generator().manual_seed(3)
+        ids = torch.randint(2, 257, (60,), generator=g).tolist()
+        prompts = [torch.randint(2, 257, (n,), generator=g).tolist() for n in (5, 17, 40)]
+    got = probe(path, tp, pp, ids, len(ids) - 8, prompts, tmp_path)
+    engine = make_engine(path)
+    ref = stepwise_logits(engine, ids, len(ids) - 8)
+    assert (torch.tensor(got["logits"]) - ref).abs().max().item() <= 1e-4
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert got["greedy"] == [r["token_ids"] for r in greedy]
+    full = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    if tp == 2 and pp == 1:      # sharded: about half, plus the replicated norms and (vocab-split) embeddings
+        assert got["params"] < 0.65 * full
+
+
+def metric(http, name):
+    import urllib.request
+    text = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics").read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_edge_decodes_kv_from_parallel_core(tp, pp, secret_file, tokenizer, heldout):
+    core, port, core_http = start_core(secret_file, "--tp", str(tp), "--pp", str(pp))
+    edge, http = start_edge("--local-prefill-below", "0", cores=[port], secret_file=secret_file)
+    try:
+        assert get_json(f"http://127.0.0.1:{core_http}/stats")["layout"]["tp"] == tp
+        ids = tokenizer.encode(heldout)
+        prompts = [ids[i * 100: i * 100 + n] for i, n in enumerate((7, 60, 300))]
+        ref = make_engine().generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+        for p, r in zip(prompts, ref):
+            out = post_json(f"http://127.0.0.1:{http}/v1/completions",
+                            {"prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True})
+            assert out["choices"][0]["text"] == r["text"]
+        assert metric(http, 'edgecore:remote_prefills_total{codec="lossless"}') == 3    # no fallback
+    finally:
+        edge.stop()
+        core.stop()
+    # Every rank went down with the core.
+    assert wait_for(lambda: subprocess.run(["pgrep", "-f", "deploy.cli core-worker"],
+                                           capture_output=True).returncode != 0, 15)
+
+
+def test_killing_a_rank_makes_core_unhealthy_and_edge_fail_over(secret_file, tokenizer):
+    core, port, core_http = start_core(secret_file, "--tp", "2")
+    edge, http = start_edge("--local-prefill-below", "0", cores=[port], secret_file=secret_file)
+    try:
+        pids = subprocess.run(["pgrep", "-f", "core-worker --rank 1"], capture_output=True, text=True).stdout.split()
+        assert pids
+        for pid in pids:
+            subprocess.run(["kill", "-9", pid])
+        assert wait_for(lambda: get_json(f"http://127.0.0.1:{core_http}/stats")["failure"], 20)
+        import urllib.error
+        import urllib.request
+        with pytest.raises(urllib.error.HTTPError) as exc:
+            urllib.request.urlopen(f"http://127.0.0.1:{core_http}/ready")
+        assert exc.value.code == 503
+        prompt = tokenizer.encode("The with statement is used to wrap the execution of a block")
+        out = post_json(f"http://127.0.0.1:{http}/v1/completions", {"prompt": prompt, "max_tokens": 8}, timeout=60)
+        assert out["choices"][0]["finish_reason"] == "length"
+        assert wait_for(lambda: not get_json(f"http://127.0.0.1:{http}/stats")["cores"][0]["healthy"], 20)
+    finally:
+        edge.stop()
+        core.stop()
