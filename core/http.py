@@ -30,7 +30,14 @@ def build_app(core) -> web.Application:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def stats(_):
-        return web.json_response(core.stats())
+        stats = core.stats()
+        if core.parallel and core.failure is None and core.aengine is not None and core.aengine.alive:
+            try:
+                stats["ranks"] = await core.aengine.call(lambda e: e.runner.rank_stats())
+            except Exception as exc:   # a rank is gone: the core stops serving, and says so
+                core._rank_failed(f"gathering rank stats failed: {exc}")
+                stats.update(ranks=None, failure=core.failure, engine_alive=False)
+        return web.json_response(stats)
 
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

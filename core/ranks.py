@@ -62,16 +62,7 @@ def start_parallel_engine(model_dir: str, tp: int, pp: int, dtype: str, device: 
     tokenizer = Tokenizer.from_dir(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
     engine = LLMEngine(model, config, tokenizer, cache, engine_cfg)
     engine.runner = ParallelModelRunner(model, engine.pool, config.sliding_window, lay, config.num_key_value_heads)
-    engine.rank_stats = [rank_stats(model, lay, 0.0)]
     return engine, workers
-
-
-def rank_stats(model, lay, step_seconds: float) -> dict:
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    import resource
-    return {"rank": lay.rank, "stage": lay.stage, "tp_rank": lay.tp_rank,
-            "layers": [lay.stage_layers().start, lay.stage_layers().stop], "parameter_bytes": params,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 class RankWatch(threading.Thread):

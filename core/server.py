@@ -330,7 +330,6 @@ class CoreServer:
             "leases": sum(1 for s in self.sessions for r in s.requests.values() if r.lease is not None),
             "engine_alive": bool(self.aengine and self.aengine.alive) and self.failure is None,
             "failure": self.failure,
-            "ranks": getattr(self.engine, "rank_stats", None),
             "model_fingerprint": self.fingerprint,
             "contexts": len(self.contexts.pinned) if self.contexts else 0,
             "layout": self.layout,

@@ -47,7 +47,7 @@ def main():
     greedy = [r["token_ids"] for r in engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0,
                                                                            ignore_eos=True))]
     with open(args.out, "w") as f:
-        json.dump({"logits": rows, "greedy": greedy, "params": engine.rank_stats[0]["parameter_bytes"]}, f)
+        json.dump({"logits": rows, "greedy": greedy, "ranks": engine.runner.rank_stats()}, f)
     engine.runner.shutdown()
     for w in workers:
         w.wait(30)

@@ -19,7 +19,11 @@ import torch.distributed as dist
 
 from shared.engine.model_runner import ModelRunner
 from shared.engine.sampler import sample
-from shared.engine.step_plan import READ_KV, STEP, STOP, decode_plan, encode_read_kv, encode_step, encode_stop
+import resource
+import time
+
+from shared.engine.step_plan import (READ_KV, STATS, STEP, STOP, decode_plan, encode_read_kv, encode_stats,
+                                     encode_step, encode_stop)
 from shared.parallel import Layout
 
 
@@ -37,9 +41,24 @@ class StageRunner(ModelRunner):
         self.total_kv_heads = total_kv_heads
         self.hidden_size = model.config.hidden_size
         self.dtype = next(model.parameters()).dtype
+        self.busy = 0.0            # seconds spent computing this rank's part of steps
+        self.steps = 0
+
+    def execute(self, items, on_layer=None):
+        started = time.perf_counter()
+        try:
+            return self._execute(items, on_layer)
+        finally:
+            self.busy += time.perf_counter() - started
+            self.steps += 1
+
+    def stats_vector(self) -> torch.Tensor:
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return torch.tensor([self.layout.rank, params, rss, int(self.busy * 1e6), self.steps], dtype=torch.long)
 
     @torch.inference_mode()
-    def execute(self, items, on_layer=None):
+    def _execute(self, items, on_layer=None):
         lay = self.layout
         ordered, ids, positions, meta = self.prepare(items, on_layer)
         hidden = None
@@ -111,6 +130,24 @@ class ParallelModelRunner(StageRunner):
                 pieces.append((layers.start, head0, k, v))
         return pieces
 
+    def rank_stats(self) -> list[dict]:
+        """Parameter bytes, peak memory and compute time of every rank."""
+        self._broadcast(encode_stats())
+        vectors = [self.stats_vector()]
+        for rank in range(1, self.layout.world):
+            v = torch.empty(5, dtype=torch.long)
+            dist.recv(v, src=rank)
+            vectors.append(v)
+        out = []
+        for v in vectors:
+            rank, params, rss, busy_us, steps = v.tolist()
+            stage, tp_rank = divmod(rank, self.layout.tp)
+            layers = self.layout.stage_layers(stage)
+            out.append({"rank": rank, "stage": stage, "tp_rank": tp_rank, "layers": [layers.start, layers.stop],
+                        "parameter_bytes": params, "peak_rss_bytes": rss, "compute_seconds": busy_us / 1e6,
+                        "steps": steps})
+        return out
+
     def shutdown(self) -> None:
         self._broadcast(encode_stop())
 
@@ -131,3 +168,5 @@ def worker_loop(runner: StageRunner) -> None:
             k, v = runner.local_kv(*payload)
             dist.send(k.contiguous(), dst=0)
             dist.send(v.contiguous(), dst=0)
+        elif kind == STATS:
+            dist.send(runner.stats_vector(), dst=0)

@@ -2,7 +2,7 @@
 
 Layout: [kind, count, ...]. STEP: for each scheduled item
 `num_computed, n, num_tokens, num_blocks, token ids (n), block ids`; READ_KV:
-`start, end, num_blocks, block ids`; STOP: nothing. `decode_plan` rebuilds light
+`start, end, num_blocks, block ids`; STATS and STOP: nothing. `decode_plan` rebuilds light
 sequence stand-ins that `ModelRunner.prepare` accepts, so every rank derives
 identical slots and masks from the same numbers.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-STEP, READ_KV, STOP = 1, 2, 3
+STEP, READ_KV, STOP, STATS = 1, 2, 3, 4
 
 
 @dataclass
@@ -58,6 +58,10 @@ def encode_read_kv(blocks: list[int], start: int, end: int) -> torch.Tensor:
 
 def encode_stop() -> torch.Tensor:
     return torch.tensor([STOP, 0], dtype=torch.long)
+
+
+def encode_stats() -> torch.Tensor:
+    return torch.tensor([STATS, 0], dtype=torch.long)
 
 
 def decode_plan(plan: torch.Tensor):

@@ -53,8 +53,10 @@ def test_parallel_logits_and_tokens_match_one_process(tp, pp, which, model_dir, 
     greedy = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     assert got["greedy"] == [r["token_ids"] for r in greedy]
     full = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    if tp == 2 and pp == 1:      # sharded: about half, plus the replicated norms and (vocab-split) embeddings
-        assert got["params"] < 0.65 * full
+    ranks = got["ranks"]
+    assert len(ranks) == tp * pp and all(r["steps"] > 0 and r["compute_seconds"] > 0 for r in ranks)
+    if tp == 2 and pp == 1:      # sharded: about half each, plus the replicated norms
+        assert all(r["parameter_bytes"] < 0.65 * full for r in ranks)
 
 
 def metric(http, name):
@@ -68,7 +70,8 @@ def test_edge_decodes_kv_from_parallel_core(tp, pp, secret_file, tokenizer, held
     core, port, core_http = start_core(secret_file, "--tp", str(tp), "--pp", str(pp))
     edge, http = start_edge("--local-prefill-below", "0", cores=[port], secret_file=secret_file)
     try:
-        assert get_json(f"http://127.0.0.1:{core_http}/stats")["layout"]["tp"] == tp
+        stats = get_json(f"http://127.0.0.1:{core_http}/stats")
+        assert stats["layout"]["tp"] == tp and [r["rank"] for r in stats["ranks"]] == list(range(tp * pp))
         ids = tokenizer.encode(heldout)
         prompts = [ids[i * 100: i * 100 + n] for i, n in enumerate((7, 60, 300))]
         ref = make_engine().generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
@@ -100,7 +103,8 @@ def test_killing_a_rank_makes_core_unhealthy_and_edge_fail_over(secret_file, tok
             urllib.request.urlopen(f"http://127.0.0.1:{core_http}/ready")
         assert exc.value.code == 503
         prompt = tokenizer.encode("The with statement is used to wrap the execution of a block")
-        out = post_json(f"http://127.0.0.1:{http}/v1/completions", {"prompt": prompt, "max_tokens": 8}, timeout=60)
+        out = post_json(f"http://127.0.0.1:{http}/v1/completions",
+                        {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}, timeout=60)
         assert out["choices"][0]["finish_reason"] == "length"
         assert wait_for(lambda: not get_json(f"http://127.0.0.1:{http}/stats")["cores"][0]["healthy"], 20)
     finally:
