@@ -10,9 +10,13 @@
     16     H     msgpack-encoded message
     16+H   P     payload (raw bytes, e.g. encoded K and V planes)
 
-`FrameParser` is sans-IO: feed bytes, take complete frames. Both lengths are
-checked against the limits as soon as the 16 fixed bytes are in, before any
-buffer for the frame is allocated.
+`FrameParser` is sans-IO: feed bytes (`feed`) or let an I/O layer receive
+straight into it (`get_buffer` / `buffer_updated`, as asyncio's
+BufferedProtocol does), then take complete frames (`next_frame`). Both lengths
+are checked against the limits as soon as the 16 fixed bytes are in, before
+any buffer for the frame is allocated. Once a large frame's size is known, its
+buffer is allocated at exactly that size and reads stop at its end, so the
+frame is handed out without another copy.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from protocol.errors import ErrorCode, RemoteProtocolError
 MAGIC = b"EDGC"
 FIXED = struct.Struct("<4sBBHII")
 FIXED_SIZE = FIXED.size  # 16
+CHUNK = 1 << 16          # read size while no large frame is pending
 
 
 @dataclass(frozen=True)
@@ -49,50 +54,93 @@ def pack_fixed(version: int, frame_type: int, header_len: int, payload_len: int)
 class FrameParser:
     def __init__(self, limits: Limits | None = None):
         self.limits = limits or Limits()
-        self._buf = bytearray()
+        self._buf = bytearray(CHUNK)
+        self._len = 0                                           # filled bytes at the front of _buf
         self._need: tuple[int, int, int, int] | None = None   # version, type, header, payload
 
     @property
     def buffered(self) -> int:
-        return len(self._buf)
+        return self._len
 
-    def feed(self, data: bytes) -> None:
-        if len(self._buf) + len(data) > self.limits.max_buffer:
+    # ---- input ----------------------------------------------------------------
+    def feed(self, data) -> None:
+        n = len(data)
+        if self._len + n > self.limits.max_buffer:
             raise RemoteProtocolError("peer sent more data than the frame limits allow",
                                       ErrorCode.FRAME_TOO_LARGE)
-        self._buf += data
+        if self._len + n > len(self._buf):
+            self._grow(self._len + n)
+        self._buf[self._len:self._len + n] = data
+        self._len += n
+
+    def get_buffer(self) -> memoryview:
+        """Free space to receive into: up to the end of a large pending frame, else a chunk."""
+        self._parse_fixed()
+        if self._need is not None:
+            total = FIXED_SIZE + self._need[2] + self._need[3]
+            if total > len(self._buf):
+                self._grow(total)
+            if total > CHUNK or self._len < total:
+                end = total if total > CHUNK else len(self._buf)
+                return memoryview(self._buf)[self._len:end]
+        if len(self._buf) - self._len < CHUNK // 4:
+            self._grow(self._len + CHUNK)
+        return memoryview(self._buf)[self._len:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._len += nbytes
+
+    @property
+    def full(self) -> bool:
+        """A large frame fills its buffer: take it (`next_frame`) before receiving more."""
+        self._parse_fixed()
+        if self._need is None:
+            return False
+        total = FIXED_SIZE + self._need[2] + self._need[3]
+        return total > CHUNK and self._len >= total
+
+    def _grow(self, size: int) -> None:
+        new = bytearray(max(size, CHUNK))
+        new[:self._len] = memoryview(self._buf)[:self._len]
+        self._buf = new
+
+    # ---- frames ---------------------------------------------------------------
+    def _parse_fixed(self) -> None:
+        if self._need is not None or self._len < FIXED_SIZE:
+            return
+        magic, version, ftype, flags, hlen, plen = FIXED.unpack_from(self._buf, 0)
+        if magic != MAGIC:
+            raise RemoteProtocolError(f"bad frame magic {bytes(magic)!r} (not an edgecore peer?)")
+        if flags != 0:
+            raise RemoteProtocolError(f"unknown frame flags {flags:#x}")
+        if hlen > self.limits.max_header:
+            raise RemoteProtocolError(f"frame header of {hlen} bytes exceeds the limit of "
+                                      f"{self.limits.max_header}", ErrorCode.FRAME_TOO_LARGE)
+        if plen > self.limits.max_payload:
+            raise RemoteProtocolError(f"frame payload of {plen} bytes exceeds the limit of "
+                                      f"{self.limits.max_payload}", ErrorCode.FRAME_TOO_LARGE)
+        self._need = (version, ftype, hlen, plen)
 
     def next_frame(self) -> RawFrame | None:
+        self._parse_fixed()
         if self._need is None:
-            if len(self._buf) < FIXED_SIZE:
-                return None
-            magic, version, ftype, flags, hlen, plen = FIXED.unpack_from(self._buf, 0)
-            if magic != MAGIC:
-                raise RemoteProtocolError(f"bad frame magic {bytes(magic)!r} (not an edgecore peer?)")
-            if flags != 0:
-                raise RemoteProtocolError(f"unknown frame flags {flags:#x}")
-            if hlen > self.limits.max_header:
-                raise RemoteProtocolError(f"frame header of {hlen} bytes exceeds the limit of "
-                                          f"{self.limits.max_header}", ErrorCode.FRAME_TOO_LARGE)
-            if plen > self.limits.max_payload:
-                raise RemoteProtocolError(f"frame payload of {plen} bytes exceeds the limit of "
-                                          f"{self.limits.max_payload}", ErrorCode.FRAME_TOO_LARGE)
-            self._need = (version, ftype, hlen, plen)
+            return None
         version, ftype, hlen, plen = self._need
         total = FIXED_SIZE + hlen + plen
-        if len(self._buf) < total:
+        if self._len < total:
             return None
-        rest = len(self._buf) - total
-        if rest <= total:
-            # Hand the buffer itself to the frame and copy only the (smaller) remainder,
-            # so a large KV payload is never copied out of the receive buffer.
+        rest = self._len - total
+        if total > CHUNK and rest <= CHUNK:
+            # Hand the buffer itself to the frame; copy only the (small) remainder.
             frame_bytes = self._buf
-            self._buf = bytearray(frame_bytes[total:]) if rest else bytearray()
+            self._buf = bytearray(max(CHUNK, rest))
+            self._buf[:rest] = memoryview(frame_bytes)[total:self._len]
             del frame_bytes[total:]
         else:
             with memoryview(self._buf) as buf:
                 frame_bytes = bytes(buf[:total])
-            del self._buf[:total]
+                buf[:rest] = buf[total:self._len]
+        self._len = rest
         self._need = None
         view = memoryview(frame_bytes)
         return RawFrame(version, ftype, view[FIXED_SIZE:FIXED_SIZE + hlen], view[FIXED_SIZE + hlen:])

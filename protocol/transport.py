@@ -6,7 +6,9 @@ yields a `Peer`. A `Peer` moves bytes only: `send()` writes the frame buffers
 with `writelines` and awaits `drain()` (back-pressure), `recv()` reads until
 the state machine yields an event, answers Pings itself, and fails with
 `PeerError` when the peer sends a connection-level Error or a read stalls past
-`idle_timeout`. Any protocol violation makes this side send an Error frame
+`idle_timeout`. Received bytes go straight from the socket into the frame
+parser's buffer (an asyncio BufferedProtocol), so a large KV payload is
+received in place and never copied again. Any protocol violation makes this side send an Error frame
 and close. A heartbeat task pings an idle link so half-open connections are
 found. Servers bind 127.0.0.1 unless told otherwise.
 """
@@ -27,7 +29,6 @@ from protocol.errors import ErrorCode, ProtocolError
 from protocol.state import NEED_DATA, Connection, KVData, Role, State
 
 log = logging.getLogger("edgecore.protocol")
-READ_SIZE = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,86 @@ class PeerError(Exception):
         self.code = code
 
 
+class _Stream(asyncio.BufferedProtocol):
+    """The connection's socket side: the kernel writes received bytes straight into the frame
+    parser's buffer; writes go to the transport, with pause/resume for back-pressure."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.error: Exception | None = None
+        self.protocol_error: ProtocolError | None = None
+        self._data = asyncio.Event()
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self.paused = False
+        self.on_connect: Callable[["_Stream"], None] | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        if self.on_connect is not None:
+            self.on_connect(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        try:
+            return self.conn.parser.get_buffer()
+        except ProtocolError as exc:       # a bad fixed header: stop reading, let recv report it
+            self.protocol_error = exc
+            self.transport.pause_reading()
+            self._data.set()
+            return memoryview(bytearray(16))
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.protocol_error is None:
+            self.conn.parser.buffer_updated(nbytes)
+            try:
+                if self.conn.parser.full:       # back-pressure until the frame is taken
+                    self.transport.pause_reading()
+                    self.paused = True
+            except ProtocolError as exc:
+                self.protocol_error = exc
+                self.transport.pause_reading()
+        self._data.set()
+
+    def taken(self) -> None:
+        """A frame was consumed: receive again if reading was paused for it."""
+        if self.paused and not self.conn.parser.full and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def eof_received(self) -> bool:
+        self.closed = True
+        self._data.set()
+        return False
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self.error = exc
+        self._data.set()
+        self._can_write.set()
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+    async def wait_data(self) -> None:
+        await self._data.wait()
+        self._data.clear()
+
+    async def drain(self) -> None:
+        await self._can_write.wait()
+        if self.closed and self.error is not None:
+            raise ConnectionResetError(str(self.error))
+
+
 class Peer:
-    def __init__(self, conn: Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 timeouts: Timeouts, load_fn: Callable[[], int] | None = None):
-        self.conn, self.reader, self.writer, self.timeouts = conn, reader, writer, timeouts
+    def __init__(self, conn: Connection, stream: _Stream, timeouts: Timeouts,
+                 load_fn: Callable[[], int] | None = None):
+        self.conn, self.stream, self.timeouts = conn, stream, timeouts
+        self.transport = stream.transport
         self.load_fn = load_fn
         self.peer_load = 0
         self.closed = False
@@ -60,7 +137,7 @@ class Peer:
 
     @property
     def peername(self) -> str:
-        info = self.writer.get_extra_info("peername")
+        info = self.transport.get_extra_info("peername")
         return f"{info[0]}:{info[1]}" if info else "?"
 
     def start_heartbeat(self) -> None:
@@ -82,12 +159,12 @@ class Peer:
         await self.send(m.Ping(nonce))
 
     async def send(self, event) -> None:
-        if self.closed:
+        if self.closed or self.stream.closed:
             raise PeerError("connection is closed")
         try:
-            self.writer.writelines(self.conn.send(event))
-            await self.writer.drain()
-        except (ConnectionError, OSError) as exc:
+            self.transport.writelines(self.conn.send(event))
+            await self.stream.drain()
+        except (ConnectionError, OSError, RuntimeError) as exc:
             self._abort()
             raise PeerError(f"connection lost while sending: {exc}") from None
 
@@ -95,6 +172,8 @@ class Peer:
         """Next message or KVData from the peer (Ping/Pong handled here)."""
         while True:
             try:
+                if self.stream.protocol_error is not None:
+                    raise self.stream.protocol_error
                 event = self.conn.next_event()
             except ProtocolError as exc:
                 await self.fail(str(exc), exc.code)
@@ -102,24 +181,19 @@ class Peer:
             if event is NEED_DATA:
                 if self.closed:
                     raise PeerError("connection is closed")
+                if self.stream.closed:
+                    self._abort()
+                    if self.stream.error is not None:
+                        raise PeerError(f"connection lost: {self.stream.error}")
+                    raise PeerError("peer closed the connection")
                 try:
-                    data = await asyncio.wait_for(self.reader.read(READ_SIZE), timeout or self.timeouts.idle)
+                    await asyncio.wait_for(self.stream.wait_data(), timeout or self.timeouts.idle)
                 except asyncio.TimeoutError:
                     await self.fail("timed out waiting for the peer", ErrorCode.TIMEOUT)
                     raise PeerError("timed out waiting for the peer", ErrorCode.TIMEOUT) from None
-                except (ConnectionError, OSError) as exc:
-                    self._abort()
-                    raise PeerError(f"connection lost: {exc}") from None
-                if not data:
-                    self._abort()
-                    raise PeerError("peer closed the connection")
                 self.last_received = time.monotonic()
-                try:
-                    self.conn.receive_data(data)
-                except ProtocolError as exc:
-                    await self.fail(str(exc), exc.code)
-                    raise PeerError(str(exc), exc.code) from None
                 continue
+            self.stream.taken()
             if isinstance(event, m.Ping):
                 await self.send(m.Pong(event.nonce, self.load_fn() if self.load_fn else 0))
                 continue
@@ -139,22 +213,20 @@ class Peer:
         if self.closed:
             return
         with contextlib.suppress(Exception):
-            self.writer.write(self.conn.error_frame(message, code))
-            await asyncio.wait_for(self.writer.drain(), 1.0)
+            self.transport.write(self.conn.error_frame(message, code))
+            await asyncio.wait_for(self.stream.drain(), 1.0)
         await self.close()
 
     def _abort(self) -> None:
         if not self.closed:
             self.closed = True
             self.conn.state = State.CLOSED
-            self.writer.close()
+            self.transport.close()
             if self._heartbeat is not None:
                 self._heartbeat.cancel()
 
     async def close(self) -> None:
         self._abort()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.writer.wait_closed(), 1.0)
 
 
 async def _handshake_client(peer: Peer) -> None:
@@ -184,14 +256,16 @@ async def _handshake_server(peer: Peer) -> None:
 async def connect(host: str, port: int, *, secret: bytes, fingerprint: str, codecs: list[str],
                   timeouts: Timeouts = Timeouts(), ssl: ssl_module.SSLContext | None = None,
                   name: str = "edge", limits=None) -> Peer:
+    conn = Connection(Role.CLIENT, secret, fingerprint, codecs, limits, name)
+    loop = asyncio.get_running_loop()
     try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, ssl=ssl, limit=READ_SIZE * 2), timeouts.handshake)
+        _, stream = await asyncio.wait_for(loop.create_connection(lambda: _Stream(conn), host, port, ssl=ssl),
+                                           timeouts.handshake)
     except asyncio.TimeoutError:
         raise PeerError(f"connecting to {host}:{port} timed out", ErrorCode.TIMEOUT) from None
     except (ConnectionError, OSError) as exc:
         raise PeerError(f"cannot connect to {host}:{port}: {exc}") from None
-    peer = Peer(Connection(Role.CLIENT, secret, fingerprint, codecs, limits, name), reader, writer, timeouts)
+    peer = Peer(conn, stream, timeouts)
     try:
         await asyncio.wait_for(_handshake_client(peer), timeouts.handshake)
     except asyncio.TimeoutError:
@@ -211,9 +285,8 @@ async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0, sec
                 codecs: list[str], timeouts: Timeouts = Timeouts(), ssl: ssl_module.SSLContext | None = None,
                 name: str = "core", layout: dict | None = None, limits=None,
                 load_fn: Callable[[], int] | None = None) -> asyncio.base_events.Server:
-    async def on_connect(reader, writer):
-        peer = Peer(Connection(Role.SERVER, secret, fingerprint, codecs, limits, name, layout), reader, writer,
-                    timeouts, load_fn)
+    async def on_connect(stream: _Stream):
+        peer = Peer(stream.conn, stream, timeouts, load_fn)
         try:
             await asyncio.wait_for(_handshake_server(peer), timeouts.handshake)
         except asyncio.TimeoutError:
@@ -232,7 +305,20 @@ async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0, sec
         finally:
             await peer.close()
 
-    return await asyncio.start_server(on_connect, host, port, ssl=ssl, limit=READ_SIZE * 2)
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task] = set()
+
+    def factory() -> _Stream:
+        stream = _Stream(Connection(Role.SERVER, secret, fingerprint, codecs, limits, name, layout))
+
+        def started(s: _Stream) -> None:
+            task = loop.create_task(on_connect(s))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        stream.on_connect = started
+        return stream
+
+    return await loop.create_server(factory, host, port, ssl=ssl)
 
 
 def tls_context(server: bool, cert: str | None = None, key: str | None = None, ca: str | None = None,
