@@ -41,16 +41,14 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
     """(checkpoint name, lazy safetensors slice) for every tensor in the checkpoint.
 
-    A packed checkpoint yields decoded tensors instead (decoded in parallel threads,
-    a few at a time, each checksum-verified).
+    A packed checkpoint yields lazy packed tensors instead, which decode (checksum
+    verified) on slicing or straight into a destination with `read_into`.
     """
     from shared.pack import PackedCheckpoint, is_packed
     if is_packed(model_dir):
-        packed = PackedCheckpoint(model_dir)
-        try:
-            yield from packed.iter_tensors()
-        finally:
-            packed.close()
+        # The lazy tensors keep the checkpoint (and its memory map) alive until the last one is
+        # decoded, possibly in another thread; the map closes when they are gone.
+        yield from PackedCheckpoint(model_dir).lazy()
         return
     for path in checkpoint_files(model_dir):
         try:

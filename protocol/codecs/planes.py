@@ -22,21 +22,28 @@ def split_planes(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(planes[:, size - 1]), np.ascontiguousarray(planes[:, : size - 1])
 
 
-def join_planes(exponent, mantissa, dtype: np.dtype, count: int) -> np.ndarray:
-    """Inverse of split_planes: flat array of `count` values of `dtype` (uint16/uint32)."""
+def join_planes(exponent, mantissa, dtype: np.dtype, count: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of split_planes: flat array of `count` values of `dtype` (uint16/uint32), written into
+    `out` (a flat array of that dtype) when given."""
     dtype = np.dtype(dtype)
     size = dtype.itemsize
     if size == 2:   # fast path: whole-word shifts, in place, no strided byte writes
-        out = np.frombuffer(exponent, dtype=np.uint8, count=count).astype(np.uint16)
+        if out is None:
+            out = np.empty(count, dtype=np.uint16)
+        np.copyto(out, np.frombuffer(exponent, dtype=np.uint8, count=count), casting="unsafe")
         out <<= 8
         out |= np.frombuffer(mantissa, dtype=np.uint8, count=count)
         low = out >> 1
         out <<= 15
         out |= low
         return out
-    out = np.empty(count, dtype=dtype)
-    planes = out.view(np.uint8).reshape(count, size)
+    result = np.empty(count, dtype=dtype)
+    planes = result.view(np.uint8).reshape(count, size)
     planes[:, size - 1] = np.frombuffer(exponent, dtype=np.uint8, count=count)
     planes[:, : size - 1] = np.frombuffer(mantissa, dtype=np.uint8, count=count * (size - 1)).reshape(count, size - 1)
     width = size * 8
-    return (out >> 1) | (out << (width - 1))
+    result = (result >> 1) | (result << (width - 1))
+    if out is not None:
+        out[:] = result
+        return out
+    return result

@@ -21,6 +21,7 @@ from shared.config import ModelConfig
 from shared.models.attention import AttentionMetadata, paged_attention
 from shared.models.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                   RowParallelLinear, VocabParallelEmbedding)
+from shared.parallel import tensor_parallel
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -186,8 +187,43 @@ class LlamaForCausalLM(nn.Module):
             parts[2] = str(self.model.layer_ids[int(parts[2])])
         return ".".join(parts)
 
-    def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
-        """Fill parameters from (checkpoint name, tensor or lazy slice). Returns the names used."""
+    def load_weights(self, weights: Iterable[tuple[str, object]], threads: int = 0) -> set[str]:
+        """Fill parameters from (checkpoint name, tensor or lazy slice). Returns the names used.
+
+        With `threads`, sources that can decode themselves (`read_into`, packed checkpoints) are
+        decoded straight into their parameters in a thread pool."""
+        from concurrent.futures import ThreadPoolExecutor
+        pool = ThreadPoolExecutor(threads) if threads else None
+        jobs = []
+        if pool is None:
+            return self._load_weights(weights, pool, jobs)
+        try:
+            used = self._load_weights(weights, pool, jobs)
+            for job in jobs:
+                job.result()              # re-raises the first failure
+            return used
+        finally:                          # never leave decode jobs running behind an error
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _load_one(self, name, param, source, loader, shard) -> None:
+        """Fill one parameter (or one shard of a packed parameter) from a tensor or lazy slice."""
+        whole = loader is None or (tensor_parallel().size == 1 and shard is None)
+        if whole and hasattr(source, "read_into") and source.read_into(param.data):
+            return                      # decoded straight into the parameter
+        try:
+            if loader is None:
+                value = source if isinstance(source, torch.Tensor) else source[:]
+                if tuple(value.shape) != tuple(param.shape):
+                    raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
+                param.data.copy_(value)
+            elif shard is None:
+                loader(param, source)
+            else:
+                loader(param, source, shard)
+        except ValueError as exc:
+            raise ValueError(f"tensor '{name}': {exc}") from None
+
+    def _load_weights(self, weights, pool, jobs) -> set[str]:
         params = dict(self.named_parameters(remove_duplicate=False))
         local = {gid: i for i, gid in enumerate(self.model.layer_ids)}
         used: set[str] = set()
@@ -211,17 +247,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             owner = self.get_submodule(target.rsplit(".", 1)[0])
             loader = getattr(owner, "weight_loader", None)
-            try:
-                if loader is None:
-                    value = source if isinstance(source, torch.Tensor) else source[:]
-                    if tuple(value.shape) != tuple(param.shape):
-                        raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
-                    param.data.copy_(value)
-                elif shard is None:
-                    loader(param, source)
-                else:
-                    loader(param, source, shard)
-            except ValueError as exc:
-                raise ValueError(f"tensor '{name}': {exc}") from None
+            if pool is not None and hasattr(source, "read_into"):
+                jobs.append(pool.submit(self._load_one, name, param, source, loader, shard))
+            else:
+                self._load_one(name, param, source, loader, shard)
             used.add(name)
         return used

@@ -58,7 +58,8 @@ def load_model(model_dir: str | Path, dtype="auto", device: str = "cpu",
     config = config or ModelConfig.from_dir(model_dir)
     model = build_model(config, resolve_dtype(dtype, device), device, layers)
     try:
-        used = model.load_weights(iter_weights(model_dir))
+        from shared.pack import is_packed
+        used = model.load_weights(iter_weights(model_dir), threads=2 if is_packed(model_dir) else 0)
     except ValueError as exc:
         raise ModelLoadError(f"{model_dir}: {exc}") from None
     missing = model.expected_weights() - used

@@ -62,8 +62,9 @@ class PackedCheckpoint:
     def index(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         return {t["name"]: (t["dtype"], tuple(t["shape"])) for t in self.tensors}
 
-    def tensor_bytes(self, entry: dict) -> bytes | memoryview:
-        """The original bytes of one tensor, checksum verified."""
+    def tensor_bytes(self, entry: dict, out: np.ndarray | None = None) -> bytes | memoryview:
+        """The original bytes of one tensor, checksum verified (decoded into `out`, a flat array of the
+        tensor's bit container, when given)."""
         name = entry["name"]
         start, length, size = entry["offset"], entry["length"], entry["end"] - entry["begin"]
         if start + length > len(self._map):
@@ -79,7 +80,7 @@ class PackedCheckpoint:
                 exponent = zstandard.ZstdDecompressor().decompress(blob[:exp_len], max_output_size=count)
                 if len(exponent) != count or length - exp_len != count * (container.itemsize - 1):
                     raise ValueError("plane sizes do not match the tensor")
-                data = memoryview(join_planes(exponent, blob[exp_len:], container, count)).cast("B")
+                data = memoryview(join_planes(exponent, blob[exp_len:], container, count, out)).cast("B")
             else:
                 raise ValueError(f"unknown encoding {entry['encoding']!r}")
         except (ValueError, KeyError, zstandard.ZstdError) as exc:
@@ -97,6 +98,11 @@ class PackedCheckpoint:
             else np.frombuffer(data, dtype=NUMPY[dtype])
         t = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) if dtype == "BF16" else torch.from_numpy(arr)
         return t.reshape(entry["shape"])
+
+    def lazy(self) -> Iterator[tuple[str, "PackedTensor"]]:
+        """(name, lazy tensor) pairs: a loader can decode each straight into its parameter."""
+        for entry in self.tensors:
+            yield entry["name"], PackedTensor(self, entry)
 
     def iter_tensors(self, threads: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
         with ThreadPoolExecutor(threads) as pool:
@@ -133,3 +139,29 @@ class PackedCheckpoint:
         for name in self.manifest["files"]:
             if name != PACK_FILE and (self.dir / name).is_file():
                 shutil.copyfile(self.dir / name, out / name)
+
+
+class PackedTensor:
+    """A packed tensor not yet decoded: shape, slicing (decodes), or `read_into` a destination."""
+
+    def __init__(self, checkpoint: PackedCheckpoint, entry: dict):
+        self.checkpoint, self.entry = checkpoint, entry
+        self.shape = tuple(entry["shape"])
+
+    def get_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    def __getitem__(self, item):
+        return self.checkpoint.tensor(self.entry)[item]
+
+    def read_into(self, dest: torch.Tensor) -> bool:
+        """Decode into `dest` (same shape) without a temporary when its dtype is the stored one.
+        Returns False when the caller must copy (dtype conversion, raw encoding)."""
+        e = self.entry
+        native = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(e["dtype"])
+        if (native is None or dest.dtype != native or e["encoding"] != "planes" or not dest.is_contiguous()
+                or tuple(dest.shape) != self.shape or dest.device.type != "cpu"):
+            return False
+        bits = dest.view(torch.int16 if dest.element_size() == 2 else torch.int32).numpy().reshape(-1)
+        self.checkpoint.tensor_bytes(e, bits.view(np.uint16 if dest.element_size() == 2 else np.uint32))
+        return True
