@@ -235,19 +235,6 @@ class BatchRunner:
             if lines:
                 file_id = f"file-{batch_id}-{suffix}"
                 data = ("\n".join(lines) + "\n").encode()
-                self._write_fixed(file_id, f"{batch_id}_{suffix}.jsonl", data)
+                self.store.write_file(f"{batch_id}_{suffix}.jsonl", "batch_output", data, file_id)
                 fields[key] = file_id
         self.store.set_status(batch_id, final, **fields)
-
-    def _write_fixed(self, file_id: str, filename: str, data: bytes) -> None:
-        import os
-        store = self.store
-        tmp = store.files_dir / f"{file_id}.part"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.rename(store.file_path(file_id))
-        with store.tx():
-            store.db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, 'batch_output', ?, ?)",
-                             (file_id, filename, len(data), int(time.time())))

@@ -65,12 +65,13 @@ class BatchStore:
 
     def add_file(self, file_id: str, filename: str, purpose: str, size: int) -> dict:
         with self.tx():
-            self.db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?)",
+            self.db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?)",
                             (file_id, filename, purpose, size, int(time.time())))
         return self.get_file(file_id)
 
-    def write_file(self, filename: str, purpose: str, data: bytes) -> dict:
-        file_id = new_id("file")
+    def write_file(self, filename: str, purpose: str, data: bytes, file_id: str | None = None) -> dict:
+        """Store `data` atomically (temporary name, fsync, rename, then the row); an existing id is replaced."""
+        file_id = file_id or new_id("file")
         tmp = self.files_dir / f"{file_id}.part"
         with open(tmp, "wb") as f:
             f.write(data)

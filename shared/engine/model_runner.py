@@ -21,6 +21,18 @@ from shared.kv.pool import KVPool
 from shared.models.attention import AttentionMetadata, PrefillChunk
 
 
+def sampling_rows(ordered) -> tuple[list[int], list[Sequence]]:
+    """Rows of the flattened batch whose sequence reaches its last known token (they sample), and those
+    sequences."""
+    rows, samplers, end = [], [], 0
+    for seq, n in ordered:
+        end += n
+        if seq.num_computed_tokens + n == seq.num_tokens:
+            rows.append(end - 1)
+            samplers.append(seq)
+    return rows, samplers
+
+
 class ModelRunner:
     def __init__(self, model, pool: KVPool, sliding_window: int | None = None):
         self.model = model
@@ -87,12 +99,7 @@ class ModelRunner:
         """Compute the batch; return the sequences that sampled and their samples."""
         ordered, ids, positions, meta = self.prepare(batch.items, on_layer)
         hidden = self.model(ids, positions, meta)
-        rows, samplers, end = [], [], 0
-        for seq, n in ordered:
-            end += n
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                rows.append(end - 1)
-                samplers.append(seq)
+        rows, samplers = sampling_rows(ordered)
         if not samplers:
             return [], None
         logits = self.model.compute_logits(hidden[rows])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shared.engine.model_runner import ModelRunner
+from shared.engine.model_runner import ModelRunner, sampling_rows
 from shared.engine.sampler import sample
 import resource
 import time
@@ -66,12 +66,7 @@ class StageRunner(ModelRunner):
             hidden = torch.empty(len(ids), self.hidden_size, dtype=self.dtype)
             dist.recv(hidden, src=lay.rank_of(lay.stage - 1, lay.tp_rank))
         hidden = self.model(ids, positions, meta, hidden=hidden)
-        rows, samplers, end = [], [], 0
-        for seq, n in ordered:
-            end += n
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                rows.append(end - 1)
-                samplers.append(seq)
+        rows, samplers = sampling_rows(ordered)
         if lay.stage < lay.pp - 1:
             dist.send(hidden.contiguous(), dst=lay.rank_of(lay.stage + 1, lay.tp_rank))
             logits = None
