@@ -1,7 +1,7 @@
 """Tensor and pipeline parallelism on CPU: per-rank parameter bytes, prefill tokens/s, all-reduce cost.
 
 A random ~540 MB float32 Llama is written once; each layout (TP=1, TP=2,
-PP=2) runs in its own process group (`--layout` child processes), prefills
+PP=2 without and with micro-batching) runs in its own process group (`--layout` child processes), prefills
 `--prompts` × `--tokens` tokens (max_tokens=1) and reports its ranks'
 parameter bytes and the prefill rate; TP=2 also times one all-reduce of a
 [tokens, hidden] activation. On 2 CPU cores the point is the scaling shape
@@ -50,10 +50,11 @@ def child(args) -> None:
     from core.ranks import start_parallel_engine
     from shared.config import CacheConfig, EngineConfig
     from shared.engine.sampling_params import SamplingParams
-    tp, pp = map(int, args.layout.split("x"))
+    tp, pp, *micro = map(int, args.layout.split("x"))
     torch.set_num_threads(max(1, 2 // (tp * pp)))
     engine, workers = start_parallel_engine(args.model, tp, pp, "fp32", "cpu", CacheConfig(num_blocks=1024),
-                                            EngineConfig(max_num_batched_tokens=args.tokens))
+                                            EngineConfig(max_num_batched_tokens=args.tokens * args.prompts),
+                                            micro_batches=micro[0] if micro else 0)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(5, 30000, (args.tokens,), generator=g).tolist() for _ in range(args.prompts)]
     params = SamplingParams(max_tokens=1, temperature=0)
@@ -124,7 +125,7 @@ def main():
         model = Path(tmp) / "random-540mb"
         progress("writing a random ~540 MB float32 model")
         write_model(model)
-        for layout in ("1x1", "2x1", "1x2"):
+        for layout in ("1x1", "2x1", "1x2x1", "1x2"):
             progress(f"layout TP×PP = {layout}")
             r = subprocess.run([sys.executable, __file__, "--layout", layout, "--model", str(model), "--prompts",
                                 str(args.prompts), "--tokens", str(args.tokens)], capture_output=True, text=True,
@@ -141,6 +142,7 @@ def main():
     emit("parallel", "tp2_parameter_share_per_rank", round(max(tp_share), 3), full_parameter_bytes=full,
          tp2_shares=[round(s, 3) for s in tp_share],
          pp2_shares=[round(r["parameter_bytes"] / full, 3) for r in by["1x2"]["ranks"]],
+         pp2_micro_batching_speedup=round(by["1x2"]["prefill_tokens_per_s"] / by["1x2x1"]["prefill_tokens_per_s"], 3),
          prefill_tokens_per_s={k: v["prefill_tokens_per_s"] for k, v in by.items()},
          allreduce_us=allreduce, allreduces_per_layer=2, ranks={k: v["ranks"] for k, v in by.items()}, cores=2)
 

@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process each)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (one process per stage and TP rank)")
     p.add_argument("--pp-split", default=None, metavar="N,N,...", help="layers per pipeline stage")
+    p.add_argument("--pp-micro-batches", type=int, default=0,
+                   help="micro-batches per step so pipeline stages overlap (default: one per stage)")
     p.set_defaults(func=run_core)
 
 
@@ -53,7 +55,8 @@ def run_core(args: argparse.Namespace) -> int:
                         name=args.name, ssl=ssl, data_dir=args.data_dir,
                         api_keys=read_api_keys(args.api_key_file),
                         max_file_bytes=int(args.max_file_mb * 1024 * 1024), tp=args.tp, pp=args.pp,
-                        pp_split=[int(x) for x in args.pp_split.split(",")] if args.pp_split else None)
+                        pp_split=[int(x) for x in args.pp_split.split(",")] if args.pp_split else None,
+                        pp_micro_batches=args.pp_micro_batches)
     if args.tp < 1 or args.pp < 1:
         from shared.errors import ConfigError
         raise ConfigError("--tp and --pp must be at least 1")

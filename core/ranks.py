@@ -41,7 +41,7 @@ def _free_port() -> int:
 
 
 def start_parallel_engine(model_dir: str, tp: int, pp: int, dtype: str, device: str, cache: CacheConfig,
-                          engine_cfg: EngineConfig, split: list[int] | None = None):
+                          engine_cfg: EngineConfig, split: list[int] | None = None, micro_batches: int = 0):
     """Start the worker ranks and build the driver's engine. Returns (engine, worker processes)."""
     config = ModelConfig.from_dir(model_dir)
     master = f"127.0.0.1:{_free_port()}"
@@ -52,11 +52,12 @@ def start_parallel_engine(model_dir: str, tp: int, pp: int, dtype: str, device: 
         cmd = [sys.executable, "-m", "deploy.cli", "core-worker", "--rank", str(rank), "--tp", str(tp), "--pp",
                str(pp), "--master", master, "--model", model_dir, "--dtype", dtype, "--device", device,
                "--kv-blocks", str(cache.num_blocks), "--block-size", str(cache.block_size),
-               "--parent", str(os.getpid())]
+               "--parent", str(os.getpid()), "--micro-batches", str(micro_batches)]
         if split:
             cmd += ["--split", ",".join(map(str, split))]
         workers.append(subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
-    lay = init_distributed(0, tp, pp, config.num_hidden_layers, master, backend, split)
+    lay = init_distributed(0, tp, pp, config.num_hidden_layers, master, backend, split,
+                           micro_batches=micro_batches)
     torch_dtype = resolve_dtype(dtype, device)
     model = load_model(model_dir, torch_dtype, device, layers=lay.stage_layers(), config=config)
     tokenizer = Tokenizer.from_dir(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
@@ -95,7 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("core-worker", help="(internal) one rank of a parallel core",
                        description="A tensor/pipeline-parallel rank started by `edgecore core --tp/--pp`.")
     for flag, kind in (("--rank", int), ("--tp", int), ("--pp", int), ("--kv-blocks", int), ("--block-size", int),
-                       ("--parent", int)):
+                       ("--parent", int), ("--micro-batches", int)):
         p.add_argument(flag, type=kind, required=True)
     p.add_argument("--master", required=True)
     p.add_argument("--model", required=True)
@@ -115,7 +116,8 @@ def run_worker(args: argparse.Namespace) -> int:
     config = ModelConfig.from_dir(args.model)
     split = [int(x) for x in args.split.split(",")] if args.split else None
     backend = "nccl" if args.device.startswith("cuda") else "gloo"
-    lay = init_distributed(args.rank, args.tp, args.pp, config.num_hidden_layers, args.master, backend, split)
+    lay = init_distributed(args.rank, args.tp, args.pp, config.num_hidden_layers, args.master, backend, split,
+                           micro_batches=args.micro_batches)
     dtype = resolve_dtype(args.dtype, args.device)
     model = load_model(args.model, dtype, args.device, layers=lay.stage_layers(), config=config)
     attn = model.model.layers[0].self_attn

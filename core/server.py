@@ -66,6 +66,7 @@ class CoreConfig:
     tp: int = 1                         # tensor-parallel ranks
     pp: int = 1                         # pipeline stages
     pp_split: list[int] | None = None   # layers per stage (default: balanced)
+    pp_micro_batches: int = 0           # micro-batches per step (default: one per stage)
 
 
 class Session:
@@ -87,7 +88,8 @@ class CoreServer:
         if engine is None and self.parallel:
             from core.ranks import start_parallel_engine
             engine, self.workers = start_parallel_engine(config.model_dir, config.tp, config.pp, config.dtype,
-                                                         config.device, config.cache, config.engine, config.pp_split)
+                                                         config.device, config.cache, config.engine, config.pp_split,
+                                                         config.pp_micro_batches)
         self.engine = engine or LLMEngine.from_dir(config.model_dir, config.dtype, config.device,
                                                    config.cache, config.engine)
         self.fingerprint = model_fingerprint(config.model_dir, self.engine.config)

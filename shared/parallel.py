@@ -29,6 +29,7 @@ class Layout:
     pp: int = 1
     rank: int = 0
     split: tuple[int, ...] = ()        # layers per stage
+    micro_batches: int = 0             # per step with several stages (0: one per stage)
 
     @property
     def world(self) -> int:
@@ -82,7 +83,7 @@ def balanced_split(num_layers: int, pp: int, split: list[int] | None = None) -> 
 
 
 def init_distributed(rank: int, tp: int, pp: int, num_layers: int, master: str, backend: str = "gloo",
-                     split: list[int] | None = None, timeout_s: float = 120.0) -> Layout:
+                     split: list[int] | None = None, timeout_s: float = 120.0, micro_batches: int = 0) -> Layout:
     import datetime
 
     import torch.distributed as dist
@@ -91,6 +92,7 @@ def init_distributed(rank: int, tp: int, pp: int, num_layers: int, master: str, 
                             timeout=datetime.timedelta(seconds=timeout_s))
     _LAYOUT.tp, _LAYOUT.pp, _LAYOUT.rank = tp, pp, rank
     _LAYOUT.split = balanced_split(num_layers, pp, split)
+    _LAYOUT.micro_batches = micro_batches or pp
     groups = [dist.new_group([s * tp + i for i in range(tp)]) for s in range(pp)]   # same order everywhere
     init_tensor_parallel(_LAYOUT.tp_rank, tp, groups[_LAYOUT.stage])
     return _LAYOUT

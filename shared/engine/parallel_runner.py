@@ -6,10 +6,13 @@ same attention metadata with `ModelRunner.prepare`; stage 0 embeds, each stage
 runs its layers (its TP group all-reducing inside each block) and sends the
 hidden states to the next stage; the last stage computes the logits of the
 sampling rows and its TP rank 0 sends them to the driver, which samples.
+With several stages a step is split into micro-batches (whole sequences,
+similar token counts): a stage sends a micro-batch's hidden states without
+waiting and starts the next one, so the stages work at the same time.
 `read_kv` gathers a request's K/V from every rank (each holds some layers and
 some KV heads) and returns the pieces with their layer and head offsets, so
 the edge can reassemble any layout. `worker_loop` is the other ranks' side;
-STOP ends it. Stages run one after another within a step (no micro-batching).
+STOP ends it.
 """
 
 from __future__ import annotations
@@ -57,29 +60,55 @@ class StageRunner(ModelRunner):
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return torch.tensor([self.layout.rank, params, rss, int(self.busy * 1e6), self.steps], dtype=torch.long)
 
+    def micro_batches(self, items) -> list[list]:
+        """Split a step into up to `layout.micro_batches` micro-batches of similar token counts (whole sequences each), so
+        that stage s works on micro-batch i while stage s+1 works on micro-batch i-1."""
+        count = min(self.layout.micro_batches, len(items)) if self.layout.pp > 1 else 1
+        if count <= 1:
+            return [list(items)]
+        groups: list[list] = [[] for _ in range(count)]
+        loads = [0] * count
+        for item in sorted(items, key=lambda it: -it[1]):
+            i = loads.index(min(loads))
+            groups[i].append(item)
+            loads[i] += item[1]
+        order = {id(seq): k for k, (seq, _) in enumerate(items)}
+        return [sorted(g, key=lambda it: order[id(it[0])]) for g in groups if g]
+
     @torch.inference_mode()
     def _execute(self, items, on_layer=None):
         lay = self.layout
-        ordered, ids, positions, meta = self.prepare(items, on_layer)
-        hidden = None
-        if lay.stage > 0:
-            hidden = torch.empty(len(ids), self.hidden_size, dtype=self.dtype)
-            dist.recv(hidden, src=lay.rank_of(lay.stage - 1, lay.tp_rank))
-        hidden = self.model(ids, positions, meta, hidden=hidden)
-        rows, samplers = sampling_rows(ordered)
-        if lay.stage < lay.pp - 1:
-            dist.send(hidden.contiguous(), dst=lay.rank_of(lay.stage + 1, lay.tp_rank))
+        last_driver = lay.rank_of(lay.pp - 1, 0)
+        pending, results = [], []
+        for group in self.micro_batches(items):
+            ordered, ids, positions, meta = self.prepare(group, on_layer)
+            hidden = None
+            if lay.stage > 0:
+                hidden = torch.empty(len(ids), self.hidden_size, dtype=self.dtype)
+                dist.recv(hidden, src=lay.rank_of(lay.stage - 1, lay.tp_rank))
+            hidden = self.model(ids, positions, meta, hidden=hidden)
+            rows, samplers = sampling_rows(ordered)
             logits = None
-        else:
-            logits = self.model.compute_logits(hidden[rows]) if rows else None
-        if lay.pp > 1 and rows:
-            last_driver = lay.rank_of(lay.pp - 1, 0)
-            if lay.rank == last_driver:
-                dist.send(logits.contiguous(), dst=0)
-            elif lay.rank == 0:
-                logits = torch.empty(len(rows), self.model.config.vocab_size, dtype=torch.float32)
-                dist.recv(logits, src=last_driver)
-        return samplers, logits
+            if lay.stage < lay.pp - 1:      # hand on and go straight to the next micro-batch
+                pending.append(dist.isend(hidden.contiguous(), dst=lay.rank_of(lay.stage + 1, lay.tp_rank)))
+            elif rows:
+                logits = self.model.compute_logits(hidden[rows])
+                if lay.pp > 1 and lay.rank == last_driver:
+                    pending.append(dist.isend(logits.contiguous(), dst=0))
+            results.append((samplers, logits))
+        for handle in pending:
+            handle.wait()
+        samplers = [s for group, _ in results for s in group]
+        if lay.pp > 1 and lay.rank == 0:    # the last stage's logits, micro-batch by micro-batch
+            parts = []
+            for group, _ in results:
+                if group:
+                    part = torch.empty(len(group), self.model.config.vocab_size, dtype=torch.float32)
+                    dist.recv(part, src=last_driver)
+                    parts.append(part)
+            return samplers, torch.cat(parts) if parts else None
+        logits = [lg for _, lg in results if lg is not None]
+        return samplers, torch.cat(logits) if logits else None
 
     def local_kv(self, blocks: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's K, V for tokens [start, end): [local layers, tokens, local heads, head_dim]."""
