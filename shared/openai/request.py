@@ -171,6 +171,7 @@ def parse_completion(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len
                    "token ids", "prompt", "invalid_type")
     if len(raw) > 64:
         raise _bad("at most 64 prompts per request", "prompt", "invalid_value")
+    echo = _bool(body, "echo")
     prompts, texts = [], []
     for p in raw:
         if isinstance(p, str):
@@ -180,14 +181,14 @@ def parse_completion(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len
             if any(not 0 <= t < vocab for t in p):
                 raise _bad(f"token ids must be in [0, {vocab})", "prompt", "invalid_value")
             ids = list(p)
-            texts.append(tokenizer.decode(ids))
+            texts.append(tokenizer.decode(ids) if echo else "")   # only echo shows the prompt text
         if not ids:
             raise _bad("the prompt is empty", "prompt", "invalid_value")
         prompts.append(ids)
     logprobs = _int(body, "logprobs", 0, 5, None)
     params, n = _common(body, tokenizer, max_model_len, prompts, 16, logprobs)
     stream, include_usage = _stream_opts(body)
-    return ParsedRequest(prompts, texts, params, n, stream, include_usage, logprobs, _bool(body, "echo"))
+    return ParsedRequest(prompts, texts, params, n, stream, include_usage, logprobs, echo)
 
 
 def _message_text(msg, i) -> tuple[str, str]:
