@@ -27,8 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(fp8, int8, int4) only when listed")
     p.add_argument("--adaptive", action="store_true", help="pick the codec per request from link bandwidth")
     p.add_argument("--ttft-target-ms", type=float, default=None)
-    p.add_argument("--local-prefill-below", type=int, default=32,
-                   help="prompts (or uncached suffixes) shorter than this prefill at the edge")
+    p.add_argument("--local-prefill-below", default="32", metavar="N|auto",
+                   help="prompts (or uncached suffixes) shorter than N tokens prefill at the edge; 'auto' uses "
+                        "the crossover measured from this edge's own and the cores' prefill times")
     p.add_argument("--max-concurrent", type=int, default=256, help="requests in flight before 503")
     p.add_argument("--transfer-timeout", type=float, default=30.0,
                    help="seconds without KV progress before giving up on a core (then retry or prefill locally)")
@@ -60,6 +61,14 @@ def run_edge(args: argparse.Namespace) -> int:
     cores = [parse_hostport(c) for c in args.core]
     core_dns = [parse_hostport(c) for c in args.core_dns]
     codecs = args.codec or ["lossless"]
+    if args.local_prefill_below == "auto":
+        local_below = None
+    else:
+        try:
+            local_below = int(args.local_prefill_below)
+        except ValueError:
+            raise ConfigError(f"--local-prefill-below must be a number or 'auto', got "
+                              f"'{args.local_prefill_below}'") from None
     for c in codecs:
         if c not in CODECS:
             raise ConfigError(f"unknown codec '{c}' (known: {', '.join(CODECS)})")
@@ -77,7 +86,7 @@ def run_edge(args: argparse.Namespace) -> int:
                         secret=read_secret(args.secret_file, required=bool(cores or core_dns)),
                         dtype=args.dtype, device=args.device or default_device(), codecs=codecs,
                         adaptive=args.adaptive, ttft_target_ms=args.ttft_target_ms,
-                        local_prefill_below=args.local_prefill_below, cache=CacheConfig(num_blocks=args.kv_blocks),
+                        local_prefill_below=local_below, cache=CacheConfig(num_blocks=args.kv_blocks),
                         transfer_timeout=args.transfer_timeout,
                         name=args.name, ssl=ssl)
     edge = EdgeEngine(config)

@@ -32,6 +32,7 @@ from typing import AsyncIterator
 from edge.codec_policy import choose_codec
 from edge.core_client import CoreClient, CoreRouter
 from edge.metrics import EdgeMetrics
+from edge.placement import PrefillModel
 from protocol import messages as m
 from protocol.errors import ProtocolError
 from protocol.kv import decode_chunk
@@ -59,7 +60,7 @@ class EdgeConfig:
     codecs: list[str] = field(default_factory=lambda: ["lossless"])   # allowed; lossy only if listed
     adaptive: bool = False
     ttft_target_ms: float | None = None
-    local_prefill_below: int = 32
+    local_prefill_below: int | None = 32   # None: measured crossover (fixed 32 until measured)
     transfer_timeout: float = 30.0
     max_core_attempts: int = 2
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -94,6 +95,7 @@ class EdgeEngine:
                                    * self.engine.config.head_dim * self.engine.pool.k[0].element_size())
         self.active = 0
         self.pinned: list[list[int]] = []      # prefetched contexts' blocks
+        self.prefill_model = PrefillModel(config.local_prefill_below or 32)
 
     async def start(self) -> None:
         self.aengine.start()
@@ -119,7 +121,13 @@ class EdgeEngine:
             return "local", "no_core" if self.router.clients else "no_core_configured"
         cached = await self.aengine.call(lambda e: len(e.block_manager.match_prefix(prompt_ids))
                                          * e.block_manager.block_size)
-        if len(prompt_ids) - cached < self.config.local_prefill_below:
+        uncached = len(prompt_ids) - cached
+        if self.config.local_prefill_below is None:
+            best = self.router.pick()
+            if best is not None and self.prefill_model.local_is_faster(uncached, best.address, best.rtt):
+                return "local", "faster_here" if cached == 0 else "prefix_cached"
+            return "remote", ""
+        if uncached < self.config.local_prefill_below:
             return "local", "short" if cached == 0 else "prefix_cached"
         return "remote", ""
 
@@ -141,8 +149,9 @@ class EdgeEngine:
             where, reason = await self._placement(prompt_ids)
             self.metrics.queue_time.observe(time.perf_counter() - arrived)
             stream = None
+            core = None
             if where == "remote":
-                stream = await self._remote_with_retries(request_id, prompt_ids, params)
+                stream, core = await self._remote_with_retries(request_id, prompt_ids, params)
                 reason = "core_failed"
             if stream is None:
                 self.metrics.local_prefills.labels(reason).inc()
@@ -153,6 +162,11 @@ class EdgeEngine:
                     first_at = now
                     self.metrics.ttft.observe(now - arrived)
                     self.metrics.cached_tokens.inc(out.num_cached_tokens)
+                    prefilled = len(prompt_ids) - out.num_cached_tokens
+                    if core is None:
+                        self.prefill_model.observe_local(prefilled, now - arrived)
+                    else:
+                        self.prefill_model.observe_remote(core.address, prefilled, now - arrived, core.rtt)
                 elif out.new_token_ids:
                     self.metrics.itl.observe(now - last_at)
                 last_at = now
@@ -172,12 +186,12 @@ class EdgeEngine:
                 break
             tried.add(client.address)
             try:
-                return await self._remote(client, request_id, prompt_ids, params)
+                return await self._remote(client, request_id, prompt_ids, params), client
             except RemotePrefillFailed as exc:
                 log.warning("request %s: core %s failed (%s); %s", request_id, client.address, exc,
                             "retrying" if attempt + 1 < self.config.max_core_attempts else "prefilling locally")
                 self.metrics.failovers.inc()
-        return None
+        return None, None
 
     async def prefetch(self, prompt_ids: list[int]) -> dict:
         """Bring a context's KV to this edge ahead of requests (from a core if one is healthy, else by
@@ -275,8 +289,12 @@ class EdgeEngine:
 
     def stats(self) -> dict:
         stats = self.engine.stats()
+        pm = self.prefill_model
         stats.update({
             "requests": self.active,
+            "prefill_model": {"local_ms_per_token": round(pm.local_per_token * 1e3, 4) if pm.local_per_token else None,
+                              "crossover_tokens": {c.address: pm.crossover(c.address, c.rtt)
+                                                   for c in self.router.clients}},
             "cores": [{"address": c.address, "healthy": c.healthy, "rtt_ms": round(c.rtt * 1e3, 2),
                        "load": c.load, "bandwidth_MBps": round(c.bandwidth / 1e6, 1) if c.bandwidth else None,
                        "error": c.last_error} for c in self.router.clients],

@@ -1,0 +1,53 @@
+"""Where to prefill: the measured crossover between edge-local and core prefill.
+
+Life cycle: every finished prefill reports its time-to-first-token and the
+number of tokens it prefilled (`observe_local`, `observe_remote`); the model
+keeps EWMAs of the local seconds per token and, per core, of the remote
+seconds per token beyond the round trip. `local_is_faster(tokens, rtt)`
+compares the predictions; until both sides have been measured the fixed
+threshold decides. So that a core's estimate does not go stale while every
+prompt stays local, one in `explore_every` prompts that the fixed threshold
+would have sent to the core still goes there.
+"""
+
+from __future__ import annotations
+
+
+class PrefillModel:
+    def __init__(self, fallback_threshold: int = 32, alpha: float = 0.3, explore_every: int = 16):
+        self.fallback = fallback_threshold
+        self.alpha = alpha
+        self.explore_every = explore_every
+        self._local_picks = 0
+        self.local_per_token: float | None = None
+        self.remote_per_token: dict[str, float] = {}
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def observe_local(self, tokens: int, seconds: float) -> None:
+        if tokens >= 8:
+            self.local_per_token = self._ewma(self.local_per_token, seconds / tokens)
+
+    def observe_remote(self, core: str, tokens: int, seconds: float, rtt: float) -> None:
+        if tokens >= 8:
+            self.remote_per_token[core] = self._ewma(self.remote_per_token.get(core),
+                                                     max(0.0, seconds - rtt) / tokens)
+
+    def local_is_faster(self, tokens: int, core: str, rtt: float) -> bool:
+        remote = self.remote_per_token.get(core)
+        if self.local_per_token is None or remote is None:
+            return tokens < self.fallback
+        local = tokens * self.local_per_token <= rtt + tokens * remote
+        if local and tokens >= self.fallback:
+            self._local_picks += 1
+            if self._local_picks % self.explore_every == 0:
+                return False            # refresh the core's estimate now and then
+        return local
+
+    def crossover(self, core: str, rtt: float) -> float | None:
+        """Prompt length above which the core is faster (None: not measured, or never)."""
+        remote = self.remote_per_token.get(core)
+        if self.local_per_token is None or remote is None or self.local_per_token <= remote:
+            return None
+        return rtt / (self.local_per_token - remote)
