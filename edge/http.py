@@ -13,6 +13,7 @@ at the edge and the core.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -21,6 +22,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from edge.engine import EdgeEngine
+from shared.engine.async_engine import EngineDead
 from shared.openai.http import error_middleware, json_body
 from shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
 from shared.openai.response import ChoiceResult, TokenText, response_body, usage
@@ -125,8 +127,23 @@ class EdgeHTTP:
     async def _serve(self, request: web.Request, parsed: ParsedRequest, chat: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        queue: asyncio.Queue = asyncio.Queue()
+        async with contextlib.aclosing(self._choices(parsed, rid)) as outputs:
+            if parsed.stream:
+                return await self._stream(request, parsed, chat, rid, created, outputs)
+            return await self._collect(parsed, chat, rid, created, outputs)
+
+    async def _choices(self, parsed: ParsedRequest, rid: str):
+        """(choice index, RequestOutput) as they come. One choice streams straight from the engine;
+        several are merged through a queue. An engine failure becomes an ApiError."""
         count = len(parsed.params)
+        if count == 1:
+            try:
+                async for out in self.edge.generate(f"{rid}-0", parsed.prompts[0], parsed.params[0]):
+                    yield 0, out
+            except EngineDead as exc:
+                raise ApiError(500, f"generation failed: {exc}", None, "internal_error") from None
+            return
+        queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int):
             try:
@@ -139,29 +156,29 @@ class EdgeHTTP:
 
         tasks = [asyncio.create_task(pump(i)) for i in range(count)]
         try:
-            if parsed.stream:
-                return await self._stream(request, parsed, chat, rid, created, queue, count)
-            return await self._collect(parsed, chat, rid, created, queue, count)
+            remaining = count
+            while remaining:
+                i, out = await queue.get()
+                if out is None:
+                    remaining -= 1
+                elif isinstance(out, Exception):
+                    raise ApiError(500, f"generation failed: {out}", None, "internal_error")
+                else:
+                    yield i, out
         finally:
             for task in tasks:
                 task.cancel()
 
-    async def _collect(self, parsed, chat, rid, created, queue, count):
-        results = [ChoiceResult() for _ in range(count)]
-        remaining = count
-        while remaining:
-            i, out = await queue.get()
-            if out is None:
-                remaining -= 1
-            elif isinstance(out, Exception):
-                raise ApiError(500, f"generation failed: {out}", None, "internal_error")
-            else:
-                results[i].add(out)
+    async def _collect(self, parsed, chat, rid, created, outputs):
+        results = [ChoiceResult() for _ in parsed.params]
+        async for i, out in outputs:
+            results[i].add(out)
         body = response_body(parsed, results, chat, rid, created, self.served_model, self.texts,
                              self.edge.fingerprint[:16] or None)
         return web.Response(body=json_encode(body), content_type="application/json")
 
-    async def _stream(self, request, parsed, chat, rid, created, queue, count):
+    async def _stream(self, request, parsed, chat, rid, created, outputs):
+        count = len(parsed.params)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
@@ -179,16 +196,10 @@ class EdgeHTTP:
             for i in range(count):
                 await send({**base, "choices": [{"index": i, "text": parsed.prompt_texts[i // parsed.n],
                                                  "logprobs": None, "finish_reason": None}]})
-        ntoks, cached, remaining = 0, {}, count
+        ntoks, cached = 0, {}
         offsets = [0] * count
         try:
-            while remaining:
-                i, out = await queue.get()
-                if out is None:
-                    remaining -= 1
-                    continue
-                if isinstance(out, Exception):
-                    raise ApiError(500, f"generation failed: {out}", None, "internal_error")
+            async for i, out in outputs:
                 cached.setdefault(i // parsed.n, out.num_cached_tokens)
                 ntoks += len(out.new_token_ids)
                 if not out.new_text and not out.finished and not out.logprobs:
