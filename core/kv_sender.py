@@ -54,7 +54,7 @@ class LayerStreamer:
         self.layer_offset = engine.model.model.layer_ids[0]
 
     def on_layer(self, layer: int, items) -> None:
-        if self.mode == "off":
+        if self.mode == "off" or not self.remote:    # nothing to ship (e.g. only batch work running)
             return
         pool = self.engine.pool
         for seq, n in items:
