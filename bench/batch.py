@@ -17,7 +17,6 @@ import random
 import sys
 import tempfile
 import time
-import urllib.request
 
 from common import ROOT, emit, progress
 

@@ -72,6 +72,15 @@ def synthetic_config() -> ModelConfig:
         "num_key_value_heads": 4, "max_position_embeddings": 2048, "tie_word_embeddings": False})
 
 
+def copy_bandwidth(nbytes: int) -> float:
+    """Memory bandwidth from copying `nbytes` (a copy reads and writes every byte); buffers freed after."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = median_time(lambda: dst.copy_(src), 5)
+    return 2 * src.numel() * 4 / seconds
+
+
 def bench_synthetic(dtype_name, steps):
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     config = synthetic_config()
@@ -85,12 +94,7 @@ def bench_synthetic(dtype_name, steps):
                      if "embed_tokens" not in n)
     engine = LLMEngine(model, config, None, CacheConfig(num_blocks=64), EngineConfig())
     progress(f"weights read per step: {read_bytes / 1e9:.2f} GB; measuring memory bandwidth")
-    src = torch.empty(read_bytes // 4, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    copy_t = median_time(lambda: dst.copy_(src), 5)
-    bandwidth = 2 * src.numel() * 4 / copy_t      # a copy reads and writes every byte
-    del src, dst
+    bandwidth = copy_bandwidth(read_bytes)
     engine.add_request("r", list(range(16)), SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
     engine.step()                                  # prefill
     times = []

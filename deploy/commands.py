@@ -57,7 +57,6 @@ def run_render(args: argparse.Namespace) -> int:
 
 
 def run_relay(args: argparse.Namespace) -> int:
-    import asyncio
 
     from deploy.wan_relay import LinkSpec, WanRelay
     from shared.secrets import parse_hostport

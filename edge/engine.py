@@ -44,7 +44,7 @@ from shared.engine.engine import LLMEngine
 from shared.engine.output import RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.fingerprint import model_fingerprint
-from shared.kv.wire import DTYPE_NAMES, from_bits
+from shared.kv.wire import from_bits
 
 log = logging.getLogger("edgecore.edge")
 

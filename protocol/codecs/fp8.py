@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocol.codecs.base import BITS_DTYPES, Codec, PlaneInfo, check_bits, from_float32, to_float32
+from protocol.codecs.base import Codec, PlaneInfo, check_bits, from_float32, to_float32
 from protocol.errors import CodecError
 
 FP8_MAX = 448.0

@@ -6,14 +6,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import openai
 import pytest
 
 from shared.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine
-from tests.e2e.procs import ROOT, free_port, get_json, post_json, start_core, start_edge, wait_for
+from tests.e2e.procs import ROOT, free_port, get_json, post_json, start_core, start_edge
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from protocol import messages as m
 from protocol.kv import encode_chunk
-from protocol.state import NEED_DATA, Connection, KVData, Role
+from protocol.state import NEED_DATA, Connection, Role
 
 SECRET = b"cluster-secret"
 FP = "f" * 64

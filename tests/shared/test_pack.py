@@ -4,7 +4,6 @@ import filecmp
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
