@@ -22,6 +22,7 @@ frame is handed out without another copy.
 from __future__ import annotations
 
 import struct
+import zlib
 from dataclasses import dataclass
 
 from protocol.errors import ErrorCode, RemoteProtocolError
@@ -45,6 +46,7 @@ class RawFrame:
     frame_type: int
     header: memoryview
     payload: memoryview
+    payload_crc: int = 0        # CRC-32 of the payload, computed as its bytes arrived
 
 
 def pack_fixed(version: int, frame_type: int, header_len: int, payload_len: int) -> bytes:
@@ -57,6 +59,8 @@ class FrameParser:
         self._buf = bytearray(CHUNK)
         self._len = 0                                           # filled bytes at the front of _buf
         self._need: tuple[int, int, int, int] | None = None   # version, type, header, payload
+        self._crc = 0                   # running CRC-32 of the pending frame's payload ...
+        self._crc_pos = 0               # ... over buffer bytes up to here
 
     @property
     def buffered(self) -> int:
@@ -89,6 +93,17 @@ class FrameParser:
 
     def buffer_updated(self, nbytes: int) -> None:
         self._len += nbytes
+        self._parse_fixed()
+        self._hash_payload(self._len)   # while the new bytes are still in cache
+
+    def _hash_payload(self, end: int) -> None:
+        if self._need is None:
+            return
+        stop = min(end, FIXED_SIZE + self._need[2] + self._need[3])
+        if stop > self._crc_pos:
+            with memoryview(self._buf) as buf:
+                self._crc = zlib.crc32(buf[self._crc_pos:stop], self._crc)
+            self._crc_pos = stop
 
     @property
     def full(self) -> bool:
@@ -120,6 +135,7 @@ class FrameParser:
             raise RemoteProtocolError(f"frame payload of {plen} bytes exceeds the limit of "
                                       f"{self.limits.max_payload}", ErrorCode.FRAME_TOO_LARGE)
         self._need = (version, ftype, hlen, plen)
+        self._crc, self._crc_pos = 0, FIXED_SIZE + hlen
 
     def next_frame(self) -> RawFrame | None:
         self._parse_fixed()
@@ -129,6 +145,8 @@ class FrameParser:
         total = FIXED_SIZE + hlen + plen
         if self._len < total:
             return None
+        self._hash_payload(total)
+        crc = self._crc & 0xFFFFFFFF
         rest = self._len - total
         if total > CHUNK and rest <= CHUNK:
             # Hand the buffer itself to the frame; copy only the (small) remainder.
@@ -143,4 +161,4 @@ class FrameParser:
         self._len = rest
         self._need = None
         view = memoryview(frame_bytes)
-        return RawFrame(version, ftype, view[FIXED_SIZE:FIXED_SIZE + hlen], view[FIXED_SIZE + hlen:])
+        return RawFrame(version, ftype, view[FIXED_SIZE:FIXED_SIZE + hlen], view[FIXED_SIZE + hlen:], crc)

@@ -34,7 +34,7 @@ def encode_chunk(request_id: str, k: np.ndarray, v: np.ndarray, *, layer_start: 
 
 def decode_chunk(data: KVData) -> tuple[np.ndarray, np.ndarray]:
     c = data.chunk
-    verify_checksum(c, data.payload)
+    verify_checksum(c, data.payload, data.received_crc)
     if not (0 <= c.layer_start < c.layer_end and 0 <= c.token_start < c.token_end
             and 0 <= c.head_start < c.head_end and c.head_dim > 0):
         raise CodecError(f"KV chunk of request {c.request_id} has an empty or negative range")

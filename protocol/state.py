@@ -62,9 +62,11 @@ NEED_DATA = _NeedData()
 
 @dataclass
 class KVData:
-    """A KVChunk header with its payload (encoded K then V)."""
+    """A KVChunk header with its payload (encoded K then V); `received_crc` is the CRC-32 the frame
+    parser computed while the payload arrived (None for data built locally)."""
     chunk: m.KVChunk
     payload: memoryview | bytes
+    received_crc: int | None = None
 
 
 READY_FROM_CLIENT = (m.PrefillRequest, m.Ack, m.Cancel, m.Ping, m.Pong, m.Error)
@@ -200,7 +202,7 @@ class Connection:
         if isinstance(msg, m.KVChunk):
             if msg.k_bytes > frame.payload.nbytes or msg.k_bytes < 0:
                 raise RemoteProtocolError("KVChunk k_bytes exceeds its payload")
-            return KVData(msg, frame.payload)
+            return KVData(msg, frame.payload, frame.payload_crc)
         return msg
 
     def _on_receive(self, msg) -> None:
@@ -265,7 +267,7 @@ def checksum(payload) -> int:
     return zlib.crc32(payload) & 0xFFFFFFFF
 
 
-def verify_checksum(chunk: m.KVChunk, payload) -> None:
-    if checksum(payload) != chunk.checksum:
+def verify_checksum(chunk: m.KVChunk, payload, computed: int | None = None) -> None:
+    if (checksum(payload) if computed is None else computed) != chunk.checksum:
         raise RemoteProtocolError(f"KV chunk of request {chunk.request_id} (layers {chunk.layer_start}-"
                                   f"{chunk.layer_end}) failed its checksum", ErrorCode.CHECKSUM)

@@ -78,8 +78,8 @@ class _Stream(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.protocol_error is None:
-            self.conn.parser.buffer_updated(nbytes)
             try:
+                self.conn.parser.buffer_updated(nbytes)
                 if self.conn.parser.full:       # back-pressure until the frame is taken
                     self.transport.pause_reading()
                     self.paused = True
