@@ -18,25 +18,11 @@ import sys
 import tempfile
 import time
 
-from common import ROOT, emit, progress
+from common import ROOT, emit, engine_tokens_per_s, progress
 
 sys.path.insert(0, str(ROOT))
 from core.batch_cli import Api  # noqa: E402
 from tests.e2e.procs import start_core  # noqa: E402
-
-
-def engine_run(model, prompts, max_tokens: int) -> float:
-    """The engine offline on the same requests: generated tokens per second."""
-    from shared.config import CacheConfig, EngineConfig
-    from shared.engine.engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
-    engine = LLMEngine.from_dir(model, cache_config=CacheConfig(num_blocks=8192),
-                                engine_config=EngineConfig(max_num_seqs=128))   # as the core's engine
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    engine.generate(prompts[:2], params)
-    t = time.perf_counter()
-    res = engine.generate(prompts, params)
-    return sum(len(r["token_ids"]) for r in res) / (time.perf_counter() - t)
 
 
 def main():
@@ -60,7 +46,7 @@ def main():
             for i, p in enumerate(prompts)]
     import torch
     torch.set_num_threads(args.threads)
-    before = engine_run(model, prompts, args.max_tokens)     # the machine drifts: measure on both sides
+    before = engine_tokens_per_s(prompts, args.max_tokens, max_num_seqs=128)     # the machine drifts: measure on both sides
     progress(f"engine offline (before): {before:.0f} tok/s")
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "in.jsonl")
@@ -87,7 +73,7 @@ def main():
             node.stop()
     api_tps = tokens / elapsed
     progress(f"batch API: {len(out)} requests, {tokens} tokens in {elapsed:.2f} s = {api_tps:.0f} tok/s")
-    engine_tps = (before + engine_run(model, prompts, args.max_tokens)) / 2
+    engine_tps = (before + engine_tokens_per_s(prompts, args.max_tokens, max_num_seqs=128)) / 2
     progress(f"engine offline (mean of the runs before and after): {engine_tps:.0f} tok/s")
     emit("batch", "api_vs_engine_tokens_per_s", round(api_tps / engine_tps, 3), target=0.9,
          requests=args.requests, api_tokens_per_s=round(api_tps, 1), engine_tokens_per_s=round(engine_tps, 1),

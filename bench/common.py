@@ -26,6 +26,22 @@ def median_time(fn, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+def engine_tokens_per_s(prompts, max_tokens: int, max_num_seqs: int, num_blocks: int = 8192) -> float:
+    """The engine offline on `prompts` (greedy, ignore_eos): generated tokens per second, after a warm-up."""
+    import time
+
+    from shared.config import CacheConfig, EngineConfig
+    from shared.engine.engine import LLMEngine
+    from shared.engine.sampling_params import SamplingParams
+    engine = LLMEngine.from_dir(ROOT / "models" / "pydoc-llama", cache_config=CacheConfig(num_blocks=num_blocks),
+                                engine_config=EngineConfig(max_num_seqs=max_num_seqs))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    engine.generate(prompts[:2], params)
+    t = time.perf_counter()
+    out = engine.generate(prompts, params)
+    return sum(len(r["token_ids"]) for r in out) / (time.perf_counter() - t)
+
+
 def emit(name: str, metric: str, value, **extra) -> dict:
     record = {"bench": name, "metric": metric, "value": value, **extra}
     line = json.dumps(record)

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from common import ROOT, emit, progress
+from common import ROOT, emit, engine_tokens_per_s, progress
 
 sys.path.insert(0, str(ROOT))
 from tests.e2e.procs import start_core, start_edge  # noqa: E402  (process helpers shared with the tests)
@@ -77,21 +77,6 @@ async def client_load(port: int, prompts, clients: int, duration: float, max_tok
     return ttft, itl, errors, done, time.perf_counter() - t
 
 
-def engine_tps(done, clients: int, max_tokens: int, threads: int) -> float:
-    import torch
-    torch.set_num_threads(threads)
-    from shared.config import EngineConfig
-    from shared.engine.engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
-    engine = LLMEngine.from_dir(ROOT / "models" / "pydoc-llama", engine_config=EngineConfig(max_num_seqs=clients))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    prompts = [p for p, _ in done]
-    engine.generate(prompts[:2], params)
-    t = time.perf_counter()
-    out = engine.generate(prompts, params)
-    return sum(len(r["token_ids"]) for r in out) / (time.perf_counter() - t)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--clients", type=int, default=32)
@@ -132,7 +117,9 @@ def main():
                 core.stop()
     http_tps = sum(t for _, t in done) / elapsed
     progress(f"HTTP: {len(done)} requests, {http_tps:.0f} tok/s, errors {errors}; running the engine baseline")
-    base = engine_tps(done, args.clients, args.max_tokens, args.threads)
+    import torch
+    torch.set_num_threads(args.threads)
+    base = engine_tokens_per_s([p for p, _ in done], args.max_tokens, max_num_seqs=args.clients)
     emit("serve", "http_vs_engine_tokens_per_s", round(http_tps / base, 3), target=0.85,
          path="edge only" if args.no_core else "edge + core",
          clients=args.clients, duration_s=args.duration, torch_threads=args.threads, requests=len(done),

@@ -35,7 +35,7 @@ def build_app(core) -> web.Application:
             try:
                 stats["ranks"] = await core.aengine.call(lambda e: e.runner.rank_stats())
             except Exception as exc:   # a rank is gone: the core stops serving, and says so
-                core._rank_failed(f"gathering rank stats failed: {exc}")
+                core.mark_failed(f"gathering rank stats failed: {exc}")
                 stats.update(ranks=None, failure=core.failure, engine_alive=False)
         return web.json_response(stats)
 

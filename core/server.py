@@ -139,14 +139,14 @@ class CoreServer:
         self.port = self.server.sockets[0].getsockname()[1]
         if self.workers:
             from core.ranks import RankWatch
-            self.watch = RankWatch(self.workers, lambda why: loop.call_soon_threadsafe(self._rank_failed, why))
+            self.watch = RankWatch(self.workers, lambda why: loop.call_soon_threadsafe(self.mark_failed, why))
             self.watch.start()
         if c.http_port is not None:
             from core.http import start_control_port
             self.http_runner, self.http_port = await start_control_port(self, c.http_host, c.http_port)
         log.info("core %s: protocol on %s:%d", c.name, c.host, self.port)
 
-    def _rank_failed(self, why: str) -> None:
+    def mark_failed(self, why: str) -> None:
         """A rank died: stop serving (edges fail over), report unhealthy on /ready and /stats."""
         log.error("core %s is unhealthy: %s", self.config.name, why)
         self.failure = why

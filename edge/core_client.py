@@ -50,10 +50,6 @@ class CoreClient:
     def load(self) -> int:
         return len(self.inflight) + (self.peer.peer_load if self.peer else 0)
 
-    @property
-    def layout(self) -> dict:
-        return self.peer.conn.peer_layout if self.peer else {}
-
     async def connect(self) -> None:
         async with self._lock:
             if self.healthy:

@@ -91,8 +91,7 @@ class EdgeEngine:
                               timeouts=config.timeouts, ssl=config.ssl, name=config.name)
         self.router = CoreRouter([client(h, p) for h, p in config.cores], dns=config.core_dns, make_client=client)
         self.decoder_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edgecore-decode")
-        self.kv_bytes_per_token = (2 * self.engine.config.num_hidden_layers * self.engine.config.num_key_value_heads
-                                   * self.engine.config.head_dim * self.engine.pool.k[0].element_size())
+        self.kv_bytes_per_token = self.engine.config.kv_bytes_per_token(self.engine.pool.k[0].element_size())
         self.active = 0
         self.pinned: list[list[int]] = []      # prefetched contexts' blocks
         self.prefill_model = PrefillModel(config.local_prefill_below or 32)

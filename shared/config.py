@@ -56,10 +56,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token for all layers at 2 bytes per value."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 2
+    def kv_bytes_per_token(self, value_bytes: int = 2) -> int:
+        """Bytes of K and V per token over all layers, at `value_bytes` per value."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * value_bytes
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":

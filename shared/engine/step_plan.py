@@ -26,7 +26,6 @@ class PlanItem:
 
     def __init__(self, num_computed: int, n: int, num_tokens: int, ids: list[int], blocks: list[int]):
         self.num_computed_tokens = num_computed
-        self._n = n
         self.num_tokens = num_tokens
         self.token_ids = _Window(num_computed, ids)
         self.table = _Table(blocks)

@@ -1,9 +1,9 @@
 """Reading packed checkpoints: tensors for the model loader, byte-identical unpack.
 
 Life cycle: `PackedCheckpoint(dir)` validates the manifest and memory-maps the
-pack file. `iter_tensors()` decodes tensors in a thread pool with a bounded
-look-ahead (so at most a few decoded tensors exist beside the model) and
-yields (name, torch tensor) in file order; `unpack(out)` rewrites every
+pack file. `lazy()` yields (name, PackedTensor) in file order: each decodes on
+slicing or straight into a destination (`read_into`), which the model loader
+does from a thread pool; `unpack(out)` rewrites every
 original shard (exact header bytes, then the tensors' bytes in offset order)
 and checks its SHA-256. Every tensor's CRC-32 is checked after decoding; a
 mismatch or a malformed blob raises `ModelLoadError` naming the tensor.
@@ -17,7 +17,6 @@ import mmap
 import shutil
 import struct
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -103,17 +102,6 @@ class PackedCheckpoint:
         """(name, lazy tensor) pairs: a loader can decode each straight into its parameter."""
         for entry in self.tensors:
             yield entry["name"], PackedTensor(self, entry)
-
-    def iter_tensors(self, threads: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
-        with ThreadPoolExecutor(threads) as pool:
-            pending = []
-            for entry in self.tensors:
-                pending.append((entry["name"], pool.submit(self.tensor, entry)))
-                if len(pending) >= 2 * threads:
-                    name, fut = pending.pop(0)
-                    yield name, fut.result()
-            for name, fut in pending:
-                yield name, fut.result()
 
     def unpack(self, out: str | Path, progress: Callable[[str], None] | None = None) -> None:
         out = Path(out)
