@@ -6,6 +6,7 @@ EDGECORE_THREADS    torch intra-op threads (else torch's default)
 EDGECORE_SECRET     cluster secret (else --secret-file)
 EDGECORE_API_KEYS   comma-separated API keys for the edge (else --api-key-file)
 EDGECORE_LOG_LEVEL  logging level (INFO)
+EDGECORE_CPU_PACK   0 keeps plain linear weights on CPU (else they are packed for oneDNN)
 """
 
 from __future__ import annotations
@@ -33,3 +34,7 @@ def apply_threads() -> None:
     if value:
         import torch
         torch.set_num_threads(int(value))
+
+
+def cpu_pack_enabled() -> bool:
+    return os.environ.get("EDGECORE_CPU_PACK", "1") != "0"

@@ -17,8 +17,10 @@ import torch
 from shared.engine.sampler import SampleResult, sample
 from shared.engine.scheduler import ScheduledBatch
 from shared.engine.sequence import Sequence
+from shared.env import cpu_pack_enabled
 from shared.kv.pool import KVPool
 from shared.models.attention import AttentionMetadata, PrefillChunk
+from shared.models.layers import pack_for_cpu
 
 
 def sampling_rows(ordered) -> tuple[list[int], list[Sequence]]:
@@ -40,6 +42,8 @@ class ModelRunner:
         self.device = pool.device
         self.block_size = pool.block_size
         self.window = sliding_window
+        if self.device == "cpu" and cpu_pack_enabled():
+            pack_for_cpu(model)    # weights are final from here on
 
     def prepare(self, items: list[tuple[Sequence, int]], on_layer: Callable[[int], None] | None = None):
         bs = self.block_size
@@ -65,9 +69,10 @@ class ModelRunner:
             width = -(-longest // bs)
             table = torch.tensor([s.table.blocks[:width] + [0] * (width - len(s.table.blocks[:width]))
                                   for s, _ in decode], dtype=torch.long, device=dev)
-            pos = torch.arange(longest, device=dev)
+            pos = torch.arange(width * bs, device=dev)
             meta.num_decode = len(decode)
-            meta.decode_slots = table[:, pos // bs] * bs + pos % bs
+            meta.decode_blocks = table
+            meta.block_size = bs
             ctx_t = torch.tensor(ctx, device=dev).unsqueeze(1)
             mask = pos.unsqueeze(0) < ctx_t
             if self.window is not None:

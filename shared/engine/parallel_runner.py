@@ -17,16 +17,18 @@ STOP ends it.
 
 from __future__ import annotations
 
+import resource
+import time
+
 import torch
 import torch.distributed as dist
 
 from shared.engine.model_runner import ModelRunner, sampling_rows
 from shared.engine.sampler import sample
-import resource
-import time
 
 from shared.engine.step_plan import (READ_KV, STATS, STEP, STOP, decode_plan, encode_read_kv, encode_stats,
                                      encode_step, encode_stop)
+from shared.models.layers import weight_bytes
 from shared.parallel import Layout
 
 
@@ -56,7 +58,7 @@ class StageRunner(ModelRunner):
             self.steps += 1
 
     def stats_vector(self) -> torch.Tensor:
-        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        params = weight_bytes(self.model)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return torch.tensor([self.layout.rank, params, rss, int(self.busy * 1e6), self.steps], dtype=torch.long)
 

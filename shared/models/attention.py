@@ -35,8 +35,9 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor          # [T] cache slot of each new token
     num_decode: int = 0                 # decode tokens at the front of the batch
-    decode_slots: torch.Tensor | None = None  # [B, L] slots read by each decode sequence
-    decode_mask: torch.Tensor | None = None   # [B, 1, 1, L] True where attended
+    decode_blocks: torch.Tensor | None = None  # [B, W] cache blocks read by each decode sequence
+    block_size: int = 16
+    decode_mask: torch.Tensor | None = None   # [B, 1, 1, W * block_size] True where attended
     prefills: list[PrefillChunk] = field(default_factory=list)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer [slots, H, D]
     on_layer: Callable[[int], None] | None = None
@@ -58,17 +59,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     v_cache.index_copy_(0, meta.slot_mapping, v)
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     groups = hq // hkv
-    out = torch.empty_like(q)
     b = meta.num_decode
+    out = torch.empty_like(q) if b < q.shape[0] else None
     if b:
         # Query heads of one KV head act as a short query sequence: [B, Hkv, G, D].
         qd = q[:b].view(b, hkv, groups, d)
-        length = meta.decode_slots.numel() // b
-        flat = meta.decode_slots.view(-1)
-        kd = k_cache.index_select(0, flat).view(b, length, hkv, d).transpose(1, 2)   # [B, Hkv, L, D]
-        vd = v_cache.index_select(0, flat).view(b, length, hkv, d).transpose(1, 2)
+        # Gather whole blocks (contiguous runs of block_size slots), not single slots: far fewer,
+        # larger copies. Padding past a sequence's length is masked out.
+        bs = meta.block_size
+        flat = meta.decode_blocks.view(-1)
+        length = flat.numel() * bs // b
+        kd = k_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, length, hkv, d).transpose(1, 2)
+        vd = v_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, length, hkv, d).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[:b] = od.reshape(b, hq, d)
+        if b == q.shape[0]:             # a decode-only step: no copy into `out`
+            out = od.view(b, hq, d)
+        else:
+            out[:b] = od.reshape(b, hq, d)
     for chunk in meta.prefills:
         s, n = chunk.q_start, chunk.q_len
         qp = q[s:s + n].transpose(0, 1)                  # [Hq, n, D]

@@ -45,20 +45,18 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(config: ModelConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [max_positions, head_dim] in float32 (halves repeated, HF layout)."""
+    """cos and signed sin tables [max_positions, head_dim] in float32 (HF's halves layout; the first half of
+    sin negated so that rotate-half becomes one roll: x*cos + roll(x)*sin, bit-identical to HF)."""
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(config))
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    sin = emb.sin()
+    sin[:, : sin.shape[1] // 2].neg_()
+    return emb.cos(), sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, 1, D]."""
-    return x * cos + rotate_half(x) * sin
+    """x: [T, H, D]; cos, signed sin: [T, 1, D]. roll(x) = cat(x2, x1), so roll(x) * sin = cat(-x2, x1) * |sin|."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class RMSNorm(nn.Module):
@@ -68,10 +66,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # HF's arithmetic: normalize in float32, cast back, then scale (in one fused call for float32).
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -89,10 +87,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
-        q = apply_rope(q.view(t, self.num_heads, d), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, d), cos, sin)
-        o = paged_attention(q, k, v.view(t, self.num_kv_heads, d), self.layer, meta, self.scale)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, d)
+        qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)     # one rotation for q and k together
+        o = paged_attention(qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:], self.layer, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * d))
 
 

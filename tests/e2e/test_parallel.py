@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shared.engine.sampling_params import SamplingParams
+from shared.models.layers import weight_bytes
 from tests.conftest import make_engine
 from tests.e2e.procs import ROOT, get_json, post_json, start_core, start_edge, wait_for
 from tests.helpers import random_hf_checkpoint, stepwise_logits
@@ -52,7 +53,7 @@ def test_parallel_logits_and_tokens_match_one_process(tp, pp, which, model_dir, 
     assert (torch.tensor(got["logits"]) - ref).abs().max().item() <= 1e-4
     greedy = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     assert got["greedy"] == [r["token_ids"] for r in greedy]
-    full = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    full = weight_bytes(engine.model)
     ranks = got["ranks"]
     assert len(ranks) == tp * pp and all(r["steps"] > 0 and r["compute_seconds"] > 0 for r in ranks)
     if tp == 2 and pp == 1:      # sharded: about half each, plus the replicated norms
