@@ -52,7 +52,7 @@ def child(args) -> None:
     from shared.engine.sampling_params import SamplingParams
     tp, pp, *micro = map(int, args.layout.split("x"))
     torch.set_num_threads(max(1, 2 // (tp * pp)))
-    engine, workers = start_parallel_engine(args.model, tp, pp, "fp32", "cpu", CacheConfig(num_blocks=1024),
+    engine, workers, _ = start_parallel_engine(args.model, tp, pp, "fp32", "cpu", CacheConfig(num_blocks=1024),
                                             EngineConfig(max_num_batched_tokens=args.tokens * args.prompts),
                                             micro_batches=micro[0] if micro else 0)
     g = torch.Generator().manual_seed(1)

@@ -4,12 +4,18 @@ Life cycle: the core registers a `RemoteRequest` before the prefill starts.
 During every engine step, `LayerStreamer.on_layer(layer, items)` runs on the
 engine thread right after a layer has written its K/V: for each remote
 request in the step it copies that layer's new token range out of the pool
-and queues it for the request's connection; the session's sender task
-(event-loop side) encodes it with the request's codec and sends a KVChunk
-while the engine computes the next layer. Tokens the edge already holds
-(`skip_tokens`) and tokens served from the core's own prefix cache are
+and queues it for the request's connection; `send_queued` (one task per
+connection, event-loop side) encodes it with the request's codec and sends a
+KVChunk while the engine computes the next layer. Tokens the edge already
+holds (`skip_tokens`) and tokens served from the core's own prefix cache are
 handled the same way: everything in [skip_tokens, end of step) not yet sent
 is sent.
+
+A parallel core runs one streamer per rank that holds distinct KV: each
+covers its own layers (`layer_offset`) and KV heads (`head_start`), so every
+pipeline stage and tensor slice leaves from the process that computed it.
+Requests whose edge is not attached to every rank (`gather`) are skipped here
+and gathered at rank 0 after the prefill instead.
 """
 
 from __future__ import annotations
@@ -17,18 +23,22 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
-from shared.engine.engine import LLMEngine
+from protocol.kv import encode_chunk
+from protocol.transport import Peer, PeerError
+from shared.kv.wire import to_bits
 
 
 @dataclass
 class RemoteRequest:
     internal_id: str
     request_id: str
-    session: object                    # core.server.Session
+    session: object                    # has `.queue`: the connection's asyncio.Queue of items to send
     codec: str
-    token_ids: list[int]
+    total_tokens: int                  # prompt length
     skip_tokens: int = 0
+    gather: bool = False               # parallel core, edge not attached to every rank: rank 0 gathers the KV
     sent_until: int = 0                # tokens fully queued (all layers); engine thread only
     received_at: float = field(default_factory=time.perf_counter)
     first_chunk_sent_at: float | None = None
@@ -43,34 +53,67 @@ class RemoteRequest:
 
 
 class LayerStreamer:
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, mode: str = "stream"):
-        """mode: "stream" (send each layer as computed), "hold" (send all after the prefill: the baseline),
-        or "off" (a parallel core gathers KV from its ranks instead)."""
-        self.engine = engine
+    def __init__(self, pool, model, loop: asyncio.AbstractEventLoop, mode: str = "stream", head_start: int = 0,
+                 forget_when_sent: bool = False):
+        """mode: "stream" (send each layer as computed) or "hold" (send all after the prefill: the baseline).
+        `forget_when_sent`: drop a request once its last tokens have left (worker ranks, which see no Ack)."""
+        self.pool = pool
         self.mode = mode
         self.loop = loop
         self.remote: dict[str, RemoteRequest] = {}
-        self.last_layer = len(engine.model.model.layers) - 1
-        self.layer_offset = engine.model.model.layer_ids[0]
+        self.last_layer = len(model.model.layers) - 1
+        self.layer_offset = model.model.layer_ids[0]
+        self.head_start = head_start
+        self.forget_when_sent = forget_when_sent
 
     def on_layer(self, layer: int, items) -> None:
-        if self.mode == "off" or not self.remote:    # nothing to ship (e.g. only batch work running)
+        if not self.remote:             # nothing to ship (e.g. only batch work running)
             return
-        pool = self.engine.pool
+        pool = self.pool
         for seq, n in items:
             req = self.remote.get(seq.request_id)
-            if req is None or req.cancelled:
+            if req is None or req.cancelled or req.gather:
                 continue
             end = seq.num_computed_tokens + n
             if end > req.sent_until:
                 slots = pool.slots(seq.table.blocks, req.sent_until, end)
                 k, v = pool.read(layer, slots)
-                item = ("kv", req, layer + self.layer_offset, req.sent_until, end, k[None], v[None], 0)
+                item = ("kv", req, layer + self.layer_offset, req.sent_until, end, k[None], v[None], self.head_start)
                 if self.mode == "stream":
                     self.loop.call_soon_threadsafe(req.session.queue.put_nowait, item)
                 else:
                     req.held.append(item)
             if layer == self.last_layer:
                 req.sent_until = max(req.sent_until, end)
-                if end >= len(req.token_ids):
+                if end >= req.total_tokens:
                     req.last_layer_at = time.perf_counter()
+                    if self.forget_when_sent:
+                        del self.remote[seq.request_id]
+
+
+async def send_queued(queue: asyncio.Queue, peer: Peer, encoder_pool, dtype_name: str,
+                      on_chunk: Callable[[RemoteRequest, object], None] | None = None) -> None:
+    """One connection's sender: encodes and sends queued KV items (and queued messages) in order, until the
+    peer fails. KV items: ("kv", request, layer, token_start, token_end, K, V, head_start), K and V
+    [layers, tokens, heads, head_dim]; anything else: (tag, message)."""
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            item = await queue.get()
+            if item[0] != "kv":
+                await peer.send(item[1])
+                continue
+            _, req, layer, start, end, k, v, head = item
+            if req.cancelled:
+                continue
+            kb, vb = to_bits(k), to_bits(v)
+            data = await loop.run_in_executor(encoder_pool, lambda: encode_chunk(
+                req.request_id, kb, vb, layer_start=layer, token_start=start, head_start=head,
+                dtype=dtype_name, codec=req.codec, total_tokens=req.total_tokens))
+            await peer.send(data)
+            if req.first_chunk_sent_at is None:
+                req.first_chunk_sent_at = time.perf_counter()
+            if on_chunk is not None:
+                on_chunk(req, data)
+    except PeerError:
+        pass

@@ -5,6 +5,10 @@ port, starts ranks 1..N×M−1 as `edgecore core-worker` processes, joins the
 torch.distributed world as rank 0, loads its own shard (stage 0's layers, its
 TP slice of each) and gets an `LLMEngine` whose runner drives the others.
 Each worker loads its shard and KV pool and follows the driver's step plans.
+With a `StreamConfig`, every worker whose KV is its own (not a replica of a
+lower TP rank's heads) also starts a `StreamServer` and reports its port to
+the driver (the cluster secret reaches it on stdin, never on the command
+line), so each stage streams its KV to edges itself.
 `RankWatch` polls the workers: when one dies the core is marked unhealthy
 (the callback closes its edge connections so edges fail over) and the rest are
 stopped; a worker whose driver vanished exits on its own (its collectives fail
@@ -21,11 +25,15 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 from shared.config import CacheConfig, EngineConfig, ModelConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.parallel_runner import ParallelModelRunner, StageRunner, worker_loop
+from shared.engine.parallel_runner import ParallelModelRunner, StageRunner, kv_head_start, worker_loop
 from shared.kv.pool import KVPool
 from shared.models.loader import load_model, resolve_dtype
 from shared.parallel import init_distributed
@@ -40,9 +48,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class StreamConfig:
+    """How worker ranks serve their KV streams: bind host, cluster secret, codecs."""
+    host: str
+    secret: bytes
+    codecs: list[str]
+
+
+def owns_kv(tp_rank: int, tp: int, total_kv_heads: int) -> bool:
+    """Whether this TP rank's KV heads are not a replica of a lower rank's (replicas are sent once)."""
+    return tp_rank == 0 or kv_head_start(tp_rank, tp, total_kv_heads) != kv_head_start(tp_rank - 1, tp,
+                                                                                       total_kv_heads)
+
+
 def start_parallel_engine(model_dir: str, tp: int, pp: int, dtype: str, device: str, cache: CacheConfig,
-                          engine_cfg: EngineConfig, split: list[int] | None = None, micro_batches: int = 0):
-    """Start the worker ranks and build the driver's engine. Returns (engine, worker processes)."""
+                          engine_cfg: EngineConfig, split: list[int] | None = None, micro_batches: int = 0,
+                          streams: StreamConfig | None = None):
+    """Start the worker ranks and build the driver's engine. Returns (engine, worker processes, the ports of the
+    workers' KV stream servers)."""
     config = ModelConfig.from_dir(model_dir)
     master = f"127.0.0.1:{_free_port()}"
     backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -55,7 +79,14 @@ def start_parallel_engine(model_dir: str, tp: int, pp: int, dtype: str, device: 
                "--parent", str(os.getpid()), "--micro-batches", str(micro_batches)]
         if split:
             cmd += ["--split", ",".join(map(str, split))]
-        workers.append(subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+        if streams is not None:
+            cmd += ["--stream-host", streams.host, "--codecs", ",".join(streams.codecs)]
+        proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                stdin=subprocess.PIPE if streams is not None else None)
+        if streams is not None:
+            proc.stdin.write(streams.secret.hex().encode() + b"\n")
+            proc.stdin.close()
+        workers.append(proc)
     lay = init_distributed(0, tp, pp, config.num_hidden_layers, master, backend, split,
                            micro_batches=micro_batches)
     torch_dtype = resolve_dtype(dtype, device)
@@ -63,7 +94,13 @@ def start_parallel_engine(model_dir: str, tp: int, pp: int, dtype: str, device: 
     tokenizer = Tokenizer.from_dir(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
     engine = LLMEngine(model, config, tokenizer, cache, engine_cfg)
     engine.runner = ParallelModelRunner(model, engine.pool, config.sliding_window, lay, config.num_key_value_heads)
-    return engine, workers
+    ports = []
+    if streams is not None:         # every worker reports its stream port (0: it holds replicated heads only)
+        for rank in range(1, tp * pp):
+            port = torch.zeros(1, dtype=torch.long)
+            dist.recv(port, src=rank)
+            ports += [int(port.item())] if port.item() else []
+    return engine, workers, ports
 
 
 class RankWatch(threading.Thread):
@@ -103,6 +140,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="cpu")
     p.add_argument("--split", default=None)
+    p.add_argument("--stream-host", default=None, help="serve this rank's KV streams on this host "
+                   "(the cluster secret, hex, is read from stdin)")
+    p.add_argument("--codecs", default="")
     p.set_defaults(func=run_worker)
 
 
@@ -124,9 +164,31 @@ def run_worker(args: argparse.Namespace) -> int:
     pool = KVPool(config, CacheConfig(args.block_size, args.kv_blocks), dtype, args.device,
                   num_kv_heads=attn.num_kv_heads, num_layers=len(model.model.layers))
     runner = StageRunner(model, pool, config.sliding_window, lay, config.num_key_value_heads)
+    streams = None
+    if args.stream_host is not None:
+        streams = _start_streams(args, lay, model, pool, config, dtype)
+        dist.send(torch.tensor([streams.port if streams else 0], dtype=torch.long), dst=0)
     try:
-        worker_loop(runner)
+        worker_loop(runner, streams)
     except RuntimeError as exc:     # the driver or a peer went away mid-collective
         log.warning("rank %d stopping: %s", args.rank, exc)
         return 1
+    finally:
+        if streams is not None:
+            streams.close()
     return 0
+
+
+def _start_streams(args, lay, model, pool, config, dtype):
+    """This rank's KV stream server, or None when its heads replicate a lower TP rank's."""
+    from core.stream_server import StreamServer
+    from shared.fingerprint import model_fingerprint
+    from shared.kv.wire import DTYPE_NAMES
+    secret = bytes.fromhex(sys.stdin.readline().strip())
+    if not owns_kv(lay.tp_rank, lay.tp, config.num_key_value_heads):
+        return None
+    server = StreamServer(pool, model, args.stream_host, secret, model_fingerprint(args.model, config),
+                          [c for c in args.codecs.split(",") if c], DTYPE_NAMES[dtype],
+                          kv_head_start(lay.tp_rank, lay.tp, config.num_key_value_heads), f"rank{args.rank}")
+    server.start()
+    return server

@@ -23,12 +23,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.kv_sender import LayerStreamer, RemoteRequest
+from core.kv_sender import LayerStreamer, RemoteRequest, send_queued
 from core.metrics import CoreMetrics
 from protocol import messages as m
 from protocol.codecs import CODECS
 from protocol.errors import ErrorCode
-from protocol.kv import encode_chunk
 from protocol.transport import Peer, PeerError, Timeouts, serve
 from shared.config import CacheConfig, EngineConfig
 from shared.engine.async_engine import AsyncEngine
@@ -36,7 +35,7 @@ from shared.engine.engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import RequestError
 from shared.fingerprint import model_fingerprint
-from shared.kv.wire import DTYPE_NAMES, to_bits
+from shared.kv.wire import DTYPE_NAMES
 
 log = logging.getLogger("edgecore.core")
 
@@ -67,6 +66,7 @@ class CoreConfig:
     pp: int = 1                         # pipeline stages
     pp_split: list[int] | None = None   # layers per stage (default: balanced)
     pp_micro_batches: int = 0           # micro-batches per step (default: one per stage)
+    gather_kv: bool = False             # parallel core: rank 0 sends all KV, the other ranks serve no streams
 
 
 class Session:
@@ -83,13 +83,14 @@ class CoreServer:
     def __init__(self, config: CoreConfig, engine: LLMEngine | None = None):
         self.config = config
         self.workers = []
+        self.stream_ports: list[int] = []   # worker ranks' KV stream servers (parallel core)
         self.parallel = config.tp * config.pp > 1
         self.failure: str | None = None
         if engine is None and self.parallel:
             from core.ranks import start_parallel_engine
-            engine, self.workers = start_parallel_engine(config.model_dir, config.tp, config.pp, config.dtype,
-                                                         config.device, config.cache, config.engine, config.pp_split,
-                                                         config.pp_micro_batches)
+            engine, self.workers, self.stream_ports = start_parallel_engine(
+                config.model_dir, config.tp, config.pp, config.dtype, config.device, config.cache, config.engine,
+                config.pp_split, config.pp_micro_batches, streams=self._stream_config())
         self.engine = engine or LLMEngine.from_dir(config.model_dir, config.dtype, config.device,
                                                    config.cache, config.engine)
         self.fingerprint = model_fingerprint(config.model_dir, self.engine.config)
@@ -109,6 +110,14 @@ class CoreServer:
         self.http_extensions = [self.model_server.routes]
         self.store = self.batches = self.contexts = None
 
+    def _stream_config(self):
+        """Where and how worker ranks serve their own KV streams (None: they don't; rank 0 gathers)."""
+        from core.ranks import StreamConfig
+        c = self.config
+        if c.gather_kv or c.ssl is not None or not c.stream_layers:   # TLS material stays with rank 0
+            return None
+        return StreamConfig(c.host, c.secret, list(c.codecs))
+
     @property
     def layout(self) -> dict:
         cfg = self.engine.config
@@ -117,9 +126,9 @@ class CoreServer:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        # A parallel core's layers and heads live on several ranks: its KV is gathered after the prefill.
-        mode = "off" if self.parallel else ("stream" if self.config.stream_layers else "hold")
-        self.streamer = LayerStreamer(self.engine, loop, mode)
+        # On a parallel core this streams rank 0's own layers and heads; the other ranks stream theirs.
+        self.streamer = LayerStreamer(self.engine.pool, self.engine.model, loop,
+                                      "stream" if self.config.stream_layers else "hold")
         self.aengine = AsyncEngine(self.engine, on_layer=self.streamer.on_layer)
         self.aengine.start()
         c = self.config
@@ -135,7 +144,8 @@ class CoreServer:
         self.http_extensions.append(BatchAPI(self, self.store, self.batches, self.contexts, c.max_file_bytes).routes)
         self.server = await serve(self._session, host=c.host, port=c.port, secret=c.secret,
                                   fingerprint=self.fingerprint, codecs=c.codecs, timeouts=c.timeouts,
-                                  ssl=c.ssl, name=c.name, layout=self.layout, load_fn=self.load)
+                                  ssl=c.ssl, name=c.name, layout=self.layout, load_fn=self.load,
+                                  streams=self.stream_ports)
         self.port = self.server.sockets[0].getsockname()[1]
         if self.workers:
             from core.ranks import RankWatch
@@ -206,29 +216,11 @@ class CoreServer:
 
     async def _sender(self, session: Session) -> None:
         """Encodes and sends queued KV layers and PrefillDone messages, in order."""
-        loop = asyncio.get_running_loop()
-        peer = session.peer
-        try:
-            while True:
-                item = await session.queue.get()
-                if item[0] == "kv":   # K, V: [layers, tokens, heads, head_dim]
-                    _, req, layer, start, end, k, v, head = item
-                    if req.cancelled:
-                        continue
-                    kb, vb = to_bits(k), to_bits(v)
-                    data = await loop.run_in_executor(self.encoder_pool, lambda: encode_chunk(
-                        req.request_id, kb, vb, layer_start=layer, token_start=start, head_start=head,
-                        dtype=self.dtype_name, codec=req.codec, total_tokens=len(req.token_ids)))
-                    await peer.send(data)
-                    if req.first_chunk_sent_at is None:
-                        req.first_chunk_sent_at = time.perf_counter()
-                    self.metrics.kv_chunks.inc()
-                    self.metrics.kv_bytes_sent.labels(req.codec).inc(len(data.payload))
-                    self.metrics.kv_raw_bytes.labels(req.codec).inc(data.chunk.raw_len)
-                else:
-                    await peer.send(item[1])
-        except PeerError:
-            pass
+        def counted(req, data):
+            self.metrics.kv_chunks.inc()
+            self.metrics.kv_bytes_sent.labels(req.codec).inc(len(data.payload))
+            self.metrics.kv_raw_bytes.labels(req.codec).inc(data.chunk.raw_len)
+        await send_queued(session.queue, session.peer, self.encoder_pool, self.dtype_name, counted)
 
     async def _prefill(self, session: Session, msg: m.PrefillRequest) -> None:
         peer = session.peer
@@ -246,7 +238,10 @@ class CoreServer:
             await peer.send(m.Error(ErrorCode.BAD_REQUEST if codec else ErrorCode.CODEC, error, rid))
             return
         internal = f"s{session.id}/{rid}"
-        req = RemoteRequest(internal, rid, session, codec, list(msg.token_ids), msg.skip_tokens)
+        token_ids = list(msg.token_ids)
+        direct = self.parallel and bool(self.stream_ports) and msg.direct and bool(peer.conn.session)
+        req = RemoteRequest(internal, rid, session, codec, len(token_ids), msg.skip_tokens,
+                            gather=self.parallel and not direct)
         s = msg.sampling
         try:
             params = SamplingParams(max_tokens=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
@@ -256,9 +251,11 @@ class CoreServer:
             return
         session.requests[rid] = req
         self.streamer.remote[internal] = req
+        if direct:      # the other ranks learn the route with the first step that computes this request
+            self.engine.runner.add_route(internal, [rid, peer.conn.session, codec, msg.skip_tokens, len(token_ids)])
         first = None
         try:
-            gen = self.aengine.generate(internal, req.token_ids, params, prefill_only=True)
+            gen = self.aengine.generate(internal, token_ids, params, prefill_only=True)
             deadline = msg.deadline_ms / 1000 if msg.deadline_ms > 0 else None
             async with asyncio.timeout(deadline):
                 async for out in gen:
@@ -283,21 +280,21 @@ class CoreServer:
         if req.last_layer_at is not None:
             timings["last_layer_done_ms"] = (req.last_layer_at - req.received_at) * 1e3
         done = m.PrefillDone(rid, first.new_token_ids[0], seq_info.logprob if seq_info else 0.0,
-                             list(seq_info.top) if seq_info else [], len(req.token_ids), first.num_cached_tokens,
+                             list(seq_info.top) if seq_info else [], req.total_tokens, first.num_cached_tokens,
                              timings)
         req.done = True
-        if self.parallel:
+        if req.gather:
             internal = req.internal_id
             pieces = await self.aengine.call(lambda e: e.runner.read_kv(
-                e.requests[internal].seq.table.blocks, req.skip_tokens, len(req.token_ids)))
+                e.requests[internal].seq.table.blocks, req.skip_tokens, req.total_tokens))
             for layer0, head0, k, v in pieces:
-                req.held.append(("kv", req, layer0, req.skip_tokens, len(req.token_ids), k, v, head0))
+                req.held.append(("kv", req, layer0, req.skip_tokens, req.total_tokens, k, v, head0))
         for item in req.held:            # baseline mode: all KV after the last layer
             session.queue.put_nowait(item)
         req.held.clear()
         session.queue.put_nowait(("done", done))
         self.metrics.prefill_requests.labels("ok").inc()
-        self.metrics.prompt_tokens.inc(len(req.token_ids))
+        self.metrics.prompt_tokens.inc(req.total_tokens)
         self.metrics.cached_tokens.inc(first.num_cached_tokens)
         self.metrics.prefill_seconds.observe(time.perf_counter() - req.received_at)
         req.lease = asyncio.get_running_loop().call_later(self.config.lease_seconds, self._release, session, rid)
@@ -307,6 +304,8 @@ class CoreServer:
         req = session.requests.pop(rid, None)
         if req is not None:
             self.streamer.remote.pop(req.internal_id, None)
+            if self.parallel:
+                self.engine.runner.drop_route(req.internal_id)
         return req
 
     def _release(self, session: Session, rid: str, cancelled: bool = False) -> None:

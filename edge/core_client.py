@@ -1,10 +1,14 @@
 """One edge→core connection: multiplexes prefill requests and routes replies.
 
 Life cycle: `connect()` runs the handshake; a reader task then routes every
-KVChunk / PrefillDone / request Error to the queue of its request. If the link
-fails, every in-flight request's queue receives the `PeerError` and the client
-is marked unhealthy until `connect()` succeeds again. Link bandwidth is
-measured from the KV bytes that arrive per transfer (EWMA).
+KVChunk / PrefillDone / request Error to the queue of its request. A parallel
+core lists its other ranks' stream ports in its Welcome: the client opens a
+connection to each (same host, same session id in the Hello) and reads KV from
+them into the same queues; while all of them are up (`direct`), requests ask
+every rank to send its own KV. If a link fails, every in-flight request's
+queue receives the `PeerError`; the client is unhealthy until `connect()`
+succeeds again. Link bandwidth is measured from the KV bytes that arrive per
+transfer (EWMA).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 
 from protocol import messages as m
@@ -29,6 +34,8 @@ class CoreClient:
         self.timeouts, self.ssl, self.name = timeouts, ssl, name
         self.peer: Peer | None = None
         self.reader: asyncio.Task | None = None
+        self.streams: list[Peer] = []            # connections to a parallel core's other ranks
+        self.stream_readers: list[asyncio.Task] = []
         self.inflight: dict[str, asyncio.Queue] = {}
         self.last_error: str | None = None
         self.bandwidth: float | None = None      # wire bytes/s while KV arrived, EWMA over transfers
@@ -43,6 +50,11 @@ class CoreClient:
         return self.peer is not None and not self.peer.closed
 
     @property
+    def direct(self) -> bool:
+        """Connected to every rank that streams its own KV (a parallel core), so requests may ask for it."""
+        return bool(self.streams) and all(not s.closed for s in self.streams)
+
+    @property
     def rtt(self) -> float:
         return self.peer.rtt if self.peer is not None and self.peer.rtt is not None else 0.05
 
@@ -54,15 +66,30 @@ class CoreClient:
         async with self._lock:
             if self.healthy:
                 return
+            await self._close_streams()
+            session = os.urandom(16).hex()
             try:
                 self.peer = await connect(self.host, self.port, secret=self.secret, fingerprint=self.fingerprint,
-                                          codecs=self.codecs, timeouts=self.timeouts, ssl=self.ssl, name=self.name)
+                                          codecs=self.codecs, timeouts=self.timeouts, ssl=self.ssl, name=self.name,
+                                          session=session)
             except PeerError as exc:
                 self.last_error = str(exc)
                 raise
             self.last_error = None
             self.reader = asyncio.create_task(self._read(self.peer))
             await self.peer.ping()
+            for port in self.peer.conn.streams:
+                try:
+                    stream = await connect(self.host, port, secret=self.secret, fingerprint=self.fingerprint,
+                                           codecs=self.codecs, timeouts=self.timeouts, ssl=self.ssl,
+                                           name=self.name, session=session)
+                except PeerError as exc:    # requests fall back to KV gathered by the core's first rank
+                    log.warning("core %s: stream port %d unreachable (%s); KV will come gathered", self.address,
+                                port, exc)
+                    await self._close_streams()
+                    break
+                self.streams.append(stream)
+                self.stream_readers.append(asyncio.create_task(self._read(stream)))
 
     async def _read(self, peer: Peer) -> None:
         try:
@@ -101,7 +128,15 @@ class CoreClient:
             with contextlib.suppress(PeerError):
                 await self.peer.send(msg)
 
+    async def _close_streams(self) -> None:
+        for task in self.stream_readers:
+            task.cancel()
+        for stream in self.streams:
+            await stream.close()
+        self.streams, self.stream_readers = [], []
+
     async def close(self) -> None:
+        await self._close_streams()
         if self.peer is not None:
             await self.peer.close()
         if self.reader is not None:

@@ -229,10 +229,13 @@ class EdgeEngine:
         first_chunk_at = last_chunk_at = None
         first_chunk_bytes = 0
         ok = False
+        direct = client.direct
         try:
             events = await client.prefill(m.PrefillRequest(request_id, prompt_ids, spec, [codec],
-                                                           int(self.config.transfer_timeout * 1000), cached))
-            while True:
+                                                           int(self.config.transfer_timeout * 1000), cached,
+                                                           direct=direct))
+            done: m.PrefillDone | None = None    # a parallel core's other ranks may still be sending after it
+            while done is None or any(n < want * heads for n in got):
                 ev = await asyncio.wait_for(events.get(), self.config.transfer_timeout)
                 if isinstance(ev, KVData):
                     c = ev.chunk
@@ -245,26 +248,28 @@ class EdgeEngine:
                         self.aengine.post(lambda e, l=layer, s=c.token_start, kk=kt[i], vv=vt[i], h=c.head_start:
                                           e.write_kv(request_id, l, s, kk, vv, h))
                         got[layer] += (c.token_end - c.token_start) * (c.head_end - c.head_start)
+                        if got[layer] > want * heads:
+                            raise RemotePrefillFailed(f"layer {layer} received more KV than the request has")
                     encoded += len(ev.payload)
                     raw += c.raw_len
                     last_chunk_at = time.perf_counter()
                     if first_chunk_at is None:
                         first_chunk_at, first_chunk_bytes = last_chunk_at, len(ev.payload)
                 elif isinstance(ev, m.PrefillDone):
-                    if any(n != want * heads for n in got):
+                    done = ev
+                    if not direct and any(n != want * heads for n in got):   # one sender: all KV came first
                         raise RemotePrefillFailed(f"incomplete KV: token×heads per layer {got}, expected "
                                                   f"{want * heads}")
-                    top = [tuple(t) for t in ev.top_logprobs]
-                    if activate:
-                        await self.aengine.call(lambda e: e.activate(
-                            request_id, ev.first_token, ev.logprob if params.logprobs is not None else None, top))
-                    ok = True
-                    await client.send(m.Ack(request_id))
-                    break
                 elif isinstance(ev, m.Error):
                     raise RemotePrefillFailed(f"core error {ev.code}: {ev.message}")
                 elif isinstance(ev, BaseException):
                     raise RemotePrefillFailed(str(ev))
+            top = [tuple(t) for t in done.top_logprobs]
+            if activate:
+                await self.aengine.call(lambda e: e.activate(
+                    request_id, done.first_token, done.logprob if params.logprobs is not None else None, top))
+            ok = True
+            await client.send(m.Ack(request_id))
         except (asyncio.TimeoutError, PeerError, ProtocolError) as exc:
             raise RemotePrefillFailed(str(exc) or type(exc).__name__) from None
         finally:
@@ -295,7 +300,7 @@ class EdgeEngine:
                               "crossover_tokens": {c.address: pm.crossover(c.address, c.rtt)
                                                    for c in self.router.clients}},
             "cores": [{"address": c.address, "healthy": c.healthy, "rtt_ms": round(c.rtt * 1e3, 2),
-                       "load": c.load, "bandwidth_MBps": round(c.bandwidth / 1e6, 1) if c.bandwidth else None,
+                       "load": c.load, "stream_connections": len(c.streams), "bandwidth_MBps": round(c.bandwidth / 1e6, 1) if c.bandwidth else None,
                        "error": c.last_error} for c in self.router.clients],
         })
         return stats

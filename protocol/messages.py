@@ -28,6 +28,7 @@ class Hello(_Msg, tag=1):
     nonce: bytes                       # client challenge for the server (32 random bytes)
     capabilities: list[str] = []
     name: str = ""
+    session: str = ""                  # client's random id, shared with its stream connections (see Welcome)
 
 
 class Welcome(_Msg, tag=2):
@@ -38,6 +39,7 @@ class Welcome(_Msg, tag=2):
     capabilities: list[str] = []
     name: str = ""
     layout: dict[str, int] = {}        # core layout: tp, pp, num_layers, num_kv_heads
+    streams: list[int] = []            # ports where a parallel core's other ranks stream their own KV
 
 
 class Auth(_Msg, tag=3):
@@ -63,6 +65,8 @@ class PrefillRequest(_Msg, tag=5):
     codecs: list[str] = msgspec.field(default_factory=lambda: ["lossless"])  # allowed, by preference
     deadline_ms: int = 0               # time budget from receipt; 0 = none
     skip_tokens: int = 0               # leading tokens whose KV the edge already holds
+    direct: bool = False               # the client holds a connection to every stream port (same session):
+                                       # each rank sends its own layers and heads there
 
 
 class KVChunk(_Msg, tag=6):

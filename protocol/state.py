@@ -93,7 +93,7 @@ def compute_mac(secret: bytes, label: bytes, transcript: bytes) -> bytes:
 class Connection:
     def __init__(self, role: Role, secret: bytes, model_fingerprint: str, codecs: list[str],
                  limits: Limits | None = None, name: str = "", layout: dict | None = None,
-                 capabilities: list[str] | None = None):
+                 capabilities: list[str] | None = None, session: str = "", streams: list[int] | None = None):
         if not secret:
             raise ValueError("a cluster secret is required")
         self.role = role
@@ -103,6 +103,8 @@ class Connection:
         self.name = name
         self.layout = layout or {}
         self.capabilities = capabilities or []
+        self.session = session             # client: sent in Hello; server: the peer's, from its Hello
+        self.streams = list(streams or [])  # server: sent in Welcome; client: the peer's, from its Welcome
         self.state = State.START
         self.parser = FrameParser(limits)
         self.version: int | None = None
@@ -115,7 +117,7 @@ class Connection:
     # ---- sending ----------------------------------------------------------
     def hello(self) -> m.Hello:
         return m.Hello(list(m.SUPPORTED_VERSIONS), self.codecs, self.fingerprint, os.urandom(32),
-                       self.capabilities, self.name)
+                       self.capabilities, self.name, self.session)
 
     def auth(self) -> m.Auth:
         return m.Auth(compute_mac(self.secret, b"edgecore-auth-client", _transcript(self._hello, self._welcome)))
@@ -224,7 +226,7 @@ class Connection:
                 raise RemoteProtocolError("Hello nonce is too short", ErrorCode.AUTH_FAILED)
             self._hello, self.version = msg, common[-1]
             self.peer_codecs = [c for c in msg.codecs if c in self.codecs]
-            self.peer_name = msg.name
+            self.peer_name, self.session = msg.name, msg.session
             self.state = State.HELLO_RECEIVED
         elif role is Role.CLIENT and st is State.HELLO_SENT and isinstance(msg, m.Welcome):
             if msg.version not in m.SUPPORTED_VERSIONS:
@@ -236,7 +238,7 @@ class Connection:
                     f"{self.fingerprint[:16]}", ErrorCode.MODEL_MISMATCH)
             self._welcome, self.version = msg, msg.version
             self.peer_codecs = [c for c in msg.codecs if c in self.codecs]
-            self.peer_layout, self.peer_name = dict(msg.layout), msg.name
+            self.peer_layout, self.peer_name, self.streams = dict(msg.layout), msg.name, list(msg.streams)
             self.state = State.WELCOMED
         elif role is Role.SERVER and st is State.WELCOME_SENT and isinstance(msg, m.Auth):
             expect = compute_mac(self.secret, b"edgecore-auth-client", _transcript(self._hello, self._welcome))
@@ -257,7 +259,7 @@ class Connection:
     # ---- server helpers ---------------------------------------------------
     def welcome(self) -> m.Welcome:
         return m.Welcome(self.version, self.peer_codecs, self.fingerprint, os.urandom(32),
-                         self.capabilities, self.name, self.layout)
+                         self.capabilities, self.name, self.layout, self.streams)
 
     def auth_ok(self) -> m.AuthOk:
         return m.AuthOk(compute_mac(self.secret, b"edgecore-auth-server", _transcript(self._hello, self._welcome)))

@@ -255,8 +255,8 @@ async def _handshake_server(peer: Peer) -> None:
 
 async def connect(host: str, port: int, *, secret: bytes, fingerprint: str, codecs: list[str],
                   timeouts: Timeouts = Timeouts(), ssl: ssl_module.SSLContext | None = None,
-                  name: str = "edge", limits=None) -> Peer:
-    conn = Connection(Role.CLIENT, secret, fingerprint, codecs, limits, name)
+                  name: str = "edge", limits=None, session: str = "") -> Peer:
+    conn = Connection(Role.CLIENT, secret, fingerprint, codecs, limits, name, session=session)
     loop = asyncio.get_running_loop()
     try:
         _, stream = await asyncio.wait_for(loop.create_connection(lambda: _Stream(conn), host, port, ssl=ssl),
@@ -284,7 +284,8 @@ Handler = Callable[[Peer], Awaitable[None]]
 async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0, secret: bytes, fingerprint: str,
                 codecs: list[str], timeouts: Timeouts = Timeouts(), ssl: ssl_module.SSLContext | None = None,
                 name: str = "core", layout: dict | None = None, limits=None,
-                load_fn: Callable[[], int] | None = None) -> asyncio.base_events.Server:
+                load_fn: Callable[[], int] | None = None, streams: list[int] | None = None
+                ) -> asyncio.base_events.Server:
     async def on_connect(stream: _Stream):
         peer = Peer(stream.conn, stream, timeouts, load_fn)
         try:
@@ -309,7 +310,8 @@ async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0, sec
     tasks: set[asyncio.Task] = set()
 
     def factory() -> _Stream:
-        stream = _Stream(Connection(Role.SERVER, secret, fingerprint, codecs, limits, name, layout))
+        stream = _Stream(Connection(Role.SERVER, secret, fingerprint, codecs, limits, name, layout,
+                                    streams=streams))
 
         def started(s: _Stream) -> None:
             task = loop.create_task(on_connect(s))

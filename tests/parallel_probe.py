@@ -30,7 +30,7 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    engine, workers = start_parallel_engine(args.model, args.tp, args.pp, "fp32", "cpu", CacheConfig(num_blocks=256),
+    engine, workers, _ = start_parallel_engine(args.model, args.tp, args.pp, "fp32", "cpu", CacheConfig(num_blocks=256),
                                             EngineConfig())
     ids = json.loads(args.ids)
     seq = Sequence("probe", ids[:args.prefill], SamplingParams())

@@ -133,8 +133,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
-        hook = (lambda layer: on_layer(layer, batch.items)) if on_layer else None
-        samplers, result = self.runner.run(batch, hook)
+        samplers, result = self.runner.run(batch, on_layer)
         self.scheduler.complete(batch)
         for i, seq in enumerate(samplers):
             state = self.requests[seq.request_id]

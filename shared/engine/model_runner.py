@@ -99,10 +99,12 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=dev), meta
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, on_layer: Callable[[int], None] | None = None
+    def run(self, batch: ScheduledBatch, on_layer: Callable[[int, list], None] | None = None
             ) -> tuple[list[Sequence], SampleResult | None]:
-        """Compute the batch; return the sequences that sampled and their samples."""
-        ordered, ids, positions, meta = self.prepare(batch.items, on_layer)
+        """Compute the batch; return the sequences that sampled and their samples. `on_layer(layer, items)`
+        runs after each layer has written its K/V."""
+        hook = (lambda layer: on_layer(layer, batch.items)) if on_layer is not None else None
+        ordered, ids, positions, meta = self.prepare(batch.items, hook)
         hidden = self.model(ids, positions, meta)
         rows, samplers = sampling_rows(ordered)
         if not samplers:

@@ -9,15 +9,20 @@ sampling rows and its TP rank 0 sends them to the driver, which samples.
 With several stages a step is split into micro-batches (whole sequences,
 similar token counts): a stage sends a micro-batch's hidden states without
 waiting and starts the next one, so the stages work at the same time.
+Each rank can stream the K/V it computes itself: the driver keeps the routes
+of requests whose edge is attached to every rank (`add_route`/`drop_route`)
+and sends each route once, with the first step plan that computes it; every
+rank's layer hook then sees the request id on its items. Otherwise
 `read_kv` gathers a request's K/V from every rank (each holds some layers and
-some KV heads) and returns the pieces with their layer and head offsets, so
-the edge can reassemble any layout. `worker_loop` is the other ranks' side;
-STOP ends it.
+some KV heads) after the prefill and returns the pieces with their layer and
+head offsets, so the edge can reassemble any layout. `worker_loop` is the
+other ranks' side; STOP ends it.
 """
 
 from __future__ import annotations
 
 import resource
+import threading
 import time
 
 import torch
@@ -26,8 +31,8 @@ import torch.distributed as dist
 from shared.engine.model_runner import ModelRunner, sampling_rows
 from shared.engine.sampler import sample
 
-from shared.engine.step_plan import (READ_KV, STATS, STEP, STOP, decode_plan, encode_read_kv, encode_stats,
-                                     encode_step, encode_stop)
+from shared.engine.step_plan import (READ_KV, STATS, STEP, STOP, StepRoutes, decode_plan, encode_read_kv,
+                                     encode_stats, encode_step, encode_stop)
 from shared.models.layers import weight_bytes
 from shared.parallel import Layout
 
@@ -50,6 +55,7 @@ class StageRunner(ModelRunner):
         self.steps = 0
 
     def execute(self, items, on_layer=None):
+        """Run this rank's part of a step; `on_layer(layer, items)` sees each micro-batch's own items."""
         started = time.perf_counter()
         try:
             return self._execute(items, on_layer)
@@ -83,7 +89,8 @@ class StageRunner(ModelRunner):
         last_driver = lay.rank_of(lay.pp - 1, 0)
         pending, results = [], []
         for group in self.micro_batches(items):
-            ordered, ids, positions, meta = self.prepare(group, on_layer)
+            hook = (lambda layer, g=group: on_layer(layer, g)) if on_layer is not None else None
+            ordered, ids, positions, meta = self.prepare(group, hook)
             hidden = None
             if lay.stage > 0:
                 hidden = torch.empty(len(ids), self.hidden_size, dtype=self.dtype)
@@ -122,12 +129,50 @@ class StageRunner(ModelRunner):
 class ParallelModelRunner(StageRunner):
     """The driver's runner: same interface as `ModelRunner.run`."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._lock = threading.Lock()
+        self._routes: dict[str, list] = {}     # stream id → route, until the ranks have it
+        self._announced: set[str] = set()
+        self._drops: list[str] = []
+
+    def add_route(self, stream_id: str, route: list) -> None:
+        """Have every rank stream its own KV of request `stream_id` (any thread; before the request is added)."""
+        with self._lock:
+            self._routes[stream_id] = route
+
+    def drop_route(self, stream_id: str) -> None:
+        with self._lock:
+            self._routes.pop(stream_id, None)
+            if stream_id in self._announced:
+                self._announced.discard(stream_id)
+                self._drops.append(stream_id)
+
+    def _step_routes(self, items) -> StepRoutes | None:
+        with self._lock:
+            if not self._routes and not self._drops:
+                return None
+            routes = StepRoutes(drop=self._drops)
+            self._drops = []
+            for index, (seq, n) in enumerate(items):
+                route = self._routes.get(seq.request_id)
+                if route is None:
+                    continue
+                routes.ids[index] = seq.request_id
+                if seq.request_id not in self._announced:
+                    routes.new[seq.request_id] = route
+                    self._announced.add(seq.request_id)
+                if seq.num_computed_tokens + n >= seq.num_tokens:     # last chunk: the ranks forget it after
+                    self._routes.pop(seq.request_id)
+                    self._announced.discard(seq.request_id)
+            return routes
+
     def _broadcast(self, plan: torch.Tensor) -> None:
         dist.broadcast(torch.tensor([plan.numel()], dtype=torch.long), 0)
         dist.broadcast(plan, 0)
 
     def run(self, batch, on_layer=None):
-        self._broadcast(encode_step(batch.items))
+        self._broadcast(encode_step(batch.items, self._step_routes(batch.items)))
         samplers, logits = self.execute(batch.items, on_layer)
         if not samplers:
             return [], None
@@ -178,8 +223,9 @@ class ParallelModelRunner(StageRunner):
         self._broadcast(encode_stop())
 
 
-def worker_loop(runner: StageRunner) -> None:
-    """A non-driver rank: follow the driver's plans until STOP (or the driver disappears)."""
+def worker_loop(runner: StageRunner, streams=None) -> None:
+    """A non-driver rank: follow the driver's plans until STOP (or the driver disappears). `streams` (a
+    core.stream_server.StreamServer) sends this rank's KV of routed requests as each layer is computed."""
     while True:
         size = torch.empty(1, dtype=torch.long)
         dist.broadcast(size, 0)
@@ -189,7 +235,10 @@ def worker_loop(runner: StageRunner) -> None:
         if kind == STOP:
             return
         if kind == STEP:
-            runner.execute(payload)
+            items, routes = payload
+            if streams is not None:
+                streams.apply(routes)
+            runner.execute(items, streams.on_layer if streams is not None else None)
         elif kind == READ_KV:
             k, v = runner.local_kv(*payload)
             dist.send(k.contiguous(), dst=0)

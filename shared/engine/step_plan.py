@@ -1,7 +1,10 @@
 """A step's work as a flat int64 tensor, broadcast from the driver rank to the others (no pickle).
 
-Layout: [kind, count, ...]. STEP: for each scheduled item
-`num_computed, n, num_tokens, num_blocks, token ids (n), block ids`; READ_KV:
+Layout: [kind, count, ...]. STEP: `routes_len, routes bytes (one byte per value)`, then for
+each scheduled item `num_computed, n, num_tokens, num_blocks, token ids (n), block ids`. The
+routes are a msgpack map, usually empty: `new` (KV streams the ranks should open: id → route),
+`drop` (stream ids to forget) and `ids` (item index → stream id) for the items of streamed
+requests, which `PlanItem.request_id` then carries on every rank; READ_KV:
 `start, end, num_blocks, block ids`; STATS and STOP: nothing. `decode_plan` rebuilds light
 sequence stand-ins that `ModelRunner.prepare` accepts, so every rank derives
 identical slots and masks from the same numbers.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 STEP, READ_KV, STOP, STATS = 1, 2, 3, 4
@@ -24,7 +28,9 @@ class _Table:
 class PlanItem:
     """What `ModelRunner.prepare` reads from a sequence: progress, the step's tokens, its blocks."""
 
-    def __init__(self, num_computed: int, n: int, num_tokens: int, ids: list[int], blocks: list[int]):
+    def __init__(self, num_computed: int, n: int, num_tokens: int, ids: list[int], blocks: list[int],
+                 request_id: str = ""):
+        self.request_id = request_id
         self.num_computed_tokens = num_computed
         self.num_tokens = num_tokens
         self.token_ids = _Window(num_computed, ids)
@@ -41,8 +47,15 @@ class _Window:
         return self.ids[item.start - self.start: item.stop - self.start]
 
 
-def encode_step(items) -> torch.Tensor:
-    out = [STEP, len(items)]
+class StepRoutes(msgspec.Struct, omit_defaults=True):
+    new: dict[str, list] = {}          # stream id → [request_id, session, codec, skip_tokens, total_tokens]
+    drop: list[str] = []
+    ids: dict[int, str] = {}           # item index → stream id
+
+
+def encode_step(items, routes: StepRoutes | None = None) -> torch.Tensor:
+    blob = msgspec.msgpack.encode(routes) if routes is not None else b""
+    out = [STEP, len(items), len(blob), *blob]
     for seq, n in items:
         start = seq.num_computed_tokens
         out += [start, n, seq.num_tokens, len(seq.table.blocks)]
@@ -68,16 +81,20 @@ def decode_plan(plan: torch.Tensor):
     kind, count = values[0], values[1]
     pos = 2
     if kind == STEP:
+        size = values[pos]
+        routes = msgspec.msgpack.decode(bytes(values[pos + 1:pos + 1 + size]), type=StepRoutes) \
+            if size else StepRoutes()
+        pos += 1 + size
         items = []
-        for _ in range(count):
+        for index in range(count):
             start, n, total, nblocks = values[pos:pos + 4]
             pos += 4
             ids = values[pos:pos + n]
             pos += n
             blocks = values[pos:pos + nblocks]
             pos += nblocks
-            items.append((PlanItem(start, n, total, ids, blocks), n))
-        return kind, items
+            items.append((PlanItem(start, n, total, ids, blocks, routes.ids.get(index, "")), n))
+        return kind, (items, routes)
     if kind == READ_KV:
         start, end, nblocks = values[pos:pos + 3]
         return kind, (values[pos + 3:pos + 3 + nblocks], start, end)

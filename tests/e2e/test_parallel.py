@@ -66,21 +66,29 @@ def metric(http, name):
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_edge_decodes_kv_from_parallel_core(tp, pp, secret_file, tokenizer, heldout):
-    core, port, core_http = start_core(secret_file, "--tp", str(tp), "--pp", str(pp))
+@pytest.mark.parametrize("tp, pp, gather", [(2, 1, False), (1, 2, False), (2, 2, False), (1, 2, True)])
+def test_edge_decodes_kv_from_parallel_core(tp, pp, gather, secret_file, tokenizer, heldout):
+    core, port, core_http = start_core(secret_file, "--tp", str(tp), "--pp", str(pp), *(["--gather-kv"] * gather))
     edge, http = start_edge("--local-prefill-below", "0", cores=[port], secret_file=secret_file)
     try:
         stats = get_json(f"http://127.0.0.1:{core_http}/stats")
         assert stats["layout"]["tp"] == tp and [r["rank"] for r in stats["ranks"]] == list(range(tp * pp))
+        # Direct: the edge holds a stream connection to every other rank, which sends its own KV there.
+        assert get_json(f"http://127.0.0.1:{http}/stats")["cores"][0]["stream_connections"] == (0 if gather else tp * pp - 1)
         ids = tokenizer.encode(heldout)
         prompts = [ids[i * 100: i * 100 + n] for i, n in enumerate((7, 60, 300))]
         ref = make_engine().generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
-        for p, r in zip(prompts, ref):
-            out = post_json(f"http://127.0.0.1:{http}/v1/completions",
-                            {"prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True})
-            assert out["choices"][0]["text"] == r["text"]
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(3) as pool:     # at once: prefilled together, in micro-batches on a pipeline
+            outs = list(pool.map(lambda p: post_json(f"http://127.0.0.1:{http}/v1/completions", {
+                "prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True}), prompts))
+        assert [o["choices"][0]["text"] for o in outs] == [r["text"] for r in ref]
         assert metric(http, 'edgecore:remote_prefills_total{codec="lossless"}') == 3    # no fallback
+        received = metric(http, 'edgecore:kv_raw_bytes_received_total{codec="lossless"}')
+        from_rank0 = metric(core_http, 'edgecore:core_kv_raw_bytes_total{codec="lossless"}')
+        assert received > 0
+        # Rank 0 holds half the KV (2 KV heads over TP=2, 4 layers over PP=2), a quarter at TP=2×PP=2.
+        assert from_rank0 == (received if gather else received / (tp * pp))
     finally:
         edge.stop()
         core.stop()

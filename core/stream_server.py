@@ -1,0 +1,115 @@
+"""A worker rank's KV stream server: the rank sends its own layers' and heads' KV straight to edges.
+
+Life cycle: a worker rank of a parallel core that holds distinct KV (each
+pipeline stage; each tensor slice whose KV heads are not a replica of another
+rank's) starts a `StreamServer` before it joins the step loop: a protocol
+server on its own port, run by an event loop in a background thread. The driver
+advertises the ports in its Welcome; an edge connects to each with the session
+id of its main connection (Hello.session) and from then on asks for direct
+streaming (PrefillRequest.direct). For such a request the driver sends the
+route (request id, session, codec, token range) with the first step plan that
+computes it; `apply(routes)` registers it with this rank's `LayerStreamer`,
+whose `on_layer` hook queues each layer's new K/V, as computed, for the
+session's sender. A route is forgotten once its last tokens have left, or when
+the driver drops it (the request was cancelled). Edges send nothing on a
+stream connection but pings; anything else is answered with an Error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from core.kv_sender import LayerStreamer, RemoteRequest, send_queued
+from protocol import messages as m
+from protocol.errors import ErrorCode
+from protocol.transport import Peer, PeerError, serve
+
+log = logging.getLogger("edgecore.streams")
+
+
+@dataclass
+class _Session:
+    peer: Peer
+    queue: asyncio.Queue
+
+
+class StreamServer:
+    def __init__(self, pool, model, host: str, secret: bytes, fingerprint: str, codecs: list[str],
+                 dtype_name: str, head_start: int, name: str):
+        self.host, self.secret, self.fingerprint, self.codecs = host, secret, fingerprint, codecs
+        self.dtype_name, self.name = dtype_name, name
+        self.sessions: dict[str, _Session] = {}
+        self.encoder_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edgecore-encode")
+        self.loop = asyncio.new_event_loop()
+        self.streamer = LayerStreamer(pool, model, self.loop, "stream", head_start, forget_when_sent=True)
+        self.port = 0
+        self._server = None
+        self._thread = threading.Thread(target=self.loop.run_forever, name="edgecore-streams", daemon=True)
+
+    def start(self) -> int:
+        """Start serving; returns the bound port."""
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(self._start(), self.loop)
+        self.port = future.result(30)
+        return self.port
+
+    async def _start(self) -> int:
+        self._server = await serve(self._session, host=self.host, port=0, secret=self.secret,
+                                   fingerprint=self.fingerprint, codecs=self.codecs, name=self.name)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def _session(self, peer: Peer) -> None:
+        key = peer.conn.session
+        if not key:
+            await peer.fail("a stream connection needs a session id in its Hello", ErrorCode.BAD_REQUEST)
+            return
+        session = _Session(peer, asyncio.Queue())
+        self.sessions[key] = session
+        sender = asyncio.create_task(send_queued(session.queue, peer, self.encoder_pool, self.dtype_name))
+        try:
+            while True:
+                msg = await peer.recv()
+                if not isinstance(msg, (m.Ack, m.Cancel)):
+                    await peer.send(m.Error(ErrorCode.BAD_REQUEST, "a stream connection only carries KV from "
+                                            "the core", getattr(msg, "request_id", "")))
+        except PeerError as exc:
+            log.info("stream %s closed: %s", key[:8], exc)
+        finally:
+            sender.cancel()
+            if self.sessions.get(key) is session:
+                del self.sessions[key]
+
+    # ---- engine (worker main) thread ---------------------------------------
+    def apply(self, routes) -> None:
+        """Register the step's new routes and forget dropped ones (before the step runs)."""
+        remote = self.streamer.remote
+        for stream_id in routes.drop:
+            req = remote.pop(stream_id, None)
+            if req is not None:
+                req.cancelled = True
+        for stream_id, (request_id, session_key, codec, skip, total) in routes.new.items():
+            session = self.sessions.get(session_key)
+            if session is None:       # the edge's stream connection is gone: its transfer fails over
+                log.warning("no stream connection for session %s (request %s)", session_key[:8], request_id)
+                continue
+            remote[stream_id] = RemoteRequest(stream_id, request_id, session, codec, total, skip)
+
+    def on_layer(self, layer: int, items) -> None:
+        self.streamer.on_layer(layer, items)
+
+    def close(self) -> None:
+        async def shutdown():
+            if self._server is not None:
+                self._server.close()
+            for session in list(self.sessions.values()):
+                await session.peer.close()
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(5)
+        except Exception:          # noqa: BLE001 - best effort on the way out
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.encoder_pool.shutdown(wait=False)
