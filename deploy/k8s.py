@@ -60,6 +60,8 @@ def core_manifests(topo: Topology, core: CoreNode) -> list[dict]:
     args = ["core", "--model", f"{MODEL_MOUNT}/{topo.model_name}", "--listen", f"0.0.0.0:{core.port}",
             "--http", f"0.0.0.0:{core.http_port}", "--secret-file", f"{SECRET_MOUNT}/cluster-secret",
             "--name", core.name, "--device", core.device, "--data-dir", "/data"]
+    if core.tp * core.pp > 1:    # the Service exposes one KV port, so rank 0 sends every rank's KV
+        args += ["--tp", str(core.tp), "--pp", str(core.pp), "--gather-kv"]
     statefulset = {
         "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name, "labels": lab},
         "spec": {"serviceName": name, "replicas": core.replicas, "selector": {"matchLabels": sel},

@@ -116,6 +116,10 @@ class Launcher:
             args = ["core", "--model", topo.model, "--listen", f"{bind}:{core.port}",
                     "--http", f"{bind}:{core.http_port}", "--name", core.name, "--secret-file", secret,
                     "--data-dir", str(data), "--device", core.device]
+            if core.tp * core.pp > 1:
+                args += ["--tp", str(core.tp), "--pp", str(core.pp)]
+                if self.wan:         # the emulated link relays one port per core: rank 0 sends all KV
+                    args.append("--gather-kv")
             self._spawn(f"{core.region}/{core.name}", args, f"http://{host}:{core.http_port}/ready",
                         self.wan.netns(core.region) if self.wan else None)
             addr[core.name] = (host, core.port)

@@ -108,3 +108,21 @@ def test_render_cli(tmp_path):
                         str(ROOT / "deploy" / "topology.toml"), "--out", str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "wrote 9 files" in r.stdout
+
+
+def test_parallel_core_gets_its_layout_and_parses(tmp_path):
+    """A TP×PP core in the topology runs with --tp/--pp (and --gather-kv: its Service has one KV port);
+    every rendered command line is accepted by edgecore's own parser."""
+    from deploy.cli import build_parser
+    text = (ROOT / "deploy" / "topology.toml").read_text().replace("tp = 1 ", "tp = 2 ", 1)
+    assert "tp = 2 " in text
+    (tmp_path / "topology.toml").write_text(text)
+    files = render(load_topology(tmp_path / "topology.toml"), tmp_path / "out")
+    cores = [d for f in files for d in yaml.safe_load_all(f.read_text()) if d["kind"] == "StatefulSet"]
+    args = cores[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    parsed = build_parser().parse_args(args)
+    assert (parsed.tp, parsed.pp, parsed.gather_kv) == (2, 1, True)
+    for f in files:
+        for doc in yaml.safe_load_all(f.read_text()):
+            if doc["kind"] in ("StatefulSet", "Deployment"):
+                build_parser().parse_args(doc["spec"]["template"]["spec"]["containers"][0]["args"])
