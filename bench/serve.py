@@ -55,12 +55,15 @@ async def client_load(port: int, prompts, clients: int, duration: float, max_tok
                         if not line.startswith(b"data: {"):
                             continue
                         now = time.perf_counter()
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            errors += 1
-                            break
-                        if chunk.get("usage"):
-                            tokens = chunk["usage"]["completion_tokens"]
+                        # The load generator shares the CPUs with the nodes: it parses only the chunks it
+                        # needs (usage, errors); a token chunk is recognised by its "choices":[{ prefix.
+                        if b'"choices":[{' not in line:
+                            chunk = json.loads(line[6:])
+                            if "error" in chunk:
+                                errors += 1
+                                break
+                            if chunk.get("usage"):
+                                tokens = chunk["usage"]["completion_tokens"]
                             continue
                         if last is None:
                             ttft.append(now - t0)

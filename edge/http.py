@@ -188,6 +188,9 @@ class EdgeHTTP:
         async def send(payload: dict):
             await resp.write(b"data: " + json_encode(payload) + b"\n\n")
 
+        # Token chunks differ only in their choice: the rest of the event is encoded once.
+        head = b"data: " + json_encode({**base, "choices": []})[:-2]      # ends with "choices":[
+
         if chat:
             for i in range(count):
                 await send({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -214,7 +217,7 @@ class EdgeHTTP:
                         if parsed.logprobs is not None else None
                     choice = {"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": reason}
                 offsets[i] += len(out.new_text)
-                await send({**base, "choices": [choice]})
+                await resp.write(head + json_encode(choice) + b"]}\n\n")
             if parsed.include_usage:
                 await send({**base, "choices": [], "usage": usage(parsed, ntoks, sum(cached.values()))})
         except ApiError as exc:
