@@ -1,7 +1,9 @@
 """TTFT over an emulated WAN: local prefill vs core prefill with different KV shipping.
 
-A random-weight Llama with an 8k context (MHA so the KV is large); an edge and
-a core in this process, connected through a userspace relay limited to
+A random-weight Llama with an 8k context (MHA so the KV is large); edges in
+this process, cores in their own processes (as deployed: a core's prefill does
+not share an interpreter with the edge), connected through a userspace relay
+limited to
 `--mbit` (200) Mbit/s with `--delay-ms` (20) ms one-way delay. For prompts of
 512, 2k and 8k tokens, in one run:
  (a) edge-local prefill, (b) core prefill, raw KV sent after the last layer,
@@ -14,22 +16,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from common import emit, progress
+from common import ROOT, emit, progress
 
 import torch
 
-from core.server import CoreConfig, CoreServer
 from deploy.wan_relay import LinkSpec, WanRelay
 from edge.engine import EdgeConfig, EdgeEngine
 from shared.config import CacheConfig, EngineConfig, ModelConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.models.loader import build_model
+from tests.e2e.procs import start_core  # process helper shared with the tests
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 128,
@@ -81,14 +84,17 @@ async def run(args, model_dir: Path):
     budget = EngineConfig(max_num_batched_tokens=1024, max_num_seqs=4)
     link = LinkSpec(delay_ms=args.delay_ms, bandwidth_mbit=args.mbit)
     secret = b"ttft"
+    secret_file = model_dir.parent / "secret"
+    secret_file.write_bytes(secret)
     cores, relays = {}, {}
-    for mode, streaming in (("stream", True), ("batch", False)):
-        core = CoreServer(CoreConfig(str(model_dir), secret, port=0, http_port=None, dtype="bf16", cache=cache,
-                                     data_dir=str(model_dir.parent / f"core-{mode}"),
-                                     engine=budget, stream_layers=streaming, lease_seconds=5))
-        await core.start()
+    os.environ["EDGECORE_THREADS"] = str(torch.get_num_threads())    # the cores use every CPU, as in-process
+    for mode, extra in (("stream", []), ("batch", ["--kv-after-prefill"])):
+        core, port, http = start_core(str(secret_file), "--model", str(model_dir), "--dtype", "bf16",
+                                      "--max-batched-tokens", str(budget.max_num_batched_tokens),
+                                      "--kv-blocks", str(cache.num_blocks), "--lease", "5", *extra,
+                                      data_dir=str(model_dir.parent / f"core-{mode}"))
         relay = WanRelay(link)
-        relays[mode] = (relay, await relay.start(("127.0.0.1", 0), ("127.0.0.1", core.port)))
+        relays[mode] = (relay, await relay.start(("127.0.0.1", 0), ("127.0.0.1", port)))
         cores[mode] = core
 
     def edge_for(mode: str | None, codecs: list[str], adaptive=False) -> EdgeEngine:
@@ -127,7 +133,7 @@ async def run(args, model_dir: Path):
         await edge.stop()
     for mode in cores:
         await relays[mode][0].stop()
-        await cores[mode].stop()
+        cores[mode].stop()
     return results
 
 

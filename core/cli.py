@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pp-split", default=None, metavar="N,N,...", help="layers per pipeline stage")
     p.add_argument("--pp-micro-batches", type=int, default=0,
                    help="micro-batches per step so pipeline stages overlap (default: one per stage)")
+    p.add_argument("--kv-after-prefill", action="store_true",
+                   help="send a request's KV only once its prefill has finished (the baseline that layer-wise "
+                        "streaming is measured against)")
     p.add_argument("--gather-kv", action="store_true",
                    help="parallel core: rank 0 gathers every rank's KV after the prefill and sends it, instead "
                         "of each rank streaming its own on its own port (when edges can reach only --listen)")
@@ -59,7 +62,8 @@ def run_core(args: argparse.Namespace) -> int:
                         api_keys=read_api_keys(args.api_key_file),
                         max_file_bytes=int(args.max_file_mb * 1024 * 1024), tp=args.tp, pp=args.pp,
                         pp_split=[int(x) for x in args.pp_split.split(",")] if args.pp_split else None,
-                        pp_micro_batches=args.pp_micro_batches, gather_kv=args.gather_kv)
+                        pp_micro_batches=args.pp_micro_batches, gather_kv=args.gather_kv,
+                        stream_layers=not args.kv_after_prefill)
     if args.tp < 1 or args.pp < 1:
         from shared.errors import ConfigError
         raise ConfigError("--tp and --pp must be at least 1")
