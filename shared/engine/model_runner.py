@@ -69,15 +69,17 @@ class ModelRunner:
             width = -(-longest // bs)
             table = torch.tensor([s.table.blocks[:width] + [0] * (width - len(s.table.blocks[:width]))
                                   for s, _ in decode], dtype=torch.long, device=dev)
-            pos = torch.arange(width * bs, device=dev)
             meta.num_decode = len(decode)
             meta.decode_blocks = table
             meta.block_size = bs
-            ctx_t = torch.tensor(ctx, device=dev).unsqueeze(1)
-            mask = pos.unsqueeze(0) < ctx_t
-            if self.window is not None:
-                mask &= pos.unsqueeze(0) >= ctx_t - self.window
-            meta.decode_mask = mask[:, None, None, :]
+            meta.decode_len = longest
+            if self.window is not None or min(ctx) < longest:     # else every row attends to all `longest`
+                pos = torch.arange(longest, device=dev)
+                ctx_t = torch.tensor(ctx, device=dev).unsqueeze(1)
+                mask = pos.unsqueeze(0) < ctx_t
+                if self.window is not None:
+                    mask &= pos.unsqueeze(0) >= ctx_t - self.window
+                meta.decode_mask = mask[:, None, None, :]
         offset = len(decode)
         for seq, n in prefill:
             start = seq.num_computed_tokens

@@ -37,7 +37,8 @@ class AttentionMetadata:
     num_decode: int = 0                 # decode tokens at the front of the batch
     decode_blocks: torch.Tensor | None = None  # [B, W] cache blocks read by each decode sequence
     block_size: int = 16
-    decode_mask: torch.Tensor | None = None   # [B, 1, 1, W * block_size] True where attended
+    decode_len: int = 0                        # longest decode context (L ≤ W * block_size)
+    decode_mask: torch.Tensor | None = None   # [B, 1, 1, L] True where attended; None: everything
     prefills: list[PrefillChunk] = field(default_factory=list)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer [slots, H, D]
     on_layer: Callable[[int], None] | None = None
@@ -65,12 +66,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         # Query heads of one KV head act as a short query sequence: [B, Hkv, G, D].
         qd = q[:b].view(b, hkv, groups, d)
         # Gather whole blocks (contiguous runs of block_size slots), not single slots: far fewer,
-        # larger copies. Padding past a sequence's length is masked out.
-        bs = meta.block_size
+        # larger copies. Attention reads the first L positions; a shorter sequence's tail is masked.
+        bs, length = meta.block_size, meta.decode_len
         flat = meta.decode_blocks.view(-1)
-        length = flat.numel() * bs // b
-        kd = k_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, length, hkv, d).transpose(1, 2)
-        vd = v_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, length, hkv, d).transpose(1, 2)
+        width = flat.numel() * bs // b
+        kd = k_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, width, hkv, d)[:, :length].transpose(1, 2)
+        vd = v_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, width, hkv, d)[:, :length].transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         if b == q.shape[0]:             # a decode-only step: no copy into `out`
             out = od.view(b, hq, d)
