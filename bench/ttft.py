@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, emit, progress
+from common import emit, progress
 
 import torch
 
