@@ -44,11 +44,12 @@ def run_core(args: argparse.Namespace) -> int:
     from core.server import CoreConfig, CoreServer
     from protocol.transport import tls_context
     from shared.config import CacheConfig, EngineConfig
-    from shared.env import default_device, default_model
+    from shared.env import default_device, default_model, reserve_threads_for_engine
     from shared.secrets import parse_hostport, read_api_keys, read_secret
     from shared.service import run_service, setup_logging
 
     setup_logging(f"[{args.name}] ")
+    engine_threads = reserve_threads_for_engine()
     host, port = parse_hostport(args.listen)
     http_host, http_port = parse_hostport(args.http)
     ssl = tls_context(True, args.tls_cert, args.tls_key, args.tls_ca, args.tls_ca is not None) \
@@ -63,7 +64,7 @@ def run_core(args: argparse.Namespace) -> int:
                         max_file_bytes=int(args.max_file_mb * 1024 * 1024), tp=args.tp, pp=args.pp,
                         pp_split=[int(x) for x in args.pp_split.split(",")] if args.pp_split else None,
                         pp_micro_batches=args.pp_micro_batches, gather_kv=args.gather_kv,
-                        stream_layers=not args.kv_after_prefill)
+                        stream_layers=not args.kv_after_prefill, engine_threads=engine_threads)
     if args.tp < 1 or args.pp < 1:
         from shared.errors import ConfigError
         raise ConfigError("--tp and --pp must be at least 1")

@@ -66,6 +66,7 @@ class CoreConfig:
     pp: int = 1                         # pipeline stages
     pp_split: list[int] | None = None   # layers per stage (default: balanced)
     pp_micro_batches: int = 0           # micro-batches per step (default: one per stage)
+    engine_threads: int | None = None   # intra-op threads of the engine thread (None: leave as they are)
     gather_kv: bool = False             # parallel core: rank 0 sends all KV, the other ranks serve no streams
 
 
@@ -129,7 +130,7 @@ class CoreServer:
         # On a parallel core this streams rank 0's own layers and heads; the other ranks stream theirs.
         self.streamer = LayerStreamer(self.engine.pool, self.engine.model, loop,
                                       "stream" if self.config.stream_layers else "hold")
-        self.aengine = AsyncEngine(self.engine, on_layer=self.streamer.on_layer)
+        self.aengine = AsyncEngine(self.engine, on_layer=self.streamer.on_layer, threads=self.config.engine_threads)
         self.aengine.start()
         c = self.config
         from core.batch_api import BatchAPI

@@ -52,12 +52,13 @@ def run_edge(args: argparse.Namespace) -> int:
     from protocol.codecs import CODECS
     from protocol.transport import tls_context
     from shared.config import CacheConfig
-    from shared.env import default_device, default_model
+    from shared.env import default_device, default_model, reserve_threads_for_engine
     from shared.errors import ConfigError
     from shared.secrets import parse_hostport, read_api_keys, read_secret
     from shared.service import run_service, setup_logging
 
     setup_logging(f"[{args.name}] ")
+    engine_threads = reserve_threads_for_engine()
     cores = [parse_hostport(c) for c in args.core]
     core_dns = [parse_hostport(c) for c in args.core_dns]
     codecs = args.codec or ["lossless"]
@@ -88,7 +89,7 @@ def run_edge(args: argparse.Namespace) -> int:
                         adaptive=args.adaptive, ttft_target_ms=args.ttft_target_ms,
                         local_prefill_below=local_below, cache=CacheConfig(num_blocks=args.kv_blocks),
                         transfer_timeout=args.transfer_timeout,
-                        name=args.name, ssl=ssl)
+                        name=args.name, ssl=ssl, engine_threads=engine_threads)
     edge = EdgeEngine(config)
     served = args.served_model_name or Path(args.model or default_model()).name
     if args.model_from and not args.served_model_name:

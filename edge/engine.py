@@ -65,6 +65,7 @@ class EdgeConfig:
     max_core_attempts: int = 2
     cache: CacheConfig = field(default_factory=CacheConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    engine_threads: int | None = None   # intra-op threads of the engine thread (None: leave as they are)
     timeouts: Timeouts = field(default_factory=Timeouts)
     name: str = "edge"
     ssl: object = None
@@ -81,7 +82,7 @@ class EdgeEngine:
                                                    config.cache, config.engine)
         self.tokenizer = self.engine.tokenizer
         self.metrics = EdgeMetrics()
-        self.aengine = AsyncEngine(self.engine)
+        self.aengine = AsyncEngine(self.engine, threads=config.engine_threads)
         remote = bool(config.cores or config.core_dns)
         self.fingerprint = model_fingerprint(config.model_dir, self.engine.config) if remote else ""
         wire_codecs = sorted(set(config.codecs) | {"lossless", "raw"})

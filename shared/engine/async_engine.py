@@ -29,9 +29,11 @@ class EngineDead(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_layer: LayerHook | None = None):
+    def __init__(self, engine: LLMEngine, on_layer: LayerHook | None = None, threads: int | None = None):
+        """threads: intra-op threads of the engine thread (see shared.env.reserve_threads_for_engine)."""
         self.engine = engine
         self.on_layer = on_layer
+        self.threads = threads
         self._commands: deque[tuple[Callable, asyncio.Future | None]] = deque()
         self._wake = threading.Condition()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -122,6 +124,9 @@ class AsyncEngine:
     # ---- engine thread ----------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        if self.threads:
+            import torch
+            torch.set_num_threads(self.threads)
         try:
             while True:
                 with self._wake:

@@ -1,0 +1,30 @@
+"""A server's engine thread owns the torch intra-op threads; its main thread keeps one."""
+
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+PROBE = """
+import asyncio, torch
+from shared.env import reserve_threads_for_engine
+from shared.engine.async_engine import AsyncEngine
+from tests.conftest import make_engine
+torch.set_num_threads(2)
+threads = reserve_threads_for_engine()
+main_after = torch.get_num_threads()
+engine = make_engine()
+async def run():
+    aengine = AsyncEngine(engine, threads=threads)
+    aengine.start()
+    seen = await aengine.call(lambda e: torch.get_num_threads())
+    aengine.stop()
+    return seen
+print(threads, main_after, asyncio.run(run()))
+"""
+
+
+def test_engine_thread_gets_the_threads_and_main_keeps_one():
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "1", "2"]
