@@ -9,7 +9,7 @@ limited to
  (a) edge-local prefill, (b) core prefill, raw KV sent after the last layer,
  (c) layer-wise streaming + lossless, (d) layer-wise + int8, (e) adaptive
  (lossless or int8, chosen from the measured link). Each is reported as a
-ratio to (b). Medians of `--repeats` runs (one for the longest prompt).
+ratio to (b). Medians of `--repeats` runs.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ async def run(args, model_dir: Path):
     gen = torch.Generator().manual_seed(1)
     results = {}
     for n in args.lengths:
-        reps = 1 if n >= 8192 else args.repeats
+        reps = args.repeats
         row = {}
         for name, edge in variants.items():
             times = []
