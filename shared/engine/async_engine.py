@@ -5,7 +5,8 @@ Life cycle: `start()` spawns the engine thread; coroutines call
 to run any engine method between two steps (the engine itself is never
 touched from two threads). The thread steps while there is work and sleeps on
 a condition otherwise; each step's outputs reach the event loop in one
-`call_soon_threadsafe`. `stop()` ends the thread. A failure inside a step is
+`call_soon_threadsafe` (outputs of requests opened with `collect` stay on the
+engine thread until the request finishes). `stop()` ends the thread. A failure inside a step is
 delivered to every waiting stream, so no caller hangs.
 """
 
@@ -148,7 +149,7 @@ class AsyncEngine:
                         if fut is not None:
                             self._loop.call_soon_threadsafe(_set_result, fut, result)
                 if engine.has_unfinished():
-                    outputs = engine.step(self.on_layer)
+                    outputs = self._hold_collected(engine.step(self.on_layer))
                     if outputs:
                         self._loop.call_soon_threadsafe(self._dispatch, outputs)
         except BaseException as exc:   # a bug or resource failure: fail every stream, stay dead
@@ -156,21 +157,31 @@ class AsyncEngine:
             self.error = exc
             self._loop.call_soon_threadsafe(self._fail_all, exc)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        if self.on_outputs is not None:
-            self.on_outputs(outputs)
+    def _hold_collected(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Engine thread: keep unfinished outputs of collected requests here, so a step whose outputs all
+        belong to them (batch work) does not wake the event loop at all."""
+        deliver = []
         for out in outputs:
-            queue = self._streams.get(out.request_id)
-            if queue is None:
-                continue
             held = self._collected.get(out.request_id)
-            if held is None:
-                queue.put_nowait(out)
+            if held is None or out.finished:
+                deliver.append(out)
             else:
                 held.append(out)
-                if out.finished:
-                    queue.put_nowait(held)
-                    self._collected[out.request_id] = []
+        return deliver
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        delivered = []
+        for out in outputs:
+            held = self._collected.get(out.request_id)
+            if held is not None:        # a collected request finished (see _hold_collected): all at once
+                self._collected[out.request_id] = []
+                held = held + [out]
+            delivered.extend(held or (out,))
+            queue = self._streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out if held is None else held)
+        if self.on_outputs is not None:
+            self.on_outputs(delivered)
 
     def _fail_all(self, exc: BaseException) -> None:
         for queue in self._streams.values():
