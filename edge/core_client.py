@@ -67,29 +67,33 @@ class CoreClient:
             if self.healthy:
                 return
             await self._close_streams()
-            session = os.urandom(16).hex()
             try:
                 self.peer = await connect(self.host, self.port, secret=self.secret, fingerprint=self.fingerprint,
                                           codecs=self.codecs, timeouts=self.timeouts, ssl=self.ssl, name=self.name,
-                                          session=session)
+                                          session=os.urandom(16).hex())
             except PeerError as exc:
                 self.last_error = str(exc)
                 raise
             self.last_error = None
             self.reader = asyncio.create_task(self._read(self.peer))
             await self.peer.ping()
-            for port in self.peer.conn.streams:
-                try:
-                    stream = await connect(self.host, port, secret=self.secret, fingerprint=self.fingerprint,
-                                           codecs=self.codecs, timeouts=self.timeouts, ssl=self.ssl,
-                                           name=self.name, session=session)
-                except PeerError as exc:    # requests fall back to KV gathered by the core's first rank
-                    log.warning("core %s: stream port %d unreachable (%s); KV will come gathered", self.address,
-                                port, exc)
-                    await self._close_streams()
-                    break
-                self.streams.append(stream)
-                self.stream_readers.append(asyncio.create_task(self._read(stream)))
+            await self.connect_streams()
+
+    async def connect_streams(self) -> None:
+        """(Re)open a connection to every stream port of the core, with the main connection's session."""
+        await self._close_streams()
+        for port in self.peer.conn.streams:
+            try:
+                stream = await connect(self.host, port, secret=self.secret, fingerprint=self.fingerprint,
+                                       codecs=self.codecs, timeouts=self.timeouts, ssl=self.ssl, name=self.name,
+                                       session=self.peer.conn.session)
+            except PeerError as exc:        # requests fall back to KV gathered by the core's first rank
+                log.warning("core %s: stream port %d unreachable (%s); KV will come gathered", self.address,
+                            port, exc)
+                await self._close_streams()
+                return
+            self.streams.append(stream)
+            self.stream_readers.append(asyncio.create_task(self._read(stream)))
 
     async def _read(self, peer: Peer) -> None:
         try:
@@ -191,6 +195,8 @@ class CoreRouter:
                 if client.healthy:
                     with contextlib.suppress(PeerError):
                         await client.peer.ping()
+                    if client.peer.conn.streams and not client.direct:     # a stream connection dropped
+                        await client.connect_streams()
                 else:
                     await self._try_connect(client)
 

@@ -78,3 +78,38 @@ def test_replicated_kv_heads_are_streamed_by_one_rank_each():
     assert [owns_kv(r, 4, 2) for r in range(4)] == [True, False, True, False]
     assert [owns_kv(r, 2, 4) for r in range(2)] == [True, True]
     assert [owns_kv(r, 4, 1) for r in range(4)] == [True, False, False, False]
+
+
+async def test_edge_client_attaches_to_stream_ports_and_reattaches(served):
+    """A CoreClient follows Welcome.streams with its session id, and reopens a dropped stream connection."""
+    from edge.core_client import CoreClient
+    from protocol.transport import serve
+    _, server, fp = served
+
+    async def main_port(peer):                # stands in for rank 0: only the handshake matters here
+        while True:
+            await peer.recv()
+    main = await serve(main_port, secret=SECRET, fingerprint=fp, codecs=["raw"], streams=[server.port])
+    client = CoreClient("127.0.0.1", main.sockets[0].getsockname()[1], secret=SECRET, fingerprint=fp,
+                        codecs=["raw"])
+    try:
+        await client.connect()
+        assert client.direct and len(client.streams) == 1
+        session = client.peer.conn.session
+        for _ in range(100):
+            if session in server.sessions:
+                break
+            await asyncio.sleep(0.01)
+        assert session in server.sessions      # the rank knows the edge by its main connection's session
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(server.sessions[session].peer.close(),
+                                                                   server.loop))
+        for _ in range(100):
+            if not client.direct:
+                break
+            await asyncio.sleep(0.01)
+        assert not client.direct               # requests would now come gathered from rank 0
+        await client.connect_streams()
+        assert client.direct
+    finally:
+        await client.close()
+        main.close()
