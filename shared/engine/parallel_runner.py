@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from shared.engine.model_runner import ModelRunner, sampling_rows
 from shared.engine.sampler import sample
-
 from shared.engine.step_plan import (READ_KV, STATS, STEP, STOP, StepRoutes, decode_plan, encode_read_kv,
                                      encode_stats, encode_step, encode_stop)
 from shared.models.layers import weight_bytes
