@@ -23,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
-from protocol.kv import encode_chunk
+from protocol.kv import SMALL_CHUNK_BYTES, encode_chunk
 from protocol.transport import Peer, PeerError
 from shared.kv.wire import to_bits
 
@@ -107,9 +108,11 @@ async def send_queued(queue: asyncio.Queue, peer: Peer, encoder_pool, dtype_name
             if req.cancelled:
                 continue
             kb, vb = to_bits(k), to_bits(v)
-            data = await loop.run_in_executor(encoder_pool, lambda: encode_chunk(
-                req.request_id, kb, vb, layer_start=layer, token_start=start, head_start=head,
-                dtype=dtype_name, codec=req.codec, total_tokens=req.total_tokens))
+            encode = partial(encode_chunk, req.request_id, kb, vb, layer_start=layer, token_start=start,
+                             head_start=head, dtype=dtype_name, codec=req.codec, total_tokens=req.total_tokens)
+            # A small chunk costs less to encode here than to hand to a thread and back.
+            data = encode() if kb.nbytes + vb.nbytes < SMALL_CHUNK_BYTES else \
+                await loop.run_in_executor(encoder_pool, encode)
             await peer.send(data)
             if req.first_chunk_sent_at is None:
                 req.first_chunk_sent_at = time.perf_counter()

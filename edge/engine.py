@@ -35,7 +35,7 @@ from edge.metrics import EdgeMetrics
 from edge.placement import PrefillModel
 from protocol import messages as m
 from protocol.errors import ProtocolError
-from protocol.kv import decode_chunk
+from protocol.kv import SMALL_CHUNK_BYTES, decode_chunk
 from protocol.state import KVData
 from protocol.transport import PeerError, Timeouts
 from shared.config import CacheConfig, EngineConfig
@@ -243,7 +243,9 @@ class EdgeEngine:
                     if (c.token_start < cached or c.token_end > len(prompt_ids) or c.layer_end > len(got)
                             or c.head_start < 0 or c.head_end > heads):
                         raise RemotePrefillFailed(f"chunk outside the request: {c}")
-                    k, v = await loop.run_in_executor(self.decoder_pool, decode_chunk, ev)
+                    # A small chunk costs less to decode here than to hand to a thread and back.
+                    k, v = decode_chunk(ev) if ev.chunk.raw_len < SMALL_CHUNK_BYTES else \
+                        await loop.run_in_executor(self.decoder_pool, decode_chunk, ev)
                     kt, vt = from_bits(k, c.dtype), from_bits(v, c.dtype)
                     for i, layer in enumerate(range(c.layer_start, c.layer_end)):
                         self.aengine.post(lambda e, l=layer, s=c.token_start, kk=kt[i], vv=vt[i], h=c.head_start:

@@ -16,6 +16,10 @@ from protocol.errors import CodecError
 from protocol.messages import KVChunk
 from protocol.state import KVData, checksum, verify_checksum
 
+# Below this many K+V bytes, encoding or decoding a chunk takes less time than handing it to a worker
+# thread and back, so callers do it in place.
+SMALL_CHUNK_BYTES = 128 * 1024
+
 
 def encode_chunk(request_id: str, k: np.ndarray, v: np.ndarray, *, layer_start: int, token_start: int,
                  head_start: int = 0, dtype: str, codec: str, total_tokens: int = 0) -> KVData:
