@@ -42,7 +42,7 @@ def reserve_threads_for_engine() -> int:
 
     With GNU OpenMP, every thread that runs a parallel op leads a team of its own; once the process has more
     OpenMP threads than CPUs (the main thread's team plus the engine thread's), the workers stop spinning
-    between parallel regions and each small op pays a wake-up: decode steps ran 20-60% slower. So only the
+    between parallel regions and each small op pays a wake-up: an engine stepped 20-35% slower. So only the
     engine thread may lead a team; this (main) thread loads the model with one thread."""
     import torch
     threads = torch.get_num_threads()

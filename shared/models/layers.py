@@ -79,16 +79,10 @@ def pack_for_cpu(model: nn.Module) -> int:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights a process holds, packed ones included (each tensor counted once)."""
-    seen, total = set(), 0
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel() * p.element_size()
-        if isinstance(module, _Matmul) and module.packed is not None and module.weight.numel() == 0:
-            total += module.packed_bytes
-    return total
+    """Bytes of weights a process holds: parameters (each counted once) plus packed copies (a tied LM head
+    keeps both its plain table, shared with the embedding, and a packed copy)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())     # shared ones once
+    return total + sum(m.packed_bytes for m in model.modules() if isinstance(m, _Matmul) and m.packed is not None)
 
 
 def _copy_checked(param: torch.Tensor, value: torch.Tensor, what: str) -> None:
