@@ -30,11 +30,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_generate)
 
     p = sub.add_parser("pack", help="losslessly compress a checkpoint for shipping to edges",
-                       description="Write a packed checkpoint: bf16/fp16/fp32 tensors split into exponent and "
-                                   "sign+mantissa planes, the exponent plane zstd-coded; per-tensor checksums.")
+                       description="Write a packed checkpoint: bf16/fp16/fp32 tensors cut into chunks, each "
+                                   "split into a top-byte plane (sign and high exponent bits, zstd-coded) and "
+                                   "the other bytes (stored); a CRC-32 per chunk.")
     p.add_argument("model_dir", help="Hugging Face model directory (safetensors)")
     p.add_argument("out_dir", help="where to write the packed checkpoint")
-    p.add_argument("--level", type=int, default=3, help="zstd level for exponent planes (default 3)")
+    p.add_argument("--level", type=int, default=None,
+                   help="plain zstd level for the top-byte planes (default: literal-only optimal parsing, "
+                        "smallest and fastest to load, slower to pack)")
     p.add_argument("--threads", type=int, default=2)
     p.set_defaults(func=run_pack)
 

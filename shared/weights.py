@@ -42,7 +42,7 @@ def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
     """(checkpoint name, lazy safetensors slice) for every tensor in the checkpoint.
 
     A packed checkpoint yields lazy packed tensors instead, which decode (checksum
-    verified) on slicing or straight into a destination with `read_into`.
+    verified) on slicing or straight into a destination with `decode_jobs`.
     """
     from shared.pack import PackedCheckpoint, is_packed
     if is_packed(model_dir):

@@ -120,12 +120,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(output_sizes), bias)
         self.output_sizes = output_sizes
 
-    def weight_loader(self, param: nn.Parameter, source, shard_id: int = 0) -> None:
+    def shard_rows(self, shard_id: int) -> tuple[int, int, int]:
+        """(first checkpoint row this rank reads, first parameter row it fills, row count) of a shard."""
         tp = tensor_parallel()
         size = self.output_sizes[shard_id] // tp.size
-        offset = sum(self.output_sizes[:shard_id]) // tp.size
-        value = _read(source, slice(tp.rank * size, (tp.rank + 1) * size))
-        _copy_checked(param.data[offset:offset + size], value, f"merged shard {shard_id}")
+        return tp.rank * size, sum(self.output_sizes[:shard_id]) // tp.size, size
+
+    def weight_loader(self, param: nn.Parameter, source, shard_id: int = 0) -> None:
+        start, offset, size = self.shard_rows(shard_id)
+        _copy_checked(param.data[offset:offset + size], _read(source, slice(start, start + size)),
+                      f"merged shard {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -161,16 +165,18 @@ class QKVParallelLinear(ColumnParallelLinear):
             return tp.rank * self.num_kv_heads
         return tp.rank * self.total_kv_heads // tp.size
 
-    def weight_loader(self, param: nn.Parameter, source, shard_id: str = "q") -> None:
+    def shard_rows(self, shard_id: str) -> tuple[int, int, int]:
+        """(first checkpoint row this rank reads, first parameter row it fills, row count) of q, k or v."""
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         if shard_id == "q":
-            start, size, offset = tensor_parallel().rank * q_size, q_size, 0
-        else:
-            start, size = self.kv_head_start() * d, kv_size
-            offset = q_size if shard_id == "k" else q_size + kv_size
-        value = _read(source, slice(start, start + size))
-        _copy_checked(param.data[offset:offset + size], value, f"{shard_id} projection")
+            return tensor_parallel().rank * q_size, 0, q_size
+        return self.kv_head_start() * d, q_size if shard_id == "k" else q_size + kv_size, kv_size
+
+    def weight_loader(self, param: nn.Parameter, source, shard_id: str = "q") -> None:
+        start, offset, size = self.shard_rows(shard_id)
+        _copy_checked(param.data[offset:offset + size], _read(source, slice(start, start + size)),
+                      f"{shard_id} projection")
 
 
 class RowParallelLinear(_Matmul):

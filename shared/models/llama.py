@@ -188,8 +188,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, object]], threads: int = 0) -> set[str]:
         """Fill parameters from (checkpoint name, tensor or lazy slice). Returns the names used.
 
-        With `threads`, sources that can decode themselves (`read_into`, packed checkpoints) are
-        decoded straight into their parameters in a thread pool."""
+        With `threads`, sources that can decode themselves (`decode_jobs`, packed checkpoints) are
+        decoded chunk by chunk straight into their parameters on a thread pool."""
         from concurrent.futures import ThreadPoolExecutor
         pool = ThreadPoolExecutor(threads) if threads else None
         jobs = []
@@ -205,9 +205,6 @@ class LlamaForCausalLM(nn.Module):
 
     def _load_one(self, name, param, source, loader, shard) -> None:
         """Fill one parameter (or one shard of a packed parameter) from a tensor or lazy slice."""
-        whole = loader is None or (tensor_parallel().size == 1 and shard is None)
-        if whole and hasattr(source, "read_into") and source.read_into(param.data):
-            return                      # decoded straight into the parameter
         try:
             if loader is None:
                 value = source if isinstance(source, torch.Tensor) else source[:]
@@ -245,9 +242,25 @@ class LlamaForCausalLM(nn.Module):
                 continue
             owner = self.get_submodule(target.rsplit(".", 1)[0])
             loader = getattr(owner, "weight_loader", None)
-            if pool is not None and hasattr(source, "read_into"):
-                jobs.append(pool.submit(self._load_one, name, param, source, loader, shard))
+            if pool is not None and hasattr(source, "decode_jobs"):
+                dest = _whole_block(param, owner, loader, shard)
+                decoders = source.decode_jobs(dest) if dest is not None else None
+                if decoders is not None:    # straight into the parameter, chunks spread over the pool
+                    jobs += [pool.submit(job) for job in decoders]
+                else:
+                    jobs.append(pool.submit(self._load_one, name, param, source, loader, shard))
             else:
                 self._load_one(name, param, source, loader, shard)
             used.add(name)
         return used
+
+
+def _whole_block(param: torch.Tensor, owner, loader, shard) -> torch.Tensor | None:
+    """The contiguous part of `param` that one checkpoint tensor fills whole, if there is one: the
+    parameter itself, or one shard's rows of a merged projection, when a single rank holds them all."""
+    if loader is None or (tensor_parallel().size == 1 and shard is None):
+        return param.data
+    if tensor_parallel().size != 1 or not hasattr(owner, "shard_rows"):
+        return None
+    _, offset, size = owner.shard_rows(shard)
+    return param.data[offset:offset + size]

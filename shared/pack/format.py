@@ -1,19 +1,27 @@
-"""The packed checkpoint format (version 1).
+"""The packed checkpoint format (version 2).
 
 A packed directory holds:
 - `edgecore-pack.json` (the manifest): format name and version, the zstd level,
   each original safetensors shard (file name, its exact header bytes in base64,
   size, SHA-256), each tensor (name, shard, dtype, shape, byte range in the
-  shard's data section, offset and length in the pack file, encoding, length
-  of the entropy-coded exponent plane, CRC-32 of its original bytes), and every
-  other file with its size and SHA-256 (for verified downloads);
+  shard's data section, offset and length in the pack file, encoding, and the
+  CRC-32 of its original bytes — per chunk for `planes`), the chunk size in
+  values, and every other file with its size and SHA-256 (for verified
+  downloads);
 - `model.edgepack`: magic `EDGEPACK`, u32 LE version, then one blob per tensor;
 - the model's other files (config, tokenizer, ...) copied unchanged.
 
-Encodings: `planes` — the values' bits split into exponent and sign+mantissa
-planes (protocol/codecs/planes.py), blob = zstd(exponent plane) ‖ sign+mantissa
-plane; `raw` — the original bytes (small tensors, integer dtypes, or when
-planes do not pay off).
+Encodings: `planes` — the tensor is cut into chunks of `chunk_values` values;
+each chunk's values are split into their top bytes (sign and high exponent
+bits: few distinct values) and their other bytes (close to random), see
+`split_top_byte` in protocol/codecs/planes.py, and stored as
+zstd(top bytes) ‖ other bytes; the manifest lists each chunk's
+[zstd frame length, CRC-32]. Chunks let a loader decode one large tensor on
+several threads, and join each chunk while it is still in cache. `raw` — the
+original bytes (small tensors, integer dtypes, or when planes do not pay off).
+
+Version 1 (whole-tensor planes, rotated exponent split) is no longer read: the
+loader names the version and a re-pack (or a fresh download) fixes it.
 """
 
 from __future__ import annotations
@@ -26,9 +34,10 @@ import numpy as np
 MANIFEST = "edgecore-pack.json"
 PACK_FILE = "model.edgepack"
 MAGIC = b"EDGEPACK"
-VERSION = 1
+VERSION = 2
 FORMAT = "edgecore-pack"
 MIN_PLANES_BYTES = 4096
+CHUNK_VALUES = 1 << 18        # 256 Ki values: a chunk and its output stay in a core's L2
 
 # safetensors dtype → (numpy container of the raw bits, float?)
 BITS = {"BF16": np.uint16, "F16": np.uint16, "F32": np.uint32}

@@ -2,10 +2,10 @@
 
 Life cycle: `PackedCheckpoint(dir)` validates the manifest and memory-maps the
 pack file. `lazy()` yields (name, PackedTensor) in file order: each decodes on
-slicing or straight into a destination (`read_into`), which the model loader
-does from a thread pool; `unpack(out)` rewrites every
-original shard (exact header bytes, then the tensors' bytes in offset order)
-and checks its SHA-256. Every tensor's CRC-32 is checked after decoding; a
+slicing, or straight into a destination as per-chunk jobs (`decode_jobs`)
+that the model loader spreads over a thread pool;
+`unpack(out)` rewrites every original shard (exact header bytes, then the tensors' bytes in offset order)
+and checks its SHA-256. Every chunk's CRC-32 is checked after decoding it; a
 mismatch or a malformed blob raises `ModelLoadError` naming the tensor.
 """
 
@@ -16,7 +16,9 @@ import json
 import mmap
 import shutil
 import struct
+import threading
 import zlib
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 import zstandard
 
-from protocol.codecs.planes import join_planes
+from protocol.codecs.planes import join_top_byte
 from shared.errors import ModelLoadError
 from shared.pack.format import BITS, FORMAT, MAGIC, MANIFEST, NUMPY, PACK_FILE, VERSION, sha256_file
 
@@ -61,32 +63,53 @@ class PackedCheckpoint:
     def index(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         return {t["name"]: (t["dtype"], tuple(t["shape"])) for t in self.tensors}
 
+    def _blob(self, entry: dict) -> memoryview:
+        start, length = entry["offset"], entry["length"]
+        if start + length > len(self._map):
+            raise ModelLoadError(f"packed tensor '{entry['name']}' is truncated (pack file too short)")
+        return memoryview(self._map)[start:start + length]
+
+    def chunk_jobs(self, entry: dict, out: np.ndarray) -> list[Callable[[], None]]:
+        """One callable per chunk of a `planes` tensor, each decoding its chunk into `out` (a flat array
+        of the tensor's bit container) and checking its CRC-32; they may run in any order, on any thread."""
+        name, blob = entry["name"], self._blob(entry)
+        count, rest_size = len(out), out.dtype.itemsize - 1
+        try:
+            per_chunk, chunks = int(self.manifest["chunk_values"]), entry["chunks"]
+            valid = (per_chunk > 0 and len(chunks) == -(-count // per_chunk)
+                     and out.nbytes == entry["end"] - entry["begin"]
+                     and sum(int(c[0]) for c in chunks) + count * rest_size == len(blob))
+        except (KeyError, TypeError, ValueError, IndexError):
+            valid = False
+        if not valid:
+            raise ModelLoadError(f"packed tensor '{name}' is corrupt: its chunks do not match its size")
+        jobs, pos = [], 0
+        for i, (frame_len, crc) in enumerate(chunks):
+            n = min(per_chunk, count - i * per_chunk)
+            frame = blob[pos:pos + frame_len]
+            rest = blob[pos + frame_len:pos + frame_len + n * rest_size]
+            jobs.append(partial(_decode_chunk, name, frame, rest, out[i * per_chunk:i * per_chunk + n], crc))
+            pos += frame_len + n * rest_size
+        return jobs
+
     def tensor_bytes(self, entry: dict, out: np.ndarray | None = None) -> bytes | memoryview:
         """The original bytes of one tensor, checksum verified (decoded into `out`, a flat array of the
         tensor's bit container, when given)."""
-        name = entry["name"]
-        start, length, size = entry["offset"], entry["length"], entry["end"] - entry["begin"]
-        if start + length > len(self._map):
-            raise ModelLoadError(f"packed tensor '{name}' is truncated (pack file too short)")
-        blob = memoryview(self._map)[start:start + length]
-        try:
-            if entry["encoding"] == "raw":
-                data = blob
-            elif entry["encoding"] == "planes":
-                container = np.dtype(BITS[entry["dtype"]])
-                count = size // container.itemsize
-                exp_len = entry["exponent_length"]
-                exponent = zstandard.ZstdDecompressor().decompress(blob[:exp_len], max_output_size=count)
-                if len(exponent) != count or length - exp_len != count * (container.itemsize - 1):
-                    raise ValueError("plane sizes do not match the tensor")
-                data = memoryview(join_planes(exponent, blob[exp_len:], container, count, out)).cast("B")
-            else:
-                raise ValueError(f"unknown encoding {entry['encoding']!r}")
-        except (ValueError, KeyError, zstandard.ZstdError) as exc:
-            raise ModelLoadError(f"packed tensor '{name}' is corrupt: {exc}") from None
-        if len(data) != size or (zlib.crc32(data) & 0xFFFFFFFF) != entry["crc32"]:
-            raise ModelLoadError(f"packed tensor '{name}' failed its checksum (corrupt pack)")
-        return data
+        name, size = entry["name"], entry["end"] - entry["begin"]
+        if entry["encoding"] == "raw":
+            data = self._blob(entry)
+            if len(data) != size or (zlib.crc32(data) & 0xFFFFFFFF) != entry["crc32"]:
+                raise ModelLoadError(f"packed tensor '{name}' failed its checksum (corrupt pack)")
+            return data
+        if entry["encoding"] != "planes" or entry["dtype"] not in BITS:
+            raise ModelLoadError(f"packed tensor '{name}' is corrupt: unknown encoding "
+                                 f"{entry['encoding']!r} for {entry['dtype']}")
+        container = np.dtype(BITS[entry["dtype"]])
+        if out is None:
+            out = np.empty(size // container.itemsize, dtype=container)
+        for job in self.chunk_jobs(entry, out):
+            job()
+        return memoryview(out).cast("B")
 
     def tensor(self, entry: dict) -> torch.Tensor:
         data = self.tensor_bytes(entry)
@@ -130,7 +153,7 @@ class PackedCheckpoint:
 
 
 class PackedTensor:
-    """A packed tensor not yet decoded: shape, slicing (decodes), or `read_into` a destination."""
+    """A packed tensor not yet decoded: shape, slicing (decodes), or `decode_jobs` into a destination."""
 
     def __init__(self, checkpoint: PackedCheckpoint, entry: dict):
         self.checkpoint, self.entry = checkpoint, entry
@@ -142,14 +165,35 @@ class PackedTensor:
     def __getitem__(self, item):
         return self.checkpoint.tensor(self.entry)[item]
 
-    def read_into(self, dest: torch.Tensor) -> bool:
-        """Decode into `dest` (same shape) without a temporary when its dtype is the stored one.
-        Returns False when the caller must copy (dtype conversion, raw encoding)."""
+    def _bits_of(self, dest: torch.Tensor) -> np.ndarray | None:
+        """`dest`'s bits as a flat numpy array when this tensor can decode straight into it."""
         e = self.entry
         native = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(e["dtype"])
         if (native is None or dest.dtype != native or e["encoding"] != "planes" or not dest.is_contiguous()
                 or tuple(dest.shape) != self.shape or dest.device.type != "cpu"):
-            return False
+            return None
         bits = dest.view(torch.int16 if dest.element_size() == 2 else torch.int32).numpy().reshape(-1)
-        self.checkpoint.tensor_bytes(e, bits.view(np.uint16 if dest.element_size() == 2 else np.uint32))
-        return True
+        return bits.view(np.uint16 if dest.element_size() == 2 else np.uint32)
+
+    def decode_jobs(self, dest: torch.Tensor) -> list[Callable[[], None]] | None:
+        """Per-chunk jobs decoding into `dest` (same shape and dtype, contiguous), to run on a thread
+        pool; None when the caller must read and copy instead (dtype conversion, raw encoding)."""
+        bits = self._bits_of(dest)
+        return None if bits is None else self.checkpoint.chunk_jobs(self.entry, bits)
+
+
+_local = threading.local()      # one zstd decompression context per decoding thread
+
+
+def _decode_chunk(name: str, frame, rest, out: np.ndarray, crc: int) -> None:
+    if not hasattr(_local, "zstd"):
+        _local.zstd = zstandard.ZstdDecompressor()
+    try:
+        top = _local.zstd.decompress(frame, max_output_size=len(out))
+        if len(top) != len(out):
+            raise ValueError("chunk size does not match the tensor")
+        join_top_byte(top, rest, out)
+    except (ValueError, zstandard.ZstdError) as exc:
+        raise ModelLoadError(f"packed tensor '{name}' is corrupt: {exc}") from None
+    if zlib.crc32(out) & 0xFFFFFFFF != crc:
+        raise ModelLoadError(f"packed tensor '{name}' failed its checksum (corrupt pack)")

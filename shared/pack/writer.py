@@ -22,10 +22,10 @@ from typing import Callable
 import numpy as np
 import zstandard
 
-from protocol.codecs.planes import split_planes
+from protocol.codecs.planes import split_top_byte
 from shared.errors import ModelLoadError
-from shared.pack.format import (BITS, FORMAT, MAGIC, MANIFEST, MIN_PLANES_BYTES, PACK_FILE, VERSION,
-                                sha256_file)
+from shared.pack.format import (BITS, CHUNK_VALUES, FORMAT, MAGIC, MANIFEST, MIN_PLANES_BYTES, PACK_FILE,
+                                VERSION, sha256_file)
 from shared.weights import checkpoint_files
 
 
@@ -46,20 +46,42 @@ def read_header(path: Path) -> tuple[bytes, dict, int]:
     return raw, header, 8 + n
 
 
-def encode_tensor(data: memoryview, dtype: str, level: int) -> tuple[str, bytes, int]:
-    """(encoding, blob, exponent length) for one tensor's raw bytes."""
+def top_byte_compressor(level: int | None) -> zstandard.ZstdCompressor:
+    """zstd for top-byte planes: a plain `level`, or (None) optimal parsing with a small window.
+
+    Top bytes are close to independent draws from a few values, so matches only cost: an optimal
+    parser (btopt with a target length) finds that and emits Huffman-coded literals alone. Those
+    frames are the smallest (0.34 of the plane for normal weights, against 0.43 at level 3) and
+    decode about 3x faster (no sequences to execute); they encode at ~30 MB/s per core, once."""
+    if level is not None:
+        return zstandard.ZstdCompressor(level=level)
+    return zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(
+        window_log=17, chain_log=12, hash_log=12, search_log=1, min_match=7, target_length=64,
+        strategy=zstandard.STRATEGY_BTOPT))
+
+
+def encode_tensor(data: memoryview, dtype: str, level: int | None,
+                  chunk_values: int = CHUNK_VALUES) -> tuple[str, list[bytes], list[list[int]] | int]:
+    """(encoding, blob parts, [[frame length, CRC-32] per chunk] for planes or the CRC-32 for raw)."""
     container = BITS.get(dtype)
     if container is None or len(data) < MIN_PLANES_BYTES:
-        return "raw", bytes(data), 0
+        return "raw", [bytes(data)], zlib.crc32(data) & 0xFFFFFFFF
     bits = np.frombuffer(data, dtype=container)
-    exponent, mantissa = split_planes(bits)
-    packed = zstandard.ZstdCompressor(level=level).compress(exponent)
-    if len(packed) >= 0.95 * len(exponent):
-        return "raw", bytes(data), 0
-    return "planes", packed + mantissa.tobytes(), len(packed)
+    compressor = top_byte_compressor(level)
+    parts, chunks, coded = [], [], 0
+    for start in range(0, len(bits), chunk_values):
+        piece = bits[start:start + chunk_values]
+        top, rest = split_top_byte(piece)
+        frame = compressor.compress(top)
+        parts += [frame, rest.reshape(-1).data]
+        chunks.append([len(frame), zlib.crc32(piece) & 0xFFFFFFFF])
+        coded += len(frame)
+    if coded >= 0.95 * len(bits):
+        return "raw", [bytes(data)], zlib.crc32(data) & 0xFFFFFFFF
+    return "planes", parts, chunks
 
 
-def pack_model(src: str | Path, out: str | Path, level: int = 3, threads: int = 2,
+def pack_model(src: str | Path, out: str | Path, level: int | None = None, threads: int = 2,
                progress: Callable[[str], None] | None = None) -> dict:
     src, out = Path(src), Path(out)
     if not (src / "config.json").is_file():
@@ -98,11 +120,12 @@ def pack_model(src: str | Path, out: str | Path, level: int = 3, threads: int = 
                 if len(window) < 2 * threads and i + 1 < len(tensors):
                     continue
                 for e, d, fut in window:          # keep order; bounded look-ahead
-                    encoding, blob, exp_len = fut.result()
-                    e.update({"offset": offset, "length": len(blob), "encoding": encoding,
-                              "exponent_length": exp_len, "crc32": zlib.crc32(d) & 0xFFFFFFFF})
-                    pack.write(blob)
-                    offset += len(blob)
+                    encoding, parts, check = fut.result()
+                    length = sum(len(part) for part in parts)
+                    e.update({"offset": offset, "length": length, "encoding": encoding,
+                              "chunks" if encoding == "planes" else "crc32": check})
+                    pack.writelines(parts)
+                    offset += length
                     done += len(d)
                     if progress:
                         progress(f"packed {done / 1e6:.1f}/{total / 1e6:.1f} MB")
@@ -121,7 +144,8 @@ def pack_model(src: str | Path, out: str | Path, level: int = 3, threads: int = 
             shutil.copyfile(path, out / path.name)
             files[path.name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     files[PACK_FILE] = {"size": (out / PACK_FILE).stat().st_size, "sha256": sha256_file(out / PACK_FILE)}
-    manifest = {"format": FORMAT, "version": VERSION, "name": src.resolve().name, "level": level, "shards": shards, "tensors": tensors,
+    manifest = {"format": FORMAT, "version": VERSION, "name": src.resolve().name, "level": level,
+                "chunk_values": CHUNK_VALUES, "shards": shards, "tensors": tensors,
                 "files": files}
     tmp = out / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))

@@ -102,3 +102,38 @@ def test_corrupted_pack_names_the_tensor(model_dir, tmp_path):
     (tmp_path / "packed" / "model.edgepack").write_bytes(bytes(data[: victim["offset"]]))
     with pytest.raises(ModelLoadError, match="truncated"):
         load_model(tmp_path / "packed")
+
+
+def test_large_tensors_are_chunked_and_decode_straight_into_merged_parameters(model_dir, tmp_path):
+    manifest = pack_model(model_dir, tmp_path / "packed")
+    embed = next(t for t in manifest["tensors"] if t["name"] == "model.embed_tokens.weight")
+    assert len(embed["chunks"]) == -(-2048 * 192 // manifest["chunk_values"]) >= 2     # a partial last chunk
+    a, b = load_model(model_dir), load_model(tmp_path / "packed")
+    names = [n for n, _ in a.named_parameters()]
+    assert any("qkv_proj" in n for n in names) and any("gate_up_proj" in n for n in names)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_a_plain_zstd_level_packs_the_same_tensors(model_dir, tmp_path):
+    pack_model(model_dir, tmp_path / "packed", level=3)
+    PackedCheckpoint(tmp_path / "packed").unpack(tmp_path / "unpacked")
+    assert filecmp.cmp(tmp_path / "unpacked" / "model.safetensors", model_dir / "model.safetensors", shallow=False)
+
+
+def test_an_older_pack_version_is_refused_by_name(model_dir, tmp_path):
+    pack_model(model_dir, tmp_path / "packed")
+    path = tmp_path / "packed" / "edgecore-pack.json"
+    path.write_text(path.read_text().replace('"version": 2', '"version": 1'))
+    with pytest.raises(ModelLoadError, match="unsupported pack format edgecore-pack v1"):
+        load_model(tmp_path / "packed")
+
+
+def test_a_manifest_whose_chunks_do_not_add_up_is_refused(model_dir, tmp_path):
+    pack_model(model_dir, tmp_path / "packed")
+    path = tmp_path / "packed" / "edgecore-pack.json"
+    manifest = json.loads(path.read_text())
+    victim = next(t for t in manifest["tensors"] if t["encoding"] == "planes")
+    victim["chunks"] = victim["chunks"][:-1] if len(victim["chunks"]) > 1 else victim["chunks"] * 2
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ModelLoadError, match=f"'{victim['name']}' is corrupt"):
+        load_model(tmp_path / "packed")
