@@ -4,9 +4,9 @@ For the bundled model and a synthetic ~540 MB bf16 Llama with normally
 distributed weights: size ratio against the safetensors file, single-thread
 decode MB/s (MB of original bytes per second, one core) for our unpack, zstd
 (level 3) and lz4 of the whole file; and the time to load the model from the
-packed checkpoint vs from the plain one (medians), with the files' pages in the
-page cache (warm) and evicted first with posix_fadvise (cold: as after
-shipping a model to an edge).
+packed checkpoint vs from the plain one (medians of loads taken in turn), with
+the files' pages in the page cache (warm) and evicted first with posix_fadvise
+(cold: as after shipping a model to an edge).
 """
 
 from __future__ import annotations
@@ -77,6 +77,23 @@ def cold_load(model_dir: Path) -> float:
     return time.perf_counter() - t
 
 
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def alternating(load, plain: Path, packed: Path, repeats: int) -> tuple[float, float]:
+    """Median load times of the plain and the packed model, measured in turn (plain, packed, plain, ...)
+    so that neither runs systematically after the other's allocations or page-cache state."""
+    times: dict[Path, list[float]] = {plain: [], packed: []}
+    load(plain), load(packed)                     # warm-up: imports, allocator, page cache
+    for _ in range(repeats):
+        for d in (plain, packed):
+            times[d].append(load(d))
+    return statistics.median(times[plain]), statistics.median(times[packed])
+
+
 def measure(model_dir: Path, work: Path, repeats: int) -> dict:
     original = (model_dir / "model.safetensors").read_bytes()
     size = len(original)
@@ -94,10 +111,9 @@ def measure(model_dir: Path, work: Path, repeats: int) -> dict:
     lc = lz4.frame.compress(original)
     lz4_s = median_time(lambda: lz4.frame.decompress(lc), repeats)
     torch.set_num_threads(2)
-    load_plain = median_time(lambda: load_model(model_dir, "bf16"), repeats)
-    load_packed = median_time(lambda: load_model(packed_dir, "bf16"), repeats)
-    cold_plain = statistics.median(cold_load(model_dir) for _ in range(repeats))
-    cold_packed = statistics.median(cold_load(packed_dir) for _ in range(repeats))
+    load_plain, load_packed = alternating(lambda d: timed(lambda: load_model(d, "bf16")),
+                                          model_dir, packed_dir, repeats)
+    cold_plain, cold_packed = alternating(cold_load, model_dir, packed_dir, repeats)
     mb = size / 1e6
     return {
         "safetensors_MB": round(mb, 1),
@@ -114,7 +130,7 @@ def measure(model_dir: Path, work: Path, repeats: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--skip-synthetic", action="store_true")
     args = ap.parse_args()
     results = {}
