@@ -38,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="parallel core: rank 0 gathers every rank's KV after the prefill and sends it, instead "
                         "of each rank streaming its own on its own port (when edges can reach only --listen)")
     p.set_defaults(func=run_core)
+    register_worker(sub)
 
 
 def run_core(args: argparse.Namespace) -> int:
@@ -76,3 +77,26 @@ def run_core(args: argparse.Namespace) -> int:
               f"http http://{http_host}:{core.http_port}", flush=True)
 
     return run_service(start, core.stop)
+
+
+def register_worker(sub: argparse._SubParsersAction) -> None:
+    """`edgecore core-worker` (internal): core/ranks.py, imported only when a rank runs (it loads torch)."""
+    p = sub.add_parser("core-worker", help="(internal) one rank of a parallel core",
+                       description="A tensor/pipeline-parallel rank started by `edgecore core --tp/--pp`.")
+    for flag, kind in (("--rank", int), ("--tp", int), ("--pp", int), ("--kv-blocks", int), ("--block-size", int),
+                       ("--parent", int), ("--micro-batches", int)):
+        p.add_argument(flag, type=kind, required=True)
+    p.add_argument("--master", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--split", default=None)
+    p.add_argument("--stream-host", default=None, help="serve this rank's KV streams on this host "
+                   "(the cluster secret, hex, is read from stdin)")
+    p.add_argument("--codecs", default="")
+    p.set_defaults(func=run_worker)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from core.ranks import run_worker as run
+    return run(args)

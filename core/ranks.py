@@ -129,23 +129,6 @@ class RankWatch(threading.Thread):
                 proc.kill()
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("core-worker", help="(internal) one rank of a parallel core",
-                       description="A tensor/pipeline-parallel rank started by `edgecore core --tp/--pp`.")
-    for flag, kind in (("--rank", int), ("--tp", int), ("--pp", int), ("--kv-blocks", int), ("--block-size", int),
-                       ("--parent", int), ("--micro-batches", int)):
-        p.add_argument(flag, type=kind, required=True)
-    p.add_argument("--master", required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--split", default=None)
-    p.add_argument("--stream-host", default=None, help="serve this rank's KV streams on this host "
-                   "(the cluster secret, hex, is read from stdin)")
-    p.add_argument("--codecs", default="")
-    p.set_defaults(func=run_worker)
-
-
 def run_worker(args: argparse.Namespace) -> int:
     def orphan_guard():
         while True:
