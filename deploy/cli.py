@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _modules():
     mods = [shared_cli]
-    for name in ("core.cli", "core.batch_cli", "core.ranks", "edge.cli", "deploy.commands"):
+    for name in ("core.cli", "core.batch_cli", "edge.cli", "deploy.commands"):
         try:
             mods.append(__import__(name, fromlist=["register"]))
         except ModuleNotFoundError as exc:
@@ -41,6 +41,7 @@ def _modules():
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)     # e.g. to start a helper process alike
     try:
         from shared.env import apply_threads
         apply_threads()

@@ -43,37 +43,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-ca", default=None, help="CA for the cores' certificates (enables TLS to cores)")
     p.add_argument("--tls-cert", default=None, help="client certificate for mutual TLS")
     p.add_argument("--tls-key", default=None)
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine inside the HTTP process instead of a process of its own (simpler to "
+                        "debug; slower under load, as HTTP and the engine then share one GIL)")
+    p.add_argument("--engine-fd", type=int, default=None, help=argparse.SUPPRESS)   # set for the engine process
     p.set_defaults(func=run_edge)
 
 
 def run_edge(args: argparse.Namespace) -> int:
-    from edge.engine import EdgeConfig, EdgeEngine
+    """The HTTP frontend, which starts the engine process (`--engine-fd`) unless `--engine-in-process`."""
     from edge.http import EdgeHTTP, start_http
     from protocol.codecs import CODECS
-    from protocol.transport import tls_context
-    from shared.config import CacheConfig
-    from shared.env import default_device, default_model, reserve_threads_for_engine
+    from shared.env import default_model
     from shared.errors import ConfigError
-    from shared.secrets import parse_hostport, read_api_keys, read_secret
+    from shared.secrets import parse_hostport, read_api_keys
     from shared.service import run_service, setup_logging
 
-    setup_logging(f"[{args.name}] ")
-    engine_threads = reserve_threads_for_engine()
-    cores = [parse_hostport(c) for c in args.core]
-    core_dns = [parse_hostport(c) for c in args.core_dns]
+    setup_logging(f"[{args.name}{'/engine' if args.engine_fd is not None else ''}] ")
     codecs = args.codec or ["lossless"]
-    if args.local_prefill_below == "auto":
-        local_below = None
-    else:
-        try:
-            local_below = int(args.local_prefill_below)
-        except ValueError:
-            raise ConfigError(f"--local-prefill-below must be a number or 'auto', got "
-                              f"'{args.local_prefill_below}'") from None
     for c in codecs:
         if c not in CODECS:
             raise ConfigError(f"unknown codec '{c}' (known: {', '.join(CODECS)})")
+    local_below = _local_prefill_below(args.local_prefill_below)
     model_dir = args.model or default_model()
+    if args.engine_fd is not None:
+        return _run_engine_process(args, model_dir, codecs, local_below)
     if args.model_from:
         from edge.model_fetch import fetch_model
         from shared.cli import Progress
@@ -82,15 +76,15 @@ def run_edge(args: argparse.Namespace) -> int:
         model_dir = str(fetch_model(args.model_from, cache, progress))
         progress.done(f"model ready in {model_dir}")
     host, port = parse_hostport(args.listen)
-    ssl = tls_context(False, args.tls_cert, args.tls_key, args.tls_ca) if args.tls_ca else None
-    config = EdgeConfig(model_dir=model_dir, cores=cores, core_dns=core_dns,
-                        secret=read_secret(args.secret_file, required=bool(cores or core_dns)),
-                        dtype=args.dtype, device=args.device or default_device(), codecs=codecs,
-                        adaptive=args.adaptive, ttft_target_ms=args.ttft_target_ms,
-                        local_prefill_below=local_below, cache=CacheConfig(num_blocks=args.kv_blocks),
-                        transfer_timeout=args.transfer_timeout,
-                        name=args.name, ssl=ssl, engine_threads=engine_threads)
-    edge = EdgeEngine(config)
+    if args.engine_in_process:
+        edge = _edge_engine(args, model_dir, codecs, local_below)
+    else:
+        from edge.engine_client import EngineClient
+        from shared.config import ModelConfig
+        from shared.secrets import read_secret
+        ModelConfig.from_dir(model_dir)                  # a bad model or flag fails here, in one line
+        read_secret(args.secret_file, required=bool(args.core or args.core_dns))
+        edge = EngineClient([a for a in args.argv if a != "--engine-in-process"], model_dir)
     served = args.served_model_name or Path(args.model or default_model()).name
     if args.model_from and not args.served_model_name:
         import json
@@ -100,10 +94,16 @@ def run_edge(args: argparse.Namespace) -> int:
     state = {}
 
     async def start():
+        import asyncio
+        finished = None
+        if not args.engine_in_process:          # the engine process is gone: stop this one too
+            finished = asyncio.get_running_loop().create_future()
+            edge.on_death = lambda: finished.done() or finished.set_result(1)
         await edge.start()
         state["runner"], bound = await start_http(http, host, port)
         print(f"edgecore edge '{args.name}' ready: http://{host}:{bound}/v1 (model {http.served_model}, "
               f"cores: {', '.join(args.core) or 'none, local prefill'})", flush=True)
+        return finished
 
     async def stop():
         if "runner" in state:
@@ -111,3 +111,52 @@ def run_edge(args: argparse.Namespace) -> int:
         await edge.stop()
 
     return run_service(start, stop)
+
+
+def _local_prefill_below(value: str) -> int | None:
+    from shared.errors import ConfigError
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"--local-prefill-below must be a number or 'auto', got '{value}'") from None
+
+
+def _edge_engine(args: argparse.Namespace, model_dir: str, codecs: list[str], local_below: int | None):
+    from edge.engine import EdgeConfig, EdgeEngine
+    from protocol.transport import tls_context
+    from shared.config import CacheConfig
+    from shared.env import default_device, reserve_threads_for_engine
+    from shared.secrets import parse_hostport, read_secret
+
+    engine_threads = reserve_threads_for_engine()
+    cores = [parse_hostport(c) for c in args.core]
+    core_dns = [parse_hostport(c) for c in args.core_dns]
+    ssl = tls_context(False, args.tls_cert, args.tls_key, args.tls_ca) if args.tls_ca else None
+    config = EdgeConfig(model_dir=model_dir, cores=cores, core_dns=core_dns,
+                        secret=read_secret(args.secret_file, required=bool(cores or core_dns)),
+                        dtype=args.dtype, device=args.device or default_device(), codecs=codecs,
+                        adaptive=args.adaptive, ttft_target_ms=args.ttft_target_ms,
+                        local_prefill_below=local_below, cache=CacheConfig(num_blocks=args.kv_blocks),
+                        transfer_timeout=args.transfer_timeout,
+                        name=args.name, ssl=ssl, engine_threads=engine_threads)
+    return EdgeEngine(config)
+
+
+def _run_engine_process(args: argparse.Namespace, model_dir: str, codecs: list[str], local_below: int | None) -> int:
+    """The engine process (edge/engine_process.py): serves the frontend on the socket `--engine-fd`."""
+    import asyncio
+    import socket
+
+    from edge.engine_process import EngineServer
+    from shared.service import run_service
+
+    sock = socket.socket(fileno=args.engine_fd)
+    edge = _edge_engine(args, model_dir, codecs, local_below)
+
+    async def start():
+        await edge.start()
+        return asyncio.create_task(EngineServer(edge, sock).run())    # ends when the frontend goes away
+
+    return run_service(start, edge.stop)

@@ -33,6 +33,7 @@ from edge.codec_policy import choose_codec
 from edge.core_client import CoreClient, CoreRouter
 from edge.metrics import EdgeMetrics
 from edge.placement import PrefillModel
+from prometheus_client import generate_latest
 from protocol import messages as m
 from protocol.errors import ProtocolError
 from protocol.kv import SMALL_CHUNK_BYTES, decode_chunk
@@ -293,6 +294,34 @@ class EdgeEngine:
             self.aengine.close_stream(request_id)
             return None
         return self.aengine.stream(request_id, queue)
+
+    # ---- what EdgeHTTP uses (the same surface as edge/engine_client.EngineClient) -----------------
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.config.vocab_size
+
+    async def get_stats(self) -> dict:
+        return self.stats()
+
+    async def get_metrics(self) -> str:
+        """The Prometheus exposition of this edge's metrics, gauges refreshed from the engine."""
+        stats = self.engine.stats()
+        m = self.metrics
+        m.running.set(stats["running"])
+        m.waiting.set(stats["waiting"])
+        m.kv_usage.set(stats["kv_cache_usage"])
+        return generate_latest(m.registry).decode()
+
+    async def get_readiness(self) -> dict:
+        # Local prefill is always a prefill path once the engine runs.
+        return {"ready": self.ready, "cores_healthy": len(self.router.healthy())}
+
+    def count_error(self, status: str) -> None:
+        self.metrics.errors.labels(status).inc()
 
     def stats(self) -> dict:
         stats = self.engine.stats()

@@ -19,10 +19,9 @@ import time
 import uuid
 import msgspec
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from edge.engine import EdgeEngine
-from shared.engine.async_engine import EngineDead
+from shared.errors import EngineDead
 from shared.openai.http import error_middleware, json_body
 from shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
 from shared.openai.response import ChoiceResult, TokenText, response_body, usage
@@ -32,7 +31,7 @@ json_encode = msgspec.json.Encoder().encode
 
 
 class EdgeHTTP:
-    def __init__(self, edge: EdgeEngine, served_model: str, api_keys: list[bytes] | None = None,
+    def __init__(self, edge, served_model: str, api_keys: list[bytes] | None = None,
                  max_body: int = 8 * 1024 * 1024, max_concurrent: int = 256):
         self.edge = edge
         self.served_model = served_model
@@ -45,7 +44,7 @@ class EdgeHTTP:
     # ---- app ----------------------------------------------------------------
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body, middlewares=[error_middleware(
-            self.api_keys, self.max_body, lambda status: self.edge.metrics.errors.labels(str(status)).inc())])
+            self.api_keys, self.max_body, lambda status: self.edge.count_error(str(status)))])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -68,16 +67,14 @@ class EdgeHTTP:
     async def completions(self, request: web.Request):
         body = await json_body(request)
         check_model(body, self.served_model)
-        cfg = self.edge.engine.config
-        parsed = parse_completion(body, self.edge.tokenizer, cfg.vocab_size, self.edge.engine.max_model_len)
+        parsed = parse_completion(body, self.edge.tokenizer, self.edge.vocab_size, self.edge.max_model_len)
         self._capacity()
         return await self._serve(request, parsed, chat=False)
 
     async def chat(self, request: web.Request):
         body = await json_body(request)
         check_model(body, self.served_model)
-        cfg = self.edge.engine.config
-        parsed = parse_chat(body, self.edge.tokenizer, cfg.vocab_size, self.edge.engine.max_model_len)
+        parsed = parse_chat(body, self.edge.tokenizer, self.edge.vocab_size, self.edge.max_model_len)
         self._capacity()
         return await self._serve(request, parsed, chat=True)
 
@@ -88,12 +85,12 @@ class EdgeHTTP:
         ids = body.get("token_ids")
         if ids is None and isinstance(body.get("text"), str) and body["text"]:
             ids = tok.encode(body["text"])
-        vocab = self.edge.engine.config.vocab_size
+        vocab = self.edge.vocab_size
         if not isinstance(ids, list) or not ids or any(
                 not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
             raise ApiError(400, "give 'token_ids' (a non-empty list of token ids) or 'text'", "token_ids",
                            "invalid_value")
-        if len(ids) >= self.edge.engine.max_model_len:
+        if len(ids) >= self.edge.max_model_len:
             raise ApiError(400, "the context is longer than the model's context", "token_ids",
                            "context_length_exceeded")
         result = await self.edge.prefetch(ids)
@@ -102,26 +99,24 @@ class EdgeHTTP:
     async def models(self, _):
         return web.json_response({"object": "list", "data": [{
             "id": self.served_model, "object": "model", "created": self.created, "owned_by": "edgecore",
-            "max_model_len": self.edge.engine.max_model_len}]})
+            "max_model_len": self.edge.max_model_len}]})
 
     async def health(self, _):
         return web.json_response({"status": "ok"})
 
     async def ready(self, _):
-        has_path = self.edge.ready   # local prefill is always a prefill path once the engine runs
-        return web.json_response({"ready": has_path, "cores_healthy": len(self.edge.router.healthy())},
-                                 status=200 if has_path else 503)
+        try:
+            readiness = await self.edge.get_readiness()
+        except EngineDead:
+            readiness = {"ready": False, "cores_healthy": 0}
+        return web.json_response(readiness, status=200 if readiness["ready"] else 503)
 
     async def metrics(self, _):
-        stats = self.edge.engine.stats()
-        m = self.edge.metrics
-        m.running.set(stats["running"])
-        m.waiting.set(stats["waiting"])
-        m.kv_usage.set(stats["kv_cache_usage"])
-        return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=(await self.edge.get_metrics()).encode(),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def stats(self, _):
-        return web.json_response(self.edge.stats())
+        return web.json_response(await self.edge.get_stats())
 
     # ---- generation -------------------------------------------------------------
     async def _serve(self, request: web.Request, parsed: ParsedRequest, chat: bool):

@@ -1,7 +1,8 @@
 """Exceptions a user can cause, each with a message naming the thing to fix.
 
 The CLI prints `str(exc)` on one line and exits non-zero for any `EdgecoreError`;
-the HTTP layer maps them to OpenAI-style error objects.
+the HTTP layer maps them to OpenAI-style error objects. `EngineDead` is the one
+exception here a user does not cause: the engine (thread or process) failed.
 """
 
 
@@ -24,3 +25,7 @@ class RequestError(EdgecoreError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+class EngineDead(RuntimeError):
+    """The engine failed or exited; requests in flight and new ones cannot be served."""

@@ -1,8 +1,9 @@
 """Running a node until SIGINT/SIGTERM: event loop choice, logging, clean shutdown.
 
 Life cycle: `run_service(start, stop)` installs uvloop when available, sets
-up logging, awaits `start()`, waits for a termination signal, then awaits
-`stop()`. Used by `edgecore core` and `edgecore edge`.
+up logging, awaits `start()`, waits for a termination signal (or for the
+future `start()` may return, e.g. a connection the node lives for), then
+awaits `stop()`; the exit status is 0, or an int that future ended with. Used by `edgecore core` and `edgecore edge`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def setup_logging(prefix: str = "") -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-def run_service(start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]) -> int:
+def run_service(start: Callable[[], Awaitable[asyncio.Future | None]], stop: Callable[[], Awaitable[None]]) -> int:
     try:
         import uvloop
         uvloop.install()
@@ -34,11 +35,16 @@ def run_service(start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitab
         done = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, done.set)
-        await start()
+        finished = await start()        # optionally a future: when it completes, the service ends too
+        waiters = [asyncio.ensure_future(done.wait())] + ([finished] if finished is not None else [])
         try:
-            await done.wait()
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            waiters[0].cancel()
             await stop()
+        # A future that ended the service may carry an exit status (e.g. 1: a helper process died).
+        if finished is not None and finished.done() and not finished.cancelled() and finished.exception() is None:
+            return finished.result() if isinstance(finished.result(), int) else 0
+        return 0
 
-    asyncio.run(main())
-    return 0
+    return asyncio.run(main())

@@ -21,12 +21,9 @@ from typing import Any, AsyncIterator, Callable
 from shared.engine.engine import LayerHook, LLMEngine
 from shared.engine.output import RequestOutput
 from shared.engine.sampling_params import SamplingParams
+from shared.errors import EngineDead
 
 log = logging.getLogger("edgecore.engine")
-
-
-class EngineDead(RuntimeError):
-    pass
 
 
 class AsyncEngine:

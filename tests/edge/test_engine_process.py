@@ -1,0 +1,133 @@
+"""The edge's frontend ↔ engine process link: frames, streams, aborts, calls, errors, a dead engine.
+
+The engine side runs in this process (an `EngineServer` on one end of a socketpair); the real
+two-process edge is exercised by the end-to-end tests.
+"""
+
+import asyncio
+import random
+import socket
+
+import pytest
+
+from edge.engine import EdgeConfig, EdgeEngine
+from edge.engine_client import EngineClient
+from edge.engine_process import EngineServer
+from edge.ipc import MAX_FRAME, Abort, Call, FrameBuffer, Generate, IpcError, Outputs, Reply, encode
+from shared.engine.output import RequestOutput, TokenLogprob
+from shared.engine.sampling_params import SamplingParams
+from shared.errors import EngineDead, RequestError
+from tests.conftest import make_engine
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_frames_survive_any_split_and_bad_frames_are_refused():
+    msgs = [Generate("r1", [1, 2, 3], SamplingParams(max_tokens=4, stop=["x"], logprobs=2)), Abort("r1"),
+            Call(7, "prefetch", [4, 5]), Reply(7, {"tokens": 2}),
+            Outputs([RequestOutput("r1", [9], "é", True, "length", [TokenLogprob(9, -0.5, [(9, -0.5), (3, -1.5)])],
+                                   3, 0, 1)])]
+    data = b"".join(encode(m) for m in msgs)
+    rng = random.Random(0)
+    for _ in range(20):
+        buf, got, pos = FrameBuffer(), [], 0
+        while pos < len(data):
+            step = rng.randint(1, 9)
+            got += buf.feed(data[pos:pos + step])
+            pos += step
+        assert got == msgs
+    with pytest.raises(IpcError, match="exceeds"):
+        FrameBuffer().feed((MAX_FRAME + 1).to_bytes(4, "little"))
+    with pytest.raises(IpcError, match="malformed"):
+        FrameBuffer().feed((3).to_bytes(4, "little") + b"\xc1\xc1\xc1")
+    with pytest.raises(IpcError, match="malformed"):     # invalid sampling parameters never reach the engine
+        import msgspec
+        bad = msgspec.msgpack.encode({"type": "generate", "request_id": "r", "prompt_ids": [1],
+                                      "params": {"max_tokens": -1}})
+        FrameBuffer().feed(len(bad).to_bytes(4, "little") + bad)
+
+
+@pytest.fixture
+async def link(model_dir):
+    edge = EdgeEngine(EdgeConfig(model_dir=str(model_dir)), engine=make_engine())
+    await edge.start()
+    a, b = socket.socketpair()
+    server = asyncio.create_task(EngineServer(edge, a).run())
+    client = EngineClient(["edge"], str(model_dir))
+    deaths = []
+    client.on_death = lambda: deaths.append(client.dead)
+    await client.connect(b)
+    yield edge, client, server, deaths
+    await client.stop()
+    await asyncio.wait_for(asyncio.gather(server, return_exceptions=True), 10)
+    await edge.stop()
+
+
+async def collect(client, rid, prompt, params):
+    return [out async for out in client.generate(rid, prompt, params)]
+
+
+async def test_streams_match_the_engine_and_calls_answer(link, golden):
+    edge, client, _, _ = link
+    assert client.ready and client.max_model_len == edge.max_model_len and client.vocab_size == 2048
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
+    cases = golden["cases"][:4]
+    remote = await asyncio.gather(*(collect(client, f"r{i}", c["prompt_ids"], params) for i, c in enumerate(cases)))
+    local = await asyncio.gather(*(collect(edge, f"l{i}", c["prompt_ids"], params) for i, c in enumerate(cases)))
+    for a, b in zip(remote, local):
+        assert [t for o in a for t in o.new_token_ids] == [t for o in b for t in o.new_token_ids]
+        assert "".join(o.new_text for o in a) == "".join(o.new_text for o in b)
+        assert a[-1].finished and a[-1].logprobs[0].top
+    assert client.active == 0
+    stats = await client.get_stats()
+    assert stats["running"] == 0 and stats["blocks_used"] == 0
+    assert (await client.get_readiness()) == {"ready": True, "cores_healthy": 0}
+    client.count_error("400")
+    metrics = await client.get_metrics()
+    assert 'edgecore:request_errors_total{status="400"} 1.0' in metrics
+    ctx = await client.prefetch(golden["cases"][0]["prompt_ids"] * 3)
+    assert ctx["source"] == "local" and ctx["cached_tokens"] > 0
+
+
+async def test_a_consumer_that_leaves_aborts_the_request_and_frees_its_blocks(link):
+    edge, client, _, _ = link
+    stream = client.generate("gone", list(range(3, 60)), SamplingParams(max_tokens=500, temperature=0,
+                                                                         ignore_eos=True))
+    async for out in stream:
+        if out.num_output_tokens >= 3:
+            break
+    await stream.aclose()
+    for _ in range(200):
+        stats = await client.get_stats()
+        if stats["running"] == 0 and stats["blocks_used"] == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert stats["running"] == 0 and stats["blocks_used"] == 0
+    assert "gone" not in edge.engine.requests
+
+
+async def test_request_errors_keep_their_kind_and_the_link_keeps_serving(link):
+    edge, client, _, _ = link
+    too_long = list(range(3, 3 + edge.max_model_len + 10))        # the frontend would refuse it first
+    with pytest.raises(RequestError, match="maximum context length"):
+        await collect(client, "long", too_long, SamplingParams(max_tokens=4))
+    out = await collect(client, "ok", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0))
+    assert out[-1].finished and client.ready
+
+
+async def test_a_dead_engine_fails_open_streams_and_new_calls(link):
+    _, client, server, deaths = link
+    stream = client.generate("open", list(range(3, 40)), SamplingParams(max_tokens=400, temperature=0,
+                                                                         ignore_eos=True))
+    first = await stream.__anext__()
+    assert first.request_id == "open"
+    server.cancel()                         # the engine side goes away (as if its process died)
+    with pytest.raises(EngineDead):
+        async for _ in stream:
+            pass
+    assert not client.ready and deaths
+    with pytest.raises(EngineDead):
+        await client.get_stats()
+    with pytest.raises(EngineDead):
+        await collect(client, "late", [5, 6], SamplingParams(max_tokens=2))
+    assert (await client.get_readiness())["ready"] is False
