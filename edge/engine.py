@@ -117,20 +117,40 @@ class EdgeEngine:
         self.metrics.generation_tokens.inc(sum(len(o.new_token_ids) for o in outputs))
 
     # ---- placement ---------------------------------------------------------
-    async def _placement(self, prompt_ids: list[int]) -> tuple[str, str]:
+    async def _placement(self, request_id: str, prompt_ids: list[int], params: SamplingParams
+                         ) -> tuple[str, str, AsyncIterator[RequestOutput] | None]:
+        """(where, reason, stream): where the prompt is prefilled. With a fixed threshold, one engine call
+        both measures the cached prefix and, when the rest is short, adds the request right there: one
+        step sooner to the first token than deciding first and adding after."""
         if not self.router.healthy():
-            return "local", "no_core" if self.router.clients else "no_core_configured"
-        cached = await self.aengine.call(lambda e: len(e.block_manager.match_prefix(prompt_ids))
-                                         * e.block_manager.block_size)
-        uncached = len(prompt_ids) - cached
-        if self.config.local_prefill_below is None:
+            return "local", "no_core" if self.router.clients else "no_core_configured", None
+        threshold = self.config.local_prefill_below
+        if threshold is None:             # the measured crossover: decided here, on the event loop
+            cached = await self.aengine.call(lambda e: len(e.block_manager.match_prefix(prompt_ids))
+                                             * e.block_manager.block_size)
+            uncached = len(prompt_ids) - cached
             best = self.router.pick()
             if best is not None and self.prefill_model.local_is_faster(uncached, best.address, best.rtt):
-                return "local", "faster_here" if cached == 0 else "prefix_cached"
-            return "remote", ""
-        if uncached < self.config.local_prefill_below:
-            return "local", "short" if cached == 0 else "prefix_cached"
-        return "remote", ""
+                return "local", "faster_here" if cached == 0 else "prefix_cached", None
+            return "remote", "", None
+
+        def place(e) -> str | None:       # on the engine thread
+            cached = len(e.block_manager.match_prefix(prompt_ids)) * e.block_manager.block_size
+            if len(prompt_ids) - cached >= threshold:
+                return None
+            e.add_request(request_id, prompt_ids, params)
+            return "short" if cached == 0 else "prefix_cached"
+
+        queue = self.aengine.open_stream(request_id)
+        try:
+            reason = await self.aengine.call(place)
+        except BaseException:
+            self.aengine.close_stream(request_id)
+            raise
+        if reason is None:
+            self.aengine.close_stream(request_id)
+            return "remote", "", None
+        return "local", reason, self.aengine.stream(request_id, queue)
 
     def _codec(self, client: CoreClient, num_tokens: int) -> str:
         allowed = [c for c in self.config.codecs if c in client.peer.conn.peer_codecs] or ["lossless"]
@@ -147,9 +167,8 @@ class EdgeEngine:
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         first_at = last_at = None
         try:
-            where, reason = await self._placement(prompt_ids)
+            where, reason, stream = await self._placement(request_id, prompt_ids, params)
             self.metrics.queue_time.observe(time.perf_counter() - arrived)
-            stream = None
             core = None
             if where == "remote":
                 stream, core = await self._remote_with_retries(request_id, prompt_ids, params)
