@@ -27,7 +27,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from edge.codec_policy import choose_codec
 from edge.core_client import CoreClient, CoreRouter
@@ -97,6 +97,7 @@ class EdgeEngine:
         self.active = 0
         self.pinned: list[list[int]] = []      # prefetched contexts' blocks
         self.prefill_model = PrefillModel(config.local_prefill_below or 32)
+        self._started: dict[str, _Progress] = {}   # requests begun with `submit`, until they finish
 
     async def start(self) -> None:
         self.aengine.start()
@@ -144,8 +145,9 @@ class EdgeEngine:
         queue = self.aengine.open_stream(request_id)
         try:
             reason = await self.aengine.call(place)
-        except BaseException:
+        except BaseException:             # cancelled while queued: `place` may still add it, so undo after
             self.aengine.close_stream(request_id)
+            self.aengine.abort(request_id)
             raise
         if reason is None:
             self.aengine.close_stream(request_id)
@@ -162,41 +164,71 @@ class EdgeEngine:
     # ---- the request -------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
-        arrived = time.perf_counter()
-        self.active += 1
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
-        first_at = last_at = None
+        progress = _Progress(self, len(prompt_ids))
         try:
-            where, reason, stream = await self._placement(request_id, prompt_ids, params)
-            self.metrics.queue_time.observe(time.perf_counter() - arrived)
-            core = None
-            if where == "remote":
-                stream, core = await self._remote_with_retries(request_id, prompt_ids, params)
-                reason = "core_failed"
-            if stream is None:
-                self.metrics.local_prefills.labels(reason).inc()
-                stream = self.aengine.generate(request_id, prompt_ids, params)
+            stream, progress.core = await self._open(request_id, prompt_ids, params, progress)
             async for out in stream:
-                now = time.perf_counter()
-                if first_at is None:
-                    first_at = now
-                    self.metrics.ttft.observe(now - arrived)
-                    self.metrics.cached_tokens.inc(out.num_cached_tokens)
-                    prefilled = len(prompt_ids) - out.num_cached_tokens
-                    if core is None:
-                        self.prefill_model.observe_local(prefilled, now - arrived)
-                    else:
-                        self.prefill_model.observe_remote(core.address, prefilled, now - arrived, core.rtt)
-                elif out.new_token_ids:
-                    self.metrics.itl.observe(now - last_at)
-                last_at = now
-                if out.finished:
-                    self.metrics.requests.labels(out.finish_reason).inc()
-                    self.metrics.e2e.observe(now - arrived)
+                progress.observe(out)
                 yield out
         finally:
-            self.active -= 1
+            progress.done()
             self.aengine.close_stream(request_id)
+
+    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     emit: Callable[[RequestOutput | BaseException], None]) -> None:
+        """`generate` for a forwarder (the engine process): place and start the request, then hand each
+        output to `emit` straight from the engine's dispatch, with no task switch per token. `emit` gets an
+        exception if the engine fails. Cancelling this coroutine undoes it; `cancel(request_id)` aborts
+        the request once submitted."""
+        progress = _Progress(self, len(prompt_ids))
+        try:
+            stream, progress.core = await self._open(request_id, prompt_ids, params, progress)
+        except BaseException:
+            progress.done()
+            self.aengine.close_stream(request_id)
+            raise
+        await stream.aclose()             # never iterated: its outputs go to the sink instead
+
+        def sink(item: RequestOutput | BaseException) -> None:
+            failed = isinstance(item, BaseException)
+            if not failed:
+                progress.observe(item)
+            if failed or item.finished:
+                self._started.pop(request_id, None)
+                progress.done()
+                self.aengine.close_stream(request_id)
+            emit(item)
+
+        self._started[request_id] = progress
+        self.aengine.redirect(request_id, sink)
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request begun with `submit` (its consumer went away)."""
+        progress = self._started.pop(request_id, None)
+        if progress is not None:
+            progress.done()
+            self.aengine.close_stream(request_id)
+            self.aengine.abort(request_id)
+
+    async def _open(self, request_id: str, prompt_ids: list[int], params: SamplingParams, progress: "_Progress"):
+        """Place the prefill and start the request: (its output stream, not yet iterated; the core that
+        prefilled it or None)."""
+        where, reason, stream = await self._placement(request_id, prompt_ids, params)
+        self.metrics.queue_time.observe(time.perf_counter() - progress.arrived)
+        core = None
+        if where == "remote":
+            stream, core = await self._remote_with_retries(request_id, prompt_ids, params)
+            reason = "core_failed"
+        if stream is None:
+            self.metrics.local_prefills.labels(reason).inc()
+            queue = self.aengine.open_stream(request_id)
+            try:
+                await self.aengine.call(lambda e: e.add_request(request_id, prompt_ids, params))
+            except BaseException:         # cancelled while queued: the add may still run, so undo it after
+                self.aengine.abort(request_id)
+                raise
+            stream = self.aengine.stream(request_id, queue)
+        return stream, core
 
     async def _remote_with_retries(self, request_id, prompt_ids, params):
         tried: set[str] = set()
@@ -355,3 +387,40 @@ class EdgeEngine:
                        "error": c.last_error} for c in self.router.clients],
         })
         return stats
+
+
+class _Progress:
+    """One request's counters and latency metrics, fed each output (by `generate` or `submit`'s sink)."""
+
+    def __init__(self, edge: EdgeEngine, prompt_len: int):
+        self.edge, self.prompt_len = edge, prompt_len
+        self.arrived = time.perf_counter()
+        self.core: CoreClient | None = None
+        self.first_at = self.last_at = None
+        self.open = True
+        edge.active += 1
+        edge.metrics.prompt_tokens.inc(prompt_len)
+
+    def observe(self, out: RequestOutput) -> None:
+        metrics, now = self.edge.metrics, time.perf_counter()
+        if self.first_at is None:
+            self.first_at = now
+            metrics.ttft.observe(now - self.arrived)
+            metrics.cached_tokens.inc(out.num_cached_tokens)
+            prefilled = self.prompt_len - out.num_cached_tokens
+            if self.core is None:
+                self.edge.prefill_model.observe_local(prefilled, now - self.arrived)
+            else:
+                self.edge.prefill_model.observe_remote(self.core.address, prefilled, now - self.arrived,
+                                                       self.core.rtt)
+        elif out.new_token_ids:
+            metrics.itl.observe(now - self.last_at)
+        self.last_at = now
+        if out.finished:
+            metrics.requests.labels(out.finish_reason).inc()
+            metrics.e2e.observe(now - self.arrived)
+
+    def done(self) -> None:
+        if self.open:
+            self.open = False
+            self.edge.active -= 1

@@ -3,7 +3,8 @@
 Life cycle: `start()` spawns the engine thread; coroutines call
 `generate()` (an async iterator of `RequestOutput`), `abort()`, or `call(fn)`
 to run any engine method between two steps (the engine itself is never
-touched from two threads). The thread steps while there is work and sleeps on
+touched from two threads). A stream can be `redirect`ed to a callback that the
+dispatch calls per output (no task switch per token). The thread steps while there is work and sleeps on
 a condition otherwise; each step's outputs reach the event loop in one
 `call_soon_threadsafe` (outputs of requests opened with `collect` stay on the
 engine thread until the request finishes). `stop()` ends the thread. A failure inside a step is
@@ -36,6 +37,7 @@ class AsyncEngine:
         self._wake = threading.Condition()
         self._streams: dict[str, asyncio.Queue] = {}
         self._collected: dict[str, list[RequestOutput]] = {}   # requests delivered only when finished
+        self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}   # see redirect()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -85,15 +87,30 @@ class AsyncEngine:
             self._collected[request_id] = []
         return queue
 
+    def redirect(self, request_id: str, sink: Callable[[RequestOutput | BaseException], None]) -> None:
+        """From now on hand the request's outputs to `sink`, called from the dispatch itself: no queue and
+        no task switch per token (outputs already queued go first). An engine failure reaches the sink as
+        an exception. Event-loop thread only; `close_stream` ends it."""
+        queue = self._streams.pop(request_id, None)
+        self._collected.pop(request_id, None)
+        self._sinks[request_id] = sink
+        while queue is not None and not queue.empty():
+            sink(queue.get_nowait())
+
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self._collected.pop(request_id, None)
+        self._sinks.pop(request_id, None)
 
     async def generate(self, request_id: str, prompt, params: SamplingParams, prefill_only: bool = False,
                        priority: int = 0, collect: bool = False) -> AsyncIterator[RequestOutput]:
         queue = self.open_stream(request_id, collect)
         try:
-            await self.call(lambda e: e.add_request(request_id, prompt, params, prefill_only, priority))
+            try:
+                await self.call(lambda e: e.add_request(request_id, prompt, params, prefill_only, priority))
+            except BaseException:     # cancelled while queued: the add may still run, so undo it after
+                self.abort(request_id)
+                raise
             async for out in self.stream(request_id, queue):
                 yield out
         finally:
@@ -168,7 +185,16 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         delivered = []
+        sinks = self._sinks
         for out in outputs:
+            sink = sinks.get(out.request_id)
+            if sink is not None:
+                delivered.append(out)
+                try:
+                    sink(out)
+                except Exception:       # one consumer's bug must not stop the others' outputs
+                    log.exception("output sink of %s failed", out.request_id)
+                continue
             held = self._collected.get(out.request_id)
             if held is not None:        # a collected request finished (see _hold_collected): all at once
                 self._collected[out.request_id] = []
@@ -183,6 +209,9 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for queue in self._streams.values():
             queue.put_nowait(exc)
+        dead = EngineDead(f"engine failed: {exc}")
+        for sink in list(self._sinks.values()):
+            sink(dead)
         with self._wake:
             pending = list(self._commands)
             self._commands.clear()
