@@ -152,6 +152,10 @@ def _run_engine_process(args: argparse.Namespace, model_dir: str, codecs: list[s
     from edge.engine_process import EngineServer
     from shared.service import run_service
 
+    import sys
+
+    from edge.engine_process import SWITCH_INTERVAL_S
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     sock = socket.socket(fileno=args.engine_fd)
     edge = _edge_engine(args, model_dir, codecs, local_below)
 
