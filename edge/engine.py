@@ -1,6 +1,8 @@
 """The edge engine: decides where each prompt is prefilled, receives KV, decodes.
 
-Life cycle of a request (`generate`):
+Life cycle of a request (`generate`, an async iterator of outputs; or `submit`,
+which hands each output to a callback from the engine's dispatch, as the
+engine process does to forward them without a task switch per token):
 1. Placement: prefill locally when no core is healthy, when the prompt is
    short (below `local_prefill_below`, a measured crossover), or when the edge's
    own prefix cache leaves only a short uncached suffix; otherwise pick a core
@@ -15,8 +17,10 @@ Life cycle of a request (`generate`):
 3. Any failure before the KV is complete (core died, Error, timeout, bad
    chunk): free the reservation, Cancel at the core, retry on another core,
    and finally prefill locally — the caller always gets a full answer.
-4. A caller that stops iterating (client disconnect) aborts the request on
-   the edge and cancels it at the core.
+4. A caller that stops iterating (client disconnect), a cancelled `submit`,
+   or `cancel` for a submitted request aborts the request on the edge (and
+   at the core while its KV is still in transit). Per-request metrics (TTFT,
+   ITL, end-to-end) are kept by `_Progress`.
 """
 
 from __future__ import annotations
