@@ -146,13 +146,7 @@ class EdgeEngine:
             e.add_request(request_id, prompt_ids, params)
             return "short" if cached == 0 else "prefix_cached"
 
-        queue = self.aengine.open_stream(request_id)
-        try:
-            reason = await self.aengine.call(place)
-        except BaseException:             # cancelled while queued: `place` may still add it, so undo after
-            self.aengine.close_stream(request_id)
-            self.aengine.abort(request_id)
-            raise
+        reason, queue = await self.aengine.admit(request_id, place)
         if reason is None:
             self.aengine.close_stream(request_id)
             return "remote", "", None
@@ -225,12 +219,7 @@ class EdgeEngine:
             reason = "core_failed"
         if stream is None:
             self.metrics.local_prefills.labels(reason).inc()
-            queue = self.aengine.open_stream(request_id)
-            try:
-                await self.aengine.call(lambda e: e.add_request(request_id, prompt_ids, params))
-            except BaseException:         # cancelled while queued: the add may still run, so undo it after
-                self.aengine.abort(request_id)
-                raise
+            _, queue = await self.aengine.admit(request_id, lambda e: e.add_request(request_id, prompt_ids, params))
             stream = self.aengine.stream(request_id, queue)
         return stream, core
 

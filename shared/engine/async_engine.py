@@ -104,17 +104,26 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt, params: SamplingParams, prefill_only: bool = False,
                        priority: int = 0, collect: bool = False) -> AsyncIterator[RequestOutput]:
-        queue = self.open_stream(request_id, collect)
         try:
-            try:
-                await self.call(lambda e: e.add_request(request_id, prompt, params, prefill_only, priority))
-            except BaseException:     # cancelled while queued: the add may still run, so undo it after
-                self.abort(request_id)
-                raise
+            _, queue = await self.admit(
+                request_id, lambda e: e.add_request(request_id, prompt, params, prefill_only, priority), collect)
             async for out in self.stream(request_id, queue):
                 yield out
         finally:
             self.close_stream(request_id)
+
+    async def admit(self, request_id: str, add: Callable[[LLMEngine], Any], collect: bool = False
+                    ) -> tuple[Any, asyncio.Queue]:
+        """Open the request's stream, then run `add(engine)` on the engine thread, which may add the request
+        (the stream exists before any output can). Returns add's result and the stream's queue. Cancelled
+        while `add` is queued, the request is aborted after it, so nothing runs on unobserved."""
+        queue = self.open_stream(request_id, collect)
+        try:
+            return await self.call(add), queue
+        except BaseException:
+            self.close_stream(request_id)
+            self.abort(request_id)
+            raise
 
     async def stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         """Outputs of a request already in the engine until it finishes; aborts it if the consumer leaves."""
