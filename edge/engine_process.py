@@ -98,20 +98,22 @@ class EngineServer:
 
     async def _start(self, msg: Generate) -> None:
         rid = msg.request_id
+        submitted = False
         try:
             self.streaming.add(rid)
             await self.edge.submit(rid, msg.prompt_ids, msg.params, partial(self._emit, rid))
+            submitted = True
         except asyncio.CancelledError:
-            self.streaming.discard(rid)              # aborted by the frontend (client went away)
+            pass                                     # aborted by the frontend (client went away)
         except RequestError as exc:
-            self.streaming.discard(rid)
             self._send(Failed(rid, str(exc), "request", exc.param, exc.code))
         except Exception as exc:
-            self.streaming.discard(rid)
             log.exception("request %s failed", rid)
             self._send(Failed(rid, str(exc) or type(exc).__name__))
         finally:
             self.starting.pop(rid, None)
+            if not submitted:
+                self.streaming.discard(rid)
 
     def _emit(self, rid: str, item: RequestOutput | BaseException) -> None:
         """The request's sink, called from the engine's dispatch for each output."""
