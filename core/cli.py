@@ -45,7 +45,7 @@ def run_core(args: argparse.Namespace) -> int:
     from core.server import CoreConfig, CoreServer
     from protocol.transport import tls_context
     from shared.config import CacheConfig, EngineConfig
-    from shared.env import default_device, default_model, reserve_threads_for_engine
+    from shared.env import default_model, reserve_threads_for_engine, resolve_device
     from shared.secrets import parse_hostport, read_api_keys, read_secret
     from shared.service import run_service, setup_logging
 
@@ -57,7 +57,7 @@ def run_core(args: argparse.Namespace) -> int:
         if args.tls_cert else None
     config = CoreConfig(model_dir=args.model or default_model(), secret=read_secret(args.secret_file), host=host,
                         port=port, http_host=http_host, http_port=http_port, dtype=args.dtype,
-                        device=args.device or default_device(), lease_seconds=args.lease,
+                        device=resolve_device(args.device), lease_seconds=args.lease,
                         cache=CacheConfig(num_blocks=args.kv_blocks),
                         engine=EngineConfig(max_num_batched_tokens=args.max_batched_tokens),
                         name=args.name, ssl=ssl, data_dir=args.data_dir,

@@ -127,7 +127,7 @@ def _edge_engine(args: argparse.Namespace, model_dir: str, codecs: list[str], lo
     from edge.engine import EdgeConfig, EdgeEngine
     from protocol.transport import tls_context
     from shared.config import CacheConfig
-    from shared.env import default_device, reserve_threads_for_engine
+    from shared.env import reserve_threads_for_engine, resolve_device
     from shared.secrets import parse_hostport, read_secret
 
     engine_threads = reserve_threads_for_engine()
@@ -136,7 +136,7 @@ def _edge_engine(args: argparse.Namespace, model_dir: str, codecs: list[str], lo
     ssl = tls_context(False, args.tls_cert, args.tls_key, args.tls_ca) if args.tls_ca else None
     config = EdgeConfig(model_dir=model_dir, cores=cores, core_dns=core_dns,
                         secret=read_secret(args.secret_file, required=bool(cores or core_dns)),
-                        dtype=args.dtype, device=args.device or default_device(), codecs=codecs,
+                        dtype=args.dtype, device=resolve_device(args.device), codecs=codecs,
                         adaptive=args.adaptive, ttft_target_ms=args.ttft_target_ms,
                         local_prefill_below=local_below, cache=CacheConfig(num_blocks=args.kv_blocks),
                         transfer_timeout=args.transfer_timeout,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.env import default_device, default_model
+from shared.env import default_model, resolve_device
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -105,7 +105,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from shared.engine.engine import LLMEngine
     from shared.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine.from_dir(args.model or default_model(), args.dtype, args.device or default_device())
+    engine = LLMEngine.from_dir(args.model or default_model(), args.dtype, resolve_device(args.device))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat \

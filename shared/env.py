@@ -29,6 +29,22 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_device(requested: str | None) -> str:
+    """`--device` (or the default), checked: a device this torch build cannot use is a ConfigError."""
+    import torch
+
+    from shared.errors import ConfigError
+    device = requested or default_device()
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ConfigError(f"unknown device '{device}' (e.g. cpu, cuda, cuda:1)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device '{device}' is not available: this torch build or machine has no CUDA GPU "
+                          "(use --device cpu)")
+    return device
+
+
 def apply_threads() -> None:
     value = os.environ.get("EDGECORE_THREADS")
     if value:

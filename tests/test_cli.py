@@ -22,6 +22,7 @@ def test_generate_streams_the_golden_continuation(golden):
     (["generate", "--prompt", "x", "--model", "/nonexistent"], "config.json"),
     (["generate", "--prompt", "x " * 1200], "context length"),
     (["generate", "--prompt", "x", "--temperature", "-3"], "temperature"),
+    (["generate", "--prompt", "x", "--device", "tpu-ish"], "unknown device"),
 ])
 def test_user_errors_are_one_line_and_non_zero(args, needle):
     r = run(*args)
@@ -38,3 +39,13 @@ def test_every_command_has_help():
         r = run(name, "--help")
         assert r.returncode == 0 and "usage: edgecore " + name in r.stdout
     assert run("batch", "submit", "--help").returncode == 0
+
+
+def test_an_unavailable_gpu_is_a_one_line_error():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    r = run("generate", "--prompt", "x", "--device", "cuda")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "edgecore: error: device 'cuda' is not available: this torch build or machine has no CUDA GPU "
+        "(use --device cpu)"]
