@@ -123,8 +123,8 @@ class EdgeEngine:
 
     # ---- placement ---------------------------------------------------------
     async def _placement(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                         ) -> tuple[str, str, AsyncIterator[RequestOutput] | None]:
-        """(where, reason, stream): where the prompt is prefilled. With a fixed threshold, one engine call
+                         ) -> tuple[str, str, asyncio.Queue | None]:
+        """(where, reason, the output queue when already added here): where the prompt is prefilled. With a fixed threshold, one engine call
         both measures the cached prefix and, when the rest is short, adds the request right there: one
         step sooner to the first token than deciding first and adding after."""
         if not self.router.healthy():
@@ -150,7 +150,7 @@ class EdgeEngine:
         if reason is None:
             self.aengine.close_stream(request_id)
             return "remote", "", None
-        return "local", reason, self.aengine.stream(request_id, queue)
+        return "local", reason, queue
 
     def _codec(self, client: CoreClient, num_tokens: int) -> str:
         allowed = [c for c in self.config.codecs if c in client.peer.conn.peer_codecs] or ["lossless"]
@@ -164,8 +164,8 @@ class EdgeEngine:
                        ) -> AsyncIterator[RequestOutput]:
         progress = _Progress(self, len(prompt_ids))
         try:
-            stream, progress.core = await self._open(request_id, prompt_ids, params, progress)
-            async for out in stream:
+            queue, progress.core = await self._open(request_id, prompt_ids, params, progress)
+            async for out in self.aengine.stream(request_id, queue):
                 progress.observe(out)
                 yield out
         finally:
@@ -180,12 +180,11 @@ class EdgeEngine:
         the request once submitted."""
         progress = _Progress(self, len(prompt_ids))
         try:
-            stream, progress.core = await self._open(request_id, prompt_ids, params, progress)
+            _, progress.core = await self._open(request_id, prompt_ids, params, progress)
         except BaseException:
             progress.done()
             self.aengine.close_stream(request_id)
             raise
-        await stream.aclose()             # never iterated: its outputs go to the sink instead
 
         def sink(item: RequestOutput | BaseException) -> None:
             failed = isinstance(item, BaseException)
@@ -201,27 +200,31 @@ class EdgeEngine:
         self.aengine.redirect(request_id, sink)
 
     def cancel(self, request_id: str) -> None:
-        """Abort a request begun with `submit` (its consumer went away)."""
+        """Abort a request begun with `submit` (its consumer went away); a no-op for any other id."""
         progress = self._started.pop(request_id, None)
         if progress is not None:
             progress.done()
             self.aengine.close_stream(request_id)
             self.aengine.abort(request_id)
 
+    def cancel_all(self) -> None:
+        """Abort every request begun with `submit` and not finished (the forwarder went away)."""
+        for request_id in list(self._started):
+            self.cancel(request_id)
+
     async def _open(self, request_id: str, prompt_ids: list[int], params: SamplingParams, progress: "_Progress"):
-        """Place the prefill and start the request: (its output stream, not yet iterated; the core that
+        """Place the prefill and start the request: (the queue its outputs arrive in; the core that
         prefilled it or None)."""
-        where, reason, stream = await self._placement(request_id, prompt_ids, params)
+        where, reason, queue = await self._placement(request_id, prompt_ids, params)
         self.metrics.queue_time.observe(time.perf_counter() - progress.arrived)
         core = None
         if where == "remote":
-            stream, core = await self._remote_with_retries(request_id, prompt_ids, params)
+            queue, core = await self._remote_with_retries(request_id, prompt_ids, params)
             reason = "core_failed"
-        if stream is None:
+        if queue is None:
             self.metrics.local_prefills.labels(reason).inc()
             _, queue = await self.aengine.admit(request_id, lambda e: e.add_request(request_id, prompt_ids, params))
-            stream = self.aengine.stream(request_id, queue)
-        return stream, core
+        return queue, core
 
     async def _remote_with_retries(self, request_id, prompt_ids, params):
         tried: set[str] = set()
@@ -260,7 +263,9 @@ class EdgeEngine:
                 "source": source}
 
     async def _remote(self, client: CoreClient, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      activate: bool = True):
+                      activate: bool = True) -> asyncio.Queue | None:
+        """Prefill at `client` and receive the KV; with `activate`, the request then decodes here and this
+        returns the queue its outputs arrive in."""
         engine_cfg = self.engine.config
         seq, cached = await self.aengine.call(lambda e: e.reserve(request_id, prompt_ids, params))
         queue = self.aengine.open_stream(request_id)
@@ -337,7 +342,7 @@ class EdgeEngine:
         if not activate:
             self.aengine.close_stream(request_id)
             return None
-        return self.aengine.stream(request_id, queue)
+        return queue
 
     # ---- what EdgeHTTP uses (the same surface as edge/engine_client.EngineClient) -----------------
     @property

@@ -52,8 +52,7 @@ class EngineServer:
     def __init__(self, edge: EdgeEngine, sock: socket.socket):
         self.edge = edge
         self.sock = sock
-        self.starting: dict[str, asyncio.Task] = {}   # placed / prefilled, not yet streaming
-        self.streaming: set[str] = set()              # outputs flow from the engine's dispatch (edge.submit)
+        self.starting: dict[str, asyncio.Task] = {}   # being placed / prefilled (edge.submit not returned)
         self.pending: list[RequestOutput] = []
         self.writer: asyncio.StreamWriter | None = None
 
@@ -74,8 +73,7 @@ class EngineServer:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for rid in list(self.streaming):
-                self.edge.cancel(rid)
+            self.edge.cancel_all()
             self.writer.close()
 
     def _handle(self, msg: Message) -> None:
@@ -85,8 +83,7 @@ class EngineServer:
             task = self.starting.get(msg.request_id)
             if task is not None:
                 task.cancel()
-            elif msg.request_id in self.streaming:
-                self.streaming.discard(msg.request_id)
+            else:
                 self.edge.cancel(msg.request_id)
         elif isinstance(msg, Call):
             if msg.method == "count_error":          # fire and forget
@@ -98,11 +95,8 @@ class EngineServer:
 
     async def _start(self, msg: Generate) -> None:
         rid = msg.request_id
-        submitted = False
         try:
-            self.streaming.add(rid)
             await self.edge.submit(rid, msg.prompt_ids, msg.params, partial(self._emit, rid))
-            submitted = True
         except asyncio.CancelledError:
             pass                                     # aborted by the frontend (client went away)
         except RequestError as exc:
@@ -112,17 +106,12 @@ class EngineServer:
             self._send(Failed(rid, str(exc) or type(exc).__name__))
         finally:
             self.starting.pop(rid, None)
-            if not submitted:
-                self.streaming.discard(rid)
 
     def _emit(self, rid: str, item: RequestOutput | BaseException) -> None:
         """The request's sink, called from the engine's dispatch for each output."""
         if isinstance(item, BaseException):
-            self.streaming.discard(rid)
             self._send(Failed(rid, str(item) or type(item).__name__))
             return
-        if item.finished:
-            self.streaming.discard(rid)
         if not self.pending:
             asyncio.get_running_loop().call_soon(self._flush)
         self.pending.append(item)
