@@ -84,7 +84,7 @@ def run_edge(args: argparse.Namespace) -> int:
         from shared.secrets import read_secret
         ModelConfig.from_dir(model_dir)                  # a bad model or flag fails here, in one line
         read_secret(args.secret_file, required=bool(args.core or args.core_dns))
-        edge = EngineClient([a for a in args.argv if a != "--engine-in-process"], model_dir)
+        edge = EngineClient(args.argv, model_dir)
     served = args.served_model_name or Path(args.model or default_model()).name
     if args.model_from and not args.served_model_name:
         import json

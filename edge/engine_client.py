@@ -66,20 +66,17 @@ class EngineClient:
         once it said `Hello`."""
         reader, self._writer = await asyncio.open_connection(sock=sock)
         frames = FrameBuffer()
-        pending: list[Message] = []
-        while self.hello is None:             # the engine process loads the model first
+        first: list[Message] = []
+        while not first:                      # the engine process loads the model, then says Hello
             data = await reader.read(1 << 16)
             if not data:
                 code = await asyncio.to_thread(self._proc.wait) if self._proc is not None else None
                 raise EdgecoreError(f"the engine process exited (code {code}) before it was ready; "
                                     "its error is above")
-            for msg in frames.feed(data):
-                if isinstance(msg, Hello) and self.hello is None:
-                    self.hello = msg
-                else:
-                    pending.append(msg)
-        for msg in pending:
-            self._dispatch(msg)
+            first = frames.feed(data)
+        if not isinstance(first[0], Hello) or len(first) > 1:     # nothing was asked of it yet
+            raise IpcError(f"the engine process began with {type(first[0]).__name__}, not Hello")
+        self.hello = first[0]
         self._reader_task = asyncio.create_task(self._read(reader, frames))
 
     async def stop(self) -> None:
