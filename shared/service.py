@@ -42,9 +42,8 @@ def run_service(start: Callable[[], Awaitable[asyncio.Future | None]], stop: Cal
         finally:
             waiters[0].cancel()
             await stop()
-        # A future that ended the service may carry an exit status (e.g. 1: a helper process died).
-        if finished is not None and finished.done() and not finished.cancelled() and finished.exception() is None:
-            return finished.result() if isinstance(finished.result(), int) else 0
-        return 0
+        # A future that ended the service may carry an exit status (e.g. 1: a helper process died);
+        # one that failed re-raises here.
+        return (finished.result() or 0) if finished is not None and finished.done() else 0
 
     return asyncio.run(main())
