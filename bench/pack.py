@@ -72,9 +72,7 @@ def evict(directory: Path) -> None:
 
 def cold_load(model_dir: Path) -> float:
     evict(model_dir)
-    t = time.perf_counter()
-    load_model(model_dir, "bf16")
-    return time.perf_counter() - t
+    return timed(lambda: load_model(model_dir, "bf16"))
 
 
 def timed(fn) -> float:
