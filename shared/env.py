@@ -7,6 +7,7 @@ EDGECORE_SECRET     cluster secret (else --secret-file)
 EDGECORE_API_KEYS   comma-separated API keys for the edge (else --api-key-file)
 EDGECORE_LOG_LEVEL  logging level (INFO)
 EDGECORE_CPU_PACK   0 keeps plain linear weights on CPU (else they are packed for oneDNN)
+EDGECORE_CPU_MALLOC 0 keeps glibc's default heap thresholds (else see shared/malloc.py)
 """
 
 from __future__ import annotations
@@ -68,3 +69,7 @@ def reserve_threads_for_engine() -> int:
 
 def cpu_pack_enabled() -> bool:
     return os.environ.get("EDGECORE_CPU_PACK", "1") != "0"
+
+
+def cpu_malloc_tuning_enabled() -> bool:
+    return os.environ.get("EDGECORE_CPU_MALLOC", "1") != "0"

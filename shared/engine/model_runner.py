@@ -19,6 +19,7 @@ from shared.engine.scheduler import ScheduledBatch
 from shared.engine.sequence import Sequence
 from shared.env import cpu_pack_enabled
 from shared.kv.pool import KVPool
+from shared.malloc import retain_freed_memory
 from shared.models.attention import AttentionMetadata, PrefillChunk
 from shared.models.layers import pack_for_cpu
 
@@ -42,8 +43,10 @@ class ModelRunner:
         self.device = pool.device
         self.block_size = pool.block_size
         self.window = sliding_window
-        if self.device == "cpu" and cpu_pack_enabled():
-            pack_for_cpu(model)    # weights are final from here on
+        if self.device == "cpu":
+            retain_freed_memory()      # activations reuse heap pages instead of faulting in new ones
+            if cpu_pack_enabled():
+                pack_for_cpu(model)    # weights are final from here on
 
     def prepare(self, items: list[tuple[Sequence, int]], on_layer: Callable[[int], None] | None = None):
         bs = self.block_size
