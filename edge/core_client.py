@@ -39,6 +39,7 @@ class CoreClient:
         self.inflight: dict[str, asyncio.Queue] = {}
         self.last_error: str | None = None
         self.bandwidth: float | None = None      # wire bytes/s while KV arrived, EWMA over transfers
+        self.last_bandwidth: float | None = None  # the same for the latest transfer alone
         self._lock = asyncio.Lock()
 
     @property
@@ -125,6 +126,7 @@ class CoreClient:
         self.inflight.pop(request_id, None)
         if wire_bytes > 1 << 18 and seconds > 0.005:
             rate = wire_bytes / seconds
+            self.last_bandwidth = rate
             self.bandwidth = rate if self.bandwidth is None else 0.7 * self.bandwidth + 0.3 * rate
 
     async def send(self, msg) -> None:

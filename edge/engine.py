@@ -381,10 +381,15 @@ class EdgeEngine:
                               "crossover_tokens": {c.address: pm.crossover(c.address, c.rtt)
                                                    for c in self.router.clients}},
             "cores": [{"address": c.address, "healthy": c.healthy, "rtt_ms": round(c.rtt * 1e3, 2),
-                       "load": c.load, "stream_connections": len(c.streams), "bandwidth_MBps": round(c.bandwidth / 1e6, 1) if c.bandwidth else None,
+                       "load": c.load, "stream_connections": len(c.streams),
+                       "bandwidth_MBps": _mega(c.bandwidth), "last_transfer_MBps": _mega(c.last_bandwidth),
                        "error": c.last_error} for c in self.router.clients],
         })
         return stats
+
+
+def _mega(rate: float | None) -> float | None:
+    return round(rate / 1e6, 1) if rate else None
 
 
 class _Progress:

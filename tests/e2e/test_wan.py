@@ -70,11 +70,15 @@ def test_rtt_matches_topology(wan):
 
 
 def test_bandwidth_matches_topology(wan, tokenizer, heldout):
+    # The far link drops 0.5% of packets: now and then a transfer loses its tail and waits out a TCP
+    # retransmission timeout, so the median of three transfers is compared, not one.
     url = edge_url(wan, "edge-far")
-    prompt = tokenizer.encode(heldout)[:900]
-    post_json(f"{url}/v1/completions", {"prompt": prompt, "max_tokens": 1}, timeout=120)
-    measured = get_json(f"{url}/stats")["cores"][0]["bandwidth_MBps"] * 8
-    assert abs(measured - FAR_MBIT) <= 0.15 * FAR_MBIT, measured
+    rates = []
+    for i in range(3):
+        prompt = tokenizer.encode(heldout[i * 100:])[:900]      # distinct prompts: no prefix-cache hit
+        post_json(f"{url}/v1/completions", {"prompt": prompt, "max_tokens": 1}, timeout=120)
+        rates.append(get_json(f"{url}/stats")["cores"][0]["last_transfer_MBps"] * 8)
+    assert abs(statistics.median(rates) - FAR_MBIT) <= 0.15 * FAR_MBIT, rates
 
 
 def test_far_edge_ttft_exceeds_near_by_the_delay(wan, tokenizer, heldout):
