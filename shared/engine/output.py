@@ -44,7 +44,7 @@ class OutputState:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.stops = params.stop
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
-        self.detok = IncrementalDetokenizer(tokenizer, seq.token_ids) if tokenizer else None
+        self.detok = IncrementalDetokenizer(tokenizer, seq.token_ids) if tokenizer and params.detokenize else None
         self.text = ""
         self.emitted = 0
         self.max_model_len = max_model_len

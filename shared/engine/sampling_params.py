@@ -2,7 +2,8 @@
 
 Field names and meanings follow vLLM / OpenAI: `temperature` 0 means greedy;
 `top_k` ≤ 0 disables top-k; `logprobs` is how many top alternatives to return
-beside the chosen token's logprob (None: no logprobs).
+beside the chosen token's logprob (None: no logprobs); `detokenize=False`
+returns token ids only (no text, so no stop strings either).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    detokenize: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -58,6 +60,8 @@ class SamplingParams:
             bad("seed", f"must be a 64-bit integer, got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop) or len(self.stop) > 16:
             bad("stop", "must be up to 16 non-empty strings")
+        if self.stop and not self.detokenize:
+            bad("stop", "needs detokenized text: stop strings cannot be used with detokenize=False")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)

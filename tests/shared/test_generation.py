@@ -120,6 +120,14 @@ def test_stop_strings_and_stop_tokens(engine, golden):
     assert r["finish_reason"] == "stop" and r["token_ids"] == case["greedy_ids"][:6]
 
 
+def test_detokenize_false_gives_the_same_ids_without_text(engine, golden):
+    case = golden["cases"][0]
+    r = engine.generate([case["prompt_ids"]], SamplingParams(max_tokens=32, temperature=0, detokenize=False))[0]
+    assert r["token_ids"] == case["greedy_ids"][:32] and r["text"] == "" and r["finish_reason"] == "length"
+    with pytest.raises(RequestError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
 def test_streamed_text_never_shows_stop_string(engine, golden):
     case = golden["cases"][0]
     stop = case["greedy_text"][30:40]
