@@ -1,8 +1,8 @@
 """Decode throughput of the engine vs transformers `generate`, and bandwidth use at batch 1.
 
 Default: the bundled model, 1/8/32/64 concurrent requests of 128 prompt + 128 new tokens,
-greedy; our engine and transformers side by side in the same run, in the same dtype; ratio per
-batch size. Both run in one process, so process-wide settings (threads, the engine's heap
+greedy, token ids out (no detokenization on either side); our engine and transformers side by
+side in the same run, in the same dtype; ratio per batch size. Both run in one process, so process-wide settings (threads, the engine's heap
 settings from shared/malloc.py) apply to transformers too. The headline is float32, the
 engine's CPU default; bfloat16 (the checkpoint's own dtype) is measured and reported beside it.
 `--synthetic`: a random-weight Llama of about 1 GB; batch-1 decode step time against the time
@@ -29,7 +29,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def engine_tps(engine, prompts, new_tokens):
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    # Token ids only, as transformers `generate` returns them (no incremental detokenization).
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, detokenize=False)
     t = time.perf_counter()
     out = engine.generate(prompts, params)
     elapsed = time.perf_counter() - t
