@@ -55,25 +55,31 @@ async def client_load(port: int, prompts, clients: int, duration: float, max_tok
                     if resp.status != 200:
                         errors += 1
                         continue
-                    async for line in resp.content:
-                        if not line.startswith(b"data: {"):
-                            continue
+                    # The load generator shares the CPUs with the nodes, so it is frugal: it reads
+                    # whatever arrived, splits it into events, and parses only the chunks it needs (usage,
+                    # errors); a token chunk is recognised by its "choices":[{ prefix.
+                    pending, failed = b"", False
+                    async for data in resp.content.iter_any():
                         now = time.perf_counter()
-                        # The load generator shares the CPUs with the nodes: it parses only the chunks it
-                        # needs (usage, errors); a token chunk is recognised by its "choices":[{ prefix.
-                        if b'"choices":[{' not in line:
-                            chunk = json.loads(line[6:])
-                            if "error" in chunk:
-                                errors += 1
-                                break
-                            if chunk.get("usage"):
-                                tokens = chunk["usage"]["completion_tokens"]
-                            continue
-                        if last is None:
-                            ttft.append(now - t0)
-                        else:
-                            itl.append(now - last)
-                        last = now
+                        *events, pending = (pending + data).split(b"\n\n")
+                        for event in events:
+                            if not event.startswith(b"data: {"):
+                                continue
+                            if b'"choices":[{' not in event:
+                                chunk = json.loads(event[6:])
+                                if "error" in chunk:
+                                    failed = True
+                                elif chunk.get("usage"):
+                                    tokens = chunk["usage"]["completion_tokens"]
+                                continue
+                            if last is None:
+                                ttft.append(now - t0)
+                            else:
+                                itl.append(now - last)
+                            last = now
+                        if failed:
+                            errors += 1
+                            break
                 done.append((prompt, tokens))
             except aiohttp.ClientError:
                 errors += 1
