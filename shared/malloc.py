@@ -1,11 +1,12 @@
 """glibc heap settings for CPU inference: large tensors come from the heap and freed memory is kept.
 
 Why: by default glibc serves each allocation above a (self-adjusting) threshold with its own `mmap`
-and returns it to the kernel on free, so every prefill step's activations (megabytes per op) land
-on fresh pages and pay a page fault per 4 KiB on first touch. Prefill of 32 x 128 tokens on the
-bundled model spent about 30% of its time that way (96 -> 66 ms). Fixing the mmap threshold at its maximum (32 MiB)
-and raising the trim threshold keeps such blocks in the heap, reused from one step to the next,
-which is what PyTorch's CPU tuning guides get by preloading jemalloc or tcmalloc.
+and returns it to the kernel on free, and trims the heap's free top beyond twice that threshold, so
+every prefill step's activations (megabytes per op) land on fresh pages and pay a page fault per
+4 KiB on first touch. Prefill of 32 x 128 tokens on the bundled model spent about 30% of its time
+that way (96 -> 66 ms). Fixing the mmap threshold at its maximum (32 MiB) and raising the trim
+threshold keeps such blocks in the heap, reused from one step to the next, which is what PyTorch's
+CPU tuning guides get by preloading jemalloc or tcmalloc.
 
 Life cycle: `ModelRunner` calls `retain_freed_memory()` once when it runs on CPU; the settings are
 process-wide and last until exit. A process's resident memory then stays near its peak instead of
