@@ -382,7 +382,8 @@ class EdgeEngine:
                                                    for c in self.router.clients}},
             "cores": [{"address": c.address, "healthy": c.healthy, "rtt_ms": round(c.rtt * 1e3, 2),
                        "load": c.load, "stream_connections": len(c.streams),
-                       "bandwidth_MBps": _megabytes_per_s(c.bandwidth), "last_transfer_MBps": _megabytes_per_s(c.last_bandwidth),
+                       "bandwidth_MBps": _megabytes_per_s(c.bandwidth),
+                       "last_transfer_MBps": _megabytes_per_s(c.last_bandwidth),
                        "error": c.last_error} for c in self.router.clients],
         })
         return stats
