@@ -7,6 +7,10 @@ settings from shared/malloc.py) apply to transformers too. The headline is float
 engine's CPU default; bfloat16 (the checkpoint's own dtype) is measured and reported beside it.
 `--synthetic`: a random-weight Llama of about 1 GB; batch-1 decode step time against the time
 to read those bytes once at the memory bandwidth measured now (a large tensor copy).
+`--breakdown`: where a decode step of the bundled model goes at one batch size (torch profiler,
+operator self time grouped into matmuls, attention, KV gather/write and other operators; the rest
+of the step's wall time, `between_ops`, is Python, dispatch and the profiler's own cost, which
+makes a profiled step 10-20% slower than a plain one).
 """
 
 from __future__ import annotations
@@ -118,9 +122,43 @@ def bench_synthetic(dtype_name, steps):
             "fraction": round(ideal / step, 3)}
 
 
+OP_GROUPS = {"matmul": ("linear", "addmm", "mm", "bmm"), "attention": ("scaled_dot_product",),
+             "kv_gather_write": ("index_select", "index_copy")}
+
+
+def bench_breakdown(batch: int, dtype_name: str, steps: int = 30) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    engine = LLMEngine.from_dir(MODEL, dtype_name, "cpu", CacheConfig(num_blocks=4096),
+                                EngineConfig(max_num_batched_tokens=4096, max_num_seqs=256))
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=steps + 40, temperature=0, ignore_eos=True, detokenize=False)
+    for i, prompt in enumerate(torch.randint(3, 2048, (batch, 128), generator=gen).tolist()):
+        engine.add_request(str(i), prompt, params)
+    for _ in range(10):                           # prefill, then a few decode steps
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = (time.perf_counter() - t) / steps
+    groups = dict.fromkeys([*OP_GROUPS, "other_ops"], 0.0)
+    for event in prof.key_averages():
+        name = event.key.split("::")[-1]
+        group = next((g for g, keys in OP_GROUPS.items() if any(k in name for k in keys)), "other_ops")
+        groups[group] += event.self_cpu_time_total / 1e6 / steps
+    groups["between_ops"] = max(0.0, wall - sum(groups.values()))
+    progress(f"batch {batch} {dtype_name}: step {wall * 1e3:.2f} ms (under the profiler): " +
+             ", ".join(f"{g} {v * 1e3:.2f} ms" for g, v in groups.items()))
+    return {"batch": batch, "dtype": dtype_name, "step_ms_profiled": round(wall * 1e3, 3),
+            "ms_per_step": {g: round(v * 1e3, 3) for g, v in groups.items()},
+            "share": {g: round(v / wall, 3) for g, v in groups.items()}}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--synthetic", action="store_true", help="batch-1 bandwidth test on a ~1 GB random model")
+    ap.add_argument("--breakdown", type=int, metavar="BATCH",
+                    help="profile decode steps at this batch size and group their time (no comparison)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -128,6 +166,10 @@ def main():
     ap.add_argument("--dtype", choices=sorted(DTYPES),
                     help="synthetic: the weights' dtype (bf16); bundled: one dtype only (else fp32 and bf16)")
     args = ap.parse_args()
+    if args.breakdown:
+        r = bench_breakdown(args.breakdown, args.dtype or "fp32")
+        emit("decode_breakdown", "matmul_share_of_decode_step", r["share"]["matmul"], **r)
+        return
     if args.synthetic:
         r = bench_synthetic(args.dtype or "bf16", 40)
         emit("decode_synthetic", "fraction_of_memory_bandwidth", r["fraction"], target=0.5, **r)
