@@ -209,10 +209,9 @@ class EngineClient:
     def _die(self, reason: str) -> None:
         if self.dead is not None:
             return
-        self.dead = reason
         if self._proc is not None and self._proc.poll() is not None:
             reason = f"{reason} (exit code {self._proc.returncode})"
-            self.dead = reason
+        self.dead = reason
         error = EngineDead(reason)
         for queue in self._streams.values():
             queue.put_nowait(error)
