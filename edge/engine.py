@@ -124,9 +124,10 @@ class EdgeEngine:
     # ---- placement ---------------------------------------------------------
     async def _placement(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                          ) -> tuple[str, str, asyncio.Queue | None]:
-        """(where, reason, the output queue when already added here): where the prompt is prefilled. With a fixed threshold, one engine call
-        both measures the cached prefix and, when the rest is short, adds the request right there: one
-        step sooner to the first token than deciding first and adding after."""
+        """Where the prompt is prefilled: (where, reason, the output queue if the request was already added
+        here). With a fixed threshold, one engine call both measures the cached prefix and, when the rest
+        is short, adds the request right there: one step sooner to the first token than deciding first
+        and adding after."""
         if not self.router.healthy():
             return "local", "no_core" if self.router.clients else "no_core_configured", None
         threshold = self.config.local_prefill_below
