@@ -2,9 +2,10 @@
 
 Default: the bundled model, 1/8/32/64 concurrent requests of 128 prompt + 128 new tokens,
 greedy, token ids out (no detokenization on either side); our engine and transformers side by
-side in the same run, in the same dtype; ratio per batch size. Both run in one process, so process-wide settings (threads, the engine's heap
-settings from shared/malloc.py) apply to transformers too. The headline is float32, the
-engine's CPU default; bfloat16 (the checkpoint's own dtype) is measured and reported beside it.
+side in the same run, in the same dtype; ratio per batch size. Both run in one process, so
+process-wide settings (threads, the engine's heap settings from shared/malloc.py) apply to
+transformers too. The headline is float32, the engine's CPU default; bfloat16 (the checkpoint's
+own dtype) is measured and reported beside it.
 `--synthetic`: a random-weight Llama of about 1 GB; batch-1 decode step time against the time
 to read those bytes once at the memory bandwidth measured now (a large tensor copy).
 `--breakdown`: where a decode step of the bundled model goes at one batch size (torch profiler,
@@ -122,7 +123,7 @@ def bench_synthetic(dtype_name, steps):
             "fraction": round(ideal / step, 3)}
 
 
-OP_GROUPS = {"matmul": ("linear", "addmm", "mm", "bmm"), "attention": ("scaled_dot_product",),
+OP_GROUPS = {"matmul": ("linear", "mm"), "attention": ("scaled_dot_product",),     # "mm": mm, addmm, bmm
              "kv_gather_write": ("index_select", "index_copy")}
 
 
