@@ -63,8 +63,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     b = meta.num_decode
     out = torch.empty_like(q) if b < q.shape[0] else None
     if b:
-        # Query heads of one KV head act as a short query sequence: [B, Hkv, G, D].
-        qd = q[:b].view(b, hkv, groups, d)
+        # float32: one query per head, K/V shared by head groups inside SDPA ([B, Hq, 1, D]) — 1.2-2x
+        # faster on CPU than the other form. Other dtypes: the query heads of one KV head act as a short
+        # query sequence ([B, Hkv, G, D]); SDPA's GQA path is 4-5x slower for bf16 on CPU.
+        gqa = q.dtype == torch.float32 and groups > 1
+        qd = q[:b].view(b, hq, 1, d) if gqa else q[:b].view(b, hkv, groups, d)
         # Gather whole blocks (contiguous runs of block_size slots), not single slots: far fewer,
         # larger copies. Attention reads the first L positions; a shorter sequence's tail is masked.
         bs, length = meta.block_size, meta.decode_len
@@ -72,7 +75,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         width = flat.numel() * bs // b
         kd = k_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, width, hkv, d)[:, :length].transpose(1, 2)
         vd = v_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, width, hkv, d)[:, :length].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
         if b == q.shape[0]:             # a decode-only step: no copy into `out`
             out = od.view(b, hq, d)
         else:
