@@ -8,7 +8,7 @@ that way (96 -> 66 ms). Fixing the mmap threshold at its maximum (32 MiB) and ra
 threshold keeps such blocks in the heap, reused from one step to the next, which is what PyTorch's
 CPU tuning guides get by preloading jemalloc or tcmalloc.
 
-Life cycle: `ModelRunner` calls `retain_freed_memory()` once when it runs on CPU; the settings are
+Life cycle: `load_model` and `ModelRunner` call `retain_freed_memory()` when they run on CPU; the settings are
 process-wide and last until exit. A process's resident memory then stays near its peak instead of
 shrinking between steps. No-op off glibc or with EDGECORE_CPU_MALLOC=0.
 """

@@ -189,12 +189,17 @@ class LlamaForCausalLM(nn.Module):
         """Fill parameters from (checkpoint name, tensor or lazy slice). Returns the names used.
 
         With `threads`, sources that can decode themselves (`decode_jobs`, packed checkpoints) are
-        decoded chunk by chunk straight into their parameters on a thread pool."""
+        decoded chunk by chunk straight into their parameters on a thread pool. The garbage collector
+        is paused meanwhile: queueing a thousand jobs otherwise sets off full collections of a freshly
+        imported process's heap, which hold the GIL while the decoding threads wait."""
+        import gc
         from concurrent.futures import ThreadPoolExecutor
         pool = ThreadPoolExecutor(threads) if threads else None
         jobs = []
         if pool is None:
             return self._load_weights(weights, pool, jobs)
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             used = self._load_weights(weights, pool, jobs)
             for job in jobs:
@@ -202,6 +207,8 @@ class LlamaForCausalLM(nn.Module):
             return used
         finally:                          # never leave decode jobs running behind an error
             pool.shutdown(wait=True, cancel_futures=True)
+            if collecting:
+                gc.enable()
 
     def _load_one(self, name, param, source, loader, shard) -> None:
         """Fill one parameter (or one shard of a packed parameter) from a tensor or lazy slice."""

@@ -15,6 +15,7 @@ import torch
 
 from shared.config import ModelConfig
 from shared.errors import ConfigError, ModelLoadError
+from shared.malloc import retain_freed_memory
 from shared.models.llama import LlamaForCausalLM
 from shared.weights import iter_weights
 
@@ -56,6 +57,8 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str, layers: ra
 def load_model(model_dir: str | Path, dtype="auto", device: str = "cpu",
                layers: range | None = None, config: ModelConfig | None = None):
     config = config or ModelConfig.from_dir(model_dir)
+    if str(device).startswith("cpu"):
+        retain_freed_memory()     # as a CPU ModelRunner would: loading's temporary buffers reuse heap pages
     model = build_model(config, resolve_dtype(dtype, device), device, layers)
     try:
         from shared.pack import is_packed
