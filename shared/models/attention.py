@@ -63,10 +63,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     b = meta.num_decode
     out = torch.empty_like(q) if b < q.shape[0] else None
     if b:
-        # float32: one query per head, K/V shared by head groups inside SDPA ([B, Hq, 1, D]) — 1.2-2x
-        # faster on CPU than the other form. Other dtypes: the query heads of one KV head act as a short
-        # query sequence ([B, Hkv, G, D]); SDPA's GQA path is 4-5x slower for bf16 on CPU.
-        gqa = q.dtype == torch.float32 and groups > 1
+        # float32 on CPU: one query per head, K/V shared by head groups inside SDPA ([B, Hq, 1, D]),
+        # 1.15-2x faster than the other form. Otherwise the query heads of one KV head act as a short
+        # query sequence ([B, Hkv, G, D]): for bf16 on CPU SDPA's GQA path is 2.5-6x slower.
+        gqa = q.dtype == torch.float32 and q.device.type == "cpu" and groups > 1
         qd = q[:b].view(b, hq, 1, d) if gqa else q[:b].view(b, hkv, groups, d)
         # Gather whole blocks (contiguous runs of block_size slots), not single slots: far fewer,
         # larger copies. Attention reads the first L positions; a shorter sequence's tail is masked.
