@@ -4,11 +4,12 @@ Life cycle: `start()` spawns the engine thread; coroutines call
 `generate()` (an async iterator of `RequestOutput`), `abort()`, or `call(fn)`
 to run any engine method between two steps (the engine itself is never
 touched from two threads). A stream can be `redirect`ed to a callback that the
-dispatch calls per output (no task switch per token). The thread steps while there is work and sleeps on
-a condition otherwise; each step's outputs reach the event loop in one
-`call_soon_threadsafe` (outputs of requests opened with `collect` stay on the
-engine thread until the request finishes). `stop()` ends the thread. A failure inside a step is
-delivered to every waiting stream, so no caller hangs.
+dispatch calls per output (no task switch per token). The thread steps while
+there is work and sleeps on a condition otherwise; each step's outputs reach
+the event loop in one `call_soon_threadsafe` (outputs of requests opened with
+`collect` stay on the engine thread until the request finishes). `stop()` ends
+the thread. A failure inside a step is delivered to every waiting stream, so no
+caller hangs.
 """
 
 from __future__ import annotations
