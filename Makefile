@@ -3,7 +3,11 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+# An editable install in setuptools' strict mode: a link tree (build/__editable__.*) lays the
+# top-level folders out as the one package `edgecore`, so Python, mypy and editors all resolve
+# `edgecore.shared...` to the files here. A new or removed module changes the stamp (re-link).
+SOURCES := $(shell find __main__.py py.typed core edge deploy models protocol shared -not -path '*__pycache__*' 2>/dev/null | sort | cksum | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(SOURCES)
 # torch's CPU build unless a CUDA driver is present (a bare `torch` pulls a multi-GB CUDA build).
 TORCH  ?= $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo "torch>=2.4"; else echo "torch==2.13.0"; fi)
 
@@ -12,7 +16,8 @@ TORCH  ?= $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo "torch>=2.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]" --config-settings editable_mode=strict
+	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -20,8 +20,7 @@ import time
 
 from common import ROOT, emit, engine_tokens_per_s, progress
 
-sys.path.insert(0, str(ROOT))
-from core.batch_cli import Api  # noqa: E402
+from edgecore.core.batch_cli import Api  # noqa: E402
 from tests.e2e.procs import start_core  # noqa: E402
 
 
@@ -31,7 +30,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    from shared.tokenizer import Tokenizer
+    from edgecore.shared.tokenizer import Tokenizer
     model = ROOT / "models" / "pydoc-llama"
     tok = Tokenizer.from_dir(model)
     ids = tok.encode((model / "heldout.txt").read_text())

@@ -10,7 +10,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT))
 
 
 def progress(msg: str) -> None:
@@ -30,9 +29,9 @@ def engine_tokens_per_s(prompts, max_tokens: int, max_num_seqs: int, num_blocks:
     """The engine offline on `prompts` (greedy, ignore_eos): generated tokens per second, after a warm-up."""
     import time
 
-    from shared.config import CacheConfig, EngineConfig
-    from shared.engine.engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
+    from edgecore.shared.config import CacheConfig, EngineConfig
+    from edgecore.shared.engine.engine import LLMEngine
+    from edgecore.shared.engine.sampling_params import SamplingParams
     engine = LLMEngine.from_dir(ROOT / "models" / "pydoc-llama", cache_config=CacheConfig(num_blocks=num_blocks),
                                 engine_config=EngineConfig(max_num_seqs=max_num_seqs))
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)

@@ -24,10 +24,10 @@ from common import ROOT, emit, median_time, progress
 
 import torch
 
-from shared.config import CacheConfig, EngineConfig, ModelConfig
-from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
-from shared.models.loader import build_model
+from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
+from edgecore.shared.engine.engine import LLMEngine
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.models.loader import build_model
 
 MODEL = ROOT / "models" / "pydoc-llama"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -15,9 +15,9 @@ from common import ROOT, emit, progress
 import numpy as np
 import torch
 
-from protocol.codecs import CODECS, PlaneInfo
-from shared.config import CacheConfig
-from shared.engine.engine import LLMEngine
+from edgecore.protocol.codecs import CODECS, PlaneInfo
+from edgecore.shared.config import CacheConfig
+from edgecore.shared.engine.engine import LLMEngine
 
 TARGETS = {"lossless": {"ratio": 0.80, "MBps": 300}, "int8": {"ratio": 0.55, "MBps": 300},
            "int4": {"ratio": 0.30}}

@@ -17,12 +17,12 @@ from common import ROOT, emit, progress
 
 import torch
 
-from protocol.codecs import CODECS, PlaneInfo
-from shared.config import CacheConfig
-from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.sequence import Sequence
-from shared.kv.wire import DTYPE_NAMES, from_bits, to_bits
+from edgecore.protocol.codecs import CODECS, PlaneInfo
+from edgecore.shared.config import CacheConfig
+from edgecore.shared.engine.engine import LLMEngine
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.engine.sequence import Sequence
+from edgecore.shared.kv.wire import DTYPE_NAMES, from_bits, to_bits
 
 TARGETS = {"int8": {"agreement": 0.97, "ppl_increase": 0.005}, "int4": {"ppl_increase": 0.03}}
 

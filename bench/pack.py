@@ -30,9 +30,9 @@ import lz4.frame
 import torch
 import zstandard
 
-from shared.config import ModelConfig
-from shared.models.loader import build_model, load_model
-from shared.pack import PackedCheckpoint, pack_model
+from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.loader import build_model, load_model
+from edgecore.shared.pack import PackedCheckpoint, pack_model
 
 SYNTHETIC = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 1536,
              "intermediate_size": 4096, "num_hidden_layers": 6, "num_attention_heads": 12,
@@ -76,13 +76,13 @@ def evict(directory: Path) -> None:
 
 
 # Times one load in a new interpreter: the case of a node starting (no earlier load's freed pages to reuse).
-FRESH = ("import sys, time, torch; sys.path.insert(0, sys.argv[2]); torch.set_num_threads(2); "
-         "from shared.models.loader import load_model; t = time.perf_counter(); load_model(sys.argv[1], 'bf16'); "
+FRESH = ("import sys, time, torch; torch.set_num_threads(2); "
+         "from edgecore.shared.models.loader import load_model; t = time.perf_counter(); load_model(sys.argv[1], 'bf16'); "
          "print(time.perf_counter() - t)")
 
 
 def fresh_process_load(model_dir: Path) -> float:
-    out = subprocess.run([sys.executable, "-c", FRESH, str(model_dir), str(ROOT)], check=True,
+    out = subprocess.run([sys.executable, "-c", FRESH, str(model_dir)], check=True,
                          capture_output=True, text=True).stdout
     return float(out.split()[-1])
 

@@ -47,9 +47,9 @@ def write_model(path: Path) -> None:
 
 def child(args) -> None:
     import torch
-    from core.ranks import start_parallel_engine
-    from shared.config import CacheConfig, EngineConfig
-    from shared.engine.sampling_params import SamplingParams
+    from edgecore.core.ranks import start_parallel_engine
+    from edgecore.shared.config import CacheConfig, EngineConfig
+    from edgecore.shared.engine.sampling_params import SamplingParams
     tp, pp, *micro = map(int, args.layout.split("x"))
     torch.set_num_threads(max(1, 2 // (tp * pp)))
     engine, workers, _ = start_parallel_engine(args.model, tp, pp, "fp32", "cpu", CacheConfig(num_blocks=1024),

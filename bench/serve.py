@@ -25,7 +25,6 @@ import time
 
 from common import ROOT, emit, engine_tokens_per_s, progress
 
-sys.path.insert(0, str(ROOT))
 from tests.e2e.procs import start_core, start_edge  # noqa: E402  (process helpers shared with the tests)
 
 
@@ -102,7 +101,7 @@ def main():
                     help="torch threads of the nodes and of the baseline engine (on 2 cores the load "
                          "generator needs the other one)")
     args = ap.parse_args()
-    from shared.tokenizer import Tokenizer
+    from edgecore.shared.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(ROOT / "models" / "pydoc-llama")
     ids = tok.encode((ROOT / "models" / "pydoc-llama" / "heldout.txt").read_text())
     rng = random.Random(1)

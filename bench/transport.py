@@ -18,11 +18,11 @@ from common import emit, progress
 
 import numpy as np
 
-from protocol import messages as m
-from protocol.framing import Limits
-from protocol.kv import decode_chunk, encode_chunk
-from protocol.state import KVData
-from protocol.transport import Timeouts, connect, serve
+from edgecore.protocol import messages as m
+from edgecore.protocol.framing import Limits
+from edgecore.protocol.kv import decode_chunk, encode_chunk
+from edgecore.protocol.state import KVData
+from edgecore.protocol.transport import Timeouts, connect, serve
 
 SECRET, FP = b"bench", "b" * 64
 TIMEOUTS = Timeouts(handshake=10, idle=30, heartbeat=0)

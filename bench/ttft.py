@@ -26,12 +26,12 @@ from common import emit, progress
 
 import torch
 
-from deploy.wan_relay import LinkSpec, WanRelay
-from edge.engine import EdgeConfig, EdgeEngine
-from shared.config import CacheConfig, EngineConfig, ModelConfig
-from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
-from shared.models.loader import build_model
+from edgecore.deploy.wan_relay import LinkSpec, WanRelay
+from edgecore.edge.engine import EdgeConfig, EdgeEngine
+from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
+from edgecore.shared.engine.engine import LLMEngine
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.models.loader import build_model
 from tests.e2e.procs import start_core  # process helper shared with the tests
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,

@@ -13,9 +13,9 @@ import uuid
 
 from aiohttp import web
 
-from core.batch_runner import ENDPOINTS
-from shared.openai.http import json_body
-from shared.openai.request import ApiError
+from edgecore.core.batch_runner import ENDPOINTS
+from edgecore.shared.openai.http import json_body
+from edgecore.shared.openai.request import ApiError
 
 
 def _not_found(kind: str, ident: str) -> ApiError:

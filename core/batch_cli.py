@@ -11,7 +11,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from shared.errors import ConfigError, EdgecoreError
+from edgecore.shared.errors import ConfigError, EdgecoreError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -68,7 +68,7 @@ class Api:
 
 
 def run_submit(args: argparse.Namespace) -> int:
-    from shared.secrets import read_api_keys
+    from edgecore.shared.secrets import read_api_keys
     path = Path(args.file)
     if not path.is_file():
         raise ConfigError(f"batch input {path} does not exist")

@@ -23,9 +23,9 @@ import logging
 import time
 import uuid
 
-from core.batch_store import BatchStore
-from shared.openai.request import ApiError, check_model, parse_chat, parse_completion
-from shared.openai.response import ChoiceResult, TokenText, response_body
+from edgecore.core.batch_store import BatchStore
+from edgecore.shared.openai.request import ApiError, check_model, parse_chat, parse_completion
+from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body
 
 log = logging.getLogger("edgecore.batch")
 ENDPOINTS = {"/v1/chat/completions": (parse_chat, True), "/v1/completions": (parse_completion, False)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shared.cli import add_model_args
+from edgecore.shared.cli import add_model_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,12 +42,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_core(args: argparse.Namespace) -> int:
-    from core.server import CoreConfig, CoreServer
-    from protocol.transport import tls_context
-    from shared.config import CacheConfig, EngineConfig
-    from shared.env import default_model, reserve_threads_for_engine, resolve_device
-    from shared.secrets import parse_hostport, read_api_keys, read_secret
-    from shared.service import run_service, setup_logging
+    from edgecore.core.server import CoreConfig, CoreServer
+    from edgecore.protocol.transport import tls_context
+    from edgecore.shared.config import CacheConfig, EngineConfig
+    from edgecore.shared.env import default_model, reserve_threads_for_engine, resolve_device
+    from edgecore.shared.secrets import parse_hostport, read_api_keys, read_secret
+    from edgecore.shared.service import run_service, setup_logging
 
     setup_logging(f"[{args.name}] ")
     engine_threads = reserve_threads_for_engine()
@@ -67,7 +67,7 @@ def run_core(args: argparse.Namespace) -> int:
                         pp_micro_batches=args.pp_micro_batches, gather_kv=args.gather_kv,
                         stream_layers=not args.kv_after_prefill, engine_threads=engine_threads)
     if args.tp < 1 or args.pp < 1:
-        from shared.errors import ConfigError
+        from edgecore.shared.errors import ConfigError
         raise ConfigError("--tp and --pp must be at least 1")
     core = CoreServer(config)
 
@@ -98,5 +98,5 @@ def register_worker(sub: argparse._SubParsersAction) -> None:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from core.ranks import run_worker as run
+    from edgecore.core.ranks import run_worker as run
     return run(args)

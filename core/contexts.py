@@ -16,7 +16,7 @@ import time
 import uuid
 from array import array
 
-from shared.engine.sampling_params import SamplingParams
+from edgecore.shared.engine.sampling_params import SamplingParams
 
 
 def context_id(token_ids: list[int]) -> str:

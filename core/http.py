@@ -10,7 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from shared.openai.http import error_middleware
+from edgecore.shared.openai.http import error_middleware
 
 
 def build_app(core) -> web.Application:

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
-from protocol.kv import SMALL_CHUNK_BYTES, encode_chunk
-from protocol.transport import Peer, PeerError
-from shared.kv.wire import to_bits
+from edgecore.protocol.kv import SMALL_CHUNK_BYTES, encode_chunk
+from edgecore.protocol.transport import Peer, PeerError
+from edgecore.shared.kv.wire import to_bits
 
 
 @dataclass

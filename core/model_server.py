@@ -16,7 +16,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from shared.pack import MANIFEST, is_packed, pack_model
+from edgecore.shared.pack import MANIFEST, is_packed, pack_model
 
 log = logging.getLogger("edgecore.core")
 

@@ -31,13 +31,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shared.config import CacheConfig, EngineConfig, ModelConfig
-from shared.engine.engine import LLMEngine
-from shared.engine.parallel_runner import ParallelModelRunner, StageRunner, kv_head_start, worker_loop
-from shared.kv.pool import KVPool
-from shared.models.loader import load_model, resolve_dtype
-from shared.parallel import init_distributed
-from shared.tokenizer import Tokenizer
+from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
+from edgecore.shared.engine.engine import LLMEngine
+from edgecore.shared.engine.parallel_runner import ParallelModelRunner, StageRunner, kv_head_start, worker_loop
+from edgecore.shared.kv.pool import KVPool
+from edgecore.shared.models.loader import load_model, resolve_dtype
+from edgecore.shared.parallel import init_distributed
+from edgecore.shared.tokenizer import Tokenizer
 
 log = logging.getLogger("edgecore.ranks")
 
@@ -71,9 +71,8 @@ def start_parallel_engine(model_dir: str, tp: int, pp: int, dtype: str, device: 
     master = f"127.0.0.1:{_free_port()}"
     backend = "nccl" if device.startswith("cuda") else "gloo"
     workers = []
-    root = Path(__file__).resolve().parents[1]
     for rank in range(1, tp * pp):
-        cmd = [sys.executable, "-m", "deploy.cli", "core-worker", "--rank", str(rank), "--tp", str(tp), "--pp",
+        cmd = [sys.executable, "-m", "edgecore", "core-worker", "--rank", str(rank), "--tp", str(tp), "--pp",
                str(pp), "--master", master, "--model", model_dir, "--dtype", dtype, "--device", device,
                "--kv-blocks", str(cache.num_blocks), "--block-size", str(cache.block_size),
                "--parent", str(os.getpid()), "--micro-batches", str(micro_batches)]
@@ -81,7 +80,7 @@ def start_parallel_engine(model_dir: str, tp: int, pp: int, dtype: str, device: 
             cmd += ["--split", ",".join(map(str, split))]
         if streams is not None:
             cmd += ["--stream-host", streams.host, "--codecs", ",".join(streams.codecs)]
-        proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                 stdin=subprocess.PIPE if streams is not None else None)
         if streams is not None:
             proc.stdin.write(streams.secret.hex().encode() + b"\n")
@@ -164,9 +163,9 @@ def run_worker(args: argparse.Namespace) -> int:
 
 def _start_streams(args, lay, model, pool, config, dtype):
     """This rank's KV stream server, or None when its heads replicate a lower TP rank's."""
-    from core.stream_server import StreamServer
-    from shared.fingerprint import model_fingerprint
-    from shared.kv.wire import DTYPE_NAMES
+    from edgecore.core.stream_server import StreamServer
+    from edgecore.shared.fingerprint import model_fingerprint
+    from edgecore.shared.kv.wire import DTYPE_NAMES
     secret = bytes.fromhex(sys.stdin.readline().strip())
     if not owns_kv(lay.tp_rank, lay.tp, config.num_key_value_heads):
         return None

@@ -23,19 +23,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.kv_sender import LayerStreamer, RemoteRequest, send_queued
-from core.metrics import CoreMetrics
-from protocol import messages as m
-from protocol.codecs import CODECS
-from protocol.errors import ErrorCode
-from protocol.transport import Peer, PeerError, Timeouts, serve
-from shared.config import CacheConfig, EngineConfig
-from shared.engine.async_engine import AsyncEngine
-from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
-from shared.errors import RequestError
-from shared.fingerprint import model_fingerprint
-from shared.kv.wire import DTYPE_NAMES
+from edgecore.core.kv_sender import LayerStreamer, RemoteRequest, send_queued
+from edgecore.core.metrics import CoreMetrics
+from edgecore.protocol import messages as m
+from edgecore.protocol.codecs import CODECS
+from edgecore.protocol.errors import ErrorCode
+from edgecore.protocol.transport import Peer, PeerError, Timeouts, serve
+from edgecore.shared.config import CacheConfig, EngineConfig
+from edgecore.shared.engine.async_engine import AsyncEngine
+from edgecore.shared.engine.engine import LLMEngine
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.errors import RequestError
+from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.kv.wire import DTYPE_NAMES
 
 log = logging.getLogger("edgecore.core")
 
@@ -88,7 +88,7 @@ class CoreServer:
         self.parallel = config.tp * config.pp > 1
         self.failure: str | None = None
         if engine is None and self.parallel:
-            from core.ranks import start_parallel_engine
+            from edgecore.core.ranks import start_parallel_engine
             engine, self.workers, self.stream_ports = start_parallel_engine(
                 config.model_dir, config.tp, config.pp, config.dtype, config.device, config.cache, config.engine,
                 config.pp_split, config.pp_micro_batches, streams=self._stream_config())
@@ -106,14 +106,14 @@ class CoreServer:
         self.started_at = time.time()
         data_dir = Path(config.data_dir) if config.data_dir else Path("edgecore-data") / config.name
         self.data_dir = data_dir
-        from core.model_server import ModelServer
+        from edgecore.core.model_server import ModelServer
         self.model_server = ModelServer(config.model_dir, data_dir)
         self.http_extensions = [self.model_server.routes]
         self.store = self.batches = self.contexts = None
 
     def _stream_config(self):
         """Where and how worker ranks serve their own KV streams (None: they don't; rank 0 gathers)."""
-        from core.ranks import StreamConfig
+        from edgecore.core.ranks import StreamConfig
         c = self.config
         if c.gather_kv or c.ssl is not None or not c.stream_layers:   # TLS material stays with rank 0
             return None
@@ -133,10 +133,10 @@ class CoreServer:
         self.aengine = AsyncEngine(self.engine, on_layer=self.streamer.on_layer, threads=self.config.engine_threads)
         self.aengine.start()
         c = self.config
-        from core.batch_api import BatchAPI
-        from core.batch_runner import BatchRunner
-        from core.batch_store import BatchStore
-        from core.contexts import Contexts
+        from edgecore.core.batch_api import BatchAPI
+        from edgecore.core.batch_runner import BatchRunner
+        from edgecore.core.batch_store import BatchStore
+        from edgecore.core.contexts import Contexts
         self.store = BatchStore(self.data_dir)
         self.contexts = Contexts(self, self.store)
         await self.contexts.restore()
@@ -149,11 +149,11 @@ class CoreServer:
                                   streams=self.stream_ports)
         self.port = self.server.sockets[0].getsockname()[1]
         if self.workers:
-            from core.ranks import RankWatch
+            from edgecore.core.ranks import RankWatch
             self.watch = RankWatch(self.workers, lambda why: loop.call_soon_threadsafe(self.mark_failed, why))
             self.watch.start()
         if c.http_port is not None:
-            from core.http import start_control_port
+            from edgecore.core.http import start_control_port
             self.http_runner, self.http_port = await start_control_port(self, c.http_host, c.http_port)
         log.info("core %s: protocol on %s:%d", c.name, c.host, self.port)
 
@@ -341,7 +341,7 @@ class CoreServer:
 
 def model_name(model_dir: str) -> str:
     """The model id in API requests and responses: the model directory's name (or the packed original's)."""
-    from shared.pack import is_packed
+    from edgecore.shared.pack import is_packed
     if is_packed(model_dir):
         import json
         return json.loads((Path(model_dir) / "edgecore-pack.json").read_text()).get("name", Path(model_dir).name)

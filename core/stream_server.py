@@ -23,10 +23,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from core.kv_sender import LayerStreamer, RemoteRequest, send_queued
-from protocol import messages as m
-from protocol.errors import ErrorCode
-from protocol.transport import Peer, PeerError, serve
+from edgecore.core.kv_sender import LayerStreamer, RemoteRequest, send_queued
+from edgecore.protocol import messages as m
+from edgecore.protocol.errors import ErrorCode
+from edgecore.protocol.transport import Peer, PeerError, serve
 
 log = logging.getLogger("edgecore.streams")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared import cli as shared_cli
-from shared.errors import EdgecoreError
+from edgecore.shared import cli as shared_cli
+from edgecore.shared.errors import EdgecoreError
 
 EXIT_USER_ERROR = 2
 
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="edgecore",
         description="Edge-plus-core LLM inference: prefill at the core, compressed KV over the WAN, "
                     "decode at the edge.")
+    parser.add_argument("--version", action="version", version=f"edgecore {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for module in _modules():
@@ -28,9 +29,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("edgecore")
+    except PackageNotFoundError:      # running from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def _modules():
     mods = [shared_cli]
-    for name in ("core.cli", "core.batch_cli", "edge.cli", "deploy.commands"):
+    for name in ("edgecore.core.cli", "edgecore.core.batch_cli", "edgecore.edge.cli", "edgecore.deploy.commands"):
         try:
             mods.append(__import__(name, fromlist=["register"]))
         except ModuleNotFoundError as exc:
@@ -43,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)     # e.g. to start a helper process alike
     try:
-        from shared.env import apply_threads
+        from edgecore.shared.env import apply_threads
         apply_threads()
         return args.func(args) or 0
     except EdgecoreError as exc:

@@ -10,7 +10,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="run a topology (default: one core + one edge) on this machine",
                        description="Start every core and edge of a topology as local processes, wait until "
                                    "they are ready, print the edge URLs; Ctrl-C or SIGTERM stops them all.")
-    p.add_argument("--topology", default=None, help="topology TOML (default: one core and one edge, bundled model)")
+    p.add_argument("--topology", default=None,
+                   help="topology TOML, or 'example' for the bundled three-region example "
+                        "(default: one core and one edge, bundled model)")
     p.add_argument("--model", default=None, help="model directory when no topology is given")
     p.add_argument("--emulate-wan", action="store_true",
                    help="run each region in its own network namespace with the links' delay, jitter, "
@@ -24,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     dsub.required = True
     r = dsub.add_parser("render", help="write a kustomize base and one overlay per region",
                         description="Write Kubernetes manifests (kustomize base + per-region overlays).")
-    r.add_argument("--topology", required=True)
+    r.add_argument("--topology", default="example",
+                   help="topology TOML (default: 'example', the bundled three-region example)")
     r.add_argument("--out", required=True)
     r.set_defaults(func=run_render)
 
@@ -38,10 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from deploy.launcher import Launcher
-    from deploy.topology import default_topology, load_topology
-    from shared.env import default_model
-    from shared.errors import ConfigError
+    from edgecore.deploy.launcher import Launcher
+    from edgecore.deploy.topology import default_topology, load_topology
+    from edgecore.shared.env import default_model
+    from edgecore.shared.errors import ConfigError
     if args.emulate_wan and os.geteuid() != 0:
         raise ConfigError("--emulate-wan needs root (network namespaces, tc and nftables)")
     topo = load_topology(args.topology) if args.topology else default_topology(args.model or default_model())
@@ -49,8 +52,8 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 def run_render(args: argparse.Namespace) -> int:
-    from deploy.k8s import render
-    from deploy.topology import load_topology
+    from edgecore.deploy.k8s import render
+    from edgecore.deploy.topology import load_topology
     files = render(load_topology(args.topology), args.out)
     print(f"wrote {len(files)} files under {args.out}")
     return 0
@@ -58,9 +61,9 @@ def run_render(args: argparse.Namespace) -> int:
 
 def run_relay(args: argparse.Namespace) -> int:
 
-    from deploy.wan_relay import LinkSpec, WanRelay
-    from shared.secrets import parse_hostport
-    from shared.service import run_service
+    from edgecore.deploy.wan_relay import LinkSpec, WanRelay
+    from edgecore.shared.secrets import parse_hostport
+    from edgecore.shared.service import run_service
     relay = WanRelay(LinkSpec(args.delay_ms, args.jitter_ms))
 
     async def start():

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deploy.topology import CoreNode, EdgeNode, Topology
-from deploy.yaml_out import dump
+from edgecore.deploy.topology import CoreNode, EdgeNode, Topology
+from edgecore.deploy.yaml_out import dump
 
 APP = "edgecore"
 NAMESPACE = "edgecore"

@@ -24,8 +24,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.topology import Topology
-from shared.errors import EdgecoreError
+from edgecore.deploy.topology import Topology
+from edgecore.shared.errors import EdgecoreError
 
 
 @dataclass
@@ -62,12 +62,11 @@ class Launcher:
 
     # ---- processes -----------------------------------------------------------------
     def _spawn(self, label: str, args: list[str], ready_url: str, netns: str | None = None) -> Proc:
-        cmd = [sys.executable, "-m", "deploy.cli", *args]
+        cmd = [sys.executable, "-m", "edgecore", *args]
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        root = Path(__file__).resolve().parents[1]
-        popen = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  start_new_session=True)
         threading.Thread(target=self._echo, args=(label, popen.stdout), daemon=True).start()
         proc = Proc(label, popen, ready_url)
@@ -104,7 +103,7 @@ class Launcher:
         secret = self._secret_file()
         addr = {}
         if self.emulate_wan:
-            from deploy.wan import WanEmulation
+            from edgecore.deploy.wan import WanEmulation
             self.wan = WanEmulation(topo, Path(self.tmp.name))
             self.wan.setup()
         for core in topo.cores:

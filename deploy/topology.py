@@ -13,7 +13,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.errors import ConfigError
+from edgecore.shared.errors import ConfigError
 
 NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$")
 
@@ -114,8 +114,17 @@ class _Locator:
         return start
 
 
+EXAMPLE = "example"      # `--topology example`: the documented topology.toml shipped in the package
+
+
+def example_topology_path() -> Path:
+    """The bundled example topology (package data beside this module)."""
+    from importlib import resources
+    return Path(str(resources.files("edgecore.deploy").joinpath("topology.toml")))
+
+
 def load_topology(path: str | Path) -> Topology:
-    path = Path(path)
+    path = example_topology_path() if str(path) == EXAMPLE else Path(path)
     if not path.is_file():
         raise TopologyError(f"topology file {path} does not exist")
     text = path.read_text()

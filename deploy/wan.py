@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from deploy.topology import CoreNode, Topology
-from shared.errors import ConfigError
+from edgecore.deploy.topology import CoreNode, Topology
+from edgecore.shared.errors import ConfigError
 
 PREFIX = "ec-"
 
@@ -128,10 +128,9 @@ class WanEmulation:
              "numgen", "random", "mod", "10000", "lt", str(threshold), "drop")
 
     def _relay(self, region: str, port: int, target: str, delay: float, jitter: float) -> None:
-        root = Path(__file__).resolve().parents[1]
-        proc = subprocess.Popen(["ip", "netns", "exec", self.netns(region), sys.executable, "-m", "deploy.cli",
+        proc = subprocess.Popen(["ip", "netns", "exec", self.netns(region), sys.executable, "-m", "edgecore",
                                  "wan-relay", "--listen", f"127.0.0.1:{port}", "--target", target, "--delay-ms",
-                                 str(delay), "--jitter-ms", str(jitter)], cwd=root, stdout=subprocess.PIPE,
+                                 str(delay), "--jitter-ms", str(jitter)], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.procs.append(proc)
         line = proc.stdout.readline()

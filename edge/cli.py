@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from shared.cli import add_model_args
+from edgecore.shared.cli import add_model_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,12 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_edge(args: argparse.Namespace) -> int:
     """The HTTP frontend, which starts the engine process (`--engine-fd`) unless `--engine-in-process`."""
-    from edge.http import EdgeHTTP, start_http
-    from protocol.codecs import CODECS
-    from shared.env import default_model
-    from shared.errors import ConfigError
-    from shared.secrets import parse_hostport, read_api_keys
-    from shared.service import run_service, setup_logging
+    from edgecore.edge.http import EdgeHTTP, start_http
+    from edgecore.protocol.codecs import CODECS
+    from edgecore.shared.env import default_model
+    from edgecore.shared.errors import ConfigError
+    from edgecore.shared.secrets import parse_hostport, read_api_keys
+    from edgecore.shared.service import run_service, setup_logging
 
     setup_logging(f"[{args.name}{'/engine' if args.engine_fd is not None else ''}] ")
     codecs = args.codec or ["lossless"]
@@ -69,8 +69,8 @@ def run_edge(args: argparse.Namespace) -> int:
     if args.engine_fd is not None:
         return _run_engine_process(args, model_dir, codecs, local_below)
     if args.model_from:
-        from edge.model_fetch import fetch_model
-        from shared.cli import Progress
+        from edgecore.edge.model_fetch import fetch_model
+        from edgecore.shared.cli import Progress
         cache = args.model_cache or str(Path.home() / ".cache" / "edgecore" / "models")
         progress = Progress("fetch")
         model_dir = str(fetch_model(args.model_from, cache, progress))
@@ -79,9 +79,9 @@ def run_edge(args: argparse.Namespace) -> int:
     if args.engine_in_process:
         edge = _edge_engine(args, model_dir, codecs, local_below)
     else:
-        from edge.engine_client import EngineClient
-        from shared.config import ModelConfig
-        from shared.secrets import read_secret
+        from edgecore.edge.engine_client import EngineClient
+        from edgecore.shared.config import ModelConfig
+        from edgecore.shared.secrets import read_secret
         ModelConfig.from_dir(model_dir)                  # a bad model or flag fails here, in one line
         read_secret(args.secret_file, required=bool(args.core or args.core_dns))
         edge = EngineClient(args.argv, model_dir)
@@ -114,7 +114,7 @@ def run_edge(args: argparse.Namespace) -> int:
 
 
 def _local_prefill_below(value: str) -> int | None:
-    from shared.errors import ConfigError
+    from edgecore.shared.errors import ConfigError
     if value == "auto":
         return None
     try:
@@ -124,11 +124,11 @@ def _local_prefill_below(value: str) -> int | None:
 
 
 def _edge_engine(args: argparse.Namespace, model_dir: str, codecs: list[str], local_below: int | None):
-    from edge.engine import EdgeConfig, EdgeEngine
-    from protocol.transport import tls_context
-    from shared.config import CacheConfig
-    from shared.env import reserve_threads_for_engine, resolve_device
-    from shared.secrets import parse_hostport, read_secret
+    from edgecore.edge.engine import EdgeConfig, EdgeEngine
+    from edgecore.protocol.transport import tls_context
+    from edgecore.shared.config import CacheConfig
+    from edgecore.shared.env import reserve_threads_for_engine, resolve_device
+    from edgecore.shared.secrets import parse_hostport, read_secret
 
     engine_threads = reserve_threads_for_engine()
     cores = [parse_hostport(c) for c in args.core]
@@ -149,12 +149,12 @@ def _run_engine_process(args: argparse.Namespace, model_dir: str, codecs: list[s
     import asyncio
     import socket
 
-    from edge.engine_process import EngineServer
-    from shared.service import run_service
+    from edgecore.edge.engine_process import EngineServer
+    from edgecore.shared.service import run_service
 
     import sys
 
-    from edge.engine_process import SWITCH_INTERVAL_S
+    from edgecore.edge.engine_process import SWITCH_INTERVAL_S
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     sock = socket.socket(fileno=args.engine_fd)
     edge = _edge_engine(args, model_dir, codecs, local_below)

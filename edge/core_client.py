@@ -19,9 +19,9 @@ import logging
 import os
 import socket
 
-from protocol import messages as m
-from protocol.state import KVData
-from protocol.transport import Peer, PeerError, Timeouts, connect
+from edgecore.protocol import messages as m
+from edgecore.protocol.state import KVData
+from edgecore.protocol.transport import Peer, PeerError, Timeouts, connect
 
 log = logging.getLogger("edgecore.edge")
 

@@ -33,23 +33,23 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from edge.codec_policy import choose_codec
-from edge.core_client import CoreClient, CoreRouter
-from edge.metrics import EdgeMetrics
-from edge.placement import PrefillModel
+from edgecore.edge.codec_policy import choose_codec
+from edgecore.edge.core_client import CoreClient, CoreRouter
+from edgecore.edge.metrics import EdgeMetrics
+from edgecore.edge.placement import PrefillModel
 from prometheus_client import generate_latest
-from protocol import messages as m
-from protocol.errors import ProtocolError
-from protocol.kv import SMALL_CHUNK_BYTES, decode_chunk
-from protocol.state import KVData
-from protocol.transport import PeerError, Timeouts
-from shared.config import CacheConfig, EngineConfig
-from shared.engine.async_engine import AsyncEngine
-from shared.engine.engine import LLMEngine
-from shared.engine.output import RequestOutput
-from shared.engine.sampling_params import SamplingParams
-from shared.fingerprint import model_fingerprint
-from shared.kv.wire import from_bits
+from edgecore.protocol import messages as m
+from edgecore.protocol.errors import ProtocolError
+from edgecore.protocol.kv import SMALL_CHUNK_BYTES, decode_chunk
+from edgecore.protocol.state import KVData
+from edgecore.protocol.transport import PeerError, Timeouts
+from edgecore.shared.config import CacheConfig, EngineConfig
+from edgecore.shared.engine.async_engine import AsyncEngine
+from edgecore.shared.engine.engine import LLMEngine
+from edgecore.shared.engine.output import RequestOutput
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.kv.wire import from_bits
 
 log = logging.getLogger("edgecore.edge")
 

@@ -24,11 +24,11 @@ import subprocess
 import sys
 from typing import AsyncIterator, Callable
 
-from edge.ipc import Abort, Call, Failed, FrameBuffer, Generate, Hello, IpcError, Message, Outputs, Reply, encode
-from shared.engine.output import RequestOutput
-from shared.engine.sampling_params import SamplingParams
-from shared.errors import EdgecoreError, EngineDead, RequestError
-from shared.tokenizer import Tokenizer
+from edgecore.edge.ipc import Abort, Call, Failed, FrameBuffer, Generate, Hello, IpcError, Message, Outputs, Reply, encode
+from edgecore.shared.engine.output import RequestOutput
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.errors import EdgecoreError, EngineDead, RequestError
+from edgecore.shared.tokenizer import Tokenizer
 
 log = logging.getLogger("edgecore.edge.engine_client")
 
@@ -55,7 +55,7 @@ class EngineClient:
         parent, child = socket.socketpair()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "deploy.cli", *self.argv, "--model", self.model_dir,
+                [sys.executable, "-m", "edgecore", *self.argv, "--model", self.model_dir,
                  "--engine-fd", str(child.fileno())], pass_fds=[child.fileno()], stdout=subprocess.DEVNULL)
         finally:
             child.close()

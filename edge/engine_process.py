@@ -25,10 +25,10 @@ import logging
 import socket
 from functools import partial
 
-from edge.engine import EdgeEngine
-from edge.ipc import Abort, Call, Failed, FrameBuffer, Generate, Hello, IpcError, Message, Outputs, Reply, encode
-from shared.engine.output import RequestOutput
-from shared.errors import RequestError
+from edgecore.edge.engine import EdgeEngine
+from edgecore.edge.ipc import Abort, Call, Failed, FrameBuffer, Generate, Hello, IpcError, Message, Outputs, Reply, encode
+from edgecore.shared.engine.output import RequestOutput
+from edgecore.shared.errors import RequestError
 
 log = logging.getLogger("edgecore.edge.engine_process")
 

@@ -21,10 +21,10 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from shared.errors import EngineDead
-from shared.openai.http import error_middleware, json_body
-from shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
-from shared.openai.response import ChoiceResult, TokenText, response_body, usage
+from edgecore.shared.errors import EngineDead
+from edgecore.shared.openai.http import error_middleware, json_body
+from edgecore.shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
+from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body, usage
 
 log = logging.getLogger("edgecore.http")
 json_encode = msgspec.json.Encoder().encode

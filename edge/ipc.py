@@ -18,9 +18,9 @@ from typing import Any
 
 import msgspec
 
-from shared.engine.output import RequestOutput
-from shared.engine.sampling_params import SamplingParams
-from shared.errors import EdgecoreError
+from edgecore.shared.engine.output import RequestOutput
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.errors import EdgecoreError
 
 MAX_FRAME = 256 * 1024 * 1024
 _LEN = struct.Struct("<I")

@@ -17,9 +17,9 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
-from shared.errors import ConfigError, ModelLoadError
-from shared.pack import MANIFEST
-from shared.pack.format import sha256_file
+from edgecore.shared.errors import ConfigError, ModelLoadError
+from edgecore.shared.pack import MANIFEST
+from edgecore.shared.pack.format import sha256_file
 
 
 def _get(url: str, headers: dict | None = None, timeout: float = 60):

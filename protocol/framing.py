@@ -25,7 +25,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from protocol.errors import ErrorCode, RemoteProtocolError
+from edgecore.protocol.errors import ErrorCode, RemoteProtocolError
 
 MAGIC = b"EDGC"
 FIXED = struct.Struct("<4sBBHII")

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocol.codecs import PlaneInfo, get_codec
-from protocol.errors import CodecError
-from protocol.messages import KVChunk
-from protocol.state import KVData, checksum, verify_checksum
+from edgecore.protocol.codecs import PlaneInfo, get_codec
+from edgecore.protocol.errors import CodecError
+from edgecore.protocol.messages import KVChunk
+from edgecore.protocol.state import KVData, checksum, verify_checksum
 
 # Below this many K+V bytes, encoding or decoding a chunk takes less time than handing it to a worker
 # thread and back, so callers do it in place.

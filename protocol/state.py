@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from protocol import messages as m
-from protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
-from protocol.framing import FrameParser, Limits, pack_fixed
+from edgecore.protocol import messages as m
+from edgecore.protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
+from edgecore.protocol.framing import FrameParser, Limits, pack_fixed
 
 
 class Role(enum.Enum):

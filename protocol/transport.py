@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from protocol import messages as m
-from protocol.errors import ErrorCode, ProtocolError
-from protocol.state import NEED_DATA, Connection, KVData, Role, State
+from edgecore.protocol import messages as m
+from edgecore.protocol.errors import ErrorCode, ProtocolError
+from edgecore.protocol.state import NEED_DATA, Connection, KVData, Role, State
 
 log = logging.getLogger("edgecore.protocol")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.env import default_model, resolve_device
+from edgecore.shared.env import default_model, resolve_device
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -76,7 +76,7 @@ class Progress:
 def run_pack(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from shared.pack import pack_model
+    from edgecore.shared.pack import pack_model
     progress = Progress("pack")
     manifest = pack_model(args.model_dir, args.out_dir, args.level, args.threads, progress)
     original = sum(s["size"] for s in manifest["shards"])
@@ -87,8 +87,8 @@ def run_pack(args: argparse.Namespace) -> int:
 
 
 def run_unpack(args: argparse.Namespace) -> int:
-    from shared.errors import ModelLoadError
-    from shared.pack import PackedCheckpoint, is_packed
+    from edgecore.shared.errors import ModelLoadError
+    from edgecore.shared.pack import PackedCheckpoint, is_packed
     if not is_packed(args.packed_dir):
         raise ModelLoadError(f"{args.packed_dir} is not a packed checkpoint (no edgecore-pack.json)")
     progress = Progress("unpack")
@@ -102,8 +102,8 @@ def run_unpack(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from shared.engine.engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
+    from edgecore.shared.engine.engine import LLMEngine
+    from edgecore.shared.engine.sampling_params import SamplingParams
 
     engine = LLMEngine.from_dir(args.model or default_model(), args.dtype, resolve_device(args.device))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.errors import ConfigError
+from edgecore.shared.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -1,6 +1,6 @@
 """Every environment variable edgecore reads, in one place.
 
-EDGECORE_MODEL      default model directory (else the bundled models/pydoc-llama)
+EDGECORE_MODEL      default model directory (else the bundled pydoc-llama, package data of edgecore.models)
 EDGECORE_DEVICE     default device (else cuda when available, otherwise cpu)
 EDGECORE_THREADS    torch intra-op threads (else torch's default)
 EDGECORE_SECRET     cluster secret (else --secret-file)
@@ -15,7 +15,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "models" / "pydoc-llama"
+from edgecore.models import bundled_model_dir
+
+BUNDLED_MODEL = bundled_model_dir()
 
 
 def default_model() -> str:
@@ -34,7 +36,7 @@ def resolve_device(requested: str | None) -> str:
     """`--device` (or the default), checked: a device this torch build cannot use is a ConfigError."""
     import torch
 
-    from shared.errors import ConfigError
+    from edgecore.shared.errors import ConfigError
     device = requested or default_device()
     try:
         kind = torch.device(device).type

@@ -14,8 +14,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from shared.config import ModelConfig
-from shared.weights import weight_index
+from edgecore.shared.config import ModelConfig
+from edgecore.shared.weights import weight_index
 
 
 def model_fingerprint(model_dir: str | Path, config: ModelConfig | None = None) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shared.errors import ConfigError
+from edgecore.shared.errors import ConfigError
 
 
 def read_secret(path: str | None, env: str = "EDGECORE_SECRET", required: bool = True) -> bytes | None:

@@ -19,7 +19,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from shared.errors import ConfigError, RequestError
+from edgecore.shared.errors import ConfigError, RequestError
 
 
 def _token_text(value) -> str | None:

@@ -16,7 +16,7 @@ from typing import Iterator
 
 from safetensors import SafetensorError, safe_open
 
-from shared.errors import ModelLoadError
+from edgecore.shared.errors import ModelLoadError
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -44,7 +44,7 @@ def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
     A packed checkpoint yields lazy packed tensors instead, which decode (checksum
     verified) on slicing or straight into a destination with `decode_jobs`.
     """
-    from shared.pack import PackedCheckpoint, is_packed
+    from edgecore.shared.pack import PackedCheckpoint, is_packed
     if is_packed(model_dir):
         # The lazy tensors keep the checkpoint (and its memory map) alive until the last one is
         # decoded, possibly in another thread; the map closes when they are gone.
@@ -65,7 +65,7 @@ def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
 
 def weight_index(model_dir: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name → (dtype, shape) for every tensor, read from headers only (or the pack manifest)."""
-    from shared.pack import PackedCheckpoint, is_packed
+    from edgecore.shared.pack import PackedCheckpoint, is_packed
     if is_packed(model_dir):
         packed = PackedCheckpoint(model_dir)
         try:

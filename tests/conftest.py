@@ -31,7 +31,7 @@ def heldout() -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from shared.tokenizer import Tokenizer
+    from edgecore.shared.tokenizer import Tokenizer
     return Tokenizer.from_dir(MODEL_DIR)
 
 
@@ -42,8 +42,8 @@ def hf_model():
 
 
 def make_engine(model_dir=MODEL_DIR, **kw):
-    from shared.config import CacheConfig, EngineConfig
-    from shared.engine.engine import LLMEngine
+    from edgecore.shared.config import CacheConfig, EngineConfig
+    from edgecore.shared.engine.engine import LLMEngine
     cache = CacheConfig(block_size=kw.pop("block_size", 16), num_blocks=kw.pop("num_blocks", 1024),
                         enable_prefix_caching=kw.pop("prefix_caching", True))
     eng = EngineConfig(max_num_batched_tokens=kw.pop("budget", 2048), max_num_seqs=kw.pop("max_seqs", 128))

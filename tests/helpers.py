@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.sequence import Sequence
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.engine.sequence import Sequence
 
 
 def stepwise_logits(engine, token_ids: list[int], prefill_len: int) -> torch.Tensor:

@@ -12,11 +12,11 @@ import json
 
 import torch
 
-from core.ranks import start_parallel_engine
-from shared.config import CacheConfig, EngineConfig
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.sequence import Sequence
-from shared.engine.step_plan import encode_step
+from edgecore.core.ranks import start_parallel_engine
+from edgecore.shared.config import CacheConfig, EngineConfig
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.engine.sequence import Sequence
+from edgecore.shared.engine.step_plan import encode_step
 
 
 def main():

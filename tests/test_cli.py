@@ -7,7 +7,7 @@ import pytest
 
 
 def run(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "edgecore", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -32,7 +32,7 @@ def test_user_errors_are_one_line_and_non_zero(args, needle):
 
 
 def test_every_command_has_help():
-    from deploy.cli import build_parser
+    from edgecore.deploy.cli import build_parser
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices
     for name in commands:

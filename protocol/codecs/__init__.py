@@ -6,12 +6,12 @@ PrefillRequest lists those it allows; a KVChunk names the codec it used.
 
 from __future__ import annotations
 
-from protocol.codecs.base import Codec, PlaneInfo, from_float32, to_float32
-from protocol.codecs.fp8 import Fp8Codec
-from protocol.codecs.lossless import LosslessCodec
-from protocol.codecs.quant import QuantCodec
-from protocol.codecs.raw import RawCodec
-from protocol.errors import CodecError
+from edgecore.protocol.codecs.base import Codec, PlaneInfo, from_float32, to_float32
+from edgecore.protocol.codecs.fp8 import Fp8Codec
+from edgecore.protocol.codecs.lossless import LosslessCodec
+from edgecore.protocol.codecs.quant import QuantCodec
+from edgecore.protocol.codecs.raw import RawCodec
+from edgecore.protocol.errors import CodecError
 
 CODECS: dict[str, Codec] = {c.name: c for c in (
     RawCodec(), LosslessCodec(), Fp8Codec(), QuantCodec(8, "int8", 3), QuantCodec(4, "int4", 4))}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from protocol.errors import CodecError
+from edgecore.protocol.errors import CodecError
 
 BITS_DTYPES = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32}
 

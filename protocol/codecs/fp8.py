@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocol.codecs.base import Codec, PlaneInfo, check_bits, from_float32, to_float32
-from protocol.errors import CodecError
+from edgecore.protocol.codecs.base import Codec, PlaneInfo, check_bits, from_float32, to_float32
+from edgecore.protocol.errors import CodecError
 
 FP8_MAX = 448.0
 

@@ -17,9 +17,9 @@ import struct
 
 import numpy as np
 
-from protocol.codecs.base import BITS_DTYPES, Codec, PlaneInfo, check_bits, zstd_compress, zstd_decompress
-from protocol.codecs.planes import join_planes, split_planes
-from protocol.errors import CodecError
+from edgecore.protocol.codecs.base import BITS_DTYPES, Codec, PlaneInfo, check_bits, zstd_compress, zstd_decompress
+from edgecore.protocol.codecs.planes import join_planes, split_planes
+from edgecore.protocol.errors import CodecError
 
 _LEN = struct.Struct("<I")
 

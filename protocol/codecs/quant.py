@@ -19,10 +19,10 @@ import struct
 
 import numpy as np
 
-from protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, check_bits, from_float32, to_float32,
+from edgecore.protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, check_bits, from_float32, to_float32,
                                   zstd_compress, zstd_decompress)
-from protocol.codecs.lossless import LosslessCodec
-from protocol.errors import CodecError
+from edgecore.protocol.codecs.lossless import LosslessCodec
+from edgecore.protocol.errors import CodecError
 
 HEADER = struct.Struct("<BBBBIIIIII")
 EXACT_HEAD, EXACT_RECENT = 4, 64

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocol.codecs.base import BITS_DTYPES, Codec, PlaneInfo, check_bits
-from protocol.errors import CodecError
+from edgecore.protocol.codecs.base import BITS_DTYPES, Codec, PlaneInfo, check_bits
+from edgecore.protocol.errors import CodecError
 
 
 class RawCodec(Codec):

@@ -20,10 +20,10 @@ import threading
 from collections import deque
 from typing import Any, AsyncIterator, Callable
 
-from shared.engine.engine import LayerHook, LLMEngine
-from shared.engine.output import RequestOutput
-from shared.engine.sampling_params import SamplingParams
-from shared.errors import EngineDead
+from edgecore.shared.engine.engine import LayerHook, LLMEngine
+from edgecore.shared.engine.output import RequestOutput
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.errors import EngineDead
 
 log = logging.getLogger("edgecore.engine")
 

@@ -23,17 +23,17 @@ from typing import Callable
 
 import torch
 
-from shared.config import CacheConfig, EngineConfig, ModelConfig
-from shared.engine.model_runner import ModelRunner
-from shared.engine.output import OutputState, RequestOutput
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import Scheduler
-from shared.engine.sequence import Sequence, Status
-from shared.errors import RequestError
-from shared.kv.block_manager import BlockManager, NoFreeBlocks
-from shared.kv.pool import KVPool
-from shared.models.loader import load_model, resolve_dtype
-from shared.tokenizer import Tokenizer
+from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
+from edgecore.shared.engine.model_runner import ModelRunner
+from edgecore.shared.engine.output import OutputState, RequestOutput
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.engine.scheduler import Scheduler
+from edgecore.shared.engine.sequence import Sequence, Status
+from edgecore.shared.errors import RequestError
+from edgecore.shared.kv.block_manager import BlockManager, NoFreeBlocks
+from edgecore.shared.kv.pool import KVPool
+from edgecore.shared.models.loader import load_model, resolve_dtype
+from edgecore.shared.tokenizer import Tokenizer
 
 LayerHook = Callable[[int, list[tuple[Sequence, int]]], None]
 

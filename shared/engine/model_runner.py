@@ -14,14 +14,14 @@ from typing import Callable
 
 import torch
 
-from shared.engine.sampler import SampleResult, sample
-from shared.engine.scheduler import ScheduledBatch
-from shared.engine.sequence import Sequence
-from shared.env import cpu_pack_enabled
-from shared.kv.pool import KVPool
-from shared.malloc import retain_freed_memory
-from shared.models.attention import AttentionMetadata, PrefillChunk
-from shared.models.layers import pack_for_cpu
+from edgecore.shared.engine.sampler import SampleResult, sample
+from edgecore.shared.engine.scheduler import ScheduledBatch
+from edgecore.shared.engine.sequence import Sequence
+from edgecore.shared.env import cpu_pack_enabled
+from edgecore.shared.kv.pool import KVPool
+from edgecore.shared.malloc import retain_freed_memory
+from edgecore.shared.models.attention import AttentionMetadata, PrefillChunk
+from edgecore.shared.models.layers import pack_for_cpu
 
 
 def sampling_rows(ordered) -> tuple[list[int], list[Sequence]]:

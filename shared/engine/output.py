@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.engine.sequence import Sequence
-from shared.tokenizer import IncrementalDetokenizer, Tokenizer
+from edgecore.shared.engine.sequence import Sequence
+from edgecore.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass

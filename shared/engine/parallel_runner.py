@@ -28,12 +28,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from shared.engine.model_runner import ModelRunner, sampling_rows
-from shared.engine.sampler import sample
-from shared.engine.step_plan import (READ_KV, STATS, STEP, STOP, StepRoutes, decode_plan, encode_read_kv,
+from edgecore.shared.engine.model_runner import ModelRunner, sampling_rows
+from edgecore.shared.engine.sampler import sample
+from edgecore.shared.engine.step_plan import (READ_KV, STATS, STEP, STOP, StepRoutes, decode_plan, encode_read_kv,
                                      encode_stats, encode_step, encode_stop)
-from shared.models.layers import weight_bytes
-from shared.parallel import Layout
+from edgecore.shared.models.layers import weight_bytes
+from edgecore.shared.parallel import Layout
 
 
 def kv_head_start(tp_rank: int, tp: int, total_kv_heads: int) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.sequence import Sequence
+from edgecore.shared.engine.sequence import Sequence
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shared.errors import RequestError
+from edgecore.shared.errors import RequestError
 
 MAX_LOGPROBS = 20
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.config import EngineConfig
-from shared.engine.sequence import Sequence, Status
-from shared.kv.block_manager import BlockManager, NoFreeBlocks
+from edgecore.shared.config import EngineConfig
+from edgecore.shared.engine.sequence import Sequence, Status
+from edgecore.shared.kv.block_manager import BlockManager, NoFreeBlocks
 
 
 @dataclass

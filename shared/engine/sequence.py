@@ -16,8 +16,8 @@ from __future__ import annotations
 import enum
 import itertools
 
-from shared.engine.sampling_params import SamplingParams
-from shared.kv.block_manager import BlockTable
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.kv.block_manager import BlockTable
 
 _arrival = itertools.count()
 

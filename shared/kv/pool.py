@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.config import CacheConfig, ModelConfig
+from edgecore.shared.config import CacheConfig, ModelConfig
 
 
 class KVPool:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.parallel import all_gather_last_dim, all_reduce, tensor_parallel
+from edgecore.shared.parallel import all_gather_last_dim, all_reduce, tensor_parallel
 
 
 def _read(source, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:

@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.config import ModelConfig
-from shared.models.attention import AttentionMetadata, paged_attention
-from shared.models.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.attention import AttentionMetadata, paged_attention
+from edgecore.shared.models.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                   RowParallelLinear, VocabParallelEmbedding)
-from shared.parallel import tensor_parallel
+from edgecore.shared.parallel import tensor_parallel
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

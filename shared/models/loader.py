@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from shared.config import ModelConfig
-from shared.errors import ConfigError, ModelLoadError
-from shared.malloc import retain_freed_memory
-from shared.models.llama import LlamaForCausalLM
-from shared.weights import iter_weights
+from edgecore.shared.config import ModelConfig
+from edgecore.shared.errors import ConfigError, ModelLoadError
+from edgecore.shared.malloc import retain_freed_memory
+from edgecore.shared.models.llama import LlamaForCausalLM
+from edgecore.shared.weights import iter_weights
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -61,7 +61,7 @@ def load_model(model_dir: str | Path, dtype="auto", device: str = "cpu",
         retain_freed_memory()     # as a CPU ModelRunner would: loading's temporary buffers reuse heap pages
     model = build_model(config, resolve_dtype(dtype, device), device, layers)
     try:
-        from shared.pack import is_packed
+        from edgecore.shared.pack import is_packed
         used = model.load_weights(iter_weights(model_dir), threads=2 if is_packed(model_dir) else 0)
     except ValueError as exc:
         raise ModelLoadError(f"{model_dir}: {exc}") from None

@@ -14,7 +14,7 @@ from typing import Callable
 import msgspec
 from aiohttp import web
 
-from shared.openai.request import ApiError
+from edgecore.shared.openai.request import ApiError
 
 
 def check_bearer(request: web.Request, keys: list[bytes]) -> None:

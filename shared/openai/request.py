@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.engine.sampling_params import SamplingParams
-from shared.errors import RequestError
-from shared.tokenizer import Tokenizer
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.errors import RequestError
+from edgecore.shared.tokenizer import Tokenizer
 
 MAX_N = 16
 MAX_STOP = 4

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from shared.engine.output import RequestOutput, TokenLogprob
-from shared.openai.request import ParsedRequest
-from shared.tokenizer import Tokenizer
+from edgecore.shared.engine.output import RequestOutput, TokenLogprob
+from edgecore.shared.openai.request import ParsedRequest
+from edgecore.shared.tokenizer import Tokenizer
 
 
 class TokenText:

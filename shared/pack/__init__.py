@@ -5,8 +5,8 @@ it (tensor by tensor, in parallel threads, checksums verified) and restores the
 original safetensors files byte for byte with `unpack`. See `format.py`.
 """
 
-from shared.pack.format import MANIFEST, is_packed
-from shared.pack.reader import PackedCheckpoint
-from shared.pack.writer import pack_model
+from edgecore.shared.pack.format import MANIFEST, is_packed
+from edgecore.shared.pack.reader import PackedCheckpoint
+from edgecore.shared.pack.writer import pack_model
 
 __all__ = ["MANIFEST", "PackedCheckpoint", "is_packed", "pack_model"]

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import zstandard
 
-from protocol.codecs.planes import join_top_byte
-from shared.errors import ModelLoadError
-from shared.pack.format import BITS, FORMAT, MAGIC, MANIFEST, NUMPY, PACK_FILE, VERSION, sha256_file
+from edgecore.protocol.codecs.planes import join_top_byte
+from edgecore.shared.errors import ModelLoadError
+from edgecore.shared.pack.format import BITS, FORMAT, MAGIC, MANIFEST, NUMPY, PACK_FILE, VERSION, sha256_file
 
 
 class PackedCheckpoint:

@@ -22,11 +22,11 @@ from typing import Callable
 import numpy as np
 import zstandard
 
-from protocol.codecs.planes import split_top_byte
-from shared.errors import ModelLoadError
-from shared.pack.format import (BITS, CHUNK_VALUES, FORMAT, MAGIC, MANIFEST, MIN_PLANES_BYTES, PACK_FILE,
+from edgecore.protocol.codecs.planes import split_top_byte
+from edgecore.shared.errors import ModelLoadError
+from edgecore.shared.pack.format import (BITS, CHUNK_VALUES, FORMAT, MAGIC, MANIFEST, MIN_PLANES_BYTES, PACK_FILE,
                                 VERSION, sha256_file)
-from shared.weights import checkpoint_files
+from edgecore.shared.weights import checkpoint_files
 
 
 def read_header(path: Path) -> tuple[bytes, dict, int]:

@@ -5,16 +5,16 @@ import asyncio
 import pytest
 import torch
 
-from core.ranks import owns_kv
-from core.stream_server import StreamServer
-from protocol import messages as m
-from protocol.kv import decode_chunk
-from protocol.state import KVData
-from protocol.transport import PeerError, connect
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.step_plan import StepRoutes
-from shared.fingerprint import model_fingerprint
-from shared.kv.wire import from_bits
+from edgecore.core.ranks import owns_kv
+from edgecore.core.stream_server import StreamServer
+from edgecore.protocol import messages as m
+from edgecore.protocol.kv import decode_chunk
+from edgecore.protocol.state import KVData
+from edgecore.protocol.transport import PeerError, connect
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.engine.step_plan import StepRoutes
+from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.kv.wire import from_bits
 from tests.conftest import MODEL_DIR, make_engine
 
 SECRET = b"stream-secret"
@@ -82,8 +82,8 @@ def test_replicated_kv_heads_are_streamed_by_one_rank_each():
 
 async def test_edge_client_attaches_to_stream_ports_and_reattaches(served):
     """A CoreClient follows Welcome.streams with its session id, and reopens a dropped stream connection."""
-    from edge.core_client import CoreClient
-    from protocol.transport import serve
+    from edgecore.edge.core_client import CoreClient
+    from edgecore.protocol.transport import serve
     _, server, fp = served
 
     async def main_port(peer):                # stands in for rank 0: only the handshake matters here

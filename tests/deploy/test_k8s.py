@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.k8s import render
-from deploy.topology import load_topology
+from edgecore.deploy.k8s import render
+from edgecore.deploy.topology import load_topology
 
 ROOT = Path(__file__).resolve().parents[2]
 yaml = pytest.importorskip("yaml")
@@ -46,7 +46,7 @@ def test_manifests_validate_strictly(rendered):
 
 def test_cross_references(rendered):
     _, _, docs = rendered
-    from core.http import build_app as core_app
+    from edgecore.core.http import build_app as core_app
 
     def labels_of(doc):
         return doc["spec"]["template"]["metadata"]["labels"]
@@ -93,7 +93,7 @@ def test_cross_references(rendered):
         http_extensions = []
     paths = {r.resource.canonical for r in core_app(FakeCore()).router.routes()}
     assert {"/health", "/ready"} <= paths
-    from edge.http import EdgeHTTP
+    from edgecore.edge.http import EdgeHTTP
     edge_paths = {r.resource.canonical for r in EdgeHTTP(type("E", (), {"tokenizer": None})(), "m")
                   .build_app().router.routes()}
     assert {"/health", "/ready", "/v1/chat/completions"} <= edge_paths
@@ -104,7 +104,7 @@ def test_cross_references(rendered):
 
 
 def test_render_cli(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "deploy.cli", "deploy", "render", "--topology",
+    r = subprocess.run([sys.executable, "-m", "edgecore", "deploy", "render", "--topology",
                         str(ROOT / "deploy" / "topology.toml"), "--out", str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "wrote 9 files" in r.stdout
@@ -113,7 +113,7 @@ def test_render_cli(tmp_path):
 def test_parallel_core_gets_its_layout_and_parses(tmp_path):
     """A TP×PP core in the topology runs with --tp/--pp (and --gather-kv: its Service has one KV port);
     every rendered command line is accepted by edgecore's own parser."""
-    from deploy.cli import build_parser
+    from edgecore.deploy.cli import build_parser
     text = (ROOT / "deploy" / "topology.toml").read_text().replace("tp = 1 ", "tp = 2 ", 1)
     assert "tp = 2 " in text
     (tmp_path / "topology.toml").write_text(text)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from deploy.topology import TopologyError, load_topology
+from edgecore.deploy.topology import TopologyError, load_topology
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 

@@ -26,7 +26,7 @@ class Node:
         self.args = args
         full_env = {"EDGECORE_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log = open(f"/tmp/edgecore-test-{os.getpid()}-{free_port()}.log", "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], cwd=ROOT, env=full_env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "edgecore", *args], cwd=ROOT, env=full_env,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
         deadline = time.monotonic() + ready_timeout
         self.ready_line = ""

@@ -8,7 +8,7 @@ import urllib.request
 import openai
 import pytest
 
-from shared.engine.sampling_params import SamplingParams
+from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine
 from tests.e2e.procs import get_json, post_json, start_core, wait_for
 
@@ -181,9 +181,9 @@ def test_context_ingestion_skips_prefill(core, tokenizer, heldout, secret_file):
     # A prefill whose prompt starts with the context reuses its KV, with identical output.
     import asyncio
 
-    from edge.core_client import CoreClient
-    from protocol import messages as m
-    from shared.fingerprint import model_fingerprint
+    from edgecore.edge.core_client import CoreClient
+    from edgecore.protocol import messages as m
+    from edgecore.shared.fingerprint import model_fingerprint
     from tests.conftest import MODEL_DIR
 
     prompt = tokenizer.encode(text) + tokenizer.encode(" and then the question")
@@ -216,12 +216,12 @@ def test_batch_submit_cli(core, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_bytes(jsonl([completion_line(f"cli-{i}", f"Line {i}") for i in range(4)]))
     out = tmp_path / "out.jsonl"
-    r = subprocess.run([sys.executable, "-m", "deploy.cli", "batch", "submit", str(src), "--url",
+    r = subprocess.run([sys.executable, "-m", "edgecore", "batch", "submit", str(src), "--url",
                         f"http://127.0.0.1:{core['http']}", "--endpoint", "/v1/completions", "--output", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "4 done, 0 failed of 4" in r.stderr
     assert sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == [f"cli-{i}" for i in range(4)]
-    bad = subprocess.run([sys.executable, "-m", "deploy.cli", "batch", "submit", str(tmp_path / "nope.jsonl")],
+    bad = subprocess.run([sys.executable, "-m", "edgecore", "batch", "submit", str(tmp_path / "nope.jsonl")],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1

@@ -4,13 +4,13 @@ import asyncio
 
 import pytest
 
-from core.server import CoreConfig, CoreServer
-from edge.core_client import CoreClient
-from protocol import messages as m
-from protocol.kv import decode_chunk
-from protocol.state import KVData
-from shared.config import EngineConfig
-from shared.fingerprint import model_fingerprint
+from edgecore.core.server import CoreConfig, CoreServer
+from edgecore.edge.core_client import CoreClient
+from edgecore.protocol import messages as m
+from edgecore.protocol.kv import decode_chunk
+from edgecore.protocol.state import KVData
+from edgecore.shared.config import EngineConfig
+from edgecore.shared.fingerprint import model_fingerprint
 
 pytestmark = pytest.mark.timeout(60)
 

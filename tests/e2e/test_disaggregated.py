@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from shared.engine.sampling_params import SamplingParams
+from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine
 from tests.e2e.procs import get_json, post_json, start_core, start_edge, wait_for
 

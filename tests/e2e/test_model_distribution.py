@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from core.server import CoreConfig, CoreServer
-from edge.model_fetch import fetch_model
-from shared.errors import ModelLoadError
-from shared.fingerprint import model_fingerprint
+from edgecore.core.server import CoreConfig, CoreServer
+from edgecore.edge.model_fetch import fetch_model
+from edgecore.shared.errors import ModelLoadError
+from edgecore.shared.fingerprint import model_fingerprint
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.engine.sampling_params import SamplingParams
+from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine
 from tests.e2e.procs import get_json, start_core, start_edge, wait_for
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from shared.engine.sampling_params import SamplingParams
-from shared.models.layers import weight_bytes
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.models.layers import weight_bytes
 from tests.conftest import make_engine
 from tests.e2e.procs import ROOT, get_json, post_json, start_core, start_edge, wait_for
 from tests.helpers import random_hf_checkpoint, stepwise_logits
@@ -93,7 +93,7 @@ def test_edge_decodes_kv_from_parallel_core(tp, pp, gather, secret_file, tokeniz
         edge.stop()
         core.stop()
     # Every rank went down with the core.
-    assert wait_for(lambda: subprocess.run(["pgrep", "-f", "deploy.cli core-worker"],
+    assert wait_for(lambda: subprocess.run(["pgrep", "-f", "edgecore core-worker"],
                                            capture_output=True).returncode != 0, 15)
 
 

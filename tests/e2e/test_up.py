@@ -10,7 +10,7 @@ import time
 import openai
 import pytest
 
-from shared.engine.sampling_params import SamplingParams
+from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine
 from tests.e2e.procs import ROOT, free_port, get_json, post_json, start_core, start_edge
 
@@ -55,7 +55,7 @@ from = "south"
 to = "dc"
 delay_ms = 30
 """)
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--topology", str(topo)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "edgecore", "up", "--topology", str(topo)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "EDGECORE_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     lines = []

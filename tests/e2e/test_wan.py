@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from deploy.launcher import Launcher
-from deploy.topology import load_topology
+from edgecore.deploy.launcher import Launcher
+from edgecore.deploy.topology import load_topology
 from tests.e2e.procs import ROOT, get_json, post_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300),

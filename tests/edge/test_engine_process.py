@@ -10,13 +10,13 @@ import socket
 
 import pytest
 
-from edge.engine import EdgeConfig, EdgeEngine
-from edge.engine_client import EngineClient
-from edge.engine_process import EngineServer
-from edge.ipc import MAX_FRAME, Abort, Call, FrameBuffer, Generate, IpcError, Outputs, Reply, encode
-from shared.engine.output import RequestOutput, TokenLogprob
-from shared.engine.sampling_params import SamplingParams
-from shared.errors import EngineDead, RequestError
+from edgecore.edge.engine import EdgeConfig, EdgeEngine
+from edgecore.edge.engine_client import EngineClient
+from edgecore.edge.engine_process import EngineServer
+from edgecore.edge.ipc import MAX_FRAME, Abort, Call, FrameBuffer, Generate, IpcError, Outputs, Reply, encode
+from edgecore.shared.engine.output import RequestOutput, TokenLogprob
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.errors import EngineDead, RequestError
 from tests.conftest import make_engine
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,6 +1,6 @@
 """The measured prefill crossover: local below it, the core above it; the fixed threshold until measured."""
 
-from edge.placement import PrefillModel
+from edgecore.edge.placement import PrefillModel
 
 
 def test_fixed_threshold_until_both_sides_are_measured():

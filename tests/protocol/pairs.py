@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocol import messages as m
-from protocol.kv import encode_chunk
-from protocol.state import NEED_DATA, Connection, Role
+from edgecore.protocol import messages as m
+from edgecore.protocol.kv import encode_chunk
+from edgecore.protocol.state import NEED_DATA, Connection, Role
 
 SECRET = b"cluster-secret"
 FP = "f" * 64

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from protocol.codecs import CODECS, PlaneInfo, from_float32, get_codec, to_float32
-from protocol.codecs.fp8 import encode_e4m3
-from protocol.errors import CodecError
+from edgecore.protocol.codecs import CODECS, PlaneInfo, from_float32, get_codec, to_float32
+from edgecore.protocol.codecs.fp8 import encode_e4m3
+from edgecore.protocol.errors import CodecError
 from tests.conftest import make_engine
 
 

@@ -5,10 +5,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.errors import ProtocolError
-from protocol.framing import Limits
-from protocol.kv import decode_chunk
-from protocol.state import NEED_DATA, KVData
+from edgecore.protocol.errors import ProtocolError
+from edgecore.protocol.framing import Limits
+from edgecore.protocol.kv import decode_chunk
+from edgecore.protocol.state import NEED_DATA, KVData
 from tests.protocol.pairs import READY_CLIENT_MSGS, handshake, new_pair, ready_server_msgs, sample_kv
 
 LIMITS = Limits(max_header=4096, max_payload=1 << 16, max_buffer=1 << 17)

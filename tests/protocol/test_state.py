@@ -5,11 +5,11 @@ import random
 import numpy as np
 import pytest
 
-from protocol import messages as m
-from protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
-from protocol.framing import FIXED_SIZE, Limits, pack_fixed
-from protocol.kv import decode_chunk
-from protocol.state import KVData, State
+from edgecore.protocol import messages as m
+from edgecore.protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
+from edgecore.protocol.framing import FIXED_SIZE, Limits, pack_fixed
+from edgecore.protocol.kv import decode_chunk
+from edgecore.protocol.state import KVData, State
 from tests.protocol.pairs import (READY_CLIENT_MSGS, deliver, handshake, new_pair, ready_server_msgs,
                                   sample_kv)
 

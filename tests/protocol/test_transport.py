@@ -7,11 +7,11 @@ import subprocess
 import numpy as np
 import pytest
 
-from protocol import messages as m
-from protocol.errors import ErrorCode
-from protocol.framing import pack_fixed
-from protocol.kv import decode_chunk
-from protocol.transport import PeerError, Timeouts, connect, serve, tls_context
+from edgecore.protocol import messages as m
+from edgecore.protocol.errors import ErrorCode
+from edgecore.protocol.framing import pack_fixed
+from edgecore.protocol.kv import decode_chunk
+from edgecore.protocol.transport import PeerError, Timeouts, connect, serve, tls_context
 from tests.protocol.pairs import CODECS, FP, SECRET, sample_kv
 
 pytestmark = pytest.mark.timeout(30)

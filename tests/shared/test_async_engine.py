@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from shared.engine.async_engine import AsyncEngine
-from shared.engine.sampling_params import SamplingParams
+from edgecore.shared.engine.async_engine import AsyncEngine
+from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine
 
 pytestmark = pytest.mark.timeout(60)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from shared.kv.block_manager import BlockManager, BlockTable, NoFreeBlocks, prefix_hashes
+from edgecore.shared.kv.block_manager import BlockManager, BlockTable, NoFreeBlocks, prefix_hashes
 
 
 def alloc(bm, tokens, n=None):

@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 
-from shared.config import ModelConfig
-from shared.errors import ConfigError, ModelLoadError
-from shared.models.loader import load_model
+from edgecore.shared.config import ModelConfig
+from edgecore.shared.errors import ConfigError, ModelLoadError
+from edgecore.shared.models.loader import load_model
 
 BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
@@ -87,7 +87,7 @@ def test_dtype_selection(model_dir):
 
 def test_fingerprint_is_stable_and_model_specific(tmp_path, model_dir):
     from tests.helpers import random_hf_checkpoint
-    from shared.fingerprint import model_fingerprint
+    from edgecore.shared.fingerprint import model_fingerprint
     a = model_fingerprint(model_dir)
     assert a == model_fingerprint(model_dir) and len(a) == 64
     other, _ = random_hf_checkpoint(tmp_path, "llama")

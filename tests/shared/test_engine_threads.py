@@ -7,8 +7,8 @@ from tests.conftest import ROOT
 
 PROBE = """
 import asyncio, torch
-from shared.env import reserve_threads_for_engine
-from shared.engine.async_engine import AsyncEngine
+from edgecore.shared.env import reserve_threads_for_engine
+from edgecore.shared.engine.async_engine import AsyncEngine
 from tests.conftest import make_engine
 torch.set_num_threads(2)
 threads = reserve_threads_for_engine()

@@ -4,8 +4,8 @@ prefix caching, chunking and preemption; sampling, stops, logprobs, abort, KV en
 import pytest
 import torch
 
-from shared.engine.sampling_params import SamplingParams
-from shared.errors import RequestError
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.errors import RequestError
 from tests.conftest import make_engine
 
 GREEDY64 = SamplingParams(max_tokens=64, temperature=0)

@@ -11,10 +11,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import resource, torch
-from shared.config import CacheConfig, EngineConfig
-from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
-from shared.malloc import retain_freed_memory
+from edgecore.shared.config import CacheConfig, EngineConfig
+from edgecore.shared.engine.engine import LLMEngine
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.malloc import retain_freed_memory
 engine = LLMEngine.from_dir("models/pydoc-llama", "fp32", "cpu", CacheConfig(num_blocks=1024),
                             EngineConfig(max_num_batched_tokens=2048))
 gen = torch.Generator().manual_seed(0)

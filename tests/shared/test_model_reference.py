@@ -51,8 +51,8 @@ def test_chunked_prefill_with_cached_context_matches(hf_model, model_dir, tokeni
     """A prefill that attends to context computed in an earlier chunk (prefix-hit path)."""
     engine = make_engine(model_dir, block_size=8)
     ids = tokenizer.encode(heldout[5000:8000])[:120]
-    from shared.engine.sampling_params import SamplingParams
-    from shared.engine.sequence import Sequence
+    from edgecore.shared.engine.sampling_params import SamplingParams
+    from edgecore.shared.engine.sequence import Sequence
     seq = Sequence("c", ids, SamplingParams())
     engine.block_manager.allocate_prompt(seq.table, ids, len(ids))
     with torch.inference_mode():

@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from shared.engine.sampling_params import SamplingParams
-from shared.errors import ModelLoadError
-from shared.fingerprint import model_fingerprint
-from shared.models.loader import load_model
-from shared.pack import PackedCheckpoint, pack_model
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.errors import ModelLoadError
+from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.models.loader import load_model
+from edgecore.shared.pack import PackedCheckpoint, pack_model
 from tests.conftest import make_engine
 
 

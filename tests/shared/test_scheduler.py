@@ -1,10 +1,10 @@
 """Scheduler: continuous batching, chunked prefill budget, preemption (no tensors)."""
 
-from shared.config import EngineConfig
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import Scheduler
-from shared.engine.sequence import Sequence, Status
-from shared.kv.block_manager import BlockManager
+from edgecore.shared.config import EngineConfig
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.engine.scheduler import Scheduler
+from edgecore.shared.engine.sequence import Sequence, Status
+from edgecore.shared.kv.block_manager import BlockManager
 
 
 def seq(rid, n):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from shared.tokenizer import IncrementalDetokenizer
+from edgecore.shared.tokenizer import IncrementalDetokenizer
 
 transformers = pytest.importorskip("transformers")
 
