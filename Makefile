@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed-$(SOURCES)
 # torch's CPU build unless a CUDA driver is present (a bare `torch` pulls a multi-GB CUDA build).
 TORCH  ?= $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo "torch>=2.4"; else echo "torch==2.13.0"; fi)
 
-.PHONY: run test bench venv clean
+.PHONY: run test typecheck bench venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The type checker over the packages whose contracts everything else relies on (see pyproject.toml).
+TYPED := edgecore.protocol edgecore.shared.kv edgecore.shared.engine
+typecheck: $(STAMP)
+	$(PY) -m mypy $(addprefix -p ,$(TYPED))
 
 bench: $(STAMP)
 	for b in decode kv_codec transport kv_quality ttft serve batch pack parallel; do $(PY) bench/$$b.py || exit 1; done
