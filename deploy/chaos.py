@@ -168,10 +168,14 @@ class ChaosCluster:
             return None, time.monotonic()
 
     # ---- trials --------------------------------------------------------------------------
-    def run_trial(self, seed: int, requests: int = 3) -> TrialResult:
+    def run_trial(self, seed: int, requests: int = 3, fault: Fault | None = None) -> TrialResult:
+        """One trial; `fault` overrides the seeded draw (the seed still picks the prompts)."""
         rng = random.Random(seed)
         prompts = rng.sample(sorted(self.refs), requests)
-        if rng.random() < 0.15:
+        if fault is not None:
+            kind, fault_name = "network", f"{fault.kind}:{fault.direction}:{fault.frame_type}:{fault.nth}"
+            self.relay.arm(fault)
+        elif rng.random() < 0.15:
             kind = rng.choice(PROCESS_FAULTS)
             fault_name, fault = kind, None
         else:

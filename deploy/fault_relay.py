@@ -5,7 +5,7 @@ and pumps both directions frame by frame: a `FrameSplitter` (sans-IO) cuts the b
 boundaries read from each frame's fixed header. `arm(fault)` schedules one `Fault`: on the first
 connection that reaches the fault's frame (direction, frame type, n-th such frame) the relay drops,
 delays, duplicates, reorders, truncates, bit-flips (in the header or the payload) that frame, or
-closes the connection there; everything else passes unchanged. `fired` then holds when the fault
+closes the connection there (frames are counted from the arming); everything else passes unchanged. `fired` then holds when the fault
 happened, and later connections (reconnects) pass clean until the next `arm`.
 
 The relay only parses the lengths of the original frames, so a flipped length reaches the receiver
@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass
 
 FIXED = struct.Struct("<4sBBHII")          # magic, version, frame type, flags, header length, payload length
-KINDS = ("drop", "delay", "duplicate", "reorder", "truncate", "flip_header", "flip_payload", "close")
+KINDS = ("drop", "delay", "duplicate", "reorder", "truncate", "flip_header", "flip_message", "flip_payload",
+         "close")
 
 
 def frame_trailer() -> int:
@@ -39,6 +40,7 @@ class Fault:
     nth: int                   # the n-th counted frame on the connection (0 = first)
     bit: int = 0               # for flips: the bit to flip, modulo the region's size in bits
     delay_s: float = 0.5
+    position: float | None = None   # for flips: where in the region, 0..1 (overrides bit)
 
     @staticmethod
     def random(rng: random.Random, frame_types: dict[str, list[int | None]]) -> "Fault":
@@ -70,11 +72,13 @@ class FrameSplitter:
         return frames
 
 
-def flip(frame: bytes, start: int, end: int, bit: int) -> bytes:
-    """frame with one bit flipped inside [start, end) (the whole frame if that range is empty)."""
+def flip(frame: bytes, start: int, end: int, bit: int, position: float | None = None) -> bytes:
+    """frame with one bit flipped inside [start, end) (the whole frame if that range is empty): the
+    bit-th bit (modulo the range), or the bit at `position` (0..1) of the range."""
     if end <= start:
         start, end = 0, len(frame)
-    pos = start * 8 + bit % ((end - start) * 8)
+    bits = (end - start) * 8
+    pos = start * 8 + (min(bits - 1, int(position * bits)) if position is not None else bit % bits)
     out = bytearray(frame)
     out[pos // 8] ^= 1 << (pos % 8)
     return bytes(out)
@@ -88,9 +92,11 @@ class FaultRelay:
         self.server: asyncio.AbstractServer | None = None
         self.trailer = frame_trailer()
         self.tasks: set[asyncio.Task] = set()
+        self.epoch = 0
 
     def arm(self, fault: Fault | None) -> None:
         self.fault, self.fired = fault, None
+        self.epoch += 1                            # connections count frames afresh from here
 
     async def start(self, listen: tuple[str, int]) -> int:
         self.server = await asyncio.start_server(self._on_client, *listen)
@@ -127,6 +133,7 @@ class _Connection:
     def __init__(self, relay: FaultRelay, client: asyncio.StreamWriter, server: asyncio.StreamWriter):
         self.relay, self.writers = relay, (client, server)
         self.counts = {"up": 0, "down": 0}
+        self.epoch = relay.epoch
         self.held: dict[str, bytes] = {}
 
     def close(self) -> None:
@@ -150,6 +157,8 @@ class _Connection:
             return None
         if fault.frame_type is not None and fault.frame_type != ftype:
             return None
+        if self.epoch != self.relay.epoch:
+            self.epoch, self.counts = self.relay.epoch, {"up": 0, "down": 0}
         n = self.counts[direction]
         self.counts[direction] += 1
         if n != fault.nth:
@@ -178,10 +187,12 @@ class _Connection:
             elif kind == "reorder":
                 self.held[direction] = frame
                 return True
-            elif kind == "flip_header":
-                out = [flip(frame, 0, payload_at, fault.bit)]
+            elif kind == "flip_header":                    # fixed header or message header
+                out = [flip(frame, 0, payload_at, fault.bit, fault.position)]
+            elif kind == "flip_message":                   # the message header only (its fields)
+                out = [flip(frame, FIXED.size, payload_at, fault.bit, fault.position)]
             elif kind == "flip_payload":
-                out = [flip(frame, payload_at, len(frame), fault.bit)]
+                out = [flip(frame, payload_at, len(frame), fault.bit, fault.position)]
         elif direction in self.held:                 # the frame after a held one goes first
             out = [frame, self.held.pop(direction)]
         for piece in out:

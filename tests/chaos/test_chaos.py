@@ -43,3 +43,20 @@ def test_seeded_faults_never_give_a_silent_difference_or_leak(cluster):
     assert not leaks, f"leaked after trials: {leaks}"
     assert sum(r.identical for r in results) > 0          # the cluster did serve through the faults
     assert len(kinds) >= 5, kinds                          # the seeds exercised several kinds of fault
+
+
+def test_bit_flips_in_prefill_done_fields_are_never_silent(cluster):
+    """The fault found in the field: one flipped bit in PrefillDone's first token must give a clean
+    error or a correct answer after a retry, never a different answer.
+
+    PrefillDone's message header is [tag, request id, first token, logprob, ...] in msgpack; for a
+    completions request id ("cmpl-" + 32 hex digits + "-0", a str8) the first token is a uint16 at
+    bytes 45-47 of the message header, and the logprob a float64 after it: flip each of those bits."""
+    from edgecore.deploy.chaos import PREFILL_DONE
+    from edgecore.deploy.fault_relay import Fault
+    bits = [45 * 8 + b for b in range(3 * 8)] + [48 * 8 + b for b in range(0, 9 * 8, 9)]
+    results = [cluster.run_trial(1000 + i, requests=1, fault=Fault("flip_message", "down", PREFILL_DONE, 0, bit=bit))
+               for i, bit in enumerate(bits)]
+    silent = [r for r in results if r.silent_differences]
+    assert not silent, f"{len(silent)} of {len(results)} flips gave a silently different answer: {silent}"
+    assert not [r for r in results if r.leaked]
