@@ -27,11 +27,13 @@ NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$"
 NAME_WORDS = "a valid name (lowercase letters, digits, '-'; at most 32, no '-' at either end)"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 RELATIVE_PATTERN = r"^(?!/)(?!.*\.\.)[A-Za-z0-9._/-]+$"
+CORE_DNS_PATTERN = r"\{service\}"
 LABEL_PATTERN = r"^([a-z0-9.-]{1,253}/)?[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$"
 _WORDS = {NAME_PATTERN: NAME_WORDS,
           QUANTITY_PATTERN: "a Kubernetes quantity (e.g. 500m, 2, 8Gi)",
           RELATIVE_PATTERN: "a relative path without '..'",
-          LABEL_PATTERN: "a Kubernetes label key"}
+          LABEL_PATTERN: "a Kubernetes label key",
+          CORE_DNS_PATTERN: "a DNS name template containing {service}"}
 
 Name = Annotated[str, Meta(pattern=NAME_PATTERN)]
 Port = Annotated[int, Meta(ge=1, le=65535)]
@@ -153,7 +155,7 @@ class Kubernetes(_Spec):
     data_pvc_size: Quantity = "10Gi"            # per core replica: batch files and jobs
     storage_class: str | None = None            # default storage class when unset
     startup_seconds: Annotated[int, Meta(ge=10, le=86400)] = 600      # model loading before liveness counts
-    core_dns: Annotated[str, Meta(pattern=r"\{service\}")] = "{service}"
+    core_dns: Annotated[str, Meta(pattern=CORE_DNS_PATTERN)] = "{service}"
     secret_files: SecretFiles = msgspec.field(default_factory=SecretFiles)
     prometheus: Prometheus = msgspec.field(default_factory=Prometheus)
     autoscaling: Autoscaling = msgspec.field(default_factory=Autoscaling)
@@ -203,7 +205,8 @@ class Topology:
     def bundled_model(self) -> bool:
         """The model is the one inside the image (no model volume needed)."""
         from edgecore.models import bundled_model_dir
-        return Path(self.model).resolve() == bundled_model_dir().resolve()
+        ours, bundled = Path(self.model) / "config.json", bundled_model_dir() / "config.json"
+        return ours.is_file() and ours.resolve() == bundled.resolve()   # files: editable installs link files
 
 
 EXAMPLE = "example"      # `--topology example`: the documented topology.toml shipped in the package
@@ -265,6 +268,10 @@ def _build(path: Path, spec: TopologyFile, fail) -> Topology:
     for i, client in enumerate(spec.kubernetes.batch_clients):
         if client.name in seen:
             fail(("kubernetes", "batch_clients", i, "name"), f"repeats node name {client.name!r}")
+    try:
+        spec.kubernetes.core_dns.format(service="core", namespace="ns")
+    except (KeyError, IndexError, ValueError):
+        fail(("kubernetes", "core_dns"), "may use only {service} and {namespace}")
     model = _model_path(path, spec.model.path)
     return Topology(str(path), model, spec.model.name or Path(model).name, spec.model.image,
                     spec.secrets.cluster_secret_file, spec.secrets.kubernetes_secret, spec.secrets.api_keys_file,
