@@ -119,6 +119,7 @@ def test_network_policies_admit_what_the_docs_say(three):
     assert net.allowed(north, east, 7100) and net.allowed(north, west_core, 7101)    # edges -> cores
     assert not net.allowed(north, west_edge, 7100)         # an edge cannot reach another edge's other ports
     assert not net.allowed(east, west_core, 7100)          # nor a core another core
+    assert net.allowed(east, north, 8080)                  # a core pushes contexts to edges' /v1/contexts
     assert net.allowed(etl, west_core, 7101) and net.allowed(evals, east, 7101)      # named batch clients
     assert not net.allowed(etl, west_core, 7100)
     for pod in (stranger, neighbour):
