@@ -129,6 +129,9 @@ def _rewrite(message: str, value: Any, tp: Any, _match, names: dict[str, str] | 
         pattern = regex[1].replace("\\\\", "\\")        # msgspec shows the pattern's backslashes doubled
         words = (names or {}).get(pattern, f"a string matching {pattern}")
         return f"is not {words}: {value!r}"
+    length = re.match(r"Expected `(object|array)` of length >= (\d+)$", message)
+    if length:
+        return f"must have at least {length[2]} {'entry' if length[2] == '1' else 'entries'}"
     expected = re.match(r"Expected (.+?)(?:, got `(.+)`)?$", message)
     if expected:
         want = expected[1].replace("`", "")

@@ -57,6 +57,7 @@ def test_errors_name_key_and_line(tmp_path, text, needle):
      ":5: 'links[0].loss_pct' must be float < 100.0, got 100"),
     ('[model]\nname = "m"\n', ":1: 'regions' is required"),
     ('[regions.a]\n', ":1: 'regions' defines no nodes"),
+    ('regions = {}\n', ":1: 'regions' must have at least 1 entry"),
 ])
 def test_schema_errors_name_key_and_line(tmp_path, text, needle):
     path = tmp_path / "t.toml"
@@ -99,3 +100,39 @@ def test_toml_lines_follow_tables_arrays_and_dotted_keys():
     assert lines.line(("t", "x")) == 2                      # inside a multi-line string: not a key; its table
     assert lines.line(("arr", 0, "v")) == 9 and lines.line(("arr", 1, "inner", "v")) == 12
     assert lines.line(("arr", 1, "missing")) == 10 and lines.line(("nowhere",)) == 1
+
+
+VALUES = ["-1", "0", "1", "true", '"x"', "1.5", "[]", "{}", '"Bad Name"', "70000", '"8Gi"', '["int8"]',
+          '{ cpu = "x" }', '"cuda"', "1e400"]
+
+
+def test_any_value_in_the_example_is_loaded_or_named_at_its_line(tmp_path):
+    """Put arbitrary values in the example's keys: the loader either accepts the file or raises a
+    TopologyError naming a key whose line (when the key is in the file) is the line it reports."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    import re
+    lines = (ROOT / "deploy" / "topology.toml").read_text().splitlines()
+    keyed = [i for i, line in enumerate(lines) if re.match(r"^[a-z_]+ = ", line)]
+    path = tmp_path / "t.toml"
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.dictionaries(st.sampled_from(keyed), st.sampled_from(VALUES), min_size=1, max_size=3))
+    def check(changes):
+        text = list(lines)
+        for i, value in changes.items():
+            text[i] = text[i].split(" = ", 1)[0] + " = " + value
+        path.write_text("\n".join(text) + "\n")
+        try:
+            load_topology(path)
+        except TopologyError as exc:
+            message = str(exc)
+            found = re.match(rf"^{re.escape(str(path))}:(\d+): '([^']+)'", message)
+            if found is None:                     # a TOML syntax error: tomllib's own message
+                assert "at line" in message, message
+                return
+            number, key = int(found[1]), re.split(r"[.\[]", found[2])[-1].rstrip("]")
+            assert 1 <= number <= len(text)
+            if not key.isdigit() and any(line.startswith(f"{key} = ") for line in text):
+                assert text[number - 1].lstrip().startswith(key), (message, changes)
+    check()
