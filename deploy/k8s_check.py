@@ -3,8 +3,9 @@
 Life cycle: `check(out)` reads every YAML file under OUT and returns the
 problems found (empty when all is well): built-in kinds against
 kubernetes-validate's strict schemas (unknown fields fail), the CRD kinds of
-the monitoring overlay and kustomizations against `k8s_schemas`, and every
-kustomization's `resources` must exist. kubernetes-validate (and the PyYAML
+the monitoring overlay and kustomizations against `k8s_schemas`, every
+kustomization's `resources` must exist, and each overlay's pods may name
+only objects of its own build (`k8s_refs`). kubernetes-validate (and the PyYAML
 and jsonschema it brings) is the `deploy` extra; without it `check` raises a
 ConfigError saying what to install.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from edgecore.deploy.k8s_refs import gather
+from edgecore.deploy.k8s_refs import problems as references
 from edgecore.deploy.k8s_schemas import CRDS, KUSTOMIZATION
 from edgecore.shared.errors import ConfigError
 
@@ -76,4 +79,8 @@ def check(out: str | Path) -> list[str]:
                 continue
             name = f"{doc.get('kind')}/{(doc.get('metadata') or {}).get('name')}" if isinstance(doc, dict) else "?"
             problems += [f"{shown}: {name}: {p}" for p in check_document(doc)]
+    overlays = sorted(p for p in (out / "overlays").glob("*") if (p / "kustomization.yaml").is_file())
+    everything = [o for overlay in overlays for o in gather(overlay, yaml)[1]]
+    for overlay in overlays:
+        problems += [f"{overlay.relative_to(out)}: {p}" for p in references(overlay, yaml, everything)]
     return problems

@@ -46,6 +46,9 @@ def test_check_catches_what_is_wrong(tmp_path, rendered):
     sts.write_text(sts.read_text().replace("  serviceName:", "  serviceNme:"))
     mon = out / "overlays" / "edge-west-monitoring" / "monitoring.yaml"
     mon.write_text(mon.read_text().replace('threshold: "4"', "threshold: 4").replace("matchNames:", "matchName:"))
+    edge = out / "overlays" / "edge-west" / "edge-edge-west.yaml"
+    edge.write_text(edge.read_text().replace('"core-east:7100"', '"core-gone:7100"')
+                    .replace('- key: "api-keys"', '- key: "api-key"'))
     k = out / "overlays" / "edge-south" / "kustomization.yaml"
     k.write_text(k.read_text().replace("edge-edge-south.yaml", "edge-gone.yaml"))
     problems = "\n".join(check(out))
@@ -53,6 +56,9 @@ def test_check_catches_what_is_wrong(tmp_path, rendered):
     assert "ScaledObject/edge-west: spec.triggers.0.metadata.threshold: 4 is not of type 'string'" in problems
     assert "ServiceMonitor/edgecore-edge-west: spec.namespaceSelector" in problems
     assert "overlays/edge-south/kustomization.yaml: resources: edge-gone.yaml does not exist" in problems
+    assert "overlays/edge-west: Deployment/edge-west: Secret edgecore-secrets has no key api-key" in problems
+    assert "overlays/edge-west: Deployment/edge-west: --core-dns core-gone:7100 names no headless Service" in problems
+    assert check(rendered[0]) == []
 
 
 def test_cross_references(rendered):

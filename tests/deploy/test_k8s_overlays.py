@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from edgecore.deploy.k8s_refs import gather
 from edgecore.deploy.netpol import Cluster, Pod, matches
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -14,20 +15,8 @@ DOCS = (ROOT / "docs" / "deploy.md").read_text()
 
 
 def build(directory: Path) -> tuple[str, list[dict]]:
-    """A kustomization's objects (resources followed recursively, generated Secrets with their keys)."""
-    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    objects: list[dict] = []
-    for res in k.get("resources", []):
-        path = directory / res
-        if path.is_dir():
-            objects += build(path)[1]
-        else:
-            objects += [d for d in yaml.safe_load_all(path.read_text()) if d]
-    for gen in k.get("secretGenerator", []):
-        keys = {f.split("=", 1)[0] for f in gen["files"]}
-        objects.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": gen["name"]},
-                        "data": dict.fromkeys(keys, "")})
-    return k["namespace"], objects
+    """What `kubectl apply -k DIRECTORY` applies (generated Secrets with their keys)."""
+    return gather(directory, yaml)
 
 
 def overlays(out: Path) -> list[Path]:
@@ -53,6 +42,10 @@ def test_every_pod_reference_resolves(rendered, three):
                 # the default ServiceAccount exists in every namespace; pods do not mount its token
                 assert "serviceAccountName" not in spec and spec["automountServiceAccountToken"] is False
                 assert "default ServiceAccount" in DOCS
+                assert set(spec["nodeSelector"]) == {"topology.kubernetes.io/region"}
+                assert "kubectl label node NODE topology.kubernetes.io/region=" in DOCS
+                for template in workload["spec"].get("volumeClaimTemplates", []):
+                    assert template["spec"].get("storageClassName", "fast") == "fast" and "StorageClass" in DOCS
                 for container in spec["containers"]:
                     image = container["image"]
                     assert image in ("edgecore:latest", "edgecore:latest-cuda")   # what `make image` tags
