@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed-$(SOURCES)
 # torch's CPU build unless a CUDA driver is present (a bare `torch` pulls a multi-GB CUDA build).
 TORCH  ?= $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo "torch>=2.4"; else echo "torch==2.13.0"; fi)
 
-.PHONY: run test bench venv clean image
+.PHONY: run test bench venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,7 @@ IMAGE   ?= edgecore
 ENGINE  ?= $(shell command -v docker || command -v podman)
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
+.PHONY: image
 image:
 	@test -n "$(ENGINE)" || { echo "make image: no container engine (docker or podman) on PATH"; exit 1; }
 	$(ENGINE) build -f deploy/docker/Dockerfile -t $(IMAGE):latest -t $(IMAGE):$(VERSION) .
