@@ -88,7 +88,7 @@ def render(topo: Topology, out: str | Path) -> list[Path]:
                                                "resources": ["../../base", *files]})
         monitoring = out / "overlays" / f"{region}-monitoring"
         write(monitoring / "monitoring.yaml", monitoring_manifests(topo, region))
-        kustomization = {"apiVersion": KUSTOMIZE, "kind": "Kustomization", "namespace": topo.kube.namespace,
+        kustomization: dict[str, object] = {"apiVersion": KUSTOMIZE, "kind": "Kustomization", "namespace": topo.kube.namespace,
                          "resources": [f"../{region}", "monitoring.yaml"]}
         if any(e.region == region for e in topo.edges):
             kustomization["patches"] = [replica_patch()]

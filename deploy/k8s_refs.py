@@ -14,6 +14,7 @@ outside the build (docs/deploy.md lists them).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -68,7 +69,7 @@ def _pod_problems(workload: dict, by_kind: dict[str, dict[str, dict]], services:
     return found
 
 
-def problems(directory: Path, yaml, elsewhere: list[dict] = ()) -> list[str]:
+def problems(directory: Path, yaml, elsewhere: Sequence[dict] = ()) -> list[str]:
     """`elsewhere`: objects of the other overlays (an edge's cores may be another region's)."""
     _, objects = gather(directory, yaml)
     by_kind: dict[str, dict[str, dict]] = {}

@@ -71,7 +71,10 @@ def _model_args(topo: Topology) -> list[str]:
 
 
 def _doubled(quantity: str) -> str:
-    number, unit = re.match(r"^([0-9.]+)(.*)$", quantity).groups()
+    parsed = re.match(r"^([0-9.]+)(.*)$", quantity)      # the topology's pattern guarantees a number first
+    if parsed is None:
+        return quantity
+    number, unit = parsed.groups()
     value = float(number) * 2
     return f"{int(value) if value.is_integer() else value}{unit}"
 

@@ -102,7 +102,7 @@ def explain(error: msgspec.ValidationError, raw: Any, root: Any, names: dict[str
         path, value, tp = _resolve(_parse(match["within"]), raw, root)
         key_tp = _child(tp, WILD)[0]
         bad = next((k for k in (value or {}) if _fails(k, key_tp)), "?")
-        return path + (bad,), _rewrite(message, bad, key_tp, None, names)
+        return path + (bad,), _rewrite(message, bad, key_tp, names)
     path, value, tp = _resolve(_parse(where), raw, root)
     unknown = re.match(r"Object contains unknown field `(.+)`", message)
     if unknown:
@@ -111,7 +111,7 @@ def explain(error: msgspec.ValidationError, raw: Any, root: Any, names: dict[str
     missing = re.match(r"Object missing required field `(.+)`", message)
     if missing:
         return path + (missing[1],), "is required"
-    return path, _rewrite(message, value, tp, match, names)
+    return path, _rewrite(message, value, tp, names)
 
 
 def _is_struct(tp: Any) -> bool:
@@ -119,7 +119,7 @@ def _is_struct(tp: Any) -> bool:
     return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
 
 
-def _rewrite(message: str, value: Any, tp: Any, _match, names: dict[str, str] | None) -> str:
+def _rewrite(message: str, value: Any, tp: Any, names: dict[str, str] | None) -> str:
     choices = _literal_choices(tp)
     if message.startswith("Invalid enum value") and choices:
         shown = " or ".join(", ".join(repr(c) for c in choices).rsplit(", ", 1))

@@ -12,6 +12,7 @@ every key.
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -51,14 +52,14 @@ class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     """Every table: unknown keys are errors, values are checked, nothing is coerced from strings."""
 
 
-class Resources(_Spec):
+class Resources(_Spec, frozen=True):
     cpu: Quantity = "2"                         # requested CPU
     memory: Quantity = "8Gi"                    # requested memory
     memory_limit: Quantity | None = None        # limit (default: twice the request's number)
     gpu: Annotated[int, Meta(ge=0)] | None = None   # nvidia.com/gpu; cores: default tp*pp when device = cuda
 
 
-class CoreSpec(_Spec):
+class CoreSpec(_Spec, frozen=True):
     name: Name | None = None
     device: Literal["cpu", "cuda"] = "cpu"
     tp: Count = 1
@@ -69,7 +70,7 @@ class CoreSpec(_Spec):
     resources: Resources = msgspec.field(default_factory=Resources)
 
 
-class EdgeSpec(_Spec):
+class EdgeSpec(_Spec, frozen=True):
     name: Name | None = None
     port: Port = 8000
     replicas: Count = 1
@@ -96,7 +97,7 @@ class EdgeNode(EdgeSpec, frozen=True, kw_only=True):
     region: Name
 
 
-class Link(_Spec):
+class Link(_Spec, frozen=True):
     a: Name = msgspec.field(name="from")
     b: Name = msgspec.field(name="to")
     delay_ms: Annotated[float, Meta(ge=0)] = 0.0
@@ -105,31 +106,31 @@ class Link(_Spec):
     loss_pct: Annotated[float, Meta(ge=0, lt=100)] = 0.0
 
 
-class ModelSpec(_Spec):
+class ModelSpec(_Spec, frozen=True):
     path: str | None = None                     # default: the bundled model
     name: str | None = None                     # model id in the API (default: the directory name)
     image: str = "edgecore:latest"              # image of edges and CPU cores (`make image`)
     cuda_image: str = "edgecore:latest-cuda"    # image of cores with device = cuda
 
 
-class SecretsSpec(_Spec):
+class SecretsSpec(_Spec, frozen=True):
     cluster_secret_file: str | None = None
     api_keys_file: str | None = None
     kubernetes_secret: Name = "edgecore-secrets"
 
 
-class RegionSpec(_Spec):
+class RegionSpec(_Spec, frozen=True):
     cores: list[CoreSpec] = []
     edges: list[EdgeSpec] = []
 
 
-class SecretFiles(_Spec):
+class SecretFiles(_Spec, frozen=True):
     """Files the kustomize secretGenerator reads, relative to the rendered base/ directory."""
     cluster_secret: Annotated[str, Meta(pattern=RELATIVE_PATTERN)] = "secrets/cluster-secret"
     api_keys: Annotated[str, Meta(pattern=RELATIVE_PATTERN)] = "secrets/api-keys"
 
 
-class Prometheus(_Spec):
+class Prometheus(_Spec, frozen=True):
     namespace: Name = "monitoring"
     pod_labels: Annotated[Labels, Meta(min_length=1)] = msgspec.field(
         default_factory=lambda: {"app.kubernetes.io/name": "prometheus"})
@@ -137,18 +138,18 @@ class Prometheus(_Spec):
     service_monitor_labels: Labels = {}         # labels your Prometheus' serviceMonitorSelector wants
 
 
-class Autoscaling(_Spec):
+class Autoscaling(_Spec, frozen=True):
     mode: Literal["keda", "hpa"] = "keda"       # hpa: autoscaling/v2 Pods metric (prometheus-adapter)
     queue_target: Annotated[float, Meta(gt=0)] = 4.0   # edgecore:num_requests_waiting per edge replica
 
 
-class BatchClient(_Spec, kw_only=True):
+class BatchClient(_Spec, frozen=True, kw_only=True):
     name: Name
     namespace: Name | None = None               # default: edgecore's own namespace
     pod_labels: Annotated[Labels, Meta(min_length=1)]
 
 
-class Kubernetes(_Spec):
+class Kubernetes(_Spec, frozen=True):
     namespace: Name = "edgecore"
     models_pvc_size: Quantity = "20Gi"          # per region with cores, when the model is not the bundled one
     models_access_mode: Literal["ReadWriteMany", "ReadOnlyMany", "ReadWriteOnce"] = "ReadWriteMany"
@@ -162,7 +163,7 @@ class Kubernetes(_Spec):
     batch_clients: list[BatchClient] = []
 
 
-class TopologyFile(_Spec, kw_only=True):
+class TopologyFile(_Spec, frozen=True, kw_only=True):
     model: ModelSpec = msgspec.field(default_factory=ModelSpec)
     secrets: SecretsSpec = msgspec.field(default_factory=SecretsSpec)
     regions: Annotated[dict[Name, RegionSpec], Meta(min_length=1)]
@@ -247,18 +248,19 @@ def _build(path: Path, spec: TopologyFile, fail) -> Topology:
     edges: list[EdgeNode] = []
     seen: set[str] = set()
     for region, table in spec.regions.items():
-        for kind, items in (("cores", table.cores), ("edges", table.edges)):
+        nodes: list[tuple[str, Sequence[CoreSpec | EdgeSpec]]] = [("cores", table.cores), ("edges", table.edges)]
+        for kind, items in nodes:
             for i, node in enumerate(items):
                 name = node.name or f"{region}-{kind[:-1]}-{i}"
                 if name in seen:
                     fail(("regions", region, kind, i, "name"), f"repeats node name {name!r}")
                 seen.add(name)
                 fields = {**msgspec.structs.asdict(node), "name": name, "region": region}
-                if kind == "cores":
-                    cores.append(CoreNode(**fields))
-                else:
+                if isinstance(node, EdgeSpec):
                     fields["max_replicas"] = max(node.replicas, node.max_replicas)
                     edges.append(EdgeNode(**fields))
+                else:
+                    cores.append(CoreNode(**fields))
     if not cores and not edges:
         fail(("regions",), "defines no nodes (add [[regions.NAME.cores]] or [[regions.NAME.edges]])")
     for i, link in enumerate(spec.links):
