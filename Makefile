@@ -36,5 +36,16 @@ typecheck: $(STAMP)
 bench: $(STAMP)
 	for b in decode kv_codec transport kv_quality ttft serve batch pack parallel; do $(PY) bench/$$b.py || exit 1; done
 
+# Container images (deploy/docker/): CPU and CUDA, tagged latest and the package version.
+IMAGE   ?= edgecore
+ENGINE  ?= $(shell command -v docker || command -v podman)
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+
+.PHONY: image
+image:
+	@test -n "$(ENGINE)" || { echo "make image: no container engine (docker or podman) on PATH"; exit 1; }
+	$(ENGINE) build -f deploy/docker/Dockerfile -t $(IMAGE):latest -t $(IMAGE):$(VERSION) .
+	$(ENGINE) build -f deploy/docker/Dockerfile.cuda -t $(IMAGE):latest-cuda -t $(IMAGE):$(VERSION)-cuda .
+
 clean:
 	rm -rf $(VENV) *.egg-info
