@@ -13,8 +13,8 @@ from typing import Callable
 from edgecore.protocol.framing import FIXED_SIZE, TAG_SIZE
 
 # corrupt(direction "c2s" | "s2c", frame type, how many frames of that type this connection has seen so
-# far in that direction, including this one) → a bit index into the frame to flip, or None.
-Corrupt = Callable[[str, int, int], "int | None"]
+# far in that direction (this one included), the frame's bytes) → a bit index into the frame to flip, or None.
+Corrupt = Callable[[str, int, int, bytes], "int | None"]
 
 
 class FrameRelay:
@@ -52,7 +52,7 @@ class FrameRelay:
                     ftype = frame[5]
                     counts[direction, ftype] += 1
                     self.frames[direction, ftype] += 1
-                    bit = self.corrupt(direction, ftype, counts[direction, ftype])
+                    bit = self.corrupt(direction, ftype, counts[direction, ftype], bytes(frame))
                     if bit is not None:
                         frame[bit // 8] ^= 1 << (bit % 8)
                         self.flipped.append((direction, ftype, bit))

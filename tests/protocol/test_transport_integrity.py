@@ -29,7 +29,7 @@ async def through_relay(corrupt, handler=None):
 
 async def test_flipped_prefill_done_fails_only_that_request():
     server, relay, peer = await through_relay(
-        lambda d, ftype, n: HEADER_BIT if (d, ftype, n) == ("s2c", 7, 1) else None)
+        lambda d, ftype, n, _: HEADER_BIT if (d, ftype, n) == ("s2c", 7, 1) else None)
     async with server:
         await peer.send(m.PrefillRequest("r1", [1, 2, 3]))
         assert isinstance(await peer.recv(), KVData)
@@ -46,7 +46,7 @@ async def test_flipped_prefill_done_fails_only_that_request():
 
 async def test_flipped_prefill_request_is_reported_to_the_edge():
     server, relay, peer = await through_relay(
-        lambda d, ftype, n: HEADER_BIT if (d, ftype, n) == ("c2s", 5, 1) else None)
+        lambda d, ftype, n, _: HEADER_BIT if (d, ftype, n) == ("c2s", 5, 1) else None)
     async with server:
         await peer.send(m.PrefillRequest("r1", [1, 2, 3]))
         err = await peer.recv()
@@ -66,7 +66,7 @@ async def test_flipped_ack_is_sent_again():
             if isinstance(msg, m.Ack):
                 acks.append(msg.request_id)
     server, relay, peer = await through_relay(
-        lambda d, ftype, n: HEADER_BIT if (d, ftype, n) == ("c2s", 8, 1) else None, records_acks)
+        lambda d, ftype, n, _: HEADER_BIT if (d, ftype, n) == ("c2s", 8, 1) else None, records_acks)
     async with server:
         await peer.send(m.Ack("r1"))
         with pytest.raises(asyncio.TimeoutError):       # the edge's reader resends when the Reject arrives
