@@ -73,6 +73,12 @@ def pack_fixed(frame_type: int, header_len: int, payload_len: int, version: int 
     return prefix + CRC.pack(zlib.crc32(prefix))
 
 
+def _total(need: tuple[int, int, int, int, int]) -> int:
+    """Bytes of a whole frame, from its parsed fixed header (version, type, fixed size, H, P)."""
+    _, _, fixed, hlen, plen = need
+    return fixed + hlen + plen + (TAG_SIZE if fixed == FIXED_SIZE else 0)
+
+
 class FrameParser:
     def __init__(self, limits: Limits | None = None):
         self.limits = limits or Limits()
@@ -110,7 +116,7 @@ class FrameParser:
         """Free space to receive into: up to the end of a large pending frame, else a chunk."""
         self._parse_fixed()
         if self._need is not None:
-            total = self._total()
+            total = _total(self._need)
             if total > len(self._buf):
                 self._grow(total)
             if total > CHUNK and self._len < total:
@@ -136,17 +142,13 @@ class FrameParser:
             return True
         if self._need is None:
             return False
-        total = self._total()
+        total = _total(self._need)
         return total > CHUNK and self._len >= total
 
     def _grow(self, size: int) -> None:
         new = bytearray(size)
         new[:self._len] = memoryview(self._buf)[:self._len]
         self._buf = new
-
-    def _total(self) -> int:
-        _, _, fixed, hlen, plen = self._need
-        return fixed + hlen + plen + (TAG_SIZE if fixed == FIXED_SIZE else 0)
 
     # ---- frames ---------------------------------------------------------------
     def _parse_fixed(self) -> None:
@@ -180,10 +182,11 @@ class FrameParser:
         if self._need is None:
             return None
         version, ftype, fixed, hlen, plen = self._need
-        total = self._total()
+        total = _total(self._need)
         if self._len < total:
             return None
         rest = self._len - total
+        frame_bytes: bytes | bytearray
         if total > CHUNK and rest <= CHUNK:
             # Hand the buffer itself to the frame; copy only the (small) remainder.
             frame_bytes = self._buf

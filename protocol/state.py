@@ -35,7 +35,7 @@ from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 from edgecore.protocol.events import NEED_DATA, BadFrame, FrameRejected, KVData
 from edgecore.protocol.framing import HANDSHAKE_LIMITS, LEGACY_VERSION, FrameParser, Limits, pack_fixed
-from edgecore.protocol.mac import Keys, transcript_hash
+from edgecore.protocol.mac import HandshakeMac, Keys, SessionMac, transcript_hash
 
 __all__ = ["Connection", "Role", "State", "NEED_DATA", "KVData", "BadFrame", "FrameRejected", "TRANSITIONS"]
 
@@ -103,7 +103,8 @@ class Connection:
         self.parser = FrameParser(HANDSHAKE_LIMITS)
         self._limits = limits or Limits()
         self._keys = Keys(secret)
-        self._send_mac = self._recv_mac = self._keys.handshake
+        self._send_mac: HandshakeMac | SessionMac = self._keys.handshake
+        self._recv_mac: HandshakeMac | SessionMac = self._keys.handshake
         self._send_seq = self._recv_seq = 0
         self._hello_header = b""
         self._sent: OrderedDict[int, object] = OrderedDict()
@@ -115,7 +116,7 @@ class Connection:
         return m.Hello(list(m.SUPPORTED_VERSIONS), os.urandom(32))
 
     def welcome(self) -> m.Welcome:
-        return m.Welcome(self.version, os.urandom(32))
+        return m.Welcome(self.version or m.PROTOCOL_VERSION, os.urandom(32))
 
     def auth(self) -> m.Auth:
         return m.Auth(self.fingerprint, self.codecs, self.capabilities, self.name, self.session)
@@ -186,8 +187,8 @@ class Connection:
 
     def error_frame(self, exc: ProtocolError | str, code: ErrorCode | None = None) -> bytes:
         """The Error frame that tells the peer why this side is closing; closes the connection."""
-        code = code or getattr(exc, "code", ErrorCode.PROTOCOL)
-        header = m.encoder.encode(m.Error(int(code), str(exc)[:1000]))
+        number = int(code if code is not None else getattr(exc, "code", ErrorCode.PROTOCOL))
+        header = m.encoder.encode(m.Error(number, str(exc)[:1000]))
         if self._legacy_peer:        # an old peer can read only a version-1 frame
             data = pack_fixed(m.tag_of(m.Error(0, "")), len(header), 0, LEGACY_VERSION) + header
         else:
@@ -275,8 +276,9 @@ class Connection:
             if cls is m.Error:      # the peer is closing anyway; say what it said, marked as unverified
                 self._enter(State.CLOSED)
                 return _unverified_error(frame.header)
-            raise RemoteProtocolError(f"{name} frame failed its MAC during the handshake: wrong cluster secret "
-                                      f"on one side (or a corrupted frame)", ErrorCode.AUTH_FAILED)
+            raise RemoteProtocolError(f"authentication failed: {name} frame failed its MAC during the handshake "
+                                      f"(wrong cluster secret on one side, or a corrupted frame)",
+                                      ErrorCode.AUTH_FAILED)
         self._bad_in_a_row += 1
         if self._bad_in_a_row > 1:
             raise RemoteProtocolError("two frames in a row failed their MAC: frames were lost, reordered or "

@@ -56,7 +56,7 @@ class _Stream(asyncio.BufferedProtocol):
 
     def __init__(self, conn: Connection):
         self.conn = conn
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport          # set by connection_made
         self.closed = False
         self.error: Exception | None = None
         self.protocol_error: ProtocolError | None = None

@@ -9,7 +9,7 @@ from edgecore.protocol.errors import ProtocolError
 from edgecore.protocol.framing import Limits
 from edgecore.protocol.kv import decode_chunk
 from edgecore.protocol.state import NEED_DATA, BadFrame, KVData
-from tests.protocol.pairs import READY_CLIENT_MSGS, handshake, new_pair, ready_server_msgs, sample_kv
+from tests.protocol.pairs import READY_CLIENT_MSGS, handshake, new_pair, ready_server_msgs
 
 LIMITS = Limits(max_header=4096, max_payload=1 << 16, max_buffer=1 << 17)
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

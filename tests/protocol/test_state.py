@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from edgecore.protocol import messages as m
-from edgecore.protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
+from edgecore.protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from edgecore.protocol.framing import FIXED_SIZE, Limits, pack_fixed
 from edgecore.protocol.kv import decode_chunk
 from edgecore.protocol.state import BadFrame, KVData, State
@@ -41,7 +41,7 @@ def test_every_message_round_trips_in_any_split(mode):
         assert len(events) == 1 and same(events[0], msg)
         return events[0]
 
-    hello = move(client, server, client.hello())
+    move(client, server, client.hello())
     assert server.state is State.HELLO and client.state is State.HELLO
     move(server, client, server.welcome())
     auth = move(client, server, client.auth())
