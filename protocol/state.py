@@ -162,6 +162,8 @@ class Connection:
         payload = event.payload if isinstance(event, KVData) else b""
         if not isinstance(payload, memoryview):
             payload = memoryview(payload)
+        if payload.format != "B" or payload.ndim != 1:
+            payload = payload.cast("B")            # lengths and MAC over bytes, whatever the view's items
         seq = self._send_seq
         parts = self._frame(m.tag_of(msg), header, payload)
         if self.state is State.READY:
@@ -175,10 +177,10 @@ class Connection:
         self._enter(nxt)
         return parts
 
-    def _frame(self, ftype: int, header: bytes, payload) -> list[bytes | memoryview]:
-        head = pack_fixed(ftype, len(header), len(payload)) + header
+    def _frame(self, ftype: int, header: bytes, payload: memoryview) -> list[bytes | memoryview]:
+        head = pack_fixed(ftype, len(header), payload.nbytes) + header
         seq, self._send_seq = self._send_seq, self._send_seq + 1
-        if len(payload):
+        if payload.nbytes:
             return [head, payload, self._send_mac.tag(seq, [head, payload])]
         return [head + self._send_mac.tag(seq, [head])]
 
@@ -192,7 +194,7 @@ class Connection:
         if self._legacy_peer:        # an old peer can read only a version-1 frame
             data = pack_fixed(m.tag_of(m.Error(0, "")), len(header), 0, LEGACY_VERSION) + header
         else:
-            data = b"".join(self._frame(m.tag_of(m.Error(0, "")), header, b""))
+            data = b"".join(self._frame(m.tag_of(m.Error(0, "")), header, memoryview(b"")))
         self.state = State.CLOSED
         self.parser.close()
         return data

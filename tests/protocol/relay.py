@@ -1,6 +1,8 @@
 """A frame-aware TCP relay for fault injection: forwards edgecore (version 2) frames between a client
 and a target and flips chosen bits, as a faulty link would. Usable from asyncio tests (`FrameRelay`)
-and from process tests (`RelayThread`, its own event loop on a thread)."""
+and from process tests (`RelayThread`, its own event loop on a thread). It never corrupts two frames
+in a row in one direction: that is indistinguishable from a drop or reorder, and by design fails the
+connection (docs/wire-format.md §4)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class FrameRelay:
 
     async def _pipe(self, reader, writer, direction: str, counts) -> None:
         buf = bytearray()
+        last_flipped = False
         try:
             while data := await reader.read(1 << 16):
                 buf += data
@@ -53,7 +56,8 @@ class FrameRelay:
                     counts[direction, ftype] += 1
                     self.frames[direction, ftype] += 1
                     bit = self.corrupt(direction, ftype, counts[direction, ftype], bytes(frame))
-                    if bit is not None:
+                    last_flipped = bit is not None and not last_flipped
+                    if last_flipped:
                         frame[bit // 8] ^= 1 << (bit % 8)
                         self.flipped.append((direction, ftype, bit))
                     writer.write(frame)

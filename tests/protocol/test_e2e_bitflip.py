@@ -29,7 +29,7 @@ def first_token_bit(frame: bytes) -> int:
 
 class Faults:
     """Corrupts every other PrefillDone (alternating first_token and a random header bit) and every
-    third large KV chunk's payload."""
+    fifth KV chunk's payload (the relay skips a flip right after another)."""
 
     def __init__(self):
         self.rng = random.Random(23)
@@ -42,7 +42,7 @@ class Faults:
             if n % 4 == 1:
                 return first_token_bit(frame)
             return self.rng.randrange(FIXED_SIZE * 8, (FIXED_SIZE + hlen) * 8)
-        if ftype == KV_CHUNK and n % 3 == 0:
+        if ftype == KV_CHUNK and n % 5 == 0:
             return self.rng.randrange((len(frame) - TAG_SIZE - 64) * 8, (len(frame) - TAG_SIZE) * 8)
         return None
 
@@ -59,7 +59,7 @@ def faulty_cluster(secret_file):
     core, port, core_http = start_core(secret_file)
     relay = RelayThread(port, Faults())
     edge, http = start_edge("--local-prefill-below", "0", cores=[relay.port], secret_file=secret_file)
-    yield {"core_http": core_http, "http": http, "relay": relay.relay}
+    yield {"core_http": core_http, "http": http, "relay": relay.relay, "edge": edge}
     edge.stop()
     relay.stop()
     core.stop()
@@ -80,8 +80,10 @@ def test_bit_flips_on_the_wire_never_change_an_answer(faulty_cluster, tokenizer,
     for p, r, o in zip(prompts, ref, outs):
         assert o["choices"][0]["text"] == r["text"], f"prompt of {len(p)} tokens"
     flipped = faulty_cluster["relay"].flipped
-    assert sum(1 for d, t, _ in flipped if t == PREFILL_DONE) >= len(prompts) // 2
-    assert any(t == KV_CHUNK for _, t, _ in flipped)
+    assert sum(1 for d, t, _ in flipped if t == PREFILL_DONE) >= 2 and any(t == KV_CHUNK for _, t, _ in flipped)
+    # Each corrupted frame failed only its request (then retried), never the connection.
+    logs = faulty_cluster["edge"].logs()
+    assert logs.count("was corrupted in transit") >= 3 and "in a row failed their MAC" not in logs
     # Nothing leaked: the edge's blocks and the core's leases and blocks all return to zero.
     assert wait_for(lambda: get_json(f"http://127.0.0.1:{http}/stats")["blocks_used"] == 0)
     core = wait_for(lambda: (s := get_json(f"http://127.0.0.1:{faulty_cluster['core_http']}/stats"))["leases"] == 0

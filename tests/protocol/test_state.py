@@ -206,3 +206,13 @@ def test_flipped_payload_bit_is_detected_before_decoding():
     data[-20] ^= 0x10                      # the payload's last byte (the tag is the last 16)
     [got] = deliver(bytes(data), client)
     assert isinstance(got, BadFrame) and got.frame_type == 6 and client.state is State.READY
+
+
+def test_payload_views_of_wider_items_are_framed_by_bytes():
+    client, server = new_pair()
+    handshake(client, server)
+    k, v, kv = sample_kv("raw")
+    wide = memoryview(np.frombuffer(bytes(kv.payload), dtype=np.uint16))     # len() counts items, not bytes
+    [got] = deliver(server.send_bytes(KVData(kv.chunk, wide)), client)
+    k2, v2 = decode_chunk(got)
+    assert (k2 == k).all() and (v2 == v).all()
