@@ -135,6 +135,24 @@ class FrameParser:
         self._parse_fixed()
 
     @property
+    def large_frame_pending(self) -> bool:
+        """A version-2 frame larger than a read chunk is arriving (its fixed header is in)."""
+        return self._need is not None and self._need[2] == FIXED_SIZE and _total(self._need) > CHUNK
+
+    def feed_signed(self, fn, start: int) -> int:
+        """Pass the pending large frame's signed bytes from `start` up to what has arrived to `fn` (a MAC
+        computed as the bytes arrive, while they are still in cache); returns the new position."""
+        need = self._need
+        if need is None or not self.large_frame_pending:
+            return start
+        _, _, fixed, hlen, plen = need
+        stop = min(self._len, fixed + hlen + plen)
+        if stop > start:
+            with memoryview(self._buf) as buf:
+                fn(buf[start:stop])
+        return max(start, stop)
+
+    @property
     def full(self) -> bool:
         """Stop receiving until a frame is taken: a large frame fills its buffer, or the limit is reached."""
         self._parse_fixed()

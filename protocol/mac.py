@@ -80,6 +80,27 @@ class SessionMac:
             return False
         return True
 
+    def verifier(self, seq: int) -> "IncrementalVerify":
+        return IncrementalVerify(self._key, seq)
+
+
+class IncrementalVerify:
+    """GMAC of a frame fed in pieces as they arrive (`update`), checked against its tag at the end."""
+
+    def __init__(self, key: bytes, seq: int):
+        self._dec = Cipher(algorithms.AES(key), modes.GCM(seq.to_bytes(12, "little"))).decryptor()
+        self.pos = 0            # bytes of the frame fed so far (kept by the caller)
+
+    def update(self, data) -> None:
+        self._dec.authenticate_additional_data(data)
+
+    def verify(self, tag) -> bool:
+        try:
+            self._dec.finalize_with_tag(bytes(tag))
+        except InvalidTag:
+            return False
+        return True
+
 
 class Keys:
     """What one cluster secret yields: the handshake MAC, then a connection's session MACs."""

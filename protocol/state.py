@@ -35,7 +35,7 @@ from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 from edgecore.protocol.events import NEED_DATA, BadFrame, FrameRejected, KVData
 from edgecore.protocol.framing import HANDSHAKE_LIMITS, LEGACY_VERSION, FrameParser, Limits, pack_fixed
-from edgecore.protocol.mac import HandshakeMac, Keys, SessionMac, transcript_hash
+from edgecore.protocol.mac import HandshakeMac, IncrementalVerify, Keys, SessionMac, transcript_hash
 
 __all__ = ["Connection", "Role", "State", "NEED_DATA", "KVData", "BadFrame", "FrameRejected", "TRANSITIONS"]
 
@@ -110,6 +110,7 @@ class Connection:
         self._sent: OrderedDict[int, object] = OrderedDict()
         self._bad_in_a_row = 0
         self._legacy_peer = False
+        self._incoming: IncrementalVerify | None = None   # MAC of the large frame now arriving
 
     # ---- handshake messages ----------------------------------------------------
     def hello(self) -> m.Hello:
@@ -210,6 +211,10 @@ class Connection:
 
     def buffer_updated(self, nbytes: int) -> None:
         self._guard(self.parser.buffer_updated, nbytes)
+        if isinstance(self._recv_mac, SessionMac) and self.parser.large_frame_pending:
+            if self._incoming is None:                 # a large frame's MAC, as its bytes arrive
+                self._incoming = self._recv_mac.verifier(self._recv_seq)
+            self._incoming.pos = self.parser.feed_signed(self._incoming.update, self._incoming.pos)
 
     @property
     def full(self) -> bool:
@@ -242,7 +247,13 @@ class Connection:
             self._legacy(frame)
         seq, self._recv_seq = self._recv_seq, self._recv_seq + 1
         cls = m.MESSAGE_TYPES.get(frame.frame_type)
-        if not self._recv_mac.verify(seq, frame.signed, frame.tag):
+        inc, self._incoming = self._incoming, None
+        if inc is not None:
+            inc.update(frame.signed[inc.pos:])
+            verified = inc.verify(frame.tag)
+        else:
+            verified = self._recv_mac.verify(seq, frame.signed, frame.tag)
+        if not verified:
             return self._bad_frame(seq, frame, cls)
         self._bad_in_a_row = 0
         if cls is None:

@@ -11,7 +11,7 @@ from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode, RemoteProtocolError
 from edgecore.protocol.framing import FIXED_SIZE, LEGACY_VERSION, pack_fixed
 from edgecore.protocol.kv import encode_chunk
-from edgecore.protocol.state import BadFrame, FrameRejected, KVData, State
+from edgecore.protocol.state import NEED_DATA, BadFrame, FrameRejected, KVData, State
 from tests.protocol.pairs import READY_CLIENT_MSGS, deliver, handshake, new_pair, ready_server_msgs, sample_kv
 
 
@@ -190,3 +190,41 @@ def test_new_client_reports_an_old_cores_refusal():
     old_error = legacy_frame([10, 2, "peer speaks protocol version 2; this side supports [1]"])
     with pytest.raises(RemoteProtocolError, match="peer version 1.*the peer says: peer speaks protocol version 2"):
         deliver(old_error, client)
+
+
+def deliver_buffered(data: bytes, conn, piece: int) -> list:
+    """As asyncio's BufferedProtocol does: receive into the connection's buffer, `piece` bytes at a time."""
+    events, pos = [], 0
+    while pos < len(data):
+        buf = conn.get_buffer()
+        n = min(piece, len(buf), len(data) - pos)
+        buf[:n] = data[pos:pos + n]
+        del buf
+        conn.buffer_updated(n)
+        pos += n
+        while conn.full or pos == len(data):
+            ev = conn.next_event()
+            if ev is NEED_DATA:
+                break
+            events.append(ev)
+    return events
+
+
+@pytest.mark.parametrize("piece", [4096, 65536, 300_000])
+def test_large_frames_are_verified_as_their_bytes_arrive(piece):
+    client, server = ready_pair()
+    rng = np.random.default_rng(3)
+    k = rng.integers(0, 65535, size=(1, 2048, 4, 32), dtype=np.uint16)
+    kv = encode_chunk("big", k, k, layer_start=0, token_start=0, dtype="bfloat16", codec="raw")
+    good = server.send_bytes(kv)
+    bad = flip(server.send_bytes(kv), len(good) * 8 // 2)            # a payload bit, mid-frame
+    after = server.send_bytes(kv)
+    one_shot = []
+    verify = client._recv_mac.verify
+    client._recv_mac.verify = lambda seq, signed, tag: one_shot.append(signed.nbytes) or verify(seq, signed, tag)
+    events = deliver_buffered(good + bad + after, client, piece)
+    assert one_shot == []                     # all three verified incrementally, none in one pass at the end
+    assert [type(e) for e in events] == [KVData, BadFrame, KVData]
+    assert bytes(events[0].payload) == bytes(kv.payload) == bytes(events[2].payload)
+    assert client._incoming is None
+
