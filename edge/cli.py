@@ -43,6 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-from", default=None, metavar="CORE_URL",
                    help="fetch the packed model from a core's control port (e.g. http://core:7101), "
                         "resuming and verifying, then serve it")
+    p.add_argument("--model-from-key-file", default=None,
+                   help="API key file for --model-from's core (first key; default: the first of --api-key-file)")
     p.add_argument("--model-cache", default=None, help="where fetched models are kept (default "
                    "~/.cache/edgecore/models)")
     p.add_argument("--tls-ca", default=None, help="CA for the cores' certificates (enables TLS to cores)")
@@ -79,7 +81,8 @@ def run_edge(args: argparse.Namespace) -> int:
         from edgecore.shared.cli import Progress
         cache = args.model_cache or str(Path.home() / ".cache" / "edgecore" / "models")
         progress = Progress("fetch")
-        model_dir = str(fetch_model(args.model_from, cache, progress))
+        keys = read_api_keys(args.model_from_key_file or args.api_key_file)
+        model_dir = str(fetch_model(args.model_from, cache, progress, api_key=keys[0] if keys else None))
         progress.done(f"model ready in {model_dir}")
     host, port = parse_hostport(args.listen)
     if args.engine_in_process:
