@@ -191,28 +191,9 @@ class BatchAPI:
         return web.json_response(obj)
 
     async def push_context(self, request):
-        """Push an ingested context to edges (their /v1/contexts) so their first request prefills only the rest."""
-        import aiohttp
-        ctx = request.match_info["id"]
-        tokens = self.contexts.tokens(ctx)
-        if tokens is None:
-            raise _not_found("context", ctx)
+        """Push an ingested context to edges the core knows by name (core/contexts.py: `Contexts.push`)."""
         body = await json_body(request)
-        edges = body.get("edges")
-        if not isinstance(edges, list) or not edges or not all(isinstance(e, str) and e.startswith("http")
-                                                               for e in edges):
-            raise ApiError(400, "'edges' must list edge base URLs (http://host:port)", "edges", "invalid_value")
-        results = []
-        headers = {"Authorization": body["api_key"]} if isinstance(body.get("api_key"), str) else {}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-            for url in edges:
-                try:
-                    async with session.post(url.rstrip("/") + "/v1/contexts", json={"token_ids": tokens},
-                                            headers=headers) as resp:
-                        results.append({"edge": url, "status": resp.status, "result": await resp.json()})
-                except (aiohttp.ClientError, OSError) as exc:
-                    results.append({"edge": url, "status": None, "error": str(exc)})
-        return web.json_response({"id": ctx, "object": "context.push", "results": results})
+        return web.json_response(await self.contexts.push(request.match_info["id"], body.get("edges")))
 
     async def delete_context(self, request):
         ctx = request.match_info["id"]

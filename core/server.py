@@ -68,6 +68,7 @@ class CoreConfig:
     pp_micro_batches: int = 0           # micro-batches per step (default: one per stage)
     engine_threads: int | None = None   # intra-op threads of the engine thread (None: leave as they are)
     gather_kv: bool = False             # parallel core: rank 0 sends all KV, the other ranks serve no streams
+    control: object = None              # core/http.py ControlPort: server limits, push targets (None: defaults)
 
 
 class Session:

@@ -111,10 +111,14 @@ def _common(body, tokenizer: Tokenizer, max_model_len: int, prompts: list[list[i
     top_p = _num(body, "top_p", 0, 1, 1.0)
     if top_p == 0:
         top_p = 1e-9
-    top_k = _int(body, "top_k", -1, None, -1)
+    top_k = _int(body, "top_k", -1, 2 ** 31 - 1, -1)
     seed = _int(body, "seed", -(2 ** 63), 2 ** 64 - 1, None)
     stop = _stop(body)
     stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or len(stop_ids) > 64 or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 31 for t in stop_ids):
+        raise _bad("'stop_token_ids' must be a list of at most 64 token ids (integers from 0 to 2**31-1)",
+                   "stop_token_ids", "invalid_value")
     ignore_eos = _bool(body, "ignore_eos")
     for p in ("presence_penalty", "frequency_penalty"):
         _num(body, p, -2, 2, 0.0)
