@@ -1,4 +1,4 @@
-"""The core's HTTP control port: /health, /ready, /metrics, /stats (and the batch API routes).
+"""The core's HTTP control port: /health, /ready, /metrics, /stats, /v1/models (and the batch API routes).
 
 Life cycle: `start_control_port(core, host, port)` builds the aiohttp app,
 binds it (127.0.0.1 by default) and returns the runner; the core cleans it
@@ -10,6 +10,8 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from edgecore.core.server import model_name
+from edgecore.shared.openai.extra_routes import add_model_routes, model_card
 from edgecore.shared.openai.http import error_middleware
 
 
@@ -43,6 +45,8 @@ def build_app(core) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
+    add_model_routes(app, lambda: model_card(model_name(core.config.model_dir), core.engine.max_model_len,
+                                             int(core.started_at)))
     for extend in getattr(core, "http_extensions", []):
         extend(app)
     return app

@@ -164,7 +164,7 @@ def parse_completion(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len
                          prompt_logprobs)
 
 
-def _message(msg, i: int) -> dict:
+def render_message(msg, i: int) -> dict:
     if msg.tool_calls is not None:
         raise _bad("assistant 'tool_calls' are not supported by this server (no tools)",
                    f"messages[{i}].tool_calls", "unsupported_parameter")
@@ -180,7 +180,7 @@ def _message(msg, i: int) -> dict:
 
 def parse_chat(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len: int) -> ParsedRequest:
     req: ChatRequest = decode_body(body, ChatRequest)
-    rendered = [_message(msg, i) for i, msg in enumerate(req.messages)]
+    rendered = [render_message(msg, i) for i, msg in enumerate(req.messages)]
     try:
         ids = tokenizer.encode_chat(rendered, add_generation_prompt=True)
     except RequestError as exc:

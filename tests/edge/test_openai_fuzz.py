@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from edgecore.edge.http import EdgeHTTP
 from edgecore.shared.engine.output import RequestOutput, TokenLogprob
+from edgecore.shared.openai.extra_routes import DetokenizeRequest, TokenizeRequest
 from edgecore.shared.openai.schemas import ChatRequest, CompletionRequest
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,7 +71,8 @@ def post(port, path, body: bytes):
         return exc.code, exc.headers.get("Content-Type", ""), exc.read()
 
 
-FIELDS = sorted(set(ChatRequest.__struct_fields__) | set(CompletionRequest.__struct_fields__))
+FIELDS = sorted(set(ChatRequest.__struct_fields__) | set(CompletionRequest.__struct_fields__)
+                | set(TokenizeRequest.__struct_fields__) | set(DetokenizeRequest.__struct_fields__))
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2 ** 80, max_value=2 ** 80),
                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8),
                     st.sampled_from([0, 1, -1, 2 ** 31, 2 ** 63, 2 ** 64, 1e30, -1e30, 0.5, "", "text", "5"]))
@@ -79,7 +81,8 @@ JSON = st.recursive(SCALARS, lambda inner: st.one_of(
                                                                   "include_usage", "name", "x"]), inner,
                                                  max_size=4)), max_leaves=12)
 VALID = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
-         "/v1/completions": {"prompt": "The class", "max_tokens": 2}}
+         "/v1/completions": {"prompt": "The class", "max_tokens": 2},
+         "/tokenize": {"prompt": "The class"}, "/detokenize": {"tokens": [5, 6]}}
 
 
 def check(status, ctype, raw):
@@ -116,6 +119,7 @@ def test_known_bad_bodies(port, path, fields):
 
 
 def test_valid_bodies_still_work(port):
-    for path, body in VALID.items():
-        status, _, raw = post(port, path, json.dumps({**body, "logit_bias": {"65": 5}, "min_p": 0.1}).encode())
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        body = {**VALID[path], "logit_bias": {"65": 5}, "min_p": 0.1}
+        status, _, raw = post(port, path, json.dumps(body).encode())
         assert status == 200 and json.loads(raw)["choices"]
