@@ -1,4 +1,4 @@
-"""The core's HTTP control port: /health, /ready, /metrics, /stats (and the batch API routes).
+"""The core's HTTP control port: /health, /ready, /metrics, /stats, /v1/models (and the batch API routes).
 
 Life cycle: `check_control_port(host, api_keys)` runs before anything loads
 (the CLI) and again at bind time: a control port that listens beyond loopback
@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from edgecore.core.server import model_name
 from edgecore.shared.errors import ConfigError
 from edgecore.shared.http_server import ServerLimits, start_site
+from edgecore.shared.openai.extra_routes import add_model_routes, model_card
 from edgecore.shared.openai.http import error_middleware
 from edgecore.shared.secrets import is_loopback
 
@@ -77,6 +79,8 @@ def build_app(core) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
+    add_model_routes(app, lambda: model_card(model_name(core.config.model_dir), core.engine.max_model_len,
+                                             int(core.started_at)))
     for extend in getattr(core, "http_extensions", []):
         extend(app)
     return app

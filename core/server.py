@@ -246,8 +246,7 @@ class CoreServer:
                             gather=self.parallel and not direct)
         s = msg.sampling
         try:
-            params = SamplingParams(max_tokens=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                    seed=s.seed, logprobs=s.logprobs)
+            params = SamplingParams.from_spec(s, max_tokens=1)
         except RequestError as exc:
             await peer.send(m.Error(ErrorCode.BAD_REQUEST, str(exc), rid))
             return

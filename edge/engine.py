@@ -130,6 +130,8 @@ class EdgeEngine:
         and adding after."""
         if not self.router.healthy():
             return "local", "no_core" if self.router.clients else "no_core_configured", None
+        if params.prompt_logprobs is not None:    # they come from this engine's prefill logits
+            return "local", "prompt_logprobs", None
         threshold = self.config.local_prefill_below
         if threshold is None:             # the measured crossover: decided here, on the event loop
             cached = await self.aengine.call(lambda e: len(e.block_manager.match_prefix(prompt_ids))
@@ -271,7 +273,7 @@ class EdgeEngine:
         seq, cached = await self.aengine.call(lambda e: e.reserve(request_id, prompt_ids, params))
         queue = self.aengine.open_stream(request_id)
         codec = self._codec(client, len(prompt_ids) - cached)
-        spec = m.SamplingSpec(params.temperature, params.top_p, params.top_k, params.seed, params.logprobs)
+        spec = m.SamplingSpec(**params.spec_fields())
         want = len(prompt_ids) - cached
         got = [0] * engine_cfg.num_hidden_layers
         heads = engine_cfg.num_key_value_heads

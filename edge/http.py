@@ -21,12 +21,14 @@ import contextlib
 import logging
 import time
 import uuid
+
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from edgecore.shared.errors import EngineDead
 from edgecore.shared.http_server import ServerLimits, start_site
+from edgecore.shared.openai.extra_routes import add_edge_routes, model_card
 from edgecore.shared.openai.http import error_middleware, json_body
 from edgecore.shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
 from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body, usage
@@ -62,6 +64,8 @@ class EdgeHTTP:
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/stats", self.stats)
+        add_edge_routes(app, self.edge.tokenizer, self.edge.vocab_size, lambda: model_card(
+            self.served_model, self.edge.max_model_len, self.created))   # /tokenize, /detokenize, /version, ...
         return app
 
     def _capacity(self, parsed: ParsedRequest) -> None:

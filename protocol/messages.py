@@ -58,6 +58,11 @@ class SamplingSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=T
     top_k: int = -1
     seed: int | None = None
     logprobs: int | None = None
+    presence_penalty: float = 0.0      # penalties over prompt/output tokens, vLLM semantics
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    min_p: float = 0.0
 
 
 class PrefillRequest(_Msg, tag=5):

@@ -77,7 +77,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             try:
-                cached = self.bm.allocate_prompt(seq.table, seq.token_ids, budget)
+                cached = self.bm.allocate_prompt(seq.table, seq.token_ids, budget,
+                                                 use_cache=seq.params.prompt_logprobs is None)
             except NoFreeBlocks:
                 break
             self.waiting.popleft()

@@ -46,6 +46,7 @@ class Sequence:
         self.arrival = next(_arrival)
         self.finish_reason: str | None = None
         self.generator = None           # per-request torch.Generator when seeded
+        self.prompt_logprobs: list | None = None   # per prompt position, when asked for (prompt_logprobs.py)
 
     @property
     def num_tokens(self) -> int:
