@@ -21,6 +21,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from edgecore.edge.service import EdgeService
 from edgecore.shared.errors import EngineDead
 from edgecore.shared.openai.http import error_middleware, json_body
 from edgecore.shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
@@ -31,7 +32,7 @@ json_encode = msgspec.json.Encoder().encode
 
 
 class EdgeHTTP:
-    def __init__(self, edge, served_model: str, api_keys: list[bytes] | None = None,
+    def __init__(self, edge: EdgeService, served_model: str, api_keys: list[bytes] | None = None,
                  max_body: int = 8 * 1024 * 1024, max_concurrent: int = 256):
         self.edge = edge
         self.served_model = served_model
