@@ -119,9 +119,9 @@ class PrefillService:
                                     seed=s.seed, logprobs=s.logprobs)
         except RequestError as exc:
             refusal = refusal or m.Error(ErrorCode.BAD_REQUEST, str(exc), rid)
-        if refusal is not None:
+        if refusal is not None or codec is None:      # (no codec always comes with a refusal)
             self.metrics.prefill_requests.labels("rejected").inc()
-            await peer.send(refusal)
+            await peer.send(refusal or m.Error(ErrorCode.CODEC, "no codec", rid))
             return
         direct = self.direct_streams and msg.direct and bool(peer.conn.session)
         req = Transfer(f"s{session.id}/{rid}", rid, session.queue, codec, len(msg.token_ids), msg.skip_tokens,

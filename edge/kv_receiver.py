@@ -143,7 +143,7 @@ class KVReceiver:
 
     def bandwidth_sample(self) -> tuple[int, float]:
         """(bytes, seconds): the bytes that arrived after the first chunk, over the span they took."""
-        if self._first_at is None:
+        if self._first_at is None or self._last_at is None:
             return 0, 0.0
         return self.encoded_bytes - self._first_bytes, self._last_at - self._first_at
 

@@ -59,11 +59,11 @@ class RemotePrefill:
         started = time.perf_counter()
         try:
             await self._receive(receiver, codec, cached)
-            if activate:
-                done = receiver.done
+            done = receiver.done
+            if activate and done is not None:          # COMPLETE: PrefillDone is in
                 await handle.activate(rid, FirstToken(
                     done.first_token, done.logprob if self.params.logprobs is not None else None,
-                    [tuple(t) for t in done.top_logprobs]))
+                    [(int(t), float(p)) for t, p in done.top_logprobs]))
         except BaseException as exc:
             receiver.abandon(str(exc) or type(exc).__name__)
             handle.close_stream(rid)

@@ -190,7 +190,11 @@ class AsyncEngine:
     # ---- resident prefixes ----------------------------------------------------------
     async def pin_prefix(self, request_id: str) -> list[int]:
         """Pin a prefilled request's full blocks and release the request; returns the pinned blocks."""
-        return await self._call(lambda e: (e.pin_prefix(request_id), e.release(request_id))[0])
+        def pin(e: LLMEngine) -> list[int]:
+            blocks = e.pin_prefix(request_id)
+            e.release(request_id)
+            return blocks
+        return await self._call(pin)
 
     async def commit_prefix(self, request_id: str) -> list[int]:
         return await self._call(lambda e: e.commit_prefix(request_id))
