@@ -92,17 +92,17 @@ class AsyncEngine:
         """Measure the prompt's cached prefix and, when fewer than `limit` tokens are left to compute, add
         the request right there (one engine turn, not two). Returns (cached tokens, the output queue or
         None when the request was not added)."""
-        def place(e: LLMEngine) -> int | None:
+        def place(e: LLMEngine) -> tuple[int, bool]:
             cached = e.cached_prefix(prompt_ids)
             if len(prompt_ids) - cached >= limit:
-                return -1 - cached
+                return cached, False
             e.add_request(request_id, prompt_ids, params)
-            return cached
+            return cached, True
 
-        cached, queue = await self._admit(request_id, place)
-        if cached < 0:
+        (cached, added), queue = await self._admit(request_id, place)
+        if not added:
             self.close_stream(request_id)
-            return -1 - cached, None
+            return cached, None
         return cached, queue
 
     async def generate(self, request_id: str, prompt, params: SamplingParams, *, prefill_only: bool = False,

@@ -65,3 +65,22 @@ async def test_stats_are_a_snapshot_published_by_the_engine_thread():
         assert aengine.stats().requests == 0 and aengine.stats().blocks_used == 0
     finally:
         aengine.stop()
+
+
+async def test_add_if_uncached_below_adds_only_short_uncached_rests():
+    engine = make_engine(block_size=16)
+    aengine = AsyncEngine(engine)
+    aengine.start()
+    try:
+        params = SamplingParams(max_tokens=2, temperature=0)
+        prompt = list(range(3, 43))                       # 40 tokens, nothing cached yet
+        cached, queue = await aengine.add_if_uncached_below("a", prompt, params, limit=32)
+        assert (cached, queue) == (0, None) and aengine.stats().requests == 0
+        async for _ in aengine.generate("b", prompt, params):   # its full blocks stay in the prefix cache
+            pass
+        cached, queue = await aengine.add_if_uncached_below("c", prompt + [50], params, limit=32)
+        assert cached == 32 and queue is not None
+        outs = [out async for out in aengine.stream("c", queue)]
+        assert outs[-1].finished and outs[-1].num_cached_tokens == 32
+    finally:
+        aengine.stop()
