@@ -14,6 +14,7 @@ import uuid
 from aiohttp import web
 
 from edgecore.core.batch_runner import ENDPOINTS
+from edgecore.shared.engine.handle import EngineHandle
 from edgecore.shared.openai.http import json_body
 from edgecore.shared.openai.request import ApiError
 
@@ -23,8 +24,8 @@ def _not_found(kind: str, ident: str) -> ApiError:
 
 
 class BatchAPI:
-    def __init__(self, core, store, runner, contexts, max_file_bytes: int):
-        self.core, self.store, self.runner, self.contexts = core, store, runner, contexts
+    def __init__(self, handle: EngineHandle, store, runner, contexts, max_file_bytes: int):
+        self.handle, self.store, self.runner, self.contexts = handle, store, runner, contexts
         self.max_file_bytes = max_file_bytes
 
     def routes(self, app: web.Application) -> None:
@@ -160,7 +161,7 @@ class BatchAPI:
     # ---- contexts ----------------------------------------------------------------------
     async def create_context(self, request):
         body = await json_body(request)
-        engine = self.core.engine
+        engine = self.handle
         if isinstance(body.get("token_ids"), list):
             ids = body["token_ids"]
             if not ids or any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < engine.config.vocab_size

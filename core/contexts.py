@@ -34,8 +34,8 @@ def context_id(token_ids: list[int]) -> str:
 
 
 class Contexts:
-    def __init__(self, core, store):
-        self.core = core
+    def __init__(self, handle, store):
+        self.handle = handle              # the engine handle (shared/engine/handle.py)
         self.store = store
         self.pinned: dict[str, dict] = {}
 
@@ -48,11 +48,10 @@ class Contexts:
         if ctx in self.pinned:
             return self.describe(ctx)
         rid = f"context/{uuid.uuid4().hex}"
-        aengine = self.core.aengine
-        async for _ in aengine.generate(rid, token_ids, SamplingParams(max_tokens=1, temperature=0),
+        async for _ in self.handle.generate(rid, token_ids, SamplingParams(max_tokens=1, temperature=0),
                                         prefill_only=True):
             pass
-        blocks = await aengine.call(lambda e: (e.pin_prefix(rid), e.release(rid))[0])
+        blocks = await self.handle.pin_prefix(rid)
         self.pinned[ctx] = {"blocks": blocks, "tokens": len(token_ids), "token_ids": list(token_ids),
                             "created_at": int(time.time())}
         if persist:
@@ -67,7 +66,7 @@ class Contexts:
         info = self.pinned.get(ctx)
         if info is None:
             return None
-        bs = self.core.engine.block_manager.block_size
+        bs = self.handle.block_size
         return {"id": ctx, "object": "context", "tokens": info["tokens"], "cached_tokens": len(info["blocks"]) * bs,
                 "created_at": info["created_at"]}
 
@@ -75,7 +74,7 @@ class Contexts:
         info = self.pinned.pop(ctx, None)
         if info is None:
             return False
-        await self.core.aengine.call(lambda e: e.unpin(info["blocks"]))
+        await self.handle.unpin(info["blocks"])
         self.store.delete_context(ctx)
         return True
 

@@ -57,19 +57,19 @@ def build_app(core) -> web.Application:
         return web.json_response({"status": "ok"})
 
     async def ready(_):
-        ok = core.aengine is not None and core.aengine.alive and core.server is not None and core.failure is None
+        ok = core.alive and core.server is not None
         return web.json_response({"ready": ok}, status=200 if ok else 503)
 
     async def metrics(_):
-        core.metrics.kv_usage.set(core.engine.stats()["kv_cache_usage"])
+        core.metrics.kv_usage.set(core.handle.stats().kv_cache_usage)
         return web.Response(body=generate_latest(core.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def stats(_):
         stats = core.stats()
-        if core.parallel and core.failure is None and core.aengine is not None and core.aengine.alive:
+        if core.parallel and core.alive:
             try:
-                stats["ranks"] = await core.aengine.call(lambda e: e.runner.rank_stats())
+                stats["ranks"] = await core.handle.rank_stats()
             except Exception as exc:   # a rank is gone: the core stops serving, and says so
                 core.mark_failed(f"gathering rank stats failed: {exc}")
                 stats.update(ranks=None, failure=core.failure, engine_alive=False)

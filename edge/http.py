@@ -26,6 +26,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from edgecore.edge.service import EdgeService
 from edgecore.shared.errors import EngineDead
 from edgecore.shared.http_server import ServerLimits, start_site
 from edgecore.shared.openai.extra_routes import add_edge_routes, model_card
@@ -38,7 +39,7 @@ json_encode = msgspec.json.Encoder().encode
 
 
 class EdgeHTTP:
-    def __init__(self, edge, served_model: str, api_keys: list[bytes] | None = None,
+    def __init__(self, edge: EdgeService, served_model: str, api_keys: list[bytes] | None = None,
                  max_body: int = 8 * 1024 * 1024, max_concurrent: int = 256, max_seqs_per_request: int = 64,
                  limits: ServerLimits | None = None):
         self.edge = edge

@@ -125,7 +125,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.finish_reason = reason
         if keep_blocks:
-            seq.status = Status.PARKED
+            seq.status = Status.PREFILLED
         else:
             seq.status = Status.FINISHED
             self.bm.free_table(seq.table)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgecore.shared.kv.heads import kv_head_start
 from edgecore.shared.parallel import all_gather_last_dim, all_reduce, tensor_parallel
 
 
@@ -163,9 +164,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_head_start(self) -> int:
         """Index of this rank's first KV head in the full model."""
         tp = tensor_parallel()
-        if self.total_kv_heads >= tp.size:
-            return tp.rank * self.num_kv_heads
-        return tp.rank * self.total_kv_heads // tp.size
+        return kv_head_start(tp.rank, tp.size, self.total_kv_heads)
 
     def shard_rows(self, shard_id: str) -> tuple[int, int, int]:
         """(first checkpoint row this rank reads, first parameter row it fills, row count) of q, k or v."""
