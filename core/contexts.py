@@ -34,9 +34,10 @@ def context_id(token_ids: list[int]) -> str:
 
 
 class Contexts:
-    def __init__(self, handle, store):
+    def __init__(self, handle, store, control=None):
         self.handle = handle              # the engine handle (shared/engine/handle.py)
         self.store = store
+        self.control = control            # core/http.py ControlPort: the edges pushes may go to, the push key
         self.pinned: dict[str, dict] = {}
 
     async def restore(self) -> None:
@@ -83,7 +84,7 @@ class Contexts:
         tokens = self.tokens(ctx)
         if tokens is None:
             raise ApiError(404, f"No context with id '{ctx}'", "id", "not_found")
-        control = getattr(self.core.config, "control", None)
+        control = self.control
         known = dict(control.push_edges) if control is not None else {}
         if names is None:
             names = sorted(known)

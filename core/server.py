@@ -141,7 +141,7 @@ class CoreServer:
         from edgecore.core.contexts import Contexts
         c = self.config
         self.store = BatchStore(self.data_dir)
-        self.contexts = Contexts(self.handle, self.store)
+        self.contexts = Contexts(self.handle, self.store, self.config.control)
         await self.contexts.restore()
         self.batches = BatchRunner(self.handle, self.store, model_name(c.model_dir), c.batch_inflight)
         self.batches.start()

@@ -4,7 +4,7 @@ Life cycle: `run()` reserves blocks for the prompt through the engine handle
 (the locally cached prefix becomes `skip_tokens`), opens the request's output
 stream, sends the PrefillRequest with the chosen codec, and then feeds every
 event of the request to the receiver: a KVChunk's header is checked and
-counted before its payload is decoded (checksum first; in a worker thread
+counted before its payload is decoded (its frame MAC-verified on arrival; in a worker thread
 unless it is small) and written into the paged cache as a `KVSlice` between
 decode steps; PrefillDone, a core Error, a broken connection or the transfer
 timeout go to the receiver too. Once the receiver is COMPLETE the request is

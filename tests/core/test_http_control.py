@@ -53,11 +53,12 @@ async def control_port(push_edges: dict, api_keys=(KEY.encode(),), push_key: byt
     core = SimpleNamespace(
         config=SimpleNamespace(api_keys=list(api_keys), control=ControlPort(ServerLimits(), push_edges, push_key)),
         metrics=CoreMetrics(), parallel=False, stats=lambda: {"pid": 1, "fingerprint": "f" * 64},
-        engine=SimpleNamespace(block_manager=SimpleNamespace(block_size=16)))
-    contexts = Contexts(core, store=None)
+        engine=SimpleNamespace(block_manager=SimpleNamespace(block_size=16)), alive=True, server=None,
+        handle=SimpleNamespace(block_size=16))
+    contexts = Contexts(core.handle, store=None, control=core.config.control)
     contexts.pinned[context_id(TOKENS)] = {"blocks": [], "tokens": len(TOKENS), "token_ids": TOKENS,
                                            "created_at": 0}
-    core.http_extensions = [BatchAPI(core, None, None, contexts, 1 << 20).routes]
+    core.http_extensions = [BatchAPI(core.handle, None, None, contexts, 1 << 20).routes]
     runner, port = await start_control_port(core, "127.0.0.1", 0)
     return core, runner, f"http://127.0.0.1:{port}"
 

@@ -12,7 +12,7 @@ LAYERS, HEADS, TOTAL, SKIP = 3, 4, 40, 8
 
 
 def chunk(layer0, layer1, t0, t1, h0=0, h1=HEADS, raw=100):
-    return m.KVChunk("r", layer0, layer1, t0, t1, h0, h1, 16, "float32", "raw", raw // 2, raw, 0, TOTAL)
+    return m.KVChunk("r", layer0, layer1, t0, t1, h0, h1, 16, "float32", "raw", raw // 2, raw, TOTAL)
 
 
 def done():
