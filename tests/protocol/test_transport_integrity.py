@@ -1,14 +1,16 @@
 """asyncio transport over loopback with a bit-flipping relay: a corrupted frame fails only its request,
-the connection goes on; unauthenticated connections hold only small buffers, released on close."""
+the connection goes on; unauthenticated connections hold only small buffers, released on close; an
+old (version 1) peer gets an error it can read."""
 
 import asyncio
 
+import msgspec
 import pytest
 
 from edgecore.protocol import messages as m
 from edgecore.protocol import transport
 from edgecore.protocol.errors import ErrorCode
-from edgecore.protocol.framing import FIXED_SIZE, HANDSHAKE_LIMITS, pack_fixed
+from edgecore.protocol.framing import FIXED_SIZE, HANDSHAKE_LIMITS, LEGACY_VERSION, pack_fixed
 from edgecore.protocol.state import KVData
 from edgecore.protocol.transport import connect
 from tests.protocol.pairs import CODECS, FP, SECRET
@@ -103,3 +105,16 @@ async def test_unauthenticated_connections_hold_only_small_buffers(monkeypatch):
             writer.close()
         await asyncio.sleep(0.3)
         assert all(c.parser.capacity == 0 for c in conns)      # released when each connection closed
+
+
+async def test_an_old_edge_is_told_in_a_frame_it_can_read():
+    server, port = await start()
+    async with server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        header = msgspec.msgpack.encode([1, [1], ["raw"], FP, b"n" * 32])          # a version-1 Hello
+        writer.write(pack_fixed(1, len(header), 0, LEGACY_VERSION) + header)
+        data = await asyncio.wait_for(reader.read(), 3)
+        assert data[:5] == b"EDGC\x01" and data[5] == 10                         # a version-1 Error frame
+        tag, code, message = msgspec.msgpack.decode(data[16:])[:3]
+        assert code == ErrorCode.VERSION_MISMATCH and "version 2, the peer version 1" in message
+        writer.close()
