@@ -69,6 +69,7 @@ class CoreConfig:
     engine_threads: int | None = None   # intra-op threads of the engine thread (None: leave as they are)
     gather_kv: bool = False             # parallel core: rank 0 sends all KV, the other ranks serve no streams
     control: object = None              # core/http.py ControlPort: server limits, push targets (None: defaults)
+    rendezvous: str = "127.0.0.1:0"     # parallel core: HOST:PORT of the ranks' TCP store (port 0: any free)
 
 
 class Session:
@@ -92,7 +93,8 @@ class CoreServer:
             from edgecore.core.ranks import start_parallel_engine
             engine, self.workers, self.stream_ports = start_parallel_engine(
                 config.model_dir, config.tp, config.pp, config.dtype, config.device, config.cache, config.engine,
-                config.pp_split, config.pp_micro_batches, streams=self._stream_config())
+                config.pp_split, config.pp_micro_batches, streams=self._stream_config(),
+                rendezvous=config.rendezvous)
         self.engine = engine or LLMEngine.from_dir(config.model_dir, config.dtype, config.device,
                                                    config.cache, config.engine)
         self.fingerprint = model_fingerprint(config.model_dir, self.engine.config)
