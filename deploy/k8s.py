@@ -59,7 +59,8 @@ def core_manifests(topo: Topology, core: CoreNode) -> list[dict]:
         resources["limits"]["nvidia.com/gpu"] = str(gpus)
     args = ["core", "--model", f"{MODEL_MOUNT}/{topo.model_name}", "--listen", f"0.0.0.0:{core.port}",
             "--http", f"0.0.0.0:{core.http_port}", "--secret-file", f"{SECRET_MOUNT}/cluster-secret",
-            "--name", core.name, "--device", core.device, "--data-dir", "/data"]
+            "--name", core.name, "--device", core.device, "--data-dir", "/data",
+            "--api-key-file", f"{SECRET_MOUNT}/api-keys"]      # the control port listens beyond loopback
     if core.tp * core.pp > 1:    # the Service exposes one KV port, so rank 0 sends every rank's KV
         args += ["--tp", str(core.tp), "--pp", str(core.pp), "--gather-kv"]
     statefulset = {
