@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-after-prefill", action="store_true",
                    help="send a request's KV only once its prefill has finished (the baseline that layer-wise "
                         "streaming is measured against)")
+    p.add_argument("--rendezvous", default="127.0.0.1:0", metavar="HOST:PORT",
+                   help="parallel core: where the ranks' rendezvous (TCP store) listens; gloo's own sockets use the "
+                        "same host's interface (default 127.0.0.1, any free port)")
     p.add_argument("--gather-kv", action="store_true",
                    help="parallel core: rank 0 gathers every rank's KV after the prefill and sends it, instead "
                         "of each rank streaming its own on its own port (when edges can reach only --listen)")
@@ -79,10 +82,10 @@ def run_core(args: argparse.Namespace) -> int:
                         max_file_bytes=int(args.max_file_mb * 1024 * 1024), tp=args.tp, pp=args.pp,
                         pp_split=[int(x) for x in args.pp_split.split(",")] if args.pp_split else None,
                         pp_micro_batches=args.pp_micro_batches, gather_kv=args.gather_kv,
-                        stream_layers=not args.kv_after_prefill, engine_threads=engine_threads)
-    if args.tp < 1 or args.pp < 1:
-        from edgecore.shared.errors import ConfigError
-        raise ConfigError("--tp and --pp must be at least 1")
+                        stream_layers=not args.kv_after_prefill, engine_threads=engine_threads,
+                        rendezvous=args.rendezvous)
+    if args.tp * args.pp != 1:
+        _check_parallel(config, args)         # one line before any rank starts
     core = CoreServer(config)
 
     async def start():
@@ -91,6 +94,18 @@ def run_core(args: argparse.Namespace) -> int:
               f"http http://{http_host}:{core.http_port} ({protection(http_host, api_keys)})", flush=True)
 
     return run_service(start, core.stop)
+
+
+def _check_parallel(config, args: argparse.Namespace) -> None:
+    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.errors import ConfigError
+    from edgecore.shared.parallel import check_parallel
+    from edgecore.shared.secrets import parse_hostport
+    parse_hostport(args.rendezvous)
+    try:
+        check_parallel(ModelConfig.from_dir(config.model_dir), args.tp, args.pp, config.pp_split)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _push_edges(values: list[str]) -> dict[str, str]:

@@ -1,7 +1,9 @@
 """A parallel core's processes: one per rank, started together, stopped together.
 
-Life cycle: the driver (`edgecore core --tp N --pp M`) picks a rendezvous
-port, starts ranks 1..N×M−1 as `edgecore core-worker` processes, joins the
+Life cycle: the driver (`edgecore core --tp N --pp M`) checks that the model
+splits that way (one line if not, before any process starts), binds the
+rendezvous socket on the configured host (`--rendezvous`, 127.0.0.1 and a free
+port by default), starts ranks 1..N×M−1 as `edgecore core-worker` processes, joins the
 torch.distributed world as rank 0, loads its own shard (stage 0's layers, its
 TP slice of each) and gets an `LLMEngine` whose runner drives the others.
 Each worker loads its shard and KV pool and follows the driver's step plans.
@@ -20,7 +22,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -34,18 +35,14 @@ import torch.distributed as dist
 from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.parallel_runner import ParallelModelRunner, StageRunner, kv_head_start, worker_loop
+from edgecore.shared.errors import ConfigError
 from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.models.loader import load_model, resolve_dtype
-from edgecore.shared.parallel import init_distributed
+from edgecore.shared.parallel import check_parallel, init_distributed, rendezvous_socket
+from edgecore.shared.secrets import parse_hostport
 from edgecore.shared.tokenizer import Tokenizer
 
 log = logging.getLogger("edgecore.ranks")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -64,11 +61,20 @@ def owns_kv(tp_rank: int, tp: int, total_kv_heads: int) -> bool:
 
 def start_parallel_engine(model_dir: str, tp: int, pp: int, dtype: str, device: str, cache: CacheConfig,
                           engine_cfg: EngineConfig, split: list[int] | None = None, micro_batches: int = 0,
-                          streams: StreamConfig | None = None):
+                          streams: StreamConfig | None = None, rendezvous: str = "127.0.0.1:0"):
     """Start the worker ranks and build the driver's engine. Returns (engine, worker processes, the ports of the
-    workers' KV stream servers)."""
+    workers' KV stream servers). `rendezvous`: HOST:PORT the driver's TCP store listens on (port 0: any)."""
     config = ModelConfig.from_dir(model_dir)
-    master = f"127.0.0.1:{_free_port()}"
+    try:
+        check_parallel(config, tp, pp, split)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    host, port = parse_hostport(rendezvous)
+    try:
+        listen = rendezvous_socket(host, port)
+    except OSError as exc:
+        raise ConfigError(f"--rendezvous: {exc}") from None
+    master = f"[{host}]:{listen.getsockname()[1]}" if ":" in host else f"{host}:{listen.getsockname()[1]}"
     backend = "nccl" if device.startswith("cuda") else "gloo"
     workers = []
     for rank in range(1, tp * pp):
@@ -87,7 +93,7 @@ def start_parallel_engine(model_dir: str, tp: int, pp: int, dtype: str, device: 
             proc.stdin.close()
         workers.append(proc)
     lay = init_distributed(0, tp, pp, config.num_hidden_layers, master, backend, split,
-                           micro_batches=micro_batches)
+                           micro_batches=micro_batches, listen=listen)
     torch_dtype = resolve_dtype(dtype, device)
     model = load_model(model_dir, torch_dtype, device, layers=lay.stage_layers(), config=config)
     tokenizer = Tokenizer.from_dir(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None

@@ -62,6 +62,7 @@ class CoreConfig:
     engine_threads: int | None = None   # intra-op threads of the engine thread (None: leave as they are)
     gather_kv: bool = False             # parallel core: rank 0 sends all KV, the other ranks serve no streams
     control: object = None              # core/http.py ControlPort: server limits, push targets (None: defaults)
+    rendezvous: str = "127.0.0.1:0"     # parallel core: HOST:PORT of the ranks' TCP store (port 0: any free)
 
 
 class CoreServer:
@@ -75,7 +76,8 @@ class CoreServer:
             from edgecore.core.ranks import start_parallel_engine
             engine, self.workers, self.stream_ports = start_parallel_engine(
                 config.model_dir, config.tp, config.pp, config.dtype, config.device, config.cache, config.engine,
-                config.pp_split, config.pp_micro_batches, streams=self._stream_config())
+                config.pp_split, config.pp_micro_batches, streams=self._stream_config(),
+                rendezvous=config.rendezvous)
         engine = engine or LLMEngine.from_dir(config.model_dir, config.dtype, config.device,
                                               config.cache, config.engine)
         # On a parallel core this streams rank 0's own layers and heads; the other ranks stream theirs.

@@ -130,7 +130,7 @@ def core_manifests(topo: Topology, core: CoreNode) -> list[dict]:
                                   {"name": "http", "port": core.http_port, "targetPort": "http"}]}}
     args = ["core", *_model_args(topo), "--listen", f"0.0.0.0:{core.port}", "--http", f"0.0.0.0:{core.http_port}",
             "--secret-file", f"{SECRET_MOUNT}/cluster-secret", "--name", core.name, "--device", core.device,
-            "--data-dir", "/data"]
+            "--data-dir", "/data", "--api-key-file", f"{SECRET_MOUNT}/api-keys"]   # control port beyond loopback
     if core.tp * core.pp > 1:    # the Service exposes one KV port, so rank 0 sends every rank's KV
         args += ["--tp", str(core.tp), "--pp", str(core.pp), "--gather-kv"]
     mounts = [{"name": "secrets", "mountPath": SECRET_MOUNT, "readOnly": True}, {"name": "data", "mountPath": "/data"}]
@@ -171,7 +171,8 @@ def edge_manifests(topo: Topology, edge: EdgeNode) -> list[dict]:
     cores = topo.cores_for(edge.region)
     if cores:   # the nearest core serves the packed model; every reachable core is a prefill target
         first = cores[0]
-        args += ["--model-from", f"http://{core_address(topo, first)}:{first.http_port}", "--model-cache", "/cache"]
+        args += ["--model-from", f"http://{core_address(topo, first)}:{first.http_port}", "--model-cache", "/cache",
+                 "--model-from-key-file", f"{SECRET_MOUNT}/api-keys"]
         for core in cores:
             args += ["--core-dns", f"{core_address(topo, core)}:{core.port}"]
     else:

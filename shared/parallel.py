@@ -1,17 +1,26 @@
 """Tensor- and pipeline-parallel process state, read by the parallel layers and runners.
 
 Life cycle: a single-process run never touches this (rank 0 of 1, one stage).
-A parallel core calls `init_distributed` once in every rank: it joins the
-torch.distributed world (gloo on CPU, NCCL on CUDA), creates one tensor-parallel
-group per pipeline stage, and records this rank's place; the layers then shard
-their weights and reduce their outputs across the rank's TP group, and the
-runner passes hidden states from stage to stage.
+Before any rank starts, `check_parallel(config, tp, pp)` says in one line
+why a layout cannot shard the model (heads, KV heads, MLP width, layers).
+The driver binds the rendezvous socket first (`rendezvous_socket`, on the
+configured host, port 0 = any free one) so workers learn its port before they
+start. A parallel core calls `init_distributed` once in every rank: it joins
+the torch.distributed world through a TCP store on that socket (gloo on CPU,
+NCCL on CUDA; gloo's and NCCL's own sockets are put on the interface of the
+rendezvous host, loopback by default, unless GLOO_SOCKET_IFNAME /
+NCCL_SOCKET_IFNAME say otherwise), creates one tensor-parallel group per
+pipeline stage, and records this rank's place; the layers then shard their
+weights and reduce their outputs across the rank's TP group, and the runner
+passes hidden states from stage to stage.
 
 Global rank = stage × tp + tp_rank; rank 0 (stage 0, tp rank 0) drives.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,14 +91,83 @@ def balanced_split(num_layers: int, pp: int, split: list[int] | None = None) -> 
     return tuple(base + (1 if s >= pp - extra else 0) for s in range(pp))
 
 
+def check_parallel(config, tp: int, pp: int, split: list[int] | None = None) -> None:
+    """Raise ValueError (one line, naming the flag) when `tp` × `pp` cannot shard the model `config`."""
+    if tp < 1 or pp < 1:
+        raise ValueError("--tp and --pp must be at least 1")
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    if heads % tp:
+        raise ValueError(f"--tp {tp}: the model's {heads} attention heads do not split over {tp} ranks")
+    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+        raise ValueError(f"--tp {tp}: the model's {kv} KV heads do not split over {tp} ranks (use a divisor or "
+                         f"a multiple of {kv})")
+    for name in ("intermediate_size", "moe_intermediate_size"):
+        width = getattr(config, name, None)
+        if width and width % tp:
+            raise ValueError(f"--tp {tp}: the model's {name} {width} does not split over {tp} ranks")
+    try:
+        balanced_split(config.num_hidden_layers, pp, split)
+    except ValueError as exc:
+        raise ValueError(f"--pp {pp}: {exc}") from None
+
+
+def rendezvous_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """The driver's listening socket for the TCP store, bound before any worker starts (port 0: a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot bind the rendezvous address {host}:{port}: {exc.strerror}") from None
+    sock.listen(128)
+    return sock
+
+
+def _interface_of(host: str) -> str | None:
+    """The network interface holding IPv4 address `host` (Linux), for gloo's and NCCL's own sockets."""
+    try:
+        import fcntl
+        import ipaddress
+        import struct
+        addr = ipaddress.ip_address(host)
+        if addr.is_loopback:
+            return "lo"
+        for _, name in socket.if_nameindex():
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:
+                    raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+                except OSError:
+                    continue
+            if socket.inet_ntoa(raw[20:24]) == str(addr):
+                return name
+    except (ImportError, ValueError, OSError):
+        pass
+    return None
+
+
 def init_distributed(rank: int, tp: int, pp: int, num_layers: int, master: str, backend: str = "gloo",
-                     split: list[int] | None = None, timeout_s: float = 120.0, micro_batches: int = 0) -> Layout:
+                     split: list[int] | None = None, timeout_s: float = 120.0, micro_batches: int = 0,
+                     listen: socket.socket | None = None) -> Layout:
+    """Join the world. `master` is HOST:PORT of the driver's TCP store; the driver (rank 0) passes `listen`,
+    the socket `rendezvous_socket` bound, and the store serves on it (never on every interface)."""
     import datetime
 
     import torch.distributed as dist
     world = tp * pp
-    dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    host, _, port = master.rpartition(":")
+    host = host.strip("[]")
+    iface = _interface_of(host)
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if iface and not os.environ.get(var):
+            os.environ[var] = iface      # read by torch's gloo / NCCL when they open their sockets
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if listen is not None:
+        store = dist.TCPStore(host, listen.getsockname()[1], world, True, timeout, master_listen_fd=listen.detach())
+    else:
+        store = dist.TCPStore(host, int(port), world, False, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     _LAYOUT.tp, _LAYOUT.pp, _LAYOUT.rank = tp, pp, rank
     _LAYOUT.split = balanced_split(num_layers, pp, split)
     _LAYOUT.micro_batches = micro_batches or pp

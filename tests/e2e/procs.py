@@ -77,8 +77,8 @@ def start_edge(*extra: str, cores: list[int] = (), secret_file: str | None = Non
     return Node(args), http
 
 
-def get_json(url: str, timeout: float = 10) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def get_json(url: str, timeout: float = 10, headers: dict | None = None) -> dict:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
         return json.loads(r.read())
 
 

@@ -15,6 +15,7 @@ from tests.e2e.procs import get_json, start_core, start_edge, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 KEY = "sk-edge-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}          # /stats needs the key like /v1/
 
 
 @pytest.fixture(scope="module", params=["with-core", "edge-only"])
@@ -193,11 +194,11 @@ def test_disconnect_mid_stream_frees_blocks_and_metrics_move(server):
                                 json={"prompt": "The", "max_tokens": 900, "stream": True, "ignore_eos": True})
             await resp.content.readline()
             await resp.content.readline()
-            assert get_json(f"http://127.0.0.1:{port}/stats")["blocks_used"] > 0
+            assert get_json(f"http://127.0.0.1:{port}/stats", headers=AUTH)["blocks_used"] > 0
             resp.close()
 
     asyncio.run(drop())
-    stats = wait_for(lambda: (s := get_json(f"http://127.0.0.1:{port}/stats"))["blocks_used"] == 0
+    stats = wait_for(lambda: (s := get_json(f"http://127.0.0.1:{port}/stats", headers=AUTH))["blocks_used"] == 0
                      and s["requests"] == 0 and s)
     assert stats and stats["blocks_used"] == 0
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
@@ -230,4 +231,4 @@ def test_64_simultaneous_streams(server):
 
     counts = asyncio.run(main())
     assert len(counts) == 64 and all(c >= 1 for c in counts)
-    assert get_json(f"http://127.0.0.1:{port}/stats")["blocks_used"] == 0
+    assert get_json(f"http://127.0.0.1:{port}/stats", headers=AUTH)["blocks_used"] == 0

@@ -12,6 +12,7 @@ import pytest
 
 from edgecore.edge.http import EdgeHTTP, start_http
 from edgecore.shared.http_server import ServerLimits
+from edgecore.shared.log_budget import limit_logger
 from tests.conftest import make_engine
 
 pytestmark = pytest.mark.timeout(60)
@@ -126,6 +127,7 @@ async def test_our_own_bug_is_a_counted_json_500_with_request_id(server, monkeyp
         raise KeyError("a bug of ours")
         yield
     monkeypatch.setattr(server["edge"], "generate", broken)
+    monkeypatch.setattr(limit_logger("edgecore.http"), "tokens", 10.0)     # a full log budget for this one
     before = len(server["edge"].errors)
     with caplog.at_level(logging.ERROR, logger="edgecore.http"):
         status, ctype, raw = await post_raw(server["session"], "/v1/completions",
@@ -232,3 +234,15 @@ async def test_stats_needs_key_and_bearer_scheme_is_case_insensitive(server):
             assert r.status == 401
         async with anon.get("/health") as r:
             assert r.status == 200
+
+
+async def test_a_flood_of_malformed_requests_logs_a_bounded_number_of_lines(server, caplog):
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(60):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server["port"])
+            writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+            await writer.drain()
+            assert (await asyncio.wait_for(reader.read(), 5)).split(b" ")[1] == b"400"
+            writer.close()
+    lines = [r for r in caplog.records if r.name in ("aiohttp.server", "edgecore.http")]
+    assert len(lines) <= 20 and not any(r.exc_info for r in lines)
