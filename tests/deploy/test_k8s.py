@@ -145,3 +145,82 @@ def test_parallel_core_gets_its_layout_and_parses(tmp_path):
             for doc in yaml.safe_load_all(f.read_text()):
                 if doc["kind"] in ("StatefulSet", "Deployment"):
                     build_parser().parse_args(doc["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def test_any_valid_topology_renders_manifests_that_check(tmp_path):
+    """Random valid topologies (regions, cores with parallel layouts and GPUs, edges, links, batch
+    clients, both autoscaling modes) render to output that `check` passes and whose policies hold."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from edgecore.deploy.netpol import Cluster, Pod
+    names = st.from_regex(r"[a-z][a-z0-9]{0,6}", fullmatch=True)
+    core = st.fixed_dictionaries({"device": st.sampled_from(["cpu", "cuda"]), "tp": st.integers(1, 2),
+                                  "pp": st.integers(1, 2), "replicas": st.integers(1, 3),
+                                  "port": st.integers(7000, 7050), "http_port": st.integers(7051, 7100)})
+    edge = st.fixed_dictionaries({"replicas": st.integers(1, 3), "port": st.integers(8000, 8100),
+                                  "codecs": st.lists(st.sampled_from(["raw", "lossless", "int8"]), min_size=1,
+                                                     max_size=2, unique=True)})
+    region = st.tuples(st.lists(core, max_size=2), st.lists(edge, max_size=2))
+
+    @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.dictionaries(names, region, min_size=1, max_size=3), st.sampled_from(["keda", "hpa"]), st.data())
+    def check_one(regions, mode, data):
+        lines, n = [], 0
+        for rname, (cores, edges) in regions.items():
+            for kind, specs in (("cores", cores), ("edges", edges)):
+                for spec in specs:
+                    n += 1
+                    lines.append(f"[[regions.r{rname}.{kind}]]\nname = \"n{n}\"")
+                    lines += [f"{k} = {json.dumps(v)}" for k, v in spec.items()]
+        if n == 0:
+            return
+        rnames = [f"r{r}" for r, (cores, edges) in regions.items() if cores or edges]
+        for a, b in zip(rnames, rnames[1:]):
+            lines.append(f'[[links]]\nfrom = "{a}"\nto = "{b}"\ndelay_ms = {data.draw(st.integers(0, 50))}')
+        lines.append(f'[kubernetes.autoscaling]\nmode = "{mode}"')
+        lines.append('[[kubernetes.batch_clients]]\nname = "etl"\npod_labels = { app = "etl" }')
+        (tmp_path / "t.toml").write_text("\n".join(lines) + "\n")
+        topo = load_topology(tmp_path / "t.toml")
+        out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+        files = render(topo, out)
+        problems = check(out)
+        assert problems == [], problems
+        docs = [(topo.kube.namespace, d) for f in files if f.suffix == ".yaml" and "monitoring" not in str(f)
+                and f.name != "kustomization.yaml" for d in yaml.safe_load_all(f.read_text())]
+        net = Cluster(docs)
+        stranger = Pod("x", "default", {})
+        for c in topo.cores:
+            target = net.pod(c.name if c.name.startswith("core") else f"core-{c.name}")
+            assert not net.allowed(stranger, target, c.http_port) and not net.allowed(stranger, target, c.port)
+            assert net.allowed(Pod("etl", topo.kube.namespace, {"app": "etl"}), target, c.http_port)
+            for e in topo.edges:
+                source = net.pod(f"edge-{e.name}")
+                assert net.allowed(source, target, c.port)
+        for e in topo.edges:
+            assert net.allowed(stranger, net.pod(f"edge-{e.name}"), e.port)
+    import json
+    check_one()
+
+
+def test_cached_strict_schemas_agree_with_kubernetes_validate(rendered):
+    """`check_document` builds each strict validator once; it must answer as the library's own call."""
+    import copy
+
+    import kubernetes_validate
+
+    from edgecore.deploy.k8s_check import KUBERNETES_VERSION, check_document
+    _, files, docs = rendered
+    for kind, items in docs.items():
+        if kind in ("ServiceMonitor", "ScaledObject", "Kustomization"):
+            continue
+        doc = items[0][1]
+        bad = copy.deepcopy(doc)
+        bad.get("spec", bad["metadata"])["bogus"] = 1
+        for candidate in (doc, bad):
+            try:
+                kubernetes_validate.validate(candidate, KUBERNETES_VERSION, strict=True)
+                expected = False
+            except kubernetes_validate.ValidationError:
+                expected = True
+            assert bool(check_document(candidate)) == expected, (kind, candidate is bad)
