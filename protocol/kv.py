@@ -26,9 +26,9 @@ def encode_chunk(request_id: str, k: np.ndarray, v: np.ndarray, *, layer_start: 
     """k, v: raw bits [layers, tokens, heads, head_dim] (uint16 for 16-bit dtypes, uint32 for float32)."""
     impl = get_codec(codec)
     layers, tokens, heads, dim = k.shape
-    kinfo = PlaneInfo(dtype, k.shape, "k", token_start, total_tokens)
+    kinfo = PlaneInfo(dtype, k.shape, "k", token_start, total_tokens, layer_start)
     ek = impl.encode(k, kinfo)
-    ev = impl.encode(v, PlaneInfo(dtype, v.shape, "v", token_start, total_tokens))
+    ev = impl.encode(v, PlaneInfo(dtype, v.shape, "v", token_start, total_tokens, layer_start))
     payload = memoryview(b"".join((ek, ev)))
     chunk = KVChunk(request_id, layer_start, layer_start + layers, token_start, token_start + tokens,
                     head_start, head_start + heads, dim, dtype, codec, len(ek), kinfo.raw_bytes * 2,

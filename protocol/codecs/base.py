@@ -27,6 +27,10 @@ class PlaneInfo:
     kind: str = "k"                 # "k" or "v"
     token_start: int = 0            # position of the chunk's first token in the prompt
     total_tokens: int = 0           # prompt length (0: unknown, treat the chunk as the whole prompt)
+    layer_start: int = 0            # model layer of the plane's first layer (encoders may tune per layer)
+    # The model's RoPE inverse frequencies (head_dim/2 of them, rotate-half layout), when both ends know
+    # them: codecs may then code keys with the rotation removed (see equant.py). None: not known.
+    rope: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.dtype not in BITS_DTYPES:
