@@ -113,15 +113,18 @@ def _to_f32(bits: np.ndarray, dtype: str) -> np.ndarray:
     return bits.view(np.float32)
 
 
-def _cos_sin(rope: tuple[float, ...], start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [n, 1, dim/2] float32 of positions start..start+n (float64 angles); a few recent ones cached,
-    since every layer of a chunk has the same positions."""
-    key = (rope, start, n)
+def _cos_sin(rope: tuple[float, ...], start: int, n: int, inverse: bool) -> tuple[np.ndarray, np.ndarray]:
+    """cos and signed sin [n, 1, dim] float32 for positions start..start+n (float64 angles), so that a rotation
+    is x·cos + swap_halves(x)·sin. A few recent ones are cached: every layer of a chunk has the same positions."""
+    key = (rope, start, n, inverse)
     hit = _rope_cache.get(key)
     if hit is None:
         ang = np.arange(start, start + n, dtype=np.float64)[:, None] * np.asarray(rope, dtype=np.float64)[None]
-        hit = (np.cos(ang).astype(np.float32)[:, None], np.sin(ang).astype(np.float32)[:, None])
-        if len(_rope_cache) >= 8:
+        cos, sin = np.cos(ang), np.sin(ang)
+        sign = 1.0 if inverse else -1.0            # forward: (x1·c − x2·s, x2·c + x1·s)
+        hit = (np.concatenate([cos, cos], axis=1).astype(np.float32)[:, None],
+               np.concatenate([sign * sin, -sign * sin], axis=1).astype(np.float32)[:, None])
+        if len(_rope_cache) >= 16:
             _rope_cache.pop(next(iter(_rope_cache)))
         _rope_cache[key] = hit
     return hit
@@ -133,15 +136,11 @@ def rotate(x: np.ndarray, rope: tuple[float, ...], start: int, inverse: bool) ->
     half = x.shape[-1] // 2
     if len(rope) != half:
         raise CodecError(f"RoPE has {len(rope)} frequencies, head_dim {x.shape[-1]} needs {half}")
-    cos, sin = _cos_sin(rope, start, x.shape[1])
-    if inverse:
-        sin = -sin
-    x1, x2 = x[..., :half], x[..., half:]
-    out = np.empty_like(x)
-    np.multiply(x1, cos, out=out[..., :half])
-    out[..., :half] -= x2 * sin
-    np.multiply(x2, cos, out=out[..., half:])
-    out[..., half:] += x1 * sin
+    cos, sin = _cos_sin(rope, start, x.shape[1], inverse)
+    out = x * cos
+    swapped = np.concatenate([x[..., half:], x[..., :half]], axis=-1)
+    swapped *= sin
+    out += swapped
     return out
 
 
