@@ -293,3 +293,17 @@ def test_keys_with_rope_removed(name):
     assert size1 < size0 and err1 < err0, results
     with pytest.raises(CodecError, match="RoPE"):
         codec.decode(bytes(codec.encode(bits, with_rope)), plain)
+
+
+def test_kv_chunk_with_rope_round_trip():
+    """encode_chunk/decode_chunk carry the RoPE through to the codec; a decoder without it fails cleanly."""
+    from edgecore.protocol.kv import decode_chunk, encode_chunk
+    rng = np.random.default_rng(2)
+    rope = tuple(1.0 / 10000 ** (np.arange(0, 16, 2) / 16))
+    k, v = random_plane(rng, "bfloat16", (2, 300, 2, 16)), random_plane(rng, "bfloat16", (2, 300, 2, 16))
+    data = encode_chunk("r", k, v, layer_start=1, token_start=0, dtype="bfloat16", codec="q3e", total_tokens=300,
+                        rope=rope)
+    k2, v2 = decode_chunk(data, rope=rope)
+    assert k2.shape == k.shape and np.abs(to_float32(k2, "bfloat16") - to_float32(k, "bfloat16")).mean() < 0.2
+    with pytest.raises(CodecError, match="RoPE"):
+        decode_chunk(data)
