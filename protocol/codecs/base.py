@@ -80,6 +80,15 @@ def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
     return values.view(np.uint32).copy()
 
 
+def safe_inverse(step: np.ndarray) -> np.ndarray:
+    """1/step in float32; 0 where step is 0 or so small (subnormal) that 1/step overflows: those groups
+    code every value as the centre (or min), off by at most their tiny range."""
+    with np.errstate(divide="ignore", over="ignore"):
+        inv = (1.0 / step).astype(np.float32)
+    inv[~np.isfinite(inv)] = 0.0
+    return inv
+
+
 _local = threading.local()
 
 

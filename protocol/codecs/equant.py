@@ -60,8 +60,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgecore.protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, check_bits, from_float32, zstd_compress,
-                                           zstd_decompress)
+from edgecore.protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, check_bits, from_float32, safe_inverse,
+                                           zstd_compress, zstd_decompress)
 from edgecore.protocol.codecs.lossless import LosslessCodec
 from edgecore.protocol.errors import CodecError
 
@@ -193,7 +193,7 @@ def _mean_std(x: np.ndarray, factor: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 def _encode_group(x: np.ndarray, centre: np.ndarray, step: np.ndarray, out: np.ndarray) -> None:
     """Codes + 8 (0..15) of x into out (uint8, same shape)."""
-    inv = np.where(step > 0, 1.0 / np.where(step > 0, step, 1.0), 0.0).astype(np.float32)
+    inv = safe_inverse(step)
     y = x * inv
     y += (8.5 - centre * inv)
     np.clip(y, 0.0, 15.5, out=y)
@@ -278,12 +278,13 @@ class EntropyQuantCodec(Codec):
         pos += e_len
         tq = tokens - n_exact
         if tq:
-            if flags & FLAG_UNROTATED and (info.rope is None or dim % 2):
+            rope = info.rope if flags & FLAG_UNROTATED else None
+            if flags & FLAG_UNROTATED and (rope is None or dim % 2):
                 raise CodecError(f"{self.name} keys were coded without RoPE; decoding needs the model's RoPE")
             x = self._dequantize(view[pos:], flags, groups(tq - n_fine, n_fine, group), (layers, tq, heads, dim),
                                  p_len)
-            if flags & FLAG_UNROTATED:
-                x = rotate(x, info.rope, info.token_start + n_head, inverse=False)
+            if rope is not None:
+                x = rotate(x, rope, info.token_start + n_head, inverse=False)
             out[:, n_head:tokens - n_tail] = _from_f32(x, info.dtype)
         elif p_len or c_len:
             raise CodecError(f"{self.name} plane has codes but no quantized tokens")

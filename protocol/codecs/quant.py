@@ -19,8 +19,8 @@ import struct
 
 import numpy as np
 
-from edgecore.protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, check_bits, from_float32, to_float32,
-                                  zstd_compress, zstd_decompress)
+from edgecore.protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, check_bits, from_float32, safe_inverse,
+                                           to_float32, zstd_compress, zstd_decompress)
 from edgecore.protocol.codecs.lossless import LosslessCodec
 from edgecore.protocol.errors import CodecError
 
@@ -90,7 +90,7 @@ class QuantCodec(Codec):
             else:
                 param_f32 = 1
                 params = mn.astype(np.float32).tobytes() + scale.astype(np.float32).tobytes()
-            inv = np.where(scale > 0, 1.0 / np.where(scale > 0, scale, 1.0), 0.0).astype(np.float32)
+            inv = safe_inverse(scale)
             y = grouped * inv                       # code = floor((x − min)/scale + 0.5), clipped
             y += 0.5 - mn * inv
             np.clip(y, 0, self.levels + 0.5, out=y)
