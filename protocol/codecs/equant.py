@@ -45,6 +45,24 @@ heldout.txt, bf16), on this 2-core machine:
   range / ANS coder at the entropy 2.59, 17–60 / 9–14 (per-symbol cost through
   its Python API). zstd on packed nibbles is smaller and ~50× faster.
 
+* Pre-RoPE keys (measured on the same KV): at equal code rate, relative MSE
+  halves (s=0.5: 0.0064 pre-RoPE at 2.5 bit/value against 0.012 post-RoPE in
+  128-token groups at 3.3), and one group per chunk suffices.
+* Per-layer sensitivity (bench/kv_rd.py --sensitivity q2e: mean KL with one
+  layer's K or V coded): pydoc-llama k 0.00022 0.00046 0.00034 0.00062, v 0.00057
+  0.00032 0.00019 0.0004 (layers 0–3); pystd-llama k 0.00047 0.00017 0.00036,
+  v 0.00006 0.00002 0.00002. Keys need finer steps than values (the shipped
+  factors), but the layer order differs between the two models, so the shipped
+  levels use one factor per kind for every layer; `Level.key_layers` /
+  `value_layers` take a per-model allocation.
+
+Reached (bench/results/kv_rd*.json, 30 × 256-token prompts; ratio vs bf16 /
+perplexity increase / greedy agreement): pydoc-llama q4e 0.241 / −0.00% / 0.984,
+q3e 0.198 / +0.24% / 0.968, q2e 0.169 / +0.28% / 0.958; pystd-llama q4e 0.213 /
++0.02% / 0.979, q3e 0.164 / −0.07% / 0.966, q2e 0.136 / +0.02% / 0.958. So a
+level ≤ 0.25× within +0.3% on both; ≤ 0.15× within +1% only on pystd-llama, and
+no level ≤ 0.15× keeps 97% greedy agreement on either.
+
 Byte layout: header `HEADER` (version 1, kind 0 K / 1 V, flags (bit 0: params are
 float32; bit 1: keys coded with RoPE removed), 0, group, n_head, n_fine, n_tail,
 exact bytes, param bytes, code bytes, CRC-32 of the header's other bytes and
