@@ -73,6 +73,7 @@ centres [layers][groups][heads][dim] | steps (same shape) | zstd(codes).
 from __future__ import annotations
 
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 
@@ -89,7 +90,7 @@ EXACT_HEAD = 4
 FLAG_F32, FLAG_UNROTATED = 1, 2
 _CRC = struct.Struct("<I")
 _lossless = LosslessCodec()
-_rope_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+_local = threading.local()         # per-thread RoPE table cache (codecs run in worker threads)
 
 
 @dataclass(frozen=True)
@@ -134,17 +135,20 @@ def _to_f32(bits: np.ndarray, dtype: str) -> np.ndarray:
 def _cos_sin(rope: tuple[float, ...], start: int, n: int, inverse: bool) -> tuple[np.ndarray, np.ndarray]:
     """cos and signed sin [n, 1, dim] float32 for positions start..start+n (float64 angles), so that a rotation
     is x·cos + swap_halves(x)·sin. A few recent ones are cached: every layer of a chunk has the same positions."""
+    cache = getattr(_local, "rope", None)
+    if cache is None:
+        cache = _local.rope = {}
     key = (rope, start, n, inverse)
-    hit = _rope_cache.get(key)
+    hit = cache.get(key)
     if hit is None:
         ang = np.arange(start, start + n, dtype=np.float64)[:, None] * np.asarray(rope, dtype=np.float64)[None]
         cos, sin = np.cos(ang), np.sin(ang)
         sign = 1.0 if inverse else -1.0            # forward: (x1·c − x2·s, x2·c + x1·s)
         hit = (np.concatenate([cos, cos], axis=1).astype(np.float32)[:, None],
                np.concatenate([sign * sin, -sign * sin], axis=1).astype(np.float32)[:, None])
-        if len(_rope_cache) >= 16:
-            _rope_cache.pop(next(iter(_rope_cache)))
-        _rope_cache[key] = hit
+        if len(cache) >= 16:
+            cache.pop(next(iter(cache)))
+        cache[key] = hit
     return hit
 
 

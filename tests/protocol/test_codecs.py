@@ -307,3 +307,25 @@ def test_kv_chunk_with_rope_round_trip():
     assert k2.shape == k.shape and np.abs(to_float32(k2, "bfloat16") - to_float32(k, "bfloat16")).mean() < 0.2
     with pytest.raises(CodecError, match="RoPE"):
         decode_chunk(data)
+
+
+def test_entropy_levels_from_many_threads():
+    """Core and edge code chunks in worker threads: concurrent encodes and decodes stay correct."""
+    from concurrent.futures import ThreadPoolExecutor
+    rng = np.random.default_rng(4)
+    rope = tuple(1.0 / 10000 ** (np.arange(0, 16, 2) / 16))
+    jobs = [(random_plane(rng, "bfloat16", (1, 50 + i, 2, 16)), 7 * i) for i in range(24)]
+
+    def work(job):
+        bits, start = job
+        info = PlaneInfo("bfloat16", bits.shape, "k", start, 0, 0, rope)
+        codec = get_codec(ENTROPY[start % 3])
+        data = bytes(codec.encode(bits, info))
+        return data, codec.decode(data, info)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(work, jobs * 3))
+    for (bits, start), (data, out) in zip(jobs * 3, results):
+        info = PlaneInfo("bfloat16", bits.shape, "k", start, 0, 0, rope)
+        assert np.array_equal(out, get_codec(ENTROPY[start % 3]).decode(data, info))
+        assert np.abs(to_float32(out, "bfloat16") - to_float32(bits, "bfloat16")).mean() < 0.3
