@@ -82,7 +82,7 @@ def main():
 
     base_ppl = ppl(exact_h, windows)
     rows = {}
-    for codec in ("lossless", "fp8", "int8", "int4"):
+    for codec in [c for c in CODECS if c != "raw"]:     # every codec and level (keys with RoPE in: see kv_rd.py)
         agree = total = 0
         kl_sum = 0.0
         comp_h = []

@@ -1,35 +1,79 @@
-"""Which KV codec a request uses: fixed, or adaptive from the link and the TTFT target.
+"""Which KV codec a request uses: fixed, or adaptive from the rate–distortion curve, the link and the TTFT target.
 
-Adaptive: the time to move a request's KV is bounded by the slowest of the
-pipelined stages — encoding at the core, the link, decoding at the edge — so
-each codec's estimate is max(raw/encode, ratio·raw/link, raw/decode), with
-ratios and speeds measured by bench/kv_codec.py. Lossless is preferred when it
-meets the target; otherwise the fastest allowed codec wins.
+Life cycle: the edge builds the allowed list once per core (its configured codecs that the core also
+speaks); per request, `choose_codec` takes the request's KV size and the link bandwidth the edge last
+measured on that core. Adaptive: the time to move a request's KV is bounded by the slowest pipelined
+stage — encoding at the core, the link, decoding at the edge — so each codec's estimate is
+max(raw/encode, ratio·raw/link, raw/decode). Among the codecs within the quality budget (perplexity
+increase on held-out text, from the curve), the smallest-bytes one whose estimate meets the TTFT target
+wins; when none meets it, the fastest within the budget; with no measured link yet, the first allowed.
+
+The curve is data: `CURVE` below is bench/kv_rd.py's measurement on the bundled model (ratio vs bf16,
+perplexity increase, greedy agreement, encode and decode bytes/s per core); `load_curve` reads the JSON
+that bench/kv_rd.py writes for another model.
 """
 
 from __future__ import annotations
 
-# Measured on real KV (bench/kv_codec.py): bytes vs bf16, encode and decode bytes/s per core.
-PROFILE = {
-    "raw": (1.00, 20e9, 20e9),
-    "lossless": (0.68, 550e6, 1300e6),
-    "fp8": (0.50, 400e6, 1100e6),
-    "int8": (0.51, 380e6, 850e6),
-    "int4": (0.29, 380e6, 850e6),
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    ratio: float            # encoded bytes / bf16 bytes
+    ppl_increase: float     # relative perplexity change on held-out text
+    agreement: float        # greedy next-token agreement with uncompressed KV
+    encode_bps: float       # bytes of bf16 input per second, one core
+    decode_bps: float
+
+
+# bench/kv_rd.py on pydoc-llama (30 × 256-token prompts, keys coded with RoPE removed; speeds in thread CPU
+# time on a shared 2-core machine under heavy load, so low): bench/results/kv_rd.json. raw: a copy.
+CURVE: dict[str, CurvePoint] = {
+    "raw": CurvePoint(1.0, 0.0, 1.0, 20e9, 20e9),
+    "lossless": CurvePoint(0.6848, 0.0, 1.0, 202e6, 430e6),
+    "fp8": CurvePoint(0.5002, 0.00189, 0.9852, 101e6, 224e6),
+    "int8": CurvePoint(0.556, 0.00015, 0.9989, 157e6, 212e6),
+    "int4": CurvePoint(0.3825, 0.0031, 0.9825, 130e6, 160e6),
+    "q4e": CurvePoint(0.2407, -2e-05, 0.9836, 106e6, 225e6),
+    "q3e": CurvePoint(0.1976, 0.00237, 0.9677, 114e6, 208e6),
+    "q2e": CurvePoint(0.1689, 0.00284, 0.9577, 128e6, 189e6),
 }
+DEFAULT_QUALITY_BUDGET = 0.01     # perplexity increase a request may pay for fewer bytes
 
 
-def transfer_estimate(codec: str, raw_bytes: int, link_bytes_per_s: float) -> float:
-    ratio, enc, dec = PROFILE[codec]
-    return max(raw_bytes / enc, raw_bytes * ratio / link_bytes_per_s, raw_bytes / dec)
+def load_curve(path: str | Path) -> dict[str, CurvePoint]:
+    """The curve from a bench/kv_rd.py result file (bench/results/kv_rd.json or one made with --name)."""
+    try:
+        rows = json.loads(Path(path).read_text())["codecs"]
+        curve = {name: CurvePoint(float(r["ratio_vs_bf16"]), float(r["ppl_increase"]), float(r["agreement"]),
+                                  float(r["encode_MBps_per_core"]) * 1e6, float(r["decode_MBps_per_core"]) * 1e6)
+                 for name, r in rows.items()}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"codec curve {path} is not a bench/kv_rd.py result: {exc}") from None
+    return {"raw": CURVE["raw"], **curve}
+
+
+def transfer_estimate(codec: str, raw_bytes: int, link_bytes_per_s: float,
+                      curve: dict[str, CurvePoint] | None = None) -> float:
+    p = (curve or CURVE)[codec]
+    return max(raw_bytes / p.encode_bps, raw_bytes * p.ratio / link_bytes_per_s, raw_bytes / p.decode_bps)
 
 
 def choose_codec(allowed: list[str], raw_bytes: int, link_bytes_per_s: float | None,
-                 ttft_target_s: float | None = None) -> str:
-    allowed = [c for c in allowed if c in PROFILE] or ["lossless"]
+                 ttft_target_s: float | None = None, quality_budget: float | None = DEFAULT_QUALITY_BUDGET,
+                 curve: dict[str, CurvePoint] | None = None) -> str:
+    curve = curve or CURVE
+    allowed = [c for c in allowed if c in curve] or ["lossless"]
     if link_bytes_per_s is None or len(allowed) == 1:
         return allowed[0]
-    est = {c: transfer_estimate(c, raw_bytes, link_bytes_per_s) for c in allowed}
-    if "lossless" in est and ttft_target_s is not None and est["lossless"] <= ttft_target_s:
-        return "lossless"
-    return min(allowed, key=lambda c: (est[c], c != "lossless"))
+    within = [c for c in allowed if quality_budget is None or curve[c].ppl_increase <= quality_budget]
+    within = within or [min(allowed, key=lambda c: curve[c].ppl_increase)]
+    est = {c: transfer_estimate(c, raw_bytes, link_bytes_per_s, curve) for c in within}
+    if ttft_target_s is not None:
+        meeting = [c for c in within if est[c] <= ttft_target_s]
+        if meeting:
+            return min(meeting, key=lambda c: (curve[c].ratio, curve[c].ppl_increase))
+    return min(within, key=lambda c: (est[c], curve[c].ppl_increase))

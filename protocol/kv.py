@@ -23,13 +23,15 @@ SMALL_CHUNK_BYTES = 128 * 1024
 
 
 def encode_chunk(request_id: str, k: np.ndarray, v: np.ndarray, *, layer_start: int, token_start: int,
-                 head_start: int = 0, dtype: str, codec: str, total_tokens: int = 0) -> KVData:
-    """k, v: raw bits [layers, tokens, heads, head_dim] (uint16 for 16-bit dtypes, uint32 for float32)."""
+                 head_start: int = 0, dtype: str, codec: str, total_tokens: int = 0,
+                 rope: tuple[float, ...] | None = None) -> KVData:
+    """k, v: raw bits [layers, tokens, heads, head_dim] (uint16 for 16-bit dtypes, uint32 for float32).
+    `rope`: the model's RoPE inverse frequencies, when the decoding side passes them too (see codecs/equant.py)."""
     impl = get_codec(codec)
     layers, tokens, heads, dim = k.shape
-    kinfo = PlaneInfo(dtype, k.shape, "k", token_start, total_tokens)
+    kinfo = PlaneInfo(dtype, k.shape, "k", token_start, total_tokens, layer_start, rope)
     ek = impl.encode(k, kinfo)
-    ev = impl.encode(v, PlaneInfo(dtype, v.shape, "v", token_start, total_tokens))
+    ev = impl.encode(v, PlaneInfo(dtype, v.shape, "v", token_start, total_tokens, layer_start))
     payload = memoryview(b"".join((ek, ev)))
     chunk = KVChunk(request_id, layer_start, layer_start + layers, token_start, token_start + tokens,
                     head_start, head_start + heads, dim, dtype, codec, len(ek), kinfo.raw_bytes * 2,
@@ -37,20 +39,21 @@ def encode_chunk(request_id: str, k: np.ndarray, v: np.ndarray, *, layer_start: 
     return KVData(chunk, payload)
 
 
-def decode_chunk(data: KVData) -> tuple[np.ndarray, np.ndarray]:
+def decode_chunk(data: KVData, rope: tuple[float, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
     c = data.chunk
     if not (0 <= c.layer_start < c.layer_end and 0 <= c.token_start < c.token_end
             and 0 <= c.head_start < c.head_end and c.head_dim > 0):
         raise CodecError(f"KV chunk of request {c.request_id} has an empty or negative range")
     shape = (c.layer_end - c.layer_start, c.token_end - c.token_start, c.head_end - c.head_start, c.head_dim)
     impl = get_codec(c.codec)
-    kinfo = PlaneInfo(c.dtype, shape, "k", c.token_start, c.total_tokens)
+    kinfo = PlaneInfo(c.dtype, shape, "k", c.token_start, c.total_tokens, c.layer_start, rope)
     if kinfo.raw_bytes * 2 != c.raw_len:
         raise CodecError(f"KV chunk raw_len {c.raw_len} does not match its shape {shape}")
     payload = memoryview(data.payload)
     try:
         k = impl.decode(payload[:c.k_bytes], kinfo)
-        v = impl.decode(payload[c.k_bytes:], PlaneInfo(c.dtype, shape, "v", c.token_start, c.total_tokens))
+        v = impl.decode(payload[c.k_bytes:], PlaneInfo(c.dtype, shape, "v", c.token_start, c.total_tokens,
+                                                       c.layer_start))
     except (ValueError, TypeError, IndexError) as exc:
         raise CodecError(f"KV chunk of request {c.request_id} does not decode: {exc}") from None
     return k, v

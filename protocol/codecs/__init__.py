@@ -7,14 +7,22 @@ PrefillRequest lists those it allows; a KVChunk names the codec it used.
 from __future__ import annotations
 
 from edgecore.protocol.codecs.base import Codec, PlaneInfo, from_float32, to_float32
+from edgecore.protocol.codecs.equant import EntropyQuantCodec, Level
 from edgecore.protocol.codecs.fp8 import Fp8Codec
 from edgecore.protocol.codecs.lossless import LosslessCodec
 from edgecore.protocol.codecs.quant import QuantCodec
 from edgecore.protocol.codecs.raw import RawCodec
 from edgecore.protocol.errors import CodecError
 
+# Entropy-coded levels, finest first; their rates and quality are in edge/codec_curve.py (bench/kv_rd.py).
+LEVELS = {
+    "q4e": Level(key_factor=0.45, value_factor=0.5, recent=16, fine=32),
+    "q3e": Level(key_factor=0.55, value_factor=0.65, recent=4, fine=16),
+    "q2e": Level(key_factor=0.75, value_factor=0.85, fine=16),
+}
 CODECS: dict[str, Codec] = {c.name: c for c in (
-    RawCodec(), LosslessCodec(), Fp8Codec(), QuantCodec(8, "int8", 3), QuantCodec(4, "int4", 4))}
+    RawCodec(), LosslessCodec(), Fp8Codec(), QuantCodec(8, "int8", 3), QuantCodec(4, "int4", 4),
+    *(EntropyQuantCodec(name, 5 + i, level) for i, (name, level) in enumerate(LEVELS.items())))}
 LOSSLESS = tuple(name for name, c in CODECS.items() if c.lossless)
 
 
@@ -25,4 +33,4 @@ def get_codec(name: str) -> Codec:
     return codec
 
 
-__all__ = ["CODECS", "LOSSLESS", "Codec", "PlaneInfo", "get_codec", "to_float32", "from_float32"]
+__all__ = ["CODECS", "LEVELS", "LOSSLESS", "Codec", "PlaneInfo", "get_codec", "to_float32", "from_float32"]

@@ -27,6 +27,10 @@ class PlaneInfo:
     kind: str = "k"                 # "k" or "v"
     token_start: int = 0            # position of the chunk's first token in the prompt
     total_tokens: int = 0           # prompt length (0: unknown, treat the chunk as the whole prompt)
+    layer_start: int = 0            # model layer of the plane's first layer (encoders may tune per layer)
+    # The model's RoPE inverse frequencies (head_dim/2 of them, rotate-half layout), when both ends know
+    # them: codecs may then code keys with the rotation removed (see equant.py). None: not known.
+    rope: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.dtype not in BITS_DTYPES:
@@ -74,6 +78,15 @@ def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "float16":
         return values.astype(np.float16).view(np.uint16)
     return values.view(np.uint32).copy()
+
+
+def safe_inverse(step: np.ndarray) -> np.ndarray:
+    """1/step in float32; 0 where step is 0 or so small (subnormal) that 1/step overflows: those groups
+    code every value as the centre (or min), off by at most their tiny range."""
+    with np.errstate(divide="ignore", over="ignore"):
+        inv = (1.0 / step).astype(np.float32)
+    inv[~np.isfinite(inv)] = 0.0
+    return inv
 
 
 _local = threading.local()

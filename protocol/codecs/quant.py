@@ -19,14 +19,28 @@ import struct
 
 import numpy as np
 
-from edgecore.protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, check_bits, from_float32, to_float32,
-                                  zstd_compress, zstd_decompress)
+from edgecore.protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, check_bits, from_float32, safe_inverse,
+                                           to_float32, zstd_compress, zstd_decompress)
 from edgecore.protocol.codecs.lossless import LosslessCodec
 from edgecore.protocol.errors import CodecError
 
 HEADER = struct.Struct("<BBBBIIIIII")
 EXACT_HEAD, EXACT_RECENT = 4, 64
 _lossless = LosslessCodec()
+
+
+def exact_span(info: PlaneInfo) -> tuple[int, int]:
+    """Chunk-local [a, b): the quantized tokens (the sinks before, the recent tokens from b on)."""
+    tokens = info.shape[1]
+    total = info.total_tokens or (info.token_start + tokens)
+    a = min(tokens, max(0, EXACT_HEAD - info.token_start))
+    return a, min(tokens, max(a, total - EXACT_RECENT - info.token_start))
+
+
+def _to_f32(bits: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":                 # one pass: widen and shift together
+        return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
+    return to_float32(bits, dtype)
 
 
 def exact_mask(info: PlaneInfo) -> np.ndarray:
@@ -58,14 +72,14 @@ class QuantCodec(Codec):
 
     def encode(self, bits: np.ndarray, info: PlaneInfo) -> bytes:
         check_bits(bits, info)
-        mask = exact_mask(info)
-        exact = np.ascontiguousarray(bits[:, mask])
+        a, b = exact_span(info)          # exact tokens are [0, a) and [b, tokens): slices, not a mask
+        exact = bits[:, :a] if b == info.shape[1] else np.concatenate([bits[:, :a], bits[:, b:]], axis=1)
         exact_bytes = _lossless.encode(exact, PlaneInfo(info.dtype, exact.shape)) if exact.size else b""
-        quant = bits[:, ~mask]
+        quant = bits[:, a:b]
         params = codes_z = b""
         param_f32, group, packed_len = 0, 0, 0
         if quant.size:
-            x = to_float32(quant, info.dtype)
+            x = _to_f32(quant, info.dtype)
             grouped, axis, group = self._groups(x, info.kind)
             mn = grouped.min(axis=axis, keepdims=True)
             scale = (grouped.max(axis=axis, keepdims=True) - mn) / self.levels
@@ -76,8 +90,11 @@ class QuantCodec(Codec):
             else:
                 param_f32 = 1
                 params = mn.astype(np.float32).tobytes() + scale.astype(np.float32).tobytes()
-            safe = np.where(scale > 0, scale, 1.0)
-            codes = np.clip(np.rint((grouped - mn) / safe), 0, self.levels).astype(np.uint8)
+            inv = safe_inverse(scale)
+            y = grouped * inv                       # code = floor((x − min)/scale + 0.5), clipped
+            y += 0.5 - mn * inv
+            np.clip(y, 0, self.levels + 0.5, out=y)
+            codes = y.astype(np.uint8)
             if info.kind == "k" and codes.shape[1] * codes.shape[2] != quant.shape[1]:
                 codes = codes.reshape(codes.shape[0], -1, *codes.shape[3:])[:, :quant.shape[1]]
             codes = codes.reshape(-1)

@@ -1,0 +1,62 @@
+"""Adaptive KV codec choice: quality budget, TTFT target and link speed, against the shipped curve."""
+
+import json
+
+import pytest
+
+from edgecore.edge.codec_policy import CURVE, CurvePoint, choose_codec, load_curve, transfer_estimate
+from edgecore.protocol.codecs import CODECS
+
+ALL = ["lossless", "fp8", "int8", "int4", "q4e", "q3e", "q2e"]
+MB = 1e6
+
+
+def test_curve_covers_every_codec():
+    assert set(CURVE) == set(CODECS)
+    for name, p in CURVE.items():
+        assert 0 < p.ratio <= 1 and p.encode_bps > 0 and p.decode_bps > 0, name
+    assert CURVE["q2e"].ratio < CURVE["q3e"].ratio < CURVE["q4e"].ratio < CURVE["int4"].ratio
+
+
+def test_no_link_measurement_takes_the_first_allowed():
+    assert choose_codec(["int8", "q2e"], 10 * MB, None) == "int8"
+    assert choose_codec(["gzip"], 10 * MB, 1e6) == "lossless"
+
+
+def test_slow_link_takes_the_smallest_within_budget():
+    """On a slow link every codec misses a tight target: the fastest overall is the smallest one within budget."""
+    budget = CURVE["q3e"].ppl_increase
+    got = choose_codec(ALL, 100 * MB, 1 * MB, ttft_target_s=0.01, quality_budget=budget)
+    within = [c for c in ALL if CURVE[c].ppl_increase <= budget]
+    assert got == min(within, key=lambda c: transfer_estimate(c, 100 * MB, 1 * MB))
+    assert CURVE[got].ppl_increase <= budget
+
+
+def test_target_met_picks_smallest_bytes_within_budget():
+    link = 1e9    # fast: every codec meets a loose target; bytes decide
+    got = choose_codec(ALL, 10 * MB, link, ttft_target_s=10.0, quality_budget=1.0)
+    assert got == min(ALL, key=lambda c: CURVE[c].ratio)
+    strict = choose_codec(ALL, 10 * MB, link, ttft_target_s=10.0, quality_budget=0.0)
+    assert CURVE[strict].ppl_increase <= 0.0
+    assert strict == min((c for c in ALL if CURVE[c].ppl_increase <= 0), key=lambda c: CURVE[c].ratio)
+
+
+def test_target_excludes_codecs_too_slow_for_it():
+    """A codec whose estimate misses the target is not chosen when another within budget meets it."""
+    curve = {"lossless": CurvePoint(0.7, 0.0, 1.0, 500 * MB, 500 * MB),
+             "slowsmall": CurvePoint(0.1, 0.0, 1.0, 10 * MB, 10 * MB)}
+    raw, link = 100 * MB, 1000 * MB
+    assert transfer_estimate("slowsmall", raw, link, curve) > 1.0 >= transfer_estimate("lossless", raw, link, curve)
+    assert choose_codec(["lossless", "slowsmall"], raw, link, ttft_target_s=1.0, curve=curve) == "lossless"
+    assert choose_codec(["lossless", "slowsmall"], raw, link, ttft_target_s=20.0, curve=curve) == "slowsmall"
+
+
+def test_load_curve_from_bench_result(tmp_path):
+    path = tmp_path / "kv_rd.json"
+    path.write_text(json.dumps({"codecs": {"q2e": {"ratio_vs_bf16": 0.14, "ppl_increase": 0.004, "agreement": 0.98,
+                                                   "encode_MBps_per_core": 400, "decode_MBps_per_core": 800}}}))
+    curve = load_curve(path)
+    assert curve["q2e"] == CurvePoint(0.14, 0.004, 0.98, 400e6, 800e6)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a bench/kv_rd.py result"):
+        load_curve(tmp_path / "bad.json")
