@@ -29,9 +29,9 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # The type checker over the packages whose contracts everything else relies on (see pyproject.toml).
-TYPED := edgecore.protocol edgecore.shared.kv edgecore.shared.engine
+TYPED := -p edgecore.protocol -p edgecore.shared.kv -p edgecore.shared.engine -m edgecore.core.transfer -m edgecore.edge.kv_receiver
 typecheck: $(STAMP)
-	$(PY) -m mypy $(addprefix -p ,$(TYPED))
+	$(PY) -m mypy $(TYPED)
 
 bench: $(STAMP)
 	for b in decode kv_codec transport kv_quality ttft serve batch pack parallel; do $(PY) bench/$$b.py || exit 1; done

@@ -17,19 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import struct
 import time
 from dataclasses import dataclass
 
-FIXED = struct.Struct("<4sBBHII")          # magic, version, frame type, flags, header length, payload length
+from edgecore.protocol.framing import FIXED_SIZE, PREFIX, TAG_SIZE
+
 KINDS = ("drop", "delay", "duplicate", "reorder", "truncate", "flip_header", "flip_message", "flip_payload",
          "close")
 
 
-def frame_trailer() -> int:
-    """Bytes after a frame's payload (its MAC), as the protocol package defines them (0 if none)."""
-    from edgecore.protocol import framing
-    return int(getattr(framing, "TRAILER_SIZE", 0))
 
 
 @dataclass(frozen=True)
@@ -52,22 +48,21 @@ class Fault:
 
 
 class FrameSplitter:
-    """Sans-IO: feed bytes, take whole frames (fixed header + header + payload + trailer) as bytes."""
+    """Sans-IO: feed bytes, take whole frames (fixed header + message header + payload + MAC tag)."""
 
-    def __init__(self, trailer: int):
-        self.trailer = trailer
+    def __init__(self):
         self.buf = bytearray()
 
     def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
         """Complete frames as (frame type, offset of the payload, frame bytes)."""
         self.buf += data
         frames = []
-        while len(self.buf) >= FIXED.size:
-            _magic, _version, ftype, _flags, hlen, plen = FIXED.unpack_from(self.buf)
-            size = FIXED.size + hlen + plen + self.trailer
+        while len(self.buf) >= FIXED_SIZE:
+            _magic, _version, ftype, _flags, hlen, plen = PREFIX.unpack_from(self.buf)
+            size = FIXED_SIZE + hlen + plen + TAG_SIZE
             if len(self.buf) < size:
                 break
-            frames.append((ftype, FIXED.size + hlen, bytes(self.buf[:size])))
+            frames.append((ftype, FIXED_SIZE + hlen, bytes(self.buf[:size])))
             del self.buf[:size]
         return frames
 
@@ -90,7 +85,6 @@ class FaultRelay:
         self.fault: Fault | None = None
         self.fired: float | None = None           # monotonic time the armed fault happened
         self.server: asyncio.AbstractServer | None = None
-        self.trailer = frame_trailer()
         self.tasks: set[asyncio.Task] = set()
         self.epoch = 0
 
@@ -142,7 +136,7 @@ class _Connection:
                 w.close()
 
     async def pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str) -> None:
-        splitter = FrameSplitter(self.relay.trailer)
+        splitter = FrameSplitter()
         while data := await reader.read(65536):
             for ftype, payload_at, frame in splitter.feed(data):
                 if not await self._forward(writer, direction, ftype, payload_at, frame):
@@ -190,7 +184,7 @@ class _Connection:
             elif kind == "flip_header":                    # fixed header or message header
                 out = [flip(frame, 0, payload_at, fault.bit, fault.position)]
             elif kind == "flip_message":                   # the message header only (its fields)
-                out = [flip(frame, FIXED.size, payload_at, fault.bit, fault.position)]
+                out = [flip(frame, FIXED_SIZE, payload_at, fault.bit, fault.position)]
             elif kind == "flip_payload":
                 out = [flip(frame, payload_at, len(frame), fault.bit, fault.position)]
         elif direction in self.held:                 # the frame after a held one goes first

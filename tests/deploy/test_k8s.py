@@ -115,8 +115,8 @@ def test_cross_references(rendered):
     paths = {r.resource.canonical for r in core_app(FakeCore()).router.routes()}
     assert {"/health", "/ready", "/metrics"} <= paths
     from edgecore.edge.http import EdgeHTTP
-    edge_paths = {r.resource.canonical for r in EdgeHTTP(type("E", (), {"tokenizer": None})(), "m")
-                  .build_app().router.routes()}
+    fake_edge = type("E", (), {"tokenizer": None, "vocab_size": 0, "max_model_len": 0})()
+    edge_paths = {r.resource.canonical for r in EdgeHTTP(fake_edge, "m").build_app().router.routes()}
     assert {"/health", "/ready", "/metrics", "/v1/chat/completions"} <= edge_paths
 
 
