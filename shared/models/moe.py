@@ -97,8 +97,10 @@ class FusedExperts(nn.Module):
                 self.b2.copy_(b2)
 
     # ---- compute -------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; topk_ids, topk_weights [T, K] -> [T, H] (all-reduced across TP ranks)."""
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                weight_inputs: bool = False) -> torch.Tensor:
+        """x [T, H]; topk_ids, topk_weights [T, K] -> [T, H] (all-reduced across TP ranks). The routing weight
+        scales each expert's output, or its input with `weight_inputs` (Llama 4)."""
         out = torch.zeros_like(x)
         tokens, k = topk_ids.shape
         flat = topk_ids.reshape(-1)
@@ -112,10 +114,12 @@ class FusedExperts(nn.Module):
             if n == 0:
                 continue
             idx = token_of[start:start + n]
-            h = F.linear(x[idx], self.w13[expert], None if self.b13 is None else self.b13[expert])
+            w = weight_of[start:start + n, None]
+            h = F.linear(x[idx] * w if weight_inputs else x[idx], self.w13[expert],
+                         None if self.b13 is None else self.b13[expert])
             h = self.act(h[:, :self.shard], h[:, self.shard:])
             y = F.linear(h, self.w2[expert], self.b2[expert] if rank_bias else None)
-            out.index_add_(0, idx, y * weight_of[start:start + n, None])
+            out.index_add_(0, idx, y if weight_inputs else y * w)
             start += n
         return all_reduce(out) if self.reduce else out
 
