@@ -27,6 +27,8 @@ from edgecore.shared.models.layers import (MergedColumnParallelLinear, ParallelL
                                   RowParallelLinear, VocabParallelEmbedding)
 from edgecore.shared.parallel import tensor_parallel
 
+ROPE_TABLE_START = 1 << 15      # positions of the first RoPE tables; they grow on demand
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -126,18 +128,24 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        cos, sin = self.rope_tables(config)
+        cos, sin = self.rope_tables(config, min(config.max_position_embeddings, ROPE_TABLE_START))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     # ---- what a family changes ----------------------------------------------------------
     renames: tuple[tuple[str, str], ...] = ()    # checkpoint → module name parts (e.g. Llama 4's feed_forward)
 
-    def rope_tables(self, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(config, config.max_position_embeddings)
+    def rope_tables(self, config: ModelConfig, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(config, positions)
 
     def rope_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """What every attention layer gets about this step's positions: cos, sin [T, 1, D]."""
+        """What every attention layer gets about this step's positions: cos, sin [T, 1, D]. The tables start
+        at `ROPE_TABLE_START` positions (Llama 4 declares 10M: 10 GB of tables) and double when needed."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self.rope_cos.shape[0]:
+            size = min(max(need, 2 * self.rope_cos.shape[0]), max(need, self.config.max_position_embeddings))
+            cos, sin = self.rope_tables(self.config, size)
+            self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
         return (self.rope_cos[positions].unsqueeze(1).to(dtype), self.rope_sin[positions].unsqueeze(1).to(dtype))
 
     def make_layer(self, config: ModelConfig, local: int, layer: int) -> nn.Module:

@@ -79,8 +79,8 @@ class Llama4MoE(nn.Module):
 class Llama4ForCausalLM(LlamaForCausalLM):
     renames = ((".feed_forward.", ".mlp."),)
 
-    def rope_tables(self, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(config, config.max_position_embeddings, pairs=True)
+    def rope_tables(self, config: ModelConfig, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(config, positions, pairs=True)
 
     def rope_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         cos, sin = super().rope_inputs(positions, dtype)
