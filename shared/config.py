@@ -229,6 +229,8 @@ def _rope(hf: HFConfig, source: str) -> tuple[float, RopeScaling]:
 
 def _layer_attention(hf: HFConfig, params: Any, source: str) -> tuple[LayerAttention, ...]:
     n = hf.num_hidden_layers
+    if params is not None and hasattr(params, "uses_rope") and len(params.uses_rope(n)) != n:
+        raise ConfigError(f"{source}: field 'no_rope_layers' needs one entry per layer ({n})")
     window = hf.sliding_window
     if window is not None and window >= hf.max_position_embeddings:
         window = None                  # a window as long as the context is full attention

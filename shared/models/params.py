@@ -74,7 +74,7 @@ class Llama4Params(msgspec.Struct, frozen=True):
     no_rope_layer_interval: PosInt = 4
     attention_chunk_size: PosInt | None = None
     use_qk_norm: bool = True
-    attn_temperature_tuning: bool = True
+    attn_temperature_tuning: bool | int = True      # published configs say 4 (truthy), transformers true
     attn_scale: float = 0.1
     floor_scale: PosFloat = 8192.0
 
@@ -85,6 +85,6 @@ class Llama4Params(msgspec.Struct, frozen=True):
         return set(range(step - 1, num_layers, step))
 
     def uses_rope(self, num_layers: int) -> list[bool]:
-        if self.no_rope_layers is not None:
+        if self.no_rope_layers:          # published configs may hold [] (derived, as transformers does)
             return [bool(x) for x in self.no_rope_layers]
         return [(i + 1) % self.no_rope_layer_interval != 0 for i in range(num_layers)]

@@ -32,6 +32,8 @@ BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_
     ({"architectures": ["MixtralForCausalLM"], "num_local_experts": "8", "num_experts_per_tok": 2},
      "num_local_experts"),
     ({"architectures": ["Llama4ForConditionalGeneration"]}, "text_config"),
+    ({"architectures": ["Llama4ForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 1,
+      "intermediate_size_mlp": 8, "no_rope_layers": [1, 0, 1]}, "no_rope_layers"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"vocab_size": -1}, "vocab_size"),
     ({"head_dim": 7}, "head_dim"),
@@ -40,6 +42,20 @@ def test_unsupported_values_name_the_field(change, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as info:
         ModelConfig.from_dict({**BASE, **change})
     assert "\n" not in str(info.value)
+
+
+def test_published_llama4_text_config_reads():
+    """Scout's config.json as published: multimodal wrapper, `no_rope_layers: []`, an int for
+    attn_temperature_tuning, llama3 RoPE with equal low/high frequency factors."""
+    text = {**BASE, "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 1,
+            "intermediate_size_mlp": 256, "attention_chunk_size": 8192, "no_rope_layers": [],
+            "attn_temperature_tuning": 4, "max_position_embeddings": 10485760,
+            "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+    del text["architectures"]
+    config = ModelConfig.from_dict({"architectures": ["Llama4ForConditionalGeneration"], "text_config": text})
+    assert [a.kind for a in config.layer_attention] == ["chunked", "chunked", "chunked", "full"]
+    assert config.rope_scaling.rope_type == "llama3" and config.params.intermediate_size_mlp == 256
 
 
 def test_missing_field_is_named():
