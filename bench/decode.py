@@ -164,6 +164,8 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--arch", choices=["llama", "moe"], default="llama",
+                    help="moe: a random ~200 MB Mixtral-shaped model and its MoE layer (bench/decode_moe.py)")
     ap.add_argument("--dtype", choices=sorted(DTYPES),
                     help="synthetic: the weights' dtype (bf16); bundled: one dtype only (else fp32 and bf16)")
     args = ap.parse_args()
@@ -176,6 +178,10 @@ def main():
         emit("decode_synthetic", "fraction_of_memory_bandwidth", r["fraction"], target=0.5, **r)
         return
     batches = [int(b) for b in args.batches.split(",")]
+    if args.arch == "moe":
+        from decode_moe import run
+        run([b for b in batches if b <= 32], args.prompt_len, args.new_tokens, args.repeats, engine_tps, hf_tps)
+        return
     by_dtype = {d: bench_bundled(batches, args.prompt_len, args.new_tokens, args.repeats, d)
                 for d in ([args.dtype] if args.dtype else ["fp32", "bf16"])}
     headline = "fp32" if "fp32" in by_dtype else args.dtype

@@ -1,28 +1,78 @@
 """Frozen configuration objects.
 
 Life cycle: a `ModelConfig` is read once from a Hugging Face `config.json`
-(`ModelConfig.from_dir`), validated there (every unsupported value raises
-`ConfigError` naming the field), and then passed read-only to the model,
-the KV pool and the engine. `CacheConfig` and `EngineConfig` hold the
-runtime knobs of the paged cache and the scheduler.
+(`ModelConfig.from_dir`): the JSON object is decoded into msgspec Structs with
+constraints (`HFConfig` for the fields every family shares, `RopeParams` for
+either `rope_theta` + `rope_scaling` or transformers 5's `rope_parameters`,
+and the family's own Struct from the architecture registry), so that every
+wrong or unsupported value is one `ConfigError` naming the field. The result is
+passed read-only to the model, the KV pool, the block manager and the engine.
+`CacheConfig` and `EngineConfig` hold the runtime knobs of the paged cache and
+the scheduler.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 from edgecore.shared.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+PosInt = Annotated[int, msgspec.Meta(gt=0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+RopeType = Literal["default", "linear", "llama3", "yarn"]
+LayerType = Literal["full_attention", "sliding_attention", "chunked_attention"]
+
+
+class RopeParams(msgspec.Struct, frozen=True):
+    """`rope_scaling` (most published checkpoints) or `rope_parameters` (transformers 5)."""
+    rope_type: RopeType = "default"
+    rope_theta: PosFloat | None = None
+    factor: PosFloat | None = None
+    low_freq_factor: PosFloat = 1.0
+    high_freq_factor: PosFloat = 4.0
+    original_max_position_embeddings: PosInt | None = None
+    beta_fast: PosFloat | None = None
+    beta_slow: PosFloat | None = None
+    attention_factor: PosFloat | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    partial_rotary_factor: Annotated[float, msgspec.Meta(ge=1, le=1)] = 1.0   # partial rotation: unsupported
+
+
+class HFConfig(msgspec.Struct, frozen=True):
+    """The config.json fields every supported family reads (unknown fields are ignored)."""
+    architectures: Annotated[list[str], msgspec.Meta(min_length=1)]
+    vocab_size: PosInt
+    hidden_size: PosInt
+    num_hidden_layers: PosInt
+    num_attention_heads: PosInt
+    max_position_embeddings: PosInt
+    intermediate_size: PosInt | None = None
+    num_key_value_heads: PosInt | None = None
+    head_dim: PosInt | None = None
+    rms_norm_eps: PosFloat = 1e-6
+    rope_theta: PosFloat | None = None
+    rope_scaling: RopeParams | None = None
+    rope_parameters: RopeParams | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: Literal[False] = False
+    hidden_act: Literal["silu"] = "silu"
+    pretraining_tp: Literal[1] | None = 1
+    sliding_window: PosInt | None = None
+    use_sliding_window: bool | None = None
+    layer_types: list[LayerType] | None = None
+    attention_chunk_size: PosInt | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    torch_dtype: str | None = None
+    dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -32,6 +82,31 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None     # yarn: cos/sin scale (None: from factor and mscale)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer attends to: everything (`full`), the last `size` positions (`sliding`), or the
+    positions of its own `size`-token chunk (`chunked`)."""
+    kind: str = "full"
+    size: int = 0
+
+    def first_visible(self, position: int) -> int:
+        """The first position a query at `position` attends to."""
+        if self.kind == "sliding":
+            return max(0, position - self.size + 1)
+        if self.kind == "chunked":
+            return position - position % self.size
+        return 0
+
+
+FULL = LayerAttention()
 
 
 @dataclass(frozen=True)
@@ -51,7 +126,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
-    sliding_window: int | None = None
+    qk_norm: bool = False
+    sliding_window: int | None = None          # the window of the sliding layers, if any
+    layer_attention: tuple[LayerAttention, ...] = ()
+    params: Any = None                         # the family's own fields (shared/models/params.py)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
@@ -59,6 +137,15 @@ class ModelConfig:
     def kv_bytes_per_token(self, value_bytes: int = 2) -> int:
         """Bytes of K and V per token over all layers, at `value_bytes` per value."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * value_bytes
+
+    def attention_of(self, layer: int) -> LayerAttention:
+        return self.layer_attention[layer] if self.layer_attention else FULL
+
+    def first_needed_position(self, position: int) -> int:
+        """The first position any layer still attends to from a query at `position` (0 if some layer
+        sees everything): KV before it can be dropped."""
+        kinds = set(self.layer_attention) or {FULL}
+        return min(k.first_visible(position) for k in kinds)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -78,119 +165,123 @@ class ModelConfig:
                 gen = json.loads(gen_path.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError):
                 gen = {}
-        return cls.from_dict(raw, generation=gen, source=str(path))
+        return cls.from_dict(raw, generation=gen if isinstance(gen, dict) else {}, source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict | None = None,
                   source: str = "config.json") -> "ModelConfig":
-        def need(key: str, kind=int):
-            if key not in raw:
-                raise ConfigError(f"{source}: missing field '{key}'")
-            value = raw[key]
-            if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise ConfigError(f"{source}: field '{key}' must be a positive integer, got {value!r}")
-            if kind is float and not isinstance(value, (int, float)):
-                raise ConfigError(f"{source}: field '{key}' must be a number, got {value!r}")
-            return value
-
+        from edgecore.shared.models.registry import ARCHITECTURES
         archs = raw.get("architectures") or []
-        if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"{source}: field 'architectures' = {archs!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-        arch = archs[0]
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"{source}: field 'hidden_act' = {act!r} is not supported (only 'silu')")
-        if raw.get("mlp_bias"):
-            raise ConfigError(f"{source}: field 'mlp_bias' = true is not supported")
-        if raw.get("pretraining_tp", 1) not in (1, None):
-            raise ConfigError(f"{source}: field 'pretraining_tp' must be 1")
-
-        hidden = need("hidden_size")
-        heads = need("num_attention_heads")
-        kv_heads = raw.get("num_key_value_heads") or heads
-        if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
-            raise ConfigError(
-                f"{source}: field 'num_key_value_heads' = {kv_heads!r} must divide "
-                f"num_attention_heads = {heads}")
-        head_dim = raw.get("head_dim") or hidden // heads
-        if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
-            raise ConfigError(f"{source}: field 'head_dim' = {head_dim!r} must be a positive even integer")
-
-        rope = _parse_rope_scaling(raw.get("rope_scaling"), source)
-        rope_theta = raw.get("rope_theta", 10000.0)
-        if isinstance(raw.get("rope_parameters"), dict):  # newer HF layout
-            params = raw["rope_parameters"]
-            rope_theta = params.get("rope_theta", rope_theta)
-            if params.get("rope_type", "default") != "default" and raw.get("rope_scaling") is None:
-                rope = _parse_rope_scaling(params, source)
-        if not isinstance(rope_theta, (int, float)) or rope_theta <= 0:
-            raise ConfigError(f"{source}: field 'rope_theta' = {rope_theta!r} must be a positive number")
-
-        family = SUPPORTED_ARCHITECTURES[arch]
-        if family == "qwen2":
-            qkv_bias, o_bias = True, False
-        else:
-            attn_bias = bool(raw.get("attention_bias", False))
-            qkv_bias, o_bias = attn_bias, attn_bias
-
-        sliding = raw.get("sliding_window")
-        if family == "qwen2" and not raw.get("use_sliding_window", False):
-            sliding = None
-        max_pos = need("max_position_embeddings")
-        if sliding is not None:
-            if not isinstance(sliding, int) or sliding <= 0:
-                raise ConfigError(f"{source}: field 'sliding_window' = {sliding!r} must be a positive integer")
-            if sliding >= max_pos:
-                sliding = None
-
-        eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-        dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
-        return cls(
-            architecture=arch,
-            vocab_size=need("vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
-            num_hidden_layers=need("num_hidden_layers"),
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            max_position_embeddings=max_pos,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            sliding_window=sliding,
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            torch_dtype=str(dtype),
-        )
+        arch = archs[0] if isinstance(archs, list) and archs else None
+        if arch not in ARCHITECTURES:
+            raise ConfigError(f"{source}: field 'architectures' = {archs!r} is not supported "
+                              f"(supported: {', '.join(ARCHITECTURES)})")
+        spec = ARCHITECTURES[arch]
+        text = raw
+        if spec.sub_config:
+            text = raw.get(spec.sub_config)
+            if not isinstance(text, dict):
+                raise ConfigError(f"{source}: field '{spec.sub_config}' must be an object")
+            text = {**text, "architectures": archs}
+        hf = _decode(_legacy_rope_keys(text), HFConfig, source)
+        params = _decode(text, spec.params, source) if spec.params is not None else None
+        return _build(arch, spec, hf, params, generation or {}, source)
 
 
-def _parse_rope_scaling(raw: Any, source: str) -> RopeScaling:
-    if raw is None:
-        return RopeScaling()
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: field 'rope_scaling' must be an object or null")
-    kind = raw.get("rope_type", raw.get("type", "default"))
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(
-            f"{source}: field 'rope_scaling.rope_type' = {kind!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    factor = raw.get("factor", 1.0)
-    if not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
-        raise ConfigError(f"{source}: field 'rope_scaling.factor' = {factor!r} must be a positive number")
-    return RopeScaling(
-        rope_type=kind,
-        factor=float(factor),
-        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
-    )
+def _decode(raw: dict, kind: type, source: str):
+    try:
+        return msgspec.convert(raw, kind, strict=True)
+    except msgspec.ValidationError as exc:
+        message, _, where = str(exc).partition(" - at `$")
+        name = where.rstrip("`").lstrip(".")
+        if not name and "missing required field" in message:
+            name = message.split("`")[1]
+            raise ConfigError(f"{source}: missing field '{name}'") from None
+        raise ConfigError(f"{source}: field '{name}': {message}") from None
+
+
+def _legacy_rope_keys(raw: dict) -> dict:
+    """Old checkpoints spell `rope_scaling.rope_type` as `type`."""
+    rope = raw.get("rope_scaling")
+    if isinstance(rope, dict) and "type" in rope and "rope_type" not in rope:
+        rope = {("rope_type" if k == "type" else k): v for k, v in rope.items()}
+        return {**raw, "rope_scaling": rope}
+    return raw
+
+
+def _rope(hf: HFConfig, source: str) -> tuple[float, RopeScaling]:
+    """rope_theta and the scaling, from either layout (`rope_scaling` wins when both are set)."""
+    params = hf.rope_scaling or hf.rope_parameters or RopeParams()
+    theta = hf.rope_theta or params.rope_theta or (hf.rope_parameters.rope_theta if hf.rope_parameters else None)
+    kind = params.rope_type
+    if kind in ("linear", "llama3", "yarn") and params.factor is None:
+        raise ConfigError(f"{source}: field 'rope_scaling.factor' is required for rope_type '{kind}'")
+    original = params.original_max_position_embeddings
+    if kind == "yarn" and original is None:
+        raise ConfigError(f"{source}: field 'rope_scaling.original_max_position_embeddings' is required for yarn")
+    return float(theta or 10000.0), RopeScaling(
+        rope_type=kind, factor=params.factor or 1.0, low_freq_factor=params.low_freq_factor,
+        high_freq_factor=params.high_freq_factor, original_max_position_embeddings=original or 8192,
+        beta_fast=params.beta_fast or 32.0, beta_slow=params.beta_slow or 1.0,
+        attention_factor=params.attention_factor, mscale=params.mscale, mscale_all_dim=params.mscale_all_dim,
+        truncate=params.truncate)
+
+
+def _layer_attention(hf: HFConfig, params: Any, source: str) -> tuple[LayerAttention, ...]:
+    n = hf.num_hidden_layers
+    if params is not None and hasattr(params, "uses_rope") and len(params.uses_rope(n)) != n:
+        raise ConfigError(f"{source}: field 'no_rope_layers' needs one entry per layer ({n})")
+    window = hf.sliding_window
+    if window is not None and window >= hf.max_position_embeddings:
+        window = None                  # a window as long as the context is full attention
+    if hf.layer_types is not None:
+        if len(hf.layer_types) != n:
+            raise ConfigError(f"{source}: field 'layer_types' has {len(hf.layer_types)} entries, "
+                              f"num_hidden_layers is {n}")
+        out = []
+        for i, kind in enumerate(hf.layer_types):
+            size = {"full_attention": 0, "sliding_attention": window, "chunked_attention": hf.attention_chunk_size}[kind]
+            if size is None:
+                field_name = "sliding_window" if kind == "sliding_attention" else "attention_chunk_size"
+                raise ConfigError(f"{source}: field 'layer_types[{i}]' = {kind!r} needs '{field_name}'")
+            out.append(FULL if size == 0 else LayerAttention(kind.split("_")[0], size))
+        return tuple(out)
+    if params is not None and hasattr(params, "uses_rope") and hf.attention_chunk_size:
+        return tuple(LayerAttention("chunked", hf.attention_chunk_size) if rope else FULL
+                     for rope in params.uses_rope(n))
+    if window is not None and hf.use_sliding_window is not False:
+        return (LayerAttention("sliding", window),) * n
+    return (FULL,) * n
+
+
+def _build(arch: str, spec, hf: HFConfig, params: Any, generation: dict, source: str) -> ModelConfig:
+    heads = hf.num_attention_heads
+    kv_heads = hf.num_key_value_heads or heads
+    if heads % kv_heads:
+        raise ConfigError(f"{source}: field 'num_key_value_heads' = {kv_heads} must divide "
+                          f"num_attention_heads = {heads}")
+    head_dim = hf.head_dim or hf.hidden_size // heads
+    if head_dim % 2:
+        raise ConfigError(f"{source}: field 'head_dim' = {head_dim} must be even")
+    if hf.intermediate_size is None:
+        raise ConfigError(f"{source}: missing field 'intermediate_size'")
+    theta, rope = _rope(hf, source)
+    layers = _layer_attention(hf, params, source)
+    windows = {a.size for a in layers if a.kind == "sliding"}
+    qkv_bias = spec.qkv_bias if spec.qkv_bias is not None else hf.attention_bias
+    eos = generation.get("eos_token_id", hf.eos_token_id)
+    eos_ids = tuple(e for e in eos if isinstance(e, int)) if isinstance(eos, list) else \
+        ((eos,) if isinstance(eos, int) and not isinstance(eos, bool) else ())
+    return ModelConfig(
+        architecture=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size, num_hidden_layers=hf.num_hidden_layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=hf.max_position_embeddings, rms_norm_eps=float(hf.rms_norm_eps),
+        rope_theta=theta, rope_scaling=rope, tie_word_embeddings=hf.tie_word_embeddings,
+        qkv_bias=qkv_bias, o_bias=hf.attention_bias if spec.qkv_bias is None else False,
+        qk_norm=spec.qk_norm, sliding_window=max(windows) if windows else None,
+        layer_attention=layers, params=params, bos_token_id=hf.bos_token_id, eos_token_ids=eos_ids,
+        torch_dtype=str(hf.torch_dtype or hf.dtype or "float32"))
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,14 @@ def stepwise_logits(engine, token_ids: list[int], prefill_len: int) -> torch.Ten
     return torch.cat(rows)
 
 
+HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"), "llama4": ("Llama4TextConfig", "Llama4ForCausalLM"),
+}
+
+
 def random_hf_checkpoint(tmp_path, arch: str, **overrides):
     """Save a small random transformers model (safetensors) and return (dir, hf_model)."""
     import transformers
@@ -33,10 +41,8 @@ def random_hf_checkpoint(tmp_path, arch: str, **overrides):
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
     base.update(overrides)
-    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "mistral": transformers.MistralConfig}[arch]
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-           "mistral": transformers.MistralForCausalLM}[arch]
+    cfg_cls, cls = HF_CLASSES[arch]
+    cfg_cls, cls = getattr(transformers, cfg_cls), getattr(transformers, cls)
     torch.manual_seed(0)
     model = cls(cfg_cls(**base)).eval()
     with torch.no_grad():   # make biases and norms non-trivial so they are tested

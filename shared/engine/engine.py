@@ -61,6 +61,7 @@ class LLMEngine:
                                           self.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.engine_config)
         self.runner = ModelRunner(model, self.pool, config.sliding_window)
+        self.releases_kv = config.first_needed_position(1 << 40) > 0    # every layer windowed or chunked
         self.requests: dict[str, OutputState] = {}
         self.eos_ids = config.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and
                                                  tokenizer.eos_token_id is not None else ())
@@ -145,6 +146,9 @@ class LLMEngine:
             return outputs
         samplers, result = self.runner.run(batch, on_layer)
         self.scheduler.complete(batch)
+        for seq, _ in batch.items if self.releases_kv else ():    # KV no layer attends to any more
+            if not seq.prefill_only and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self.block_manager.release_before(seq.table, self.config.first_needed_position(seq.num_computed_tokens))
         for i, seq in enumerate(samplers):
             state = self.requests[seq.request_id]
             lp = result.logprobs[i] if result.logprobs is not None and seq.params.logprobs is not None else None

@@ -6,6 +6,13 @@ token and the attention metadata; `run(batch)` executes the model under
 `torch.inference_mode`, computes logits only for the rows that reach the end
 of their known tokens, and samples them. The scheduler never sees a tensor;
 this is the only place where sequences meet tensors.
+
+Attention forms: the model's config says which positions each layer sees
+(`ModelConfig.layer_attention`); besides the full-attention masks, `prepare`
+builds one mask per sliding-window or chunked form, only where it differs
+from full attention. Leading blocks that no layer can see any more may have
+been released (`BlockManager.release_before`, id -1): they are read as block
+0 and masked out.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from edgecore.shared.config import FULL, LayerAttention
 from edgecore.shared.engine import prompt_logprobs
 from edgecore.shared.engine.sampler import SampleResult, sample
 from edgecore.shared.engine.scheduler import ScheduledBatch
@@ -37,13 +45,23 @@ def sampling_rows(ordered) -> tuple[list[int], list[Sequence]]:
     return rows, samplers
 
 
+def first_visible(form: LayerAttention, pos: torch.Tensor) -> torch.Tensor:
+    """The first position each query position in `pos` sees under `form`."""
+    if form.kind == "sliding":
+        return (pos - form.size + 1).clamp(min=0)
+    if form.kind == "chunked":
+        return pos - pos % form.size
+    return torch.zeros_like(pos)
+
+
 class ModelRunner:
     def __init__(self, model, pool: KVPool, sliding_window: int | None = None):
+        """`sliding_window` is not used any more: each layer's attention form comes from `model.config`."""
         self.model = model
         self.pool = pool
         self.device = pool.device
         self.block_size = pool.block_size
-        self.window = sliding_window
+        self.forms = sorted({f for f in model.config.layer_attention if f != FULL}, key=lambda f: (f.kind, f.size))
         if self.device == "cpu":
             retain_freed_memory()      # activations reuse heap pages instead of faulting in new ones
             if cpu_pack_enabled():
@@ -72,37 +90,42 @@ class ModelRunner:
             longest = max(ctx)
             width = -(-longest // bs)
             table = torch.tensor([s.table.blocks[:width] + [0] * (width - len(s.table.blocks[:width]))
-                                  for s, _ in decode], dtype=torch.long, device=dev)
+                                  for s, _ in decode], dtype=torch.long, device=dev).clamp_(min=0)
             meta.num_decode = len(decode)
             meta.decode_blocks = table
             meta.block_size = bs
             meta.decode_len = longest
-            if self.window is not None or min(ctx) < longest:     # else every row attends to all `longest`
-                pos = torch.arange(longest, device=dev)
-                ctx_t = torch.tensor(ctx, device=dev).unsqueeze(1)
-                mask = pos.unsqueeze(0) < ctx_t
-                if self.window is not None:
-                    mask &= pos.unsqueeze(0) >= ctx_t - self.window
-                meta.decode_mask = mask[:, None, None, :]
+            pos = torch.arange(longest, device=dev).unsqueeze(0)
+            ctx_t = torch.tensor(ctx, device=dev).unsqueeze(1)
+            if min(ctx) < longest:     # else every row attends to all `longest`
+                meta.decode_mask = (pos < ctx_t)[:, None, None, :]
+            for form in self.forms:
+                first = first_visible(form, ctx_t - 1)
+                if first.max() > 0:
+                    meta.decode_masks[form] = ((pos < ctx_t) & (pos >= first))[:, None, None, :]
         offset = len(decode)
         for seq, n in prefill:
-            start = seq.num_computed_tokens
-            ctx = start + n
-            chunk_slots, mask = None, None
-            if start > 0:
-                chunk_slots = self.pool.slots(seq.table.blocks, 0, ctx)
-            if start > 0 or (self.window is not None and ctx > self.window):
-                q_pos = torch.arange(start, ctx, device=dev).unsqueeze(1)
-                k_pos = torch.arange(0, ctx, device=dev).unsqueeze(0)
-                mask = k_pos <= q_pos
-                if self.window is not None:
-                    mask &= k_pos > q_pos - self.window
-                if chunk_slots is None:
-                    chunk_slots = self.pool.slots(seq.table.blocks, 0, ctx)
-            meta.prefills.append(PrefillChunk(offset, n, ctx, chunk_slots, mask))
+            meta.prefills.append(self._prefill_chunk(seq, n, offset))
             offset += n
         return ordered, torch.tensor(ids, dtype=torch.long, device=dev), \
             torch.tensor(positions, dtype=torch.long, device=dev), meta
+
+    def _prefill_chunk(self, seq: Sequence, n: int, offset: int) -> PrefillChunk:
+        dev = self.device
+        start = seq.num_computed_tokens
+        ctx = start + n
+        chunk_slots, mask = None, None
+        q_pos = torch.arange(start, ctx, device=dev).unsqueeze(1)
+        k_pos = torch.arange(0, ctx, device=dev).unsqueeze(0)
+        if start > 0:
+            chunk_slots = self.pool.slots([max(b, 0) for b in seq.table.blocks], 0, ctx)
+            mask = k_pos <= q_pos
+        chunk = PrefillChunk(offset, n, ctx, chunk_slots, mask)
+        for form in self.forms:
+            first = first_visible(form, q_pos)
+            if first[-1].item() > 0:
+                chunk.masks[form] = (k_pos <= q_pos) & (k_pos >= first)
+        return chunk
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, on_layer: Callable[[int, list], None] | None = None

@@ -11,6 +11,10 @@ Chained hash: hash(block i) = H(hash(block i-1) ‖ tokens of block i), so a hit
 on block i means the whole prefix up to it matches. Only full blocks are ever
 shared, and the last prompt token is always recomputed (its logits are needed),
 so shared blocks are never written.
+
+Released prefixes: in a model whose every layer attends only to a window or a chunk, the leading
+blocks no layer can attend to any more are released while the sequence runs (`release_before`);
+their table entries become -1 (the runner reads them as block 0, masked out).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class BlockTable:
     blocks: list[int] = field(default_factory=list)
     num_hashed: int = 0
     last_hash: int | None = None
+    num_released: int = 0      # leading entries released (-1) because no layer attends to them
 
 
 class NoFreeBlocks(Exception):
@@ -161,10 +166,25 @@ class BlockManager:
 
     def free_table(self, table: BlockTable) -> None:
         """Release a sequence's blocks, last block first so that prefix heads stay cached longest."""
-        self.release_blocks(list(reversed(table.blocks)))
+        self.release_blocks([b for b in reversed(table.blocks) if b >= 0])
         table.blocks.clear()
         table.num_hashed = 0
         table.last_hash = None
+        table.num_released = 0
+
+    def release_before(self, table: BlockTable, position: int) -> int:
+        """Release the leading blocks that hold only positions before `position` (no layer attends to them
+        any more); with prefix caching only blocks already registered (they stay cached, evictable).
+        Returns how many blocks were released."""
+        end = min(position // self.block_size, len(table.blocks))
+        if self.caching:
+            end = min(end, table.num_hashed)
+        released = [b for b in table.blocks[table.num_released:end] if b >= 0]
+        for i in range(table.num_released, end):
+            table.blocks[i] = -1
+        table.num_released = max(table.num_released, end)
+        self.release_blocks(released)
+        return len(released)
 
     def release_blocks(self, block_ids: list[int]) -> None:
         """Drop one reference from each block; unreferenced cached blocks become evictable."""

@@ -9,6 +9,12 @@ reads, masks), then every layer calls `paged_attention`, which
    otherwise the cached context gathered through its slots),
 4. calls `on_layer(layer_index)` so a KV sender can ship that layer at once.
 
+Attention forms: a layer says which positions it sees (`LayerAttention`: full, sliding window,
+chunked); the runner builds one mask per form present in the model (`decode_masks`,
+`PrefillChunk.masks`; absent where the form sees what full attention sees). Learned attention
+sinks (gpt-oss) are one more logit per head that takes probability mass and contributes no value:
+an extra zero key/value column whose additive mask entry is the sink.
+
 Token order in the flattened batch: all decode tokens first, then prefill
 chunks back to back.
 """
@@ -21,6 +27,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from edgecore.shared.config import FULL, LayerAttention
+
 
 @dataclass
 class PrefillChunk:
@@ -29,6 +37,7 @@ class PrefillChunk:
     ctx_len: int               # tokens attended to (cached + new)
     slots: torch.Tensor | None  # [ctx_len] cache slots, None when ctx_len == q_len
     mask: torch.Tensor | None   # [q_len, ctx_len] bool, None for plain causal
+    masks: dict[LayerAttention, torch.Tensor] = field(default_factory=dict)   # other attention forms
 
 
 @dataclass
@@ -39,6 +48,7 @@ class AttentionMetadata:
     block_size: int = 16
     decode_len: int = 0                        # longest decode context (L ≤ W * block_size)
     decode_mask: torch.Tensor | None = None   # [B, 1, 1, L] True where attended; None: everything
+    decode_masks: dict[LayerAttention, torch.Tensor] = field(default_factory=dict)   # other attention forms
     prefills: list[PrefillChunk] = field(default_factory=list)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer [slots, H, D]
     on_layer: Callable[[int], None] | None = None
@@ -52,9 +62,32 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, None].expand(h, groups, length, d).reshape(h * groups, length, d)
 
 
+def with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k, v [..., L, D] plus one zero row; a float mask [..., H, n, L+1]: 0 / -inf from `mask` (None:
+    causal, queries at the end), then the sink of each query row: `sinks` broadcasts to q.shape[-3:-1]."""
+    n, length = q.shape[-2], k.shape[-2]
+    if mask is None:
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    shape = (*torch.broadcast_shapes(bias.shape[:-2], q.shape[:-2]), n)
+    bias = torch.cat([bias.expand(*shape, length), sinks.to(q.dtype)[..., None].expand(*shape, 1)], -1)
+    zero = k.new_zeros(*k.shape[:-2], 1, k.shape[-1])
+    return torch.cat([k, zero], -2), torch.cat([v, zero], -2), bias
+
+
+def _attend(q, k, v, mask, scale, sinks, gqa=False):
+    if sinks is not None:
+        k, v, mask = with_sinks(q, k, v, mask, sinks)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                          enable_gqa=gqa)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""
+                    meta: AttentionMetadata, scale: float, form: LayerAttention = FULL,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens; `form` the positions this layer sees; `sinks`
+    [Hq] learned sink logits. Returns [T, Hq, D]."""
     k_cache, v_cache = meta.kv_caches[layer]
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
@@ -75,7 +108,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         width = flat.numel() * bs // b
         kd = k_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, width, hkv, d)[:, :length].transpose(1, 2)
         vd = v_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, width, hkv, d)[:, :length].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
+        mask = meta.decode_masks.get(form, meta.decode_mask)
+        if sinks is None:
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        else:
+            if mask is None:
+                mask = torch.ones(b, 1, 1, length, dtype=torch.bool, device=q.device)
+            od = _attend(qd, kd, vd, mask, scale, sinks.view(qd.shape[1], qd.shape[2]), gqa)
         if b == q.shape[0]:             # a decode-only step: no copy into `out`
             out = od.view(b, hq, d)
         else:
@@ -90,8 +129,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
             vp = v_cache.index_select(0, chunk.slots).transpose(0, 1)
         kp, vp = repeat_kv(kp, groups), repeat_kv(vp, groups)
         # 4-D ([1, H, n, D]): with 3-D inputs SDPA takes its unfused math path on CPU, 2-2.5x slower.
-        op = F.scaled_dot_product_attention(qp[None], kp[None], vp[None], attn_mask=chunk.mask,
-                                            is_causal=chunk.mask is None, scale=scale)
+        mask = chunk.masks.get(form, chunk.mask)
+        op = _attend(qp[None], kp[None], vp[None], mask, scale, None if sinks is None else sinks.view(-1, 1))
         out[s:s + n] = op[0].transpose(0, 1)
     if meta.on_layer is not None:
         meta.on_layer(layer)

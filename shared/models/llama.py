@@ -1,16 +1,19 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache; the base the MoE
+families (Mixtral, Qwen3-MoE, gpt-oss, Llama 4) extend by replacing the MLP, the attention or both.
 
 Life cycle: `LlamaForCausalLM(config)` allocates this rank's weight shards,
 `load_weights` fills them from (name, lazy slice) pairs named as in the
 Hugging Face checkpoint, then each engine step calls
 `forward(input_ids [T], positions [T], meta)` → hidden [T, hidden] and
 `compute_logits(hidden [S, hidden])` → [S, vocab] for the rows that sample.
-RoPE and the inverse-frequency schedule are pure functions.
+RoPE and the inverse-frequency schedule are pure functions (`rope.py`).
+A subclass changes a layer through `make_mlp(config, layer)` / `make_attention`, and loads
+checkpoint tensors no plain parameter matches through `load_special` (with `special_names`
+listing the checkpoint names it expects).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import torch
@@ -19,44 +22,12 @@ from torch import nn
 
 from edgecore.shared.config import ModelConfig
 from edgecore.shared.models.attention import AttentionMetadata, paged_attention
+from edgecore.shared.models.rope import apply_rope, rope_cos_sin
 from edgecore.shared.models.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                   RowParallelLinear, VocabParallelEmbedding)
 from edgecore.shared.parallel import tensor_parallel
 
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2], with `linear` or `llama3` scaling applied."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    if scaling.rope_type == "linear":
-        inv_freq = inv_freq / scaling.factor
-    elif scaling.rope_type == "llama3":
-        old_len = scaling.original_max_position_embeddings
-        low_wavelen = old_len / scaling.low_freq_factor
-        high_wavelen = old_len / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-        smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    return inv_freq
-
-
-def rope_cos_sin(config: ModelConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin tables [max_positions, head_dim] in float32 (HF's halves layout; the first half of
-    sin negated so that rotate-half becomes one roll: x*cos + roll(x)*sin, bit-identical to HF)."""
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(config))
-    emb = torch.cat((freqs, freqs), dim=-1)
-    sin = emb.sin()
-    sin[:, : sin.shape[1] // 2].neg_()
-    return emb.cos(), sin
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, signed sin: [T, 1, D]. roll(x) = cat(x2, x1), so roll(x) * sin = cat(-x2, x1) * |sin|."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+ROPE_TABLE_START = 1 << 15      # positions of the first RoPE tables; they grow on demand
 
 
 class RMSNorm(nn.Module):
@@ -73,9 +44,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    """`layer` indexes this process's KV cache, `global_layer` the model's layers (its attention form)."""
+
+    def __init__(self, config: ModelConfig, layer: int, global_layer: int | None = None):
         super().__init__()
         self.layer = layer
+        self.form = config.attention_of(layer if global_layer is None else global_layer)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=config.qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
@@ -83,21 +57,31 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
+        if config.qk_norm:       # Qwen3: per-head RMSNorm of q and k before RoPE
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.sinks: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
+        """`rope`: the (cos, sin) rows of this step's positions (what `rope_inputs` gave)."""
+        cos, sin = rope[0], rope[1]
         t, d = x.shape[0], self.head_dim
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, d)
-        qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)     # one rotation for q and k together
-        o = paged_attention(qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:], self.layer, meta, self.scale)
+        if hasattr(self, "q_norm"):
+            qk = torch.cat([self.q_norm(qkv[:, :heads]), self.k_norm(qkv[:, heads:heads + kv_heads])], 1)
+        else:
+            qk = qkv[:, :heads + kv_heads]
+        qk = apply_rope(qk, cos, sin)     # one rotation for q and k together
+        o = paged_attention(qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:], self.layer, meta, self.scale,
+                            self.form, self.sinks)
         return self.o_proj(o.reshape(t, self.num_heads * d))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate: int | None = None):
         super().__init__()
-        inter = config.intermediate_size
+        inter = intermediate or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter])
         self.down_proj = RowParallelLinear(inter, config.hidden_size)
 
@@ -107,26 +91,26 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, attn: nn.Module, mlp: nn.Module):
         super().__init__()
-        self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
+        self.self_attn = attn
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+    def forward(self, x, rope, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, layers: range | None = None):
+    def __init__(self, config: ModelConfig, layers: range | None, make_layer):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # Layers this process owns (all of them unless pipeline-parallel).
         self.layer_ids = list(layers if layers is not None else range(config.num_hidden_layers))
         # Each layer addresses its KV cache by its index in this process (pipeline stages own a slice).
-        self.layers = nn.ModuleList(DecoderLayer(config, local) for local in range(len(self.layer_ids)))
+        self.layers = nn.ModuleList(make_layer(config, local, gid) for local, gid in enumerate(self.layer_ids))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -140,23 +124,55 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, layers: range | None = None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, layers)
+        self.model = LlamaModel(config, layers, self.make_layer)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        cos, sin = rope_cos_sin(config, config.max_position_embeddings)
+        cos, sin = self.rope_tables(config, min(config.max_position_embeddings, ROPE_TABLE_START))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    # ---- what a family changes ----------------------------------------------------------
+    renames: tuple[tuple[str, str], ...] = ()    # checkpoint → module name parts (e.g. Llama 4's feed_forward)
+
+    def rope_tables(self, config: ModelConfig, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(config, positions)
+
+    def rope_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """What every attention layer gets about this step's positions: cos, sin [T, 1, D]. The tables start
+        at `ROPE_TABLE_START` positions (Llama 4 declares 10M: 10 GB of tables) and double when needed."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self.rope_cos.shape[0]:
+            size = min(max(need, 2 * self.rope_cos.shape[0]), max(need, self.config.max_position_embeddings))
+            cos, sin = self.rope_tables(self.config, size)
+            self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
+        return (self.rope_cos[positions].unsqueeze(1).to(dtype), self.rope_sin[positions].unsqueeze(1).to(dtype))
+
+    def make_layer(self, config: ModelConfig, local: int, layer: int) -> nn.Module:
+        return DecoderLayer(config, self.make_attention(config, local, layer), self.make_mlp(config, layer))
+
+    def make_attention(self, config: ModelConfig, local: int, layer: int) -> nn.Module:
+        return Attention(config, local, layer)
+
+    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+        return MLP(config)
+
+    def load_special(self, name: str, local_name: str, source) -> bool:
+        """Load a checkpoint tensor that no parameter matches by name (stacked experts ...); `local_name` has
+        this process's layer index. Returns whether it was used."""
+        return False
+
+    def special_names(self, param_name: str) -> list[str] | None:
+        """Checkpoint names that fill a parameter `load_special` loads (None: the parameter's own name)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Embed (unless `hidden` comes from a previous pipeline stage) and run this process's layers."""
         x = self.model.embed_tokens(input_ids) if hidden is None else hidden
-        dtype = x.dtype
-        cos = self.rope_cos[positions].unsqueeze(1).to(dtype)
-        sin = self.rope_sin[positions].unsqueeze(1).to(dtype)
+        rope = self.rope_inputs(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, meta)
+            x = layer(x, rope, meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -172,7 +188,16 @@ class LlamaForCausalLM(nn.Module):
         return names
 
     def _checkpoint_names(self, name: str) -> list[str]:
+        special = self.special_names(name)
         name = self._to_checkpoint_layer(name)
+        names = [self._to_checkpoint_layer(n) for n in special] if special is not None else None
+        if names is None:
+            names = self._packed_names(name)
+        for ckpt, ours in self.renames:
+            names = [n.replace(ours, ckpt) for n in names]
+        return names
+
+    def _packed_names(self, name: str) -> list[str]:
         for ckpt, (packed, _) in self.packed.items():
             if f".{packed}." in name:
                 return [name.replace(packed, c) for c, (p, _) in self.packed.items() if p == packed]
@@ -230,11 +255,14 @@ class LlamaForCausalLM(nn.Module):
         local = {gid: i for i, gid in enumerate(self.model.layer_ids)}
         used: set[str] = set()
         for name, source in weights:
+            local_name = name
+            for ckpt, ours in self.renames:
+                local_name = local_name.replace(ckpt, ours)
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            parts = name.split(".")
+            parts = local_name.split(".")
             if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers":
                 if int(parts[2]) not in local:
                     continue  # another pipeline stage's layer
@@ -246,6 +274,8 @@ class LlamaForCausalLM(nn.Module):
                     break
             param = params.get(target)
             if param is None:
+                if self.load_special(name, ".".join(parts), source):
+                    used.add(name)
                 continue
             owner = self.get_submodule(target.rsplit(".", 1)[0])
             loader = getattr(owner, "weight_loader", None)

@@ -16,17 +16,11 @@ import torch
 from edgecore.shared.config import ModelConfig
 from edgecore.shared.errors import ConfigError, ModelLoadError
 from edgecore.shared.malloc import retain_freed_memory
-from edgecore.shared.models.llama import LlamaForCausalLM
+from edgecore.shared.models.registry import ARCHITECTURES
 from edgecore.shared.weights import iter_weights
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
 
 
 def resolve_dtype(name: str | torch.dtype | None, device: str) -> torch.dtype:
@@ -45,7 +39,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str, layers: ra
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = ARCHITECTURES[config.architecture](config, layers)
+            model = ARCHITECTURES[config.architecture].model_class()(config, layers)
     finally:
         torch.set_default_dtype(previous)
     # RoPE tables stay float32 whatever the weights' dtype.
@@ -62,10 +56,21 @@ def load_model(model_dir: str | Path, dtype="auto", device: str = "cpu",
     model = build_model(config, resolve_dtype(dtype, device), device, layers)
     try:
         from edgecore.shared.pack import is_packed
-        used = model.load_weights(iter_weights(model_dir), threads=2 if is_packed(model_dir) else 0)
+        weights = _text_weights(iter_weights(model_dir), ARCHITECTURES[config.architecture].text_prefix)
+        used = model.load_weights(weights, threads=2 if is_packed(model_dir) else 0)
     except ValueError as exc:
         raise ModelLoadError(f"{model_dir}: {exc}") from None
     missing = model.expected_weights() - used
     if missing:
         raise ModelLoadError(f"{model_dir}: checkpoint lacks tensor(s) {', '.join(sorted(missing)[:5])}")
     return model
+
+
+def _text_weights(weights, prefix: str):
+    """A multimodal checkpoint's text model: names under `prefix`, without it (other towers skipped)."""
+    if not prefix:
+        yield from weights
+        return
+    for name, source in weights:
+        if name.startswith(prefix):
+            yield name[len(prefix):], source

@@ -11,7 +11,7 @@ for the common forms are here.
 
 Compute: the (token, slot) pairs are sorted by expert id; each expert that got tokens runs one
 gate_up matmul, the activation and one down matmul over its contiguous slice; the results are
-weighted and summed back per token with `index_add_`.
+weighted, put back in (token, slot) order with one scatter and summed over the slots.
 
 Tensor parallel: every rank holds every expert, sharded along the intermediate dimension (a column
 split of gate/up, a row split of down), so one all-reduce per MoE layer, as a dense MLP. Expert
@@ -97,26 +97,35 @@ class FusedExperts(nn.Module):
                 self.b2.copy_(b2)
 
     # ---- compute -------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; topk_ids, topk_weights [T, K] -> [T, H] (all-reduced across TP ranks)."""
-        out = torch.zeros_like(x)
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                weight_inputs: bool = False) -> torch.Tensor:
+        """x [T, H]; topk_ids, topk_weights [T, K] -> [T, H] (all-reduced across TP ranks). The routing weight
+        scales each expert's output, or its input with `weight_inputs` (Llama 4)."""
         tokens, k = topk_ids.shape
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)                      # (token, slot) pairs by expert
         token_of = order // k
         weight_of = topk_weights.reshape(-1)[order].to(x.dtype)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        ys = x.new_zeros(tokens * k, self.hidden)                     # expert outputs, in sorted order
         start = 0
         rank_bias = self.b2 is not None and tensor_parallel().rank == 0   # add the down bias once
         for expert, n in enumerate(counts):
             if n == 0:
                 continue
             idx = token_of[start:start + n]
-            h = F.linear(x[idx], self.w13[expert], None if self.b13 is None else self.b13[expert])
+            w = weight_of[start:start + n, None]
+            h = F.linear(x[idx] * w if weight_inputs else x[idx], self.w13[expert],
+                         None if self.b13 is None else self.b13[expert])
             h = self.act(h[:, :self.shard], h[:, self.shard:])
             y = F.linear(h, self.w2[expert], self.b2[expert] if rank_bias else None)
-            out.index_add_(0, idx, y * weight_of[start:start + n, None])
+            ys[start:start + n] = y if weight_inputs else y * w
             start += n
+        # Back to (token, slot) order with one scatter, then a sum over the k slots: no per-expert
+        # index_add_ (slow on CPU), and a fixed summation order.
+        out = torch.empty_like(ys)
+        out[order] = ys
+        out = out.view(tokens, k, self.hidden).sum(1)
         return all_reduce(out) if self.reduce else out
 
 

@@ -89,3 +89,30 @@ def test_chained_hashes_depend_on_whole_prefix():
     h2 = prefix_hashes([9, 9, 3, 4], 2)
     assert len(h1) == 2 and h1[1] != h2[1]
     assert prefix_hashes([1, 2, 3], 2) == h1[:1]
+
+
+def test_release_before_frees_leading_blocks_once():
+    from edgecore.shared.kv.block_manager import BlockManager, BlockTable
+    bm = BlockManager(16, 4, enable_prefix_caching=False)
+    table = BlockTable()
+    bm.allocate_prompt(table, list(range(20)), 20)
+    assert bm.num_free == 11
+    assert bm.release_before(table, 9) == 2            # positions 0-7 are in blocks 0 and 1
+    assert table.blocks[:2] == [-1, -1] and bm.num_free == 13
+    assert bm.release_before(table, 9) == 0            # nothing twice
+    assert bm.release_before(table, 100) == 3          # never past the table
+    bm.free_table(table)
+    assert bm.num_free == 16 and table.num_released == 0
+
+
+def test_release_before_keeps_unregistered_blocks_with_caching():
+    from edgecore.shared.kv.block_manager import BlockManager, BlockTable
+    bm = BlockManager(16, 4)
+    table = BlockTable()
+    tokens = list(range(20))
+    bm.allocate_prompt(table, tokens, 20)
+    first_two = table.blocks[:2]
+    bm.register_full_blocks(table, tokens, 8)          # only blocks 0, 1 computed and hashed
+    assert bm.release_before(table, 16) == 2           # block 2 is not registered yet: kept
+    assert table.blocks[2] >= 0 and len(bm.evictable) == 2
+    assert bm.match_prefix(tokens + [99]) == first_two  # released but cached: a later prefix reuses them

@@ -17,14 +17,45 @@ BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_
 @pytest.mark.parametrize("change, field", [
     ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling.rope_type"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
+    ({"rope_scaling": {"type": "linear", "factor": -2}}, "rope_scaling.factor"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "original_max_position_embeddings"),
+    ({"hidden_size": True}, "hidden_size"),
+    ({"num_hidden_layers": 2.5}, "num_hidden_layers"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding_window"),
+    ({"layer_types": ["full_attention", "banded"]}, r"layer_types\[1\]"),
+    ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 0}, "num_experts_per_tok"),
+    ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts_per_tok": 2, "moe_intermediate_size": 8},
+     "num_experts"),
+    ({"architectures": ["MixtralForCausalLM"], "num_local_experts": "8", "num_experts_per_tok": 2},
+     "num_local_experts"),
+    ({"architectures": ["Llama4ForConditionalGeneration"]}, "text_config"),
+    ({"architectures": ["Llama4ForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 1,
+      "intermediate_size_mlp": 8, "no_rope_layers": [1, 0, 1]}, "no_rope_layers"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"vocab_size": -1}, "vocab_size"),
     ({"head_dim": 7}, "head_dim"),
 ])
 def test_unsupported_values_name_the_field(change, field):
-    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as info:
         ModelConfig.from_dict({**BASE, **change})
+    assert "\n" not in str(info.value)
+
+
+def test_published_llama4_text_config_reads():
+    """Scout's config.json as published: multimodal wrapper, `no_rope_layers: []`, an int for
+    attn_temperature_tuning, llama3 RoPE with equal low/high frequency factors."""
+    text = {**BASE, "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 1,
+            "intermediate_size_mlp": 256, "attention_chunk_size": 8192, "no_rope_layers": [],
+            "attn_temperature_tuning": 4, "max_position_embeddings": 10485760,
+            "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+    del text["architectures"]
+    config = ModelConfig.from_dict({"architectures": ["Llama4ForConditionalGeneration"], "text_config": text})
+    assert [a.kind for a in config.layer_attention] == ["chunked", "chunked", "chunked", "full"]
+    assert config.rope_scaling.rope_type == "llama3" and config.params.intermediate_size_mlp == 256
 
 
 def test_missing_field_is_named():

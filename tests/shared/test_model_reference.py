@@ -22,6 +22,10 @@ CONFIGS = {
     "qwen2-bias-gqa": ("qwen2", {"num_key_value_heads": 2}),
     "qwen2-mqa-tied": ("qwen2", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
     "mistral": ("mistral", {"sliding_window": None}),
+    "mistral-sliding-8": ("mistral", {"sliding_window": 8}),
+    "qwen3-qk-norm": ("qwen3", {"head_dim": 24}),
+    "qwen3-yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 64}}),
 }
 
 

@@ -1,0 +1,44 @@
+"""The architecture registry: `architectures[0]` of a config.json → family fields and model class.
+
+Life cycle: `ModelConfig.from_dict` looks an architecture up here (an unknown one is a config
+error listing the supported ones) and decodes the family's own fields with `Arch.params`; the
+loader later imports the model class named by `Arch.model` (kept as a string so that reading a
+config never imports torch). Adding an architecture is one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from edgecore.shared.models.params import GptOssParams, Llama4Params, MixtralParams, Qwen3MoeParams
+
+
+@dataclass(frozen=True)
+class Arch:
+    model: str                    # "module:Class" of the model
+    params: type | None = None    # msgspec Struct of the family's own config.json fields
+    qkv_bias: bool | None = None  # fixed by the family (Qwen2), else `attention_bias`
+    qk_norm: bool = False         # per-head RMSNorm on q and k (Qwen3)
+    text_prefix: str = ""         # weights live under this prefix (multimodal checkpoints' text part)
+    sub_config: str = ""          # the text model's fields live under this key of config.json
+
+    def model_class(self):
+        module, name = self.model.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+_LLAMA = "edgecore.shared.models.llama:LlamaForCausalLM"
+ARCHITECTURES: dict[str, Arch] = {
+    "LlamaForCausalLM": Arch(_LLAMA),
+    "MistralForCausalLM": Arch(_LLAMA),
+    "Qwen2ForCausalLM": Arch(_LLAMA, qkv_bias=True),
+    "Qwen3ForCausalLM": Arch(_LLAMA, qk_norm=True),
+    "MixtralForCausalLM": Arch("edgecore.shared.models.mixtral:MixtralForCausalLM", MixtralParams),
+    "Qwen3MoeForCausalLM": Arch("edgecore.shared.models.qwen3_moe:Qwen3MoeForCausalLM", Qwen3MoeParams,
+                                qk_norm=True),
+    "GptOssForCausalLM": Arch("edgecore.shared.models.gpt_oss:GptOssForCausalLM", GptOssParams),
+    "Llama4ForCausalLM": Arch("edgecore.shared.models.llama4:Llama4ForCausalLM", Llama4Params),
+    "Llama4ForConditionalGeneration": Arch("edgecore.shared.models.llama4:Llama4ForCausalLM", Llama4Params,
+                                           text_prefix="language_model.", sub_config="text_config"),
+}
