@@ -77,13 +77,7 @@ def run_edge(args: argparse.Namespace) -> int:
     if args.engine_fd is not None:
         return _run_engine_process(args, model_dir, codecs, local_below)
     if args.model_from:
-        from edgecore.edge.model_fetch import fetch_model
-        from edgecore.shared.cli import Progress
-        cache = args.model_cache or str(Path.home() / ".cache" / "edgecore" / "models")
-        progress = Progress("fetch")
-        keys = read_api_keys(args.model_from_key_file or args.api_key_file)
-        model_dir = str(fetch_model(args.model_from, cache, progress, api_key=keys[0] if keys else None))
-        progress.done(f"model ready in {model_dir}")
+        model_dir = _fetch_model(args)
     host, port = parse_hostport(args.listen)
     if args.engine_in_process:
         edge = _edge_engine(args, model_dir, codecs, local_below)
@@ -94,10 +88,7 @@ def run_edge(args: argparse.Namespace) -> int:
         ModelConfig.from_dir(model_dir)                  # a bad model or flag fails here, in one line
         read_secret(args.secret_file, required=bool(args.core or args.core_dns))
         edge = EngineClient(args.argv, model_dir)
-    served = args.served_model_name or Path(args.model or default_model()).name
-    if args.model_from and not args.served_model_name:
-        import json
-        served = json.loads((Path(model_dir) / "edgecore-pack.json").read_text()).get("name", "model")
+    served = _served_name(args, model_dir)
     http = EdgeHTTP(edge, served, read_api_keys(args.api_key_file),
                     int(args.max_body_mb * 1024 * 1024), args.max_concurrent, args.max_seqs_per_request, limits)
     state = {}
@@ -121,6 +112,30 @@ def run_edge(args: argparse.Namespace) -> int:
         await edge.stop()
 
     return run_service(start, stop)
+
+
+def _fetch_model(args: argparse.Namespace) -> str:
+    """`--model-from`: download (resuming, verified) a core's packed model; its local directory."""
+    from edgecore.edge.model_fetch import fetch_model
+    from edgecore.shared.cli import Progress
+    from edgecore.shared.secrets import read_api_keys
+    cache = args.model_cache or str(Path.home() / ".cache" / "edgecore" / "models")
+    progress = Progress("fetch")
+    keys = read_api_keys(args.model_from_key_file or args.api_key_file)
+    model_dir = str(fetch_model(args.model_from, cache, progress, api_key=keys[0] if keys else None))
+    progress.done(f"model ready in {model_dir}")
+    return model_dir
+
+
+def _served_name(args: argparse.Namespace, model_dir: str) -> str:
+    """The model id in the API: --served-model-name, the packed original's name, or the directory's."""
+    from edgecore.shared.env import default_model
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model_from:
+        import json
+        return json.loads((Path(model_dir) / "edgecore-pack.json").read_text()).get("name", "model")
+    return Path(args.model or default_model()).name
 
 
 def _check_limits(args: argparse.Namespace):

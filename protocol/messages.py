@@ -10,6 +10,8 @@ no message carries its own checksum.
 
 from __future__ import annotations
 
+import typing
+
 from typing import Union
 
 import msgspec
@@ -25,17 +27,17 @@ class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, tag_field="t", f
 # The handshake reveals nothing before both sides have proved the secret: Hello and Welcome carry
 # only versions and nonces; what describes a node (model fingerprint, name, layout, stream ports)
 # travels in Auth and AuthOk, whose frames are MACed with keys derived from the secret and both nonces.
-class Hello(_Msg, tag=1):
+class Hello(_Msg, tag=1, frozen=True):
     versions: list[int]
     nonce: bytes                       # client's 32 random bytes (key derivation)
 
 
-class Welcome(_Msg, tag=2):
+class Welcome(_Msg, tag=2, frozen=True):
     version: int                       # chosen
     nonce: bytes                       # server's 32 random bytes (key derivation)
 
 
-class Auth(_Msg, tag=3):
+class Auth(_Msg, tag=3, frozen=True):
     model_fingerprint: str
     codecs: list[str]
     capabilities: list[str] = []
@@ -43,7 +45,7 @@ class Auth(_Msg, tag=3):
     session: str = ""                  # client's random id, shared with its stream connections (see AuthOk)
 
 
-class AuthOk(_Msg, tag=4):
+class AuthOk(_Msg, tag=4, frozen=True):
     model_fingerprint: str
     codecs: list[str]                  # codecs both sides support
     capabilities: list[str] = []
@@ -65,7 +67,7 @@ class SamplingSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=T
     min_p: float = 0.0
 
 
-class PrefillRequest(_Msg, tag=5):
+class PrefillRequest(_Msg, tag=5, frozen=True):
     request_id: str
     token_ids: list[int]
     sampling: SamplingSpec = SamplingSpec()
@@ -76,7 +78,7 @@ class PrefillRequest(_Msg, tag=5):
                                        # each rank sends its own layers and heads there
 
 
-class KVChunk(_Msg, tag=6):
+class KVChunk(_Msg, tag=6, frozen=True):
     request_id: str
     layer_start: int
     layer_end: int                     # exclusive
@@ -92,7 +94,7 @@ class KVChunk(_Msg, tag=6):
     total_tokens: int = 0              # prompt length (lossy codecs keep the last tokens exact)
 
 
-class PrefillDone(_Msg, tag=7):
+class PrefillDone(_Msg, tag=7, frozen=True):
     request_id: str
     first_token: int
     logprob: float = 0.0
@@ -102,37 +104,37 @@ class PrefillDone(_Msg, tag=7):
     timings: dict[str, float] = {}
 
 
-class Ack(_Msg, tag=8):
+class Ack(_Msg, tag=8, frozen=True):
     request_id: str
 
 
-class Cancel(_Msg, tag=9):
+class Cancel(_Msg, tag=9, frozen=True):
     request_id: str
 
 
-class Error(_Msg, tag=10):
+class Error(_Msg, tag=10, frozen=True):
     code: int
     message: str
     request_id: str = ""               # empty: the connection is failing
 
 
-class Reject(_Msg, tag=13):
+class Reject(_Msg, tag=13, frozen=True):
     seq: int                           # the receiver's sequence number of a frame that failed its MAC
     message: str = ""
 
 
-class Ping(_Msg, tag=11):
+class Ping(_Msg, tag=11, frozen=True):
     nonce: int
 
 
-class Pong(_Msg, tag=12):
+class Pong(_Msg, tag=12, frozen=True):
     nonce: int
     load: int = 0                      # sender's queued + running requests
 
 
 Message = Union[Hello, Welcome, Auth, AuthOk, PrefillRequest, KVChunk, PrefillDone, Ack, Cancel, Error,
                 Ping, Pong, Reject]
-MESSAGE_TYPES: dict[int, type] = {cls.__struct_config__.tag: cls for cls in Message.__args__}
+MESSAGE_TYPES: dict[int, type] = {cls.__struct_config__.tag: cls for cls in typing.get_args(Message)}
 
 encoder = msgspec.msgpack.Encoder()
 decoder = msgspec.msgpack.Decoder(Message)

@@ -55,3 +55,16 @@ def test_every_project_import_is_namespaced():
 def test_no_pickle_anywhere():
     for pkg in PACKAGES:
         assert not imports(pkg) & {"pickle", "cloudpickle", "dill"}
+
+
+def test_files_and_functions_stay_small():
+    """Small files named after their nouns: none over 400 lines; no function over 60 in the nodes."""
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            assert len(path.read_text().splitlines()) <= 400, f"{path} has over 400 lines"
+    for pkg in ("core", "edge"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = node.end_lineno - node.lineno + 1
+                    assert length <= 60, f"{path}:{node.lineno} {node.name} has {length} lines"

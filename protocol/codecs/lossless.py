@@ -34,7 +34,7 @@ class LosslessCodec(Codec):
         check_bits(bits, info)
         exponent, mantissa = split_planes(bits)
         packed = zstd_compress(exponent, self.level)
-        return b"".join((_LEN.pack(len(packed)), packed, mantissa))
+        return b"".join((_LEN.pack(len(packed)), packed, mantissa.data))
 
     def decode(self, data, info: PlaneInfo) -> np.ndarray:
         n = info.count
@@ -46,4 +46,4 @@ class LosslessCodec(Codec):
         if 4 + elen + n * (size - 1) != len(view):
             raise CodecError(f"lossless plane has {len(view)} bytes, layout needs {4 + elen + n * (size - 1)}")
         exponent = zstd_decompress(view[4:4 + elen], n)
-        return join_planes(exponent, view[4 + elen:], BITS_DTYPES[info.dtype], n).reshape(info.shape)
+        return join_planes(exponent, view[4 + elen:], np.dtype(BITS_DTYPES[info.dtype]), n).reshape(info.shape)

@@ -141,6 +141,7 @@ class QuantCodec(Codec):
             pos += p_len
             n_codes = layers * tq * heads * dim if kind == 1 else int(np.prod(gshape))
             packed = np.frombuffer(zstd_decompress(view[pos:pos + c_len], packed_len), dtype=np.uint8)
+            codes: np.ndarray
             if self.bits == 4:
                 codes = np.empty(packed.size * 2, dtype=np.uint8)
                 codes[0::2], codes[1::2] = packed & 0xF, packed >> 4

@@ -13,7 +13,7 @@ class RawCodec(Codec):
 
     def encode(self, bits: np.ndarray, info: PlaneInfo):
         check_bits(bits, info)
-        return memoryview(np.ascontiguousarray(bits)).cast("B")
+        return np.ascontiguousarray(bits).data.cast("B")
 
     def decode(self, data, info: PlaneInfo) -> np.ndarray:
         if len(data) != info.raw_bytes:

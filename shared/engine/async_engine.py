@@ -58,6 +58,13 @@ class AsyncEngine:
         self._stats: EngineStats = engine.stats()
 
     # ---- lifecycle --------------------------------------------------------
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop `start` was called on."""
+        if self._loop is None:
+            raise RuntimeError("AsyncEngine.start() has not been called")
+        return self._loop
+
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="edgecore-engine", daemon=True)
@@ -214,7 +221,7 @@ class AsyncEngine:
         """Run fn(engine) on the engine thread between steps; return its result."""
         if self.error is not None:
             raise EngineDead(f"engine failed: {self.error}")
-        fut = self._loop.create_future()
+        fut = self.loop.create_future()
         with self._wake:
             self._commands.append((fn, fut))
             self._wake.notify()
@@ -258,16 +265,16 @@ class AsyncEngine:
                     replies = self._run_commands(commands)
                     self._stats = engine.stats()      # before any reply: a caller sees its command's effect
                     if replies:
-                        self._loop.call_soon_threadsafe(_deliver, replies)
+                        self.loop.call_soon_threadsafe(_deliver, replies)
                 if engine.has_unfinished():
                     outputs = self._hold_collected(engine.step(self.on_layer))
                     self._stats = engine.stats()      # one reference swap: readers see a whole snapshot
                     if outputs:
-                        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                        self.loop.call_soon_threadsafe(self._dispatch, outputs)
         except BaseException as exc:   # a bug or resource failure: fail every stream, stay dead
             log.exception("engine thread failed")
             self.error = exc
-            self._loop.call_soon_threadsafe(self._fail_all, exc)
+            self.loop.call_soon_threadsafe(self._fail_all, exc)
 
     def _run_commands(self, commands) -> list[tuple[asyncio.Future, bool, Any]]:
         """Engine thread: run queued commands in order; returns (future, ok, result or exception) of those

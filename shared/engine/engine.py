@@ -22,7 +22,7 @@ Only the engine thread calls these (through `AsyncEngine`, the in-thread
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -149,6 +149,8 @@ class LLMEngine:
         for seq, _ in batch.items if self.releases_kv else ():    # KV no layer attends to any more
             if not seq.prefill_only and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self.block_manager.release_before(seq.table, self.config.first_needed_position(seq.num_computed_tokens))
+        if result is None:              # nothing sampled this step (prefill chunks only)
+            return outputs
         for i, seq in enumerate(samplers):
             state = self.requests[seq.request_id]
             lp = result.logprobs[i] if result.logprobs is not None and seq.params.logprobs is not None else None
@@ -168,7 +170,8 @@ class LLMEngine:
         """Run prompts to completion; returns per prompt {token_ids, text, finish_reason, logprobs}."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [f"gen-{id(self)}-{i}" for i in range(len(prompts))]
-        results = {rid: {"token_ids": [], "text": "", "finish_reason": None, "logprobs": []} for rid in ids}
+        results: dict[str, dict[str, Any]] = {
+            rid: {"token_ids": [], "text": "", "finish_reason": None, "logprobs": []} for rid in ids}
         for rid, prompt, p in zip(ids, prompts, params_list):
             self.add_request(rid, prompt, p)
         while self.has_unfinished():

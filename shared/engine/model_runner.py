@@ -127,6 +127,19 @@ class ModelRunner:
                 chunk.masks[form] = (k_pos <= q_pos) & (k_pos >= first)
         return chunk
 
+    # ---- ranks: a parallel runner (parallel_runner.py) overrides these; one process has none ----
+    def add_route(self, stream_id: str, route) -> None:
+        raise NotImplementedError("stream routes need a parallel core")
+
+    def drop_route(self, stream_id: str) -> None:
+        pass
+
+    def rank_stats(self) -> list[dict]:
+        return []
+
+    def shutdown(self) -> None:
+        pass
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, on_layer: Callable[[int, list], None] | None = None
             ) -> tuple[list[Sequence], SampleResult | None]:

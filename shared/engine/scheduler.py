@@ -205,7 +205,7 @@ class Scheduler:
             seq.num_computed_tokens += n
             self.bm.register_full_blocks(seq.table, seq.token_ids, seq.num_computed_tokens)
 
-    def finish(self, seq: Sequence, reason: str, keep_blocks: bool = False) -> None:
+    def finish(self, seq: Sequence, reason: str | None, keep_blocks: bool = False) -> None:
         """Take `seq` out of scheduling; free its blocks unless a reader still needs them."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)

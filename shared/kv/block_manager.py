@@ -93,7 +93,7 @@ class BlockManager:
         elif self.evictable:
             bid, _ = self.evictable.popitem(last=False)
             old = self.blocks[bid]
-            if self.cached.get(old.hash) == bid:
+            if old.hash is not None and self.cached.get(old.hash) == bid:
                 del self.cached[old.hash]
             old.hash = None
         else:
