@@ -21,6 +21,8 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "DeepseekV2ForCausalLM": "deepseek",
+    "DeepseekV3ForCausalLM": "deepseek",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -55,9 +57,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    mla: Any = None    # MLA models (DeepSeek): their `DeepseekConfig` (shared/models/mla_config.py)
 
     def kv_bytes_per_token(self, value_bytes: int = 2) -> int:
-        """Bytes of K and V per token over all layers, at `value_bytes` per value."""
+        """Bytes of K and V (of the latent, for MLA) per token over all layers, at `value_bytes` per value."""
+        if self.mla is not None:
+            return self.num_hidden_layers * self.mla.latent_dim * value_bytes
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * value_bytes
 
     @classmethod
@@ -99,6 +104,11 @@ class ModelConfig:
                 f"{source}: field 'architectures' = {archs!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         arch = archs[0]
+        mla = None
+        if SUPPORTED_ARCHITECTURES[arch] == "deepseek":
+            from edgecore.shared.models.mla_config import generic_fields, parse_deepseek
+            mla = parse_deepseek(raw, arch, source)
+            raw = generic_fields(raw, mla)
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: field 'hidden_act' = {act!r} is not supported (only 'silu')")
@@ -168,6 +178,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(dtype),
+            mla=mla,
         )
 
 

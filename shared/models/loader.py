@@ -16,6 +16,7 @@ import torch
 from edgecore.shared.config import ModelConfig
 from edgecore.shared.errors import ConfigError, ModelLoadError
 from edgecore.shared.malloc import retain_freed_memory
+from edgecore.shared.models.deepseek import DeepseekForCausalLM
 from edgecore.shared.models.llama import LlamaForCausalLM
 from edgecore.shared.weights import iter_weights
 
@@ -26,6 +27,8 @@ ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
 }
 
 
