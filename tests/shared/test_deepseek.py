@@ -119,3 +119,30 @@ def test_older_rope_scaling_form(tmp_path):
     old = ModelConfig.from_dict(raw).mla
     assert old == ModelConfig.from_dir(path).mla
     assert old.rope.rope_type == "yarn" and old.rope.factor == 4.0
+
+
+def test_published_deepseek_v3_and_kimi_k2_configs_parse():
+    """The config.json fields of DeepSeek-V3 (original format) and Kimi K2 (its own model_type, 384 experts):
+    parsed, and their latent cache is 576 values per token per layer (70,272 bytes per token in bf16)."""
+    v3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+          "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+          "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+          "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+          "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+          "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+          "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840,
+          "rms_norm_eps": 1e-06, "rope_theta": 10000, "bos_token_id": 0, "eos_token_id": 1,
+          "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                           "original_max_position_embeddings": 4096, "type": "yarn"}}
+    config = ModelConfig.from_dict(v3)
+    assert config.num_key_value_heads == 1 and config.kv_bytes_per_token(2) == 70272
+    assert config.mla.is_moe_layer(3) and not config.mla.is_moe_layer(2)
+    assert config.mla.softmax_scale() == pytest.approx(192 ** -0.5 * (0.1 * __import__("math").log(40) + 1) ** 2)
+    k2 = ModelConfig.from_dict({**v3, "model_type": "kimi_k2", "n_routed_experts": 384, "n_group": 1,
+                                "topk_group": 1, "num_attention_heads": 64, "rope_scaling": {
+                                    "type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                                    "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                                "rope_theta": 50000.0})
+    assert k2.mla.n_routed_experts == 384 and k2.kv_bytes_per_token(2) == 70272
+    with pytest.raises(ConfigError, match="quantization_config"):
+        ModelConfig.from_dict({**v3, "quantization_config": {"quant_method": "fp8"}})
