@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed-$(SOURCES)
 # torch's CPU build unless a CUDA driver is present (a bare `torch` pulls a multi-GB CUDA build).
 TORCH  ?= $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo "torch>=2.4"; else echo "torch==2.13.0"; fi)
 
-.PHONY: run test bench venv clean
+.PHONY: run test typecheck bench venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,8 +28,24 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
+# The type checker over the packages whose contracts everything else relies on (see pyproject.toml).
+TYPED := edgecore.protocol edgecore.shared.kv edgecore.shared.engine
+typecheck: $(STAMP)
+	$(PY) -m mypy $(addprefix -p ,$(TYPED))
+
 bench: $(STAMP)
 	for b in decode kv_codec transport kv_quality ttft serve batch pack parallel; do $(PY) bench/$$b.py || exit 1; done
+
+# Container images (deploy/docker/): CPU and CUDA, tagged latest and the package version.
+IMAGE   ?= edgecore
+ENGINE  ?= $(shell command -v docker || command -v podman)
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+
+.PHONY: image
+image:
+	@test -n "$(ENGINE)" || { echo "make image: no container engine (docker or podman) on PATH"; exit 1; }
+	$(ENGINE) build -f deploy/docker/Dockerfile -t $(IMAGE):latest -t $(IMAGE):$(VERSION) .
+	$(ENGINE) build -f deploy/docker/Dockerfile.cuda -t $(IMAGE):latest-cuda -t $(IMAGE):$(VERSION)-cuda .
 
 clean:
 	rm -rf $(VENV) *.egg-info

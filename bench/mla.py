@@ -31,6 +31,7 @@ from edgecore.protocol.kv import decode_chunk, encode_chunk
 from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.kv.transfer import KVSlice
 from edgecore.shared.kv.wire import from_bits, to_bits
 from edgecore.shared.models.loader import build_model
 
@@ -148,8 +149,7 @@ def agreement(core: LLMEngine, edge: LLMEngine, prompts, tokens: int) -> dict:
                                              codec=name, total_tokens=len(ids)))
             kt, vt = from_bits(k, "bfloat16").float(), from_bits(v, "bfloat16").float()
             edge.reserve(rid, ids, params)
-            for layer in range(core.config.num_hidden_layers):
-                edge.write_kv(rid, layer, 0, kt[layer], vt[layer])
+            edge.write_kv(rid, KVSlice(0, 0, len(ids), 0, kt, vt))
             edge.activate(rid, first)
             got = []
             while edge.has_unfinished():

@@ -1,7 +1,7 @@
 """KV streaming over loopback: edgecore protocol (raw codec) vs a plain asyncio socket.
 
 A core-side server streams `--megabytes` of KV as KVChunk frames of `--chunk-kb`
-(checksummed, through the sans-IO state machine and transport); the edge side
+(each frame MACed, through the sans-IO state machine and transport); the edge side
 receives, verifies and decodes each chunk. The baseline sends the same bytes in
 the same chunk sizes over a bare asyncio stream. Both run in this process on
 one event loop (uvloop when installed), after each other, several times.
@@ -43,7 +43,7 @@ async def run_protocol(chunks: list[KVData]) -> float:
     async def core(peer):
         await peer.recv()                    # the PrefillRequest
         for c in chunks:
-            # Real cores encode each chunk (checksum included) as it is produced.
+            # Real cores encode each chunk as it is produced; the frame MAC is computed in send().
             await peer.send(KVData(c.chunk, c.payload))
         await peer.send(m.PrefillDone("r", 1))
         await done

@@ -14,6 +14,7 @@ import uuid
 from aiohttp import web
 
 from edgecore.core.batch_runner import ENDPOINTS
+from edgecore.shared.engine.handle import EngineHandle
 from edgecore.shared.openai.http import json_body
 from edgecore.shared.openai.request import ApiError
 
@@ -23,8 +24,8 @@ def _not_found(kind: str, ident: str) -> ApiError:
 
 
 class BatchAPI:
-    def __init__(self, core, store, runner, contexts, max_file_bytes: int):
-        self.core, self.store, self.runner, self.contexts = core, store, runner, contexts
+    def __init__(self, handle: EngineHandle, store, runner, contexts, max_file_bytes: int):
+        self.handle, self.store, self.runner, self.contexts = handle, store, runner, contexts
         self.max_file_bytes = max_file_bytes
 
     def routes(self, app: web.Application) -> None:
@@ -160,7 +161,7 @@ class BatchAPI:
     # ---- contexts ----------------------------------------------------------------------
     async def create_context(self, request):
         body = await json_body(request)
-        engine = self.core.engine
+        engine = self.handle
         if isinstance(body.get("token_ids"), list):
             ids = body["token_ids"]
             if not ids or any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < engine.config.vocab_size
@@ -191,28 +192,9 @@ class BatchAPI:
         return web.json_response(obj)
 
     async def push_context(self, request):
-        """Push an ingested context to edges (their /v1/contexts) so their first request prefills only the rest."""
-        import aiohttp
-        ctx = request.match_info["id"]
-        tokens = self.contexts.tokens(ctx)
-        if tokens is None:
-            raise _not_found("context", ctx)
+        """Push an ingested context to edges the core knows by name (core/contexts.py: `Contexts.push`)."""
         body = await json_body(request)
-        edges = body.get("edges")
-        if not isinstance(edges, list) or not edges or not all(isinstance(e, str) and e.startswith("http")
-                                                               for e in edges):
-            raise ApiError(400, "'edges' must list edge base URLs (http://host:port)", "edges", "invalid_value")
-        results = []
-        headers = {"Authorization": body["api_key"]} if isinstance(body.get("api_key"), str) else {}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-            for url in edges:
-                try:
-                    async with session.post(url.rstrip("/") + "/v1/contexts", json={"token_ids": tokens},
-                                            headers=headers) as resp:
-                        results.append({"edge": url, "status": resp.status, "result": await resp.json()})
-                except (aiohttp.ClientError, OSError) as exc:
-                    results.append({"edge": url, "status": None, "error": str(exc)})
-        return web.json_response({"id": ctx, "object": "context.push", "results": results})
+        return web.json_response(await self.contexts.push(request.match_info["id"], body.get("edges")))
 
     async def delete_context(self, request):
         ctx = request.match_info["id"]

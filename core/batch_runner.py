@@ -24,6 +24,7 @@ import time
 import uuid
 
 from edgecore.core.batch_store import BatchStore
+from edgecore.shared.engine.handle import EngineHandle
 from edgecore.shared.openai.request import ApiError, check_model, parse_chat, parse_completion
 from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body
 
@@ -35,12 +36,12 @@ COMMIT_DELAY = 0.05
 
 
 class BatchRunner:
-    def __init__(self, core, store: BatchStore, model_name: str, max_inflight: int = 64):
-        self.core = core
+    def __init__(self, handle: EngineHandle, store: BatchStore, model_name: str, max_inflight: int = 64):
+        self.handle = handle
         self.store = store
         self.model_name = model_name
         self.max_inflight = max_inflight
-        self.texts = TokenText(core.engine.tokenizer)
+        self.texts = TokenText(handle.tokenizer)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._cancelled: set[str] = set()
@@ -111,7 +112,7 @@ class BatchRunner:
             return False
         lines = data.split(b"\n")
         parse, _ = ENDPOINTS[endpoint]
-        engine = self.core.engine
+        engine = self.handle
         rows, seen, json_lines = [], set(), 0
         for number, raw in enumerate(lines, start=1):
             if not raw.strip():
@@ -208,16 +209,16 @@ class BatchRunner:
         return outcome
 
     async def _one(self, batch_id: str, req, parse, chat: bool) -> None:
-        engine = self.core.engine
+        engine = self.handle
         body = json.loads(req["body"])
         parsed = parse(body, engine.tokenizer, engine.config.vocab_size, engine.max_model_len)
         rid = f"req_{uuid.uuid4().hex[:24]}"
         results = [ChoiceResult() for _ in parsed.params]
 
         async def choice(i: int):
-            async for out in self.core.aengine.generate(f"{batch_id}/{req['line']}/{i}",
-                                                        parsed.prompts[i // parsed.n], parsed.params[i],
-                                                        priority=BATCH_PRIORITY, collect=True):
+            async for out in self.handle.generate(f"{batch_id}/{req['line']}/{i}",
+                                                  parsed.prompts[i // parsed.n], parsed.params[i],
+                                                  priority=BATCH_PRIORITY, collect=True):
                 results[i].add(out)
 
         await asyncio.gather(*(choice(i) for i in range(len(parsed.params))))

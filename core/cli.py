@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from edgecore.shared.cli import add_model_args
+from edgecore.shared.http_server import add_limit_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,7 +25,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-key", default=None)
     p.add_argument("--tls-ca", default=None, help="CA to verify edge certificates (enables mutual TLS)")
     p.add_argument("--data-dir", default=None, help="batch API storage (default: ./edgecore-data/NAME)")
-    p.add_argument("--api-key-file", default=None, help="API keys for the HTTP /v1/ routes (batch API)")
+    p.add_argument("--api-key-file", default=None, help="API keys for the control port's /v1/ routes (batch "
+                   "API, contexts, model downloads) and /stats; required when --http is not a loopback address")
+    p.add_argument("--push-edge", action="append", default=[], metavar="NAME=URL",
+                   help="an edge contexts may be pushed to (POST /v1/contexts/ID/push {\"edges\": [NAME]}), by its "
+                        "API base URL (repeatable); pushes go nowhere else")
+    p.add_argument("--push-api-key-file", default=None,
+                   help="the API key the core presents to --push-edge edges (first line of the file)")
+    add_limit_args(p)
     p.add_argument("--max-file-mb", type=float, default=200.0, help="upload limit of /v1/files")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process each)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (one process per stage and TP rank)")
@@ -42,7 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_core(args: argparse.Namespace) -> int:
+    from edgecore.core.http import ControlPort, check_control_port, protection
     from edgecore.core.server import CoreConfig, CoreServer
+    from edgecore.shared.http_server import limits_from_args
     from edgecore.protocol.transport import tls_context
     from edgecore.shared.config import CacheConfig, EngineConfig
     from edgecore.shared.env import default_model, reserve_threads_for_engine, resolve_device
@@ -50,9 +60,13 @@ def run_core(args: argparse.Namespace) -> int:
     from edgecore.shared.service import run_service, setup_logging
 
     setup_logging(f"[{args.name}] ")
-    engine_threads = reserve_threads_for_engine()
     host, port = parse_hostport(args.listen)
     http_host, http_port = parse_hostport(args.http)
+    api_keys = read_api_keys(args.api_key_file)
+    check_control_port(http_host, api_keys)              # before anything loads: one line, exit non-zero
+    control = ControlPort(limits_from_args(args), _push_edges(args.push_edge),
+                          read_api_keys(args.push_api_key_file)[0] if args.push_api_key_file else None)
+    engine_threads = reserve_threads_for_engine()
     ssl = tls_context(True, args.tls_cert, args.tls_key, args.tls_ca, args.tls_ca is not None) \
         if args.tls_cert else None
     config = CoreConfig(model_dir=args.model or default_model(), secret=read_secret(args.secret_file), host=host,
@@ -61,7 +75,7 @@ def run_core(args: argparse.Namespace) -> int:
                         cache=CacheConfig(num_blocks=args.kv_blocks),
                         engine=EngineConfig(max_num_batched_tokens=args.max_batched_tokens),
                         name=args.name, ssl=ssl, data_dir=args.data_dir,
-                        api_keys=read_api_keys(args.api_key_file),
+                        api_keys=api_keys, control=control,
                         max_file_bytes=int(args.max_file_mb * 1024 * 1024), tp=args.tp, pp=args.pp,
                         pp_split=[int(x) for x in args.pp_split.split(",")] if args.pp_split else None,
                         pp_micro_batches=args.pp_micro_batches, gather_kv=args.gather_kv,
@@ -74,9 +88,20 @@ def run_core(args: argparse.Namespace) -> int:
     async def start():
         await core.start()
         print(f"edgecore core '{args.name}' ready: protocol {host}:{core.port}, "
-              f"http http://{http_host}:{core.http_port}", flush=True)
+              f"http http://{http_host}:{core.http_port} ({protection(http_host, api_keys)})", flush=True)
 
     return run_service(start, core.stop)
+
+
+def _push_edges(values: list[str]) -> dict[str, str]:
+    from edgecore.shared.errors import ConfigError
+    edges = {}
+    for value in values:
+        name, sep, url = value.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise ConfigError(f"--push-edge must be NAME=http://HOST:PORT, got '{value}'")
+        edges[name] = url
+    return edges
 
 
 def register_worker(sub: argparse._SubParsersAction) -> None:

@@ -6,6 +6,12 @@ later prompts that start with the same tokens reuse those blocks through the
 ordinary prefix cache instead of recomputing. The id is a hash of the tokens,
 so ingesting the same context twice is one context. Contexts are recorded in
 the batch store and ingested again when the core restarts. `delete` unpins.
+
+`push(ctx, names)` sends a context's tokens to edges the core was configured
+with (`--push-edge NAME=URL`: name → API base URL), never to a URL a caller
+gives, and with the core's own push key (`--push-api-key-file`), never the
+caller's credentials; the answer reports each edge's status and token counts,
+not the edge's raw reply. Redirects are not followed.
 """
 
 from __future__ import annotations
@@ -17,6 +23,10 @@ import uuid
 from array import array
 
 from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.openai.request import ApiError
+
+PUSH_TIMEOUT_S = 120.0
+MAX_EDGE_REPLY = 64 * 1024        # bytes of an edge's reply read back
 
 
 def context_id(token_ids: list[int]) -> str:
@@ -24,8 +34,8 @@ def context_id(token_ids: list[int]) -> str:
 
 
 class Contexts:
-    def __init__(self, core, store):
-        self.core = core
+    def __init__(self, handle, store):
+        self.handle = handle              # the engine handle (shared/engine/handle.py)
         self.store = store
         self.pinned: dict[str, dict] = {}
 
@@ -38,11 +48,10 @@ class Contexts:
         if ctx in self.pinned:
             return self.describe(ctx)
         rid = f"context/{uuid.uuid4().hex}"
-        aengine = self.core.aengine
-        async for _ in aengine.generate(rid, token_ids, SamplingParams(max_tokens=1, temperature=0),
+        async for _ in self.handle.generate(rid, token_ids, SamplingParams(max_tokens=1, temperature=0),
                                         prefill_only=True):
             pass
-        blocks = await aengine.call(lambda e: (e.pin_prefix(rid), e.release(rid))[0])
+        blocks = await self.handle.pin_prefix(rid)
         self.pinned[ctx] = {"blocks": blocks, "tokens": len(token_ids), "token_ids": list(token_ids),
                             "created_at": int(time.time())}
         if persist:
@@ -57,7 +66,7 @@ class Contexts:
         info = self.pinned.get(ctx)
         if info is None:
             return None
-        bs = self.core.engine.block_manager.block_size
+        bs = self.handle.block_size
         return {"id": ctx, "object": "context", "tokens": info["tokens"], "cached_tokens": len(info["blocks"]) * bs,
                 "created_at": info["created_at"]}
 
@@ -65,6 +74,50 @@ class Contexts:
         info = self.pinned.pop(ctx, None)
         if info is None:
             return False
-        await self.core.aengine.call(lambda e: e.unpin(info["blocks"]))
+        await self.handle.unpin(info["blocks"])
         self.store.delete_context(ctx)
         return True
+
+    async def push(self, ctx: str, names) -> dict:
+        """Send context `ctx` to the configured edges named in `names` (all of them when None)."""
+        tokens = self.tokens(ctx)
+        if tokens is None:
+            raise ApiError(404, f"No context with id '{ctx}'", "id", "not_found")
+        control = getattr(self.core.config, "control", None)
+        known = dict(control.push_edges) if control is not None else {}
+        if names is None:
+            names = sorted(known)
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ApiError(400, "'edges' must be a list of edge names", "edges", "invalid_type")
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            listed = ", ".join(sorted(known)) or "none (start the core with --push-edge NAME=URL)"
+            raise ApiError(400, f"'edges' must name edges this core knows; unknown: {', '.join(unknown) or '(none given)'}"
+                                f"; known: {listed}", "edges", "invalid_value")
+        key = control.push_api_key if control is not None else None
+        headers = {"Authorization": "Bearer " + key.decode()} if key else {}
+        results = [await _push_one(name, known[name], tokens, headers) for name in names]
+        return {"id": ctx, "object": "context.push", "results": results}
+
+
+async def _push_one(name: str, base_url: str, tokens: list[int], headers: dict) -> dict:
+    import aiohttp
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PUSH_TIMEOUT_S)) as session:
+            async with session.post(base_url.rstrip("/") + "/v1/contexts", json={"token_ids": tokens},
+                                    headers=headers, allow_redirects=False) as resp:
+                raw = await resp.content.read(MAX_EDGE_REPLY)
+                status = resp.status
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        return {"edge": name, "status": None, "error": f"could not reach the edge: {type(exc).__name__}"}
+    try:
+        reply = json.loads(raw)
+    except ValueError:
+        reply = None
+    if status == 200 and isinstance(reply, dict):
+        return {"edge": name, "status": status, **{k: reply[k] for k, kind in (("tokens", int), ("cached_tokens", int),
+                                                                          ("source", str))
+                                                    if isinstance(reply.get(k), kind)}}
+    err = reply.get("error") if isinstance(reply, dict) else None
+    message = err.get("message") if isinstance(err, dict) and isinstance(err.get("message"), str) else None
+    return {"edge": name, "status": status, "error": (message or f"the edge answered HTTP {status}")[:200]}

@@ -1,39 +1,75 @@
-"""The core's HTTP control port: /health, /ready, /metrics, /stats (and the batch API routes).
+"""The core's HTTP control port: /health, /ready, /metrics, /stats, /v1/models (and the batch API routes).
 
-Life cycle: `start_control_port(core, host, port)` builds the aiohttp app,
-binds it (127.0.0.1 by default) and returns the runner; the core cleans it
-up on stop.
+Life cycle: `check_control_port(host, api_keys)` runs before anything loads
+(the CLI) and again at bind time: a control port that listens beyond loopback
+without an API key refuses to start. `start_control_port(core, host, port)`
+builds the aiohttp app, binds it under the server limits of
+`core.config.control` (connection cap, header and body timeouts) and returns
+the runner; the core cleans it up on stop. With API keys, /v1/ (batch API,
+contexts, model downloads) and /stats need one; /health, /ready and /metrics
+never do. Every error answer is an OpenAI error object counted in
+`edgecore:request_errors`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from edgecore.core.server import model_name
+from edgecore.shared.errors import ConfigError
+from edgecore.shared.http_server import ServerLimits, start_site
+from edgecore.shared.openai.extra_routes import add_model_routes, model_card
 from edgecore.shared.openai.http import error_middleware
+from edgecore.shared.secrets import is_loopback
+
+
+@dataclass
+class ControlPort:
+    """Control-port settings beyond its address: server limits and the edges contexts may be pushed to."""
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    push_edges: dict[str, str] = field(default_factory=dict)   # edge name → its API base URL
+    push_api_key: bytes | None = None                          # what the core presents to those edges
+
+
+def check_control_port(host: str, api_keys: list[bytes]) -> None:
+    if not api_keys and not is_loopback(host):
+        raise ConfigError(f"the control port listens on {host or 'every interface'}, beyond loopback, without "
+                          f"an API key: pass --api-key-file (or set EDGECORE_API_KEYS), or --http 127.0.0.1:PORT")
+
+
+def protection(host: str, api_keys: list[bytes]) -> str:
+    """One line for the start-up message: what the control port protects."""
+    if api_keys:
+        return "/v1/ and /stats need an API key"
+    return f"no API key: open to local processes only ({host})"
 
 
 def build_app(core) -> web.Application:
-    app = web.Application(client_max_size=1 << 20,
-                          middlewares=[error_middleware(core.config.api_keys, 1 << 20)])
+    node_metrics = getattr(core, "metrics", None)
+    count = (lambda status: node_metrics.request_errors.labels(str(status)).inc()) if node_metrics else None
+    app = web.Application(client_max_size=1 << 20, middlewares=[error_middleware(core.config.api_keys, 1 << 20,
+                                                                                 count)])
 
     async def health(_):
         return web.json_response({"status": "ok"})
 
     async def ready(_):
-        ok = core.aengine is not None and core.aengine.alive and core.server is not None and core.failure is None
+        ok = core.alive and core.server is not None
         return web.json_response({"ready": ok}, status=200 if ok else 503)
 
     async def metrics(_):
-        core.metrics.kv_usage.set(core.engine.stats()["kv_cache_usage"])
+        core.metrics.kv_usage.set(core.handle.stats().kv_cache_usage)
         return web.Response(body=generate_latest(core.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def stats(_):
         stats = core.stats()
-        if core.parallel and core.failure is None and core.aengine is not None and core.aengine.alive:
+        if core.parallel and core.alive:
             try:
-                stats["ranks"] = await core.aengine.call(lambda e: e.runner.rank_stats())
+                stats["ranks"] = await core.handle.rank_stats()
             except Exception as exc:   # a rank is gone: the core stops serving, and says so
                 core.mark_failed(f"gathering rank stats failed: {exc}")
                 stats.update(ranks=None, failure=core.failure, engine_alive=False)
@@ -43,15 +79,14 @@ def build_app(core) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
+    add_model_routes(app, lambda: model_card(model_name(core.config.model_dir), core.engine.max_model_len,
+                                             int(core.started_at)))
     for extend in getattr(core, "http_extensions", []):
         extend(app)
     return app
 
 
 async def start_control_port(core, host: str, port: int):
-    runner = web.AppRunner(build_app(core), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = site._server.sockets[0].getsockname()[1]
-    return runner, bound
+    check_control_port(host, core.config.api_keys)
+    control = getattr(core.config, "control", None) or ControlPort()
+    return await start_site(build_app(core), host, port, control.limits)

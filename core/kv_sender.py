@@ -1,12 +1,12 @@
 """Streams each remote request's K/V, layer by layer, as the engine computes it.
 
-Life cycle: the core registers a `RemoteRequest` before the prefill starts.
-During every engine step, `LayerStreamer.on_layer(layer, items)` runs on the
-engine thread right after a layer has written its K/V: for each remote
-request in the step it copies that layer's new token range out of the pool
-and queues it for the request's connection; `send_queued` (one task per
-connection, event-loop side) encodes it with the request's codec and sends a
-KVChunk while the engine computes the next layer. Tokens the edge already
+Life cycle: the core registers a `Transfer` (core/transfer.py) before the
+prefill starts. During every engine step, `LayerStreamer.on_layer(layer,
+items)` runs on the engine thread right after a layer has written its K/V: for
+each remote request in the step it copies that layer's new token range out of
+the pool as a `KVSlice` and queues it (`KVSend`) for the request's connection;
+`send_queued` (one task per connection, event-loop side) encodes it with the
+transfer's codec and sends a KVChunk while the engine computes the next layer. Tokens the edge already
 holds (`skip_tokens`) and tokens served from the core's own prefix cache are
 handled the same way: everything in [skip_tokens, end of step) not yet sent
 is sent.
@@ -22,35 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
+from edgecore.core.transfer import KVSend, Transfer, TransferState
 from edgecore.protocol.kv import SMALL_CHUNK_BYTES, encode_chunk
 from edgecore.protocol.transport import Peer, PeerError
+from edgecore.shared.kv.transfer import KVSlice
 from edgecore.shared.kv.wire import to_bits
-
-
-@dataclass
-class RemoteRequest:
-    internal_id: str
-    request_id: str
-    session: object                    # has `.queue`: the connection's asyncio.Queue of items to send
-    codec: str
-    total_tokens: int                  # prompt length
-    skip_tokens: int = 0
-    gather: bool = False               # parallel core, edge not attached to every rank: rank 0 gathers the KV
-    sent_until: int = 0                # tokens fully queued (all layers); engine thread only
-    received_at: float = field(default_factory=time.perf_counter)
-    first_chunk_sent_at: float | None = None
-    last_layer_at: float | None = None
-    done: bool = False
-    cancelled: bool = False
-    lease: asyncio.TimerHandle | None = None
-    held: list = field(default_factory=list)   # chunks kept back when layer streaming is off
-
-    def __post_init__(self):
-        self.sent_until = self.skip_tokens
 
 
 class LayerStreamer:
@@ -61,7 +40,7 @@ class LayerStreamer:
         self.pool = pool
         self.mode = mode
         self.loop = loop
-        self.remote: dict[str, RemoteRequest] = {}
+        self.remote: dict[str, Transfer] = {}
         self.last_layer = len(model.model.layers) - 1
         self.layer_offset = model.model.layer_ids[0]
         self.head_start = head_start
@@ -79,9 +58,10 @@ class LayerStreamer:
             if end > req.sent_until:
                 slots = pool.slots(seq.table.blocks, req.sent_until, end)
                 k, v = pool.read(layer, slots)
-                item = ("kv", req, layer + self.layer_offset, req.sent_until, end, k[None], v[None], self.head_start)
+                item = KVSend(req, KVSlice(layer + self.layer_offset, req.sent_until, end, self.head_start,
+                                           k[None], v[None]))
                 if self.mode == "stream":
-                    self.loop.call_soon_threadsafe(req.session.queue.put_nowait, item)
+                    self.loop.call_soon_threadsafe(req.queue.put_nowait, item)
                 else:
                     req.held.append(item)
             if layer == self.last_layer:
@@ -89,27 +69,28 @@ class LayerStreamer:
                 if end >= req.total_tokens:
                     req.last_layer_at = time.perf_counter()
                     if self.forget_when_sent:
+                        req.move(TransferState.SENT)
                         del self.remote[seq.request_id]
 
 
 async def send_queued(queue: asyncio.Queue, peer: Peer, encoder_pool, dtype_name: str,
-                      on_chunk: Callable[[RemoteRequest, object], None] | None = None) -> None:
-    """One connection's sender: encodes and sends queued KV items (and queued messages) in order, until the
-    peer fails. KV items: ("kv", request, layer, token_start, token_end, K, V, head_start), K and V
-    [layers, tokens, heads, head_dim]; anything else: (tag, message)."""
+                      on_chunk: Callable[[Transfer, object], None] | None = None) -> None:
+    """One connection's sender: encodes and sends queued `KVSend`s (and queued protocol messages) in order,
+    until the peer fails."""
     loop = asyncio.get_running_loop()
     try:
         while True:
             item = await queue.get()
-            if item[0] != "kv":
-                await peer.send(item[1])
+            if not isinstance(item, KVSend):
+                await peer.send(item)
                 continue
-            _, req, layer, start, end, k, v, head = item
+            req, piece = item.transfer, item.piece
             if req.cancelled:
                 continue
-            kb, vb = to_bits(k), to_bits(v)
-            encode = partial(encode_chunk, req.request_id, kb, vb, layer_start=layer, token_start=start,
-                             head_start=head, dtype=dtype_name, codec=req.codec, total_tokens=req.total_tokens)
+            kb, vb = to_bits(piece.k), to_bits(piece.v)
+            encode = partial(encode_chunk, req.request_id, kb, vb, layer_start=piece.layer,
+                             token_start=piece.token_start, head_start=piece.head_start, dtype=dtype_name,
+                             codec=req.codec, total_tokens=req.total_tokens)
             # A small chunk costs less to encode here than to hand to a thread and back.
             data = encode() if kb.nbytes + vb.nbytes < SMALL_CHUNK_BYTES else \
                 await loop.run_in_executor(encoder_pool, encode)

@@ -21,3 +21,5 @@ class CoreMetrics:
         self.connections = Gauge("edgecore:core_edge_connections", "Connected edges", registry=r)
         self.leases = Gauge("edgecore:core_kv_leases", "Requests whose KV waits for an edge Ack", registry=r)
         self.kv_usage = Gauge("edgecore:kv_cache_usage_perc", "Fraction of KV blocks in use", registry=r)
+        self.request_errors = Counter("edgecore:request_errors", "Control-port HTTP requests answered with an "
+                                      "error", ["status"], registry=r)

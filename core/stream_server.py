@@ -23,7 +23,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from edgecore.core.kv_sender import LayerStreamer, RemoteRequest, send_queued
+from edgecore.core.kv_sender import LayerStreamer, send_queued
+from edgecore.core.transfer import Transfer
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode
 from edgecore.protocol.transport import Peer, PeerError, serve
@@ -90,13 +91,14 @@ class StreamServer:
         for stream_id in routes.drop:
             req = remote.pop(stream_id, None)
             if req is not None:
-                req.cancelled = True
-        for stream_id, (request_id, session_key, codec, skip, total) in routes.new.items():
-            session = self.sessions.get(session_key)
+                req.cancel()
+        for stream_id, route in routes.new.items():
+            session = self.sessions.get(route.session)
             if session is None:       # the edge's stream connection is gone: its transfer fails over
-                log.warning("no stream connection for session %s (request %s)", session_key[:8], request_id)
+                log.warning("no stream connection for session %s (request %s)", route.session[:8], route.request_id)
                 continue
-            remote[stream_id] = RemoteRequest(stream_id, request_id, session, codec, total, skip)
+            remote[stream_id] = Transfer(stream_id, route.request_id, session.queue, route.codec, route.total_tokens,
+                                         route.skip_tokens)
 
     def on_layer(self, layer: int, items) -> None:
         self.streamer.on_layer(layer, items)

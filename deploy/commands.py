@@ -29,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--topology", default="example",
                    help="topology TOML (default: 'example', the bundled three-region example)")
     r.add_argument("--out", required=True)
+    r.add_argument("--check", action="store_true",
+                   help="validate what was written: kubernetes-validate --strict for built-in kinds, a schema "
+                        "for the CRD kinds and kustomizations (needs the 'deploy' extra)")
     r.set_defaults(func=run_render)
 
     w = sub.add_parser("wan-relay", help="(internal) a TCP relay adding delay and jitter between regions",
@@ -56,6 +59,17 @@ def run_render(args: argparse.Namespace) -> int:
     from edgecore.deploy.topology import load_topology
     files = render(load_topology(args.topology), args.out)
     print(f"wrote {len(files)} files under {args.out}")
+    if args.check:
+        import sys
+
+        from edgecore.deploy.k8s_check import check
+        from edgecore.shared.errors import ConfigError
+        problems = check(args.out)
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        if problems:
+            raise ConfigError(f"{len(problems)} problems in the manifests under {args.out} (listed above)")
+        print(f"checked: every manifest under {args.out} validates")
     return 0
 
 

@@ -98,6 +98,13 @@ class Launcher:
         path.chmod(0o600)
         return str(path)
 
+    def _control_key_file(self) -> str:
+        path = Path(self.tmp.name) / "control.keys"
+        if not path.exists():
+            path.write_text(secrets.token_hex(24) + "\n")
+            path.chmod(0o600)
+        return str(path)
+
     def start(self) -> None:
         topo = self.topology
         secret = self._secret_file()
@@ -115,6 +122,8 @@ class Launcher:
             args = ["core", "--model", topo.model, "--listen", f"{bind}:{core.port}",
                     "--http", f"{bind}:{core.http_port}", "--name", core.name, "--secret-file", secret,
                     "--data-dir", str(data), "--device", core.device]
+            if topo.api_keys_file or self.wan:   # a control port beyond loopback needs an API key
+                args += ["--api-key-file", topo.api_keys_file or self._control_key_file()]
             if core.tp * core.pp > 1:
                 args += ["--tp", str(core.tp), "--pp", str(core.pp)]
                 if self.wan:         # the emulated link relays one port per core: rank 0 sends all KV

@@ -1,58 +1,174 @@
-"""Topology files: regions, their core and edge nodes, links between regions, model, secrets.
+"""Topology files: regions, their core and edge nodes, links between regions, model, secrets, Kubernetes.
 
-Life cycle: `load_topology(path)` parses TOML (tomllib), validates every key
-and value, and returns a frozen `Topology`; a problem raises `TopologyError`
-naming the key and the line of the file where it is (or where its table
-starts). See deploy/topology.toml for a documented example of the schema.
+Life cycle: `load_topology(path)` parses TOML (tomllib), converts it into the
+schema below (msgspec Structs with constraints: types, ranges, names, known
+keys), checks what spans tables (unique node names, links between known
+regions), and returns a frozen `Topology`. Any problem raises `TopologyError`
+naming the key and its line in the file (`schema_errors` explains msgspec's
+error path, `toml_lines` finds the line). deploy/topology.toml documents
+every key.
 """
 
 from __future__ import annotations
 
-import re
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
 
+import msgspec
+from msgspec import Meta
+
+from edgecore.deploy.schema_errors import explain
+from edgecore.deploy.toml_lines import TomlLines
 from edgecore.shared.errors import ConfigError
 
-NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$")
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$"
+NAME_WORDS = "a valid name (lowercase letters, digits, '-'; at most 32, no '-' at either end)"
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+RELATIVE_PATTERN = r"^(?!/)(?!.*\.\.)[A-Za-z0-9._/-]+$"
+CORE_DNS_PATTERN = r"\{service\}"
+LABEL_PATTERN = r"^([a-z0-9.-]{1,253}/)?[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$"
+_WORDS = {NAME_PATTERN: NAME_WORDS,
+          QUANTITY_PATTERN: "a Kubernetes quantity (e.g. 500m, 2, 8Gi)",
+          RELATIVE_PATTERN: "a relative path without '..'",
+          LABEL_PATTERN: "a Kubernetes label key",
+          CORE_DNS_PATTERN: "a DNS name template containing {service}"}
+
+Name = Annotated[str, Meta(pattern=NAME_PATTERN)]
+Port = Annotated[int, Meta(ge=1, le=65535)]
+Count = Annotated[int, Meta(ge=1)]
+Quantity = Annotated[str, Meta(pattern=QUANTITY_PATTERN)]
+Labels = dict[Annotated[str, Meta(pattern=LABEL_PATTERN)], str]
+Codec = Literal["raw", "lossless", "fp8", "int8", "int4"]
 
 
 class TopologyError(ConfigError):
     pass
 
 
-@dataclass(frozen=True)
-class CoreNode:
-    name: str
-    region: str
-    device: str = "cpu"
-    tp: int = 1
-    pp: int = 1
-    port: int = 7100
-    http_port: int = 7101
-    replicas: int = 1
+class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Every table: unknown keys are errors, values are checked, nothing is coerced from strings."""
 
 
-@dataclass(frozen=True)
-class EdgeNode:
-    name: str
-    region: str
-    port: int = 8000
-    replicas: int = 1
-    max_replicas: int = 4
-    codecs: tuple[str, ...] = ("lossless",)
-    transfer_timeout: float = 30.0      # seconds without KV progress before the edge gives up on a core
+class Resources(_Spec, frozen=True):
+    cpu: Quantity = "2"                         # requested CPU
+    memory: Quantity = "8Gi"                    # requested memory
+    memory_limit: Quantity | None = None        # limit (default: twice the request's number)
+    gpu: Annotated[int, Meta(ge=0)] | None = None   # nvidia.com/gpu; cores: default tp*pp when device = cuda
 
 
-@dataclass(frozen=True)
-class Link:
-    a: str
-    b: str
-    delay_ms: float = 0.0
-    jitter_ms: float = 0.0
-    bandwidth_mbit: float | None = None
-    loss_pct: float = 0.0
+class CoreSpec(_Spec, frozen=True):
+    name: Name | None = None
+    device: Literal["cpu", "cuda"] = "cpu"
+    tp: Count = 1
+    pp: Count = 1
+    port: Port = 7100
+    http_port: Port = 7101
+    replicas: Count = 1
+    resources: Resources = msgspec.field(default_factory=Resources)
+
+
+class EdgeSpec(_Spec, frozen=True):
+    name: Name | None = None
+    port: Port = 8000
+    replicas: Count = 1
+    max_replicas: Count = 4
+    codecs: tuple[Codec, ...] = ("lossless",)
+    transfer_timeout: Annotated[float, Meta(ge=0.1)] = 30.0   # seconds without KV progress before giving up
+    resources: Resources = msgspec.field(default_factory=lambda: Resources(memory="4Gi"))
+
+
+class CoreNode(CoreSpec, frozen=True, kw_only=True):
+    name: Name
+    region: Name
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the core's pod requests: the topology's value, else one per rank on cuda."""
+        if self.resources.gpu is not None:
+            return self.resources.gpu
+        return self.tp * self.pp if self.device == "cuda" else 0
+
+
+class EdgeNode(EdgeSpec, frozen=True, kw_only=True):
+    name: Name
+    region: Name
+
+
+class Link(_Spec, frozen=True):
+    a: Name = msgspec.field(name="from")
+    b: Name = msgspec.field(name="to")
+    delay_ms: Annotated[float, Meta(ge=0)] = 0.0
+    jitter_ms: Annotated[float, Meta(ge=0)] = 0.0
+    bandwidth_mbit: Annotated[float, Meta(ge=0.001)] | None = None
+    loss_pct: Annotated[float, Meta(ge=0, lt=100)] = 0.0
+
+
+class ModelSpec(_Spec, frozen=True):
+    path: str | None = None                     # default: the bundled model
+    name: str | None = None                     # model id in the API (default: the directory name)
+    image: str = "edgecore:latest"              # image of edges and CPU cores (`make image`)
+    cuda_image: str = "edgecore:latest-cuda"    # image of cores with device = cuda
+
+
+class SecretsSpec(_Spec, frozen=True):
+    cluster_secret_file: str | None = None
+    api_keys_file: str | None = None
+    kubernetes_secret: Name = "edgecore-secrets"
+
+
+class RegionSpec(_Spec, frozen=True):
+    cores: list[CoreSpec] = []
+    edges: list[EdgeSpec] = []
+
+
+class SecretFiles(_Spec, frozen=True):
+    """Files the kustomize secretGenerator reads, relative to the rendered base/ directory."""
+    cluster_secret: Annotated[str, Meta(pattern=RELATIVE_PATTERN)] = "secrets/cluster-secret"
+    api_keys: Annotated[str, Meta(pattern=RELATIVE_PATTERN)] = "secrets/api-keys"
+
+
+class Prometheus(_Spec, frozen=True):
+    namespace: Name = "monitoring"
+    pod_labels: Annotated[Labels, Meta(min_length=1)] = msgspec.field(
+        default_factory=lambda: {"app.kubernetes.io/name": "prometheus"})
+    url: str = "http://prometheus-operated.monitoring.svc:9090"      # for KEDA's prometheus trigger
+    service_monitor_labels: Labels = {}         # labels your Prometheus' serviceMonitorSelector wants
+
+
+class Autoscaling(_Spec, frozen=True):
+    mode: Literal["keda", "hpa"] = "keda"       # hpa: autoscaling/v2 Pods metric (prometheus-adapter)
+    queue_target: Annotated[float, Meta(gt=0)] = 4.0   # edgecore:num_requests_waiting per edge replica
+
+
+class BatchClient(_Spec, frozen=True, kw_only=True):
+    name: Name
+    namespace: Name | None = None               # default: edgecore's own namespace
+    pod_labels: Annotated[Labels, Meta(min_length=1)]
+
+
+class Kubernetes(_Spec, frozen=True):
+    namespace: Name = "edgecore"
+    models_pvc_size: Quantity = "20Gi"          # per region with cores, when the model is not the bundled one
+    models_access_mode: Literal["ReadWriteMany", "ReadOnlyMany", "ReadWriteOnce"] = "ReadWriteMany"
+    data_pvc_size: Quantity = "10Gi"            # per core replica: batch files and jobs
+    storage_class: str | None = None            # default storage class when unset
+    startup_seconds: Annotated[int, Meta(ge=10, le=86400)] = 600      # model loading before liveness counts
+    core_dns: Annotated[str, Meta(pattern=CORE_DNS_PATTERN)] = "{service}"
+    secret_files: SecretFiles = msgspec.field(default_factory=SecretFiles)
+    prometheus: Prometheus = msgspec.field(default_factory=Prometheus)
+    autoscaling: Autoscaling = msgspec.field(default_factory=Autoscaling)
+    batch_clients: list[BatchClient] = []
+
+
+class TopologyFile(_Spec, frozen=True, kw_only=True):
+    model: ModelSpec = msgspec.field(default_factory=ModelSpec)
+    secrets: SecretsSpec = msgspec.field(default_factory=SecretsSpec)
+    regions: Annotated[dict[Name, RegionSpec], Meta(min_length=1)]
+    links: list[Link] = []
+    kubernetes: Kubernetes = msgspec.field(default_factory=Kubernetes)
 
 
 @dataclass(frozen=True)
@@ -67,7 +183,9 @@ class Topology:
     regions: tuple[str, ...]
     cores: tuple[CoreNode, ...]
     edges: tuple[EdgeNode, ...]
-    links: tuple[Link, ...] = field(default_factory=tuple)
+    links: tuple[Link, ...] = ()
+    cuda_image: str = "edgecore:latest-cuda"
+    kube: Kubernetes = field(default_factory=Kubernetes)
 
     def link(self, a: str, b: str) -> Link | None:
         for link in self.links:
@@ -84,34 +202,12 @@ class Topology:
             return link.delay_ms if link else float("inf")
         return sorted((c for c in self.cores if delay(c) != float("inf")), key=delay)
 
-
-class _Locator:
-    """Finds the line of a key in the TOML text (tables tracked by their headers)."""
-
-    def __init__(self, text: str):
-        self.lines = text.splitlines()
-
-    def line(self, table: str, key: str | None = None, index: int | None = None) -> int:
-        header = re.compile(r"^\s*\[\[?\s*" + re.escape(table) + r"\s*\]\]?\s*(#.*)?$")
-        seen, start = -1, None
-        for number, text in enumerate(self.lines, start=1):
-            if header.match(text):
-                seen += 1
-                if index is None or seen == index:
-                    start = number
-                    break
-        if start is None:
-            return 1
-        if key is None:
-            return start
-        key_re = re.compile(r"^\s*" + re.escape(key) + r"\s*=")
-        for number in range(start, len(self.lines)):
-            text = self.lines[number]
-            if text.lstrip().startswith("["):
-                break
-            if key_re.match(text):
-                return number + 1
-        return start
+    @property
+    def bundled_model(self) -> bool:
+        """The model is the one inside the image (no model volume needed)."""
+        from edgecore.models import bundled_model_dir
+        ours, bundled = Path(self.model) / "config.json", bundled_model_dir() / "config.json"
+        return ours.is_file() and ours.resolve() == bundled.resolve()   # files: editable installs link files
 
 
 EXAMPLE = "example"      # `--topology example`: the documented topology.toml shipped in the package
@@ -123,6 +219,10 @@ def example_topology_path() -> Path:
     return Path(str(resources.files("edgecore.deploy").joinpath("topology.toml")))
 
 
+def _shown(path: tuple[str | int, ...]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(path))
+
+
 def load_topology(path: str | Path) -> Topology:
     path = example_topology_path() if str(path) == EXAMPLE else Path(path)
     if not path.is_file():
@@ -132,104 +232,65 @@ def load_topology(path: str | Path) -> Topology:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise TopologyError(f"{path}: {exc}") from None
-    loc = _Locator(text)
 
-    def fail(table: str, key: str | None, message: str, index: int | None = None):
-        shown = f"{table}[{index}].{key}" if index is not None and key else (f"{table}.{key}" if key else table)
-        raise TopologyError(f"{path}:{loc.line(table, key, index)}: '{shown}' {message}")
+    def fail(where: tuple[str | int, ...], message: str):
+        raise TopologyError(f"{path}:{TomlLines(text).line(where)}: '{_shown(where)}' {message}")
 
-    def get(table: dict, tname: str, key: str, kind, default=None, index=None, lo=None):
-        value = table.get(key, default)
-        if value is None:
-            return None
-        ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value, ok = float(value), True
-        if not ok:
-            fail(tname, key, f"must be {kind.__name__}, got {value!r}", index)
-        if lo is not None and value < lo:
-            fail(tname, key, f"must be at least {lo}, got {value!r}", index)
-        return value
+    try:
+        spec = msgspec.convert(raw, TopologyFile, strict=True)
+    except msgspec.ValidationError as exc:
+        fail(*explain(exc, raw, TopologyFile, _WORDS))
+    return _build(path, spec, fail)
 
-    model = raw.get("model", {})
-    if not isinstance(model, dict):
-        fail("model", None, "must be a table")
-    base = path.parent
-    model_path = get(model, "model", "path", str, "models/pydoc-llama")
-    resolved = Path(model_path) if Path(model_path).is_absolute() else (base / model_path)
-    if not resolved.exists():
-        resolved = Path(model_path)
-    model_name = get(model, "model", "name", str, Path(model_path).name)
-    image = get(model, "model", "image", str, "edgecore:latest")
-    secrets = raw.get("secrets", {})
-    secret_file = get(secrets, "secrets", "cluster_secret_file", str)
-    secret_name = get(secrets, "secrets", "kubernetes_secret", str, "edgecore-secrets")
-    api_keys_file = get(secrets, "secrets", "api_keys_file", str)
-    regions_raw = raw.get("regions")
-    if not isinstance(regions_raw, dict) or not regions_raw:
-        raise TopologyError(f"{path}:1: 'regions' must define at least one region ([regions.NAME])")
-    cores, edges, names = [], [], set()
-    for region, spec in regions_raw.items():
-        tname = f"regions.{region}"
-        if not NAME.match(region):
-            fail(tname, None, "is not a valid name (lowercase letters, digits, '-')")
-        if not isinstance(spec, dict):
-            fail(tname, None, "must be a table")
-        unknown = set(spec) - {"cores", "edges"}
-        if unknown:
-            fail(tname, sorted(unknown)[0], "is not a known key (expected cores, edges)")
-        for kind, items in (("cores", spec.get("cores", [])), ("edges", spec.get("edges", []))):
-            if not isinstance(items, list):
-                fail(f"{tname}.{kind}", None, "must be an array of tables ([[...]])")
+
+def _build(path: Path, spec: TopologyFile, fail) -> Topology:
+    cores: list[CoreNode] = []
+    edges: list[EdgeNode] = []
+    seen: set[str] = set()
+    for region, table in spec.regions.items():
+        nodes: list[tuple[str, Sequence[CoreSpec | EdgeSpec]]] = [("cores", table.cores), ("edges", table.edges)]
+        for kind, items in nodes:
             for i, node in enumerate(items):
-                t = f"{tname}.{kind}"
-                name = get(node, t, "name", str, f"{region}-{kind[:-1]}-{i}", i)
-                if not NAME.match(name):
-                    fail(t, "name", f"is not a valid name: {name!r}", i)
-                if name in names:
-                    fail(t, "name", f"repeats node name {name!r}", i)
-                names.add(name)
-                allowed = ({"name", "device", "tp", "pp", "port", "http_port", "replicas"} if kind == "cores"
-                           else {"name", "port", "replicas", "max_replicas", "codecs", "transfer_timeout"})
-                for key in node:
-                    if key not in allowed:
-                        fail(t, key, f"is not a known key of {kind} (expected {', '.join(sorted(allowed))})", i)
-                if kind == "cores":
-                    device = get(node, t, "device", str, "cpu", i)
-                    if device not in ("cpu", "cuda"):
-                        fail(t, "device", f"must be 'cpu' or 'cuda', got {device!r}", i)
-                    cores.append(CoreNode(name, region, device, get(node, t, "tp", int, 1, i, 1),
-                                          get(node, t, "pp", int, 1, i, 1), get(node, t, "port", int, 7100, i, 1),
-                                          get(node, t, "http_port", int, 7101, i, 1),
-                                          get(node, t, "replicas", int, 1, i, 1)))
+                name = node.name or f"{region}-{kind[:-1]}-{i}"
+                if name in seen:
+                    fail(("regions", region, kind, i, "name"), f"repeats node name {name!r}")
+                seen.add(name)
+                fields = {**msgspec.structs.asdict(node), "name": name, "region": region}
+                if isinstance(node, EdgeSpec):
+                    fields["max_replicas"] = max(node.replicas, node.max_replicas)
+                    edges.append(EdgeNode(**fields))
                 else:
-                    codecs = node.get("codecs", ["lossless"])
-                    if not isinstance(codecs, list) or not all(c in ("raw", "lossless", "fp8", "int8", "int4")
-                                                               for c in codecs):
-                        fail(t, "codecs", "must list codecs among raw, lossless, fp8, int8, int4", i)
-                    replicas = get(node, t, "replicas", int, 1, i, 1)
-                    edges.append(EdgeNode(name, region, get(node, t, "port", int, 8000, i, 1), replicas,
-                                          max(replicas, get(node, t, "max_replicas", int, 4, i, 1)), tuple(codecs),
-                                          get(node, t, "transfer_timeout", float, 30.0, i, 0.1)))
+                    cores.append(CoreNode(**fields))
     if not cores and not edges:
-        raise TopologyError(f"{path}:1: the topology has no nodes")
-    links = []
-    for i, spec in enumerate(raw.get("links", [])):
-        a, b = get(spec, "links", "from", str, None, i), get(spec, "links", "to", str, None, i)
-        for key, value in (("from", a), ("to", b)):
-            if value not in regions_raw:
-                fail("links", key, f"names unknown region {value!r}", i)
-        loss = get(spec, "links", "loss_pct", float, 0.0, i, 0.0)
-        if loss >= 100:
-            fail("links", "loss_pct", "must be below 100", i)
-        links.append(Link(a, b, get(spec, "links", "delay_ms", float, 0.0, i, 0.0),
-                          get(spec, "links", "jitter_ms", float, 0.0, i, 0.0),
-                          get(spec, "links", "bandwidth_mbit", float, None, i, 0.001), loss))
-    return Topology(str(path), str(resolved), model_name, image, secret_file, secret_name, api_keys_file,
-                    tuple(regions_raw), tuple(cores), tuple(edges), tuple(links))
+        fail(("regions",), "defines no nodes (add [[regions.NAME.cores]] or [[regions.NAME.edges]])")
+    for i, link in enumerate(spec.links):
+        for key, value in (("from", link.a), ("to", link.b)):
+            if value not in spec.regions:
+                fail(("links", i, key), f"names unknown region {value!r}")
+    for i, client in enumerate(spec.kubernetes.batch_clients):
+        if client.name in seen:
+            fail(("kubernetes", "batch_clients", i, "name"), f"repeats node name {client.name!r}")
+    try:
+        spec.kubernetes.core_dns.format(service="core", namespace="ns")
+    except (KeyError, IndexError, ValueError):
+        fail(("kubernetes", "core_dns"), "may use only {service} and {namespace}")
+    model = _model_path(path, spec.model.path)
+    return Topology(str(path), model, spec.model.name or Path(model).name, spec.model.image,
+                    spec.secrets.cluster_secret_file, spec.secrets.kubernetes_secret, spec.secrets.api_keys_file,
+                    tuple(spec.regions), tuple(cores), tuple(edges), tuple(spec.links), spec.model.cuda_image,
+                    spec.kubernetes)
+
+
+def _model_path(topology: Path, given: str | None) -> str:
+    """Relative paths are relative to the topology file (else to the working directory)."""
+    if given is None:
+        from edgecore.models import bundled_model_dir
+        return str(bundled_model_dir())
+    resolved = Path(given) if Path(given).is_absolute() else topology.parent / given
+    return str(resolved if resolved.exists() else Path(given))
 
 
 def default_topology(model: str) -> Topology:
     """`edgecore up` with no file: one core and one edge, one region."""
     return Topology("(default)", model, Path(model).name, "edgecore:latest", None, "edgecore-secrets", None,
-                    ("local",), (CoreNode("core", "local"),), (EdgeNode("edge", "local"),), ())
+                    ("local",), (CoreNode(name="core", region="local"),), (EdgeNode(name="edge", region="local"),))

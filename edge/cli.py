@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from edgecore.shared.cli import add_model_args
+from edgecore.shared.http_server import add_limit_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local-prefill-below", default="32", metavar="N|auto",
                    help="prompts (or uncached suffixes) shorter than N tokens prefill at the edge; 'auto' uses "
                         "the crossover measured from this edge's own and the cores' prefill times")
-    p.add_argument("--max-concurrent", type=int, default=256, help="requests in flight before 503")
+    p.add_argument("--max-concurrent", type=int, default=256,
+                   help="sequences (prompts × n, all requests together) in flight before 503 (default 256)")
+    p.add_argument("--max-seqs-per-request", type=int, default=64,
+                   help="sequences (prompts × n) one request may ask for; more get a 400 (default 64)")
+    add_limit_args(p)
     p.add_argument("--transfer-timeout", type=float, default=30.0,
                    help="seconds without KV progress before giving up on a core (then retry or prefill locally)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="request body limit")
@@ -38,6 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-from", default=None, metavar="CORE_URL",
                    help="fetch the packed model from a core's control port (e.g. http://core:7101), "
                         "resuming and verifying, then serve it")
+    p.add_argument("--model-from-key-file", default=None,
+                   help="API key file for --model-from's core (first key; default: the first of --api-key-file)")
     p.add_argument("--model-cache", default=None, help="where fetched models are kept (default "
                    "~/.cache/edgecore/models)")
     p.add_argument("--tls-ca", default=None, help="CA for the cores' certificates (enables TLS to cores)")
@@ -66,6 +73,7 @@ def run_edge(args: argparse.Namespace) -> int:
             raise ConfigError(f"unknown codec '{c}' (known: {', '.join(CODECS)})")
     local_below = _local_prefill_below(args.local_prefill_below)
     model_dir = args.model or default_model()
+    limits = _check_limits(args)
     if args.engine_fd is not None:
         return _run_engine_process(args, model_dir, codecs, local_below)
     if args.model_from:
@@ -73,7 +81,8 @@ def run_edge(args: argparse.Namespace) -> int:
         from edgecore.shared.cli import Progress
         cache = args.model_cache or str(Path.home() / ".cache" / "edgecore" / "models")
         progress = Progress("fetch")
-        model_dir = str(fetch_model(args.model_from, cache, progress))
+        keys = read_api_keys(args.model_from_key_file or args.api_key_file)
+        model_dir = str(fetch_model(args.model_from, cache, progress, api_key=keys[0] if keys else None))
         progress.done(f"model ready in {model_dir}")
     host, port = parse_hostport(args.listen)
     if args.engine_in_process:
@@ -90,7 +99,7 @@ def run_edge(args: argparse.Namespace) -> int:
         import json
         served = json.loads((Path(model_dir) / "edgecore-pack.json").read_text()).get("name", "model")
     http = EdgeHTTP(edge, served, read_api_keys(args.api_key_file),
-                    int(args.max_body_mb * 1024 * 1024), args.max_concurrent)
+                    int(args.max_body_mb * 1024 * 1024), args.max_concurrent, args.max_seqs_per_request, limits)
     state = {}
 
     async def start():
@@ -102,7 +111,8 @@ def run_edge(args: argparse.Namespace) -> int:
         await edge.start()
         state["runner"], bound = await start_http(http, host, port)
         print(f"edgecore edge '{args.name}' ready: http://{host}:{bound}/v1 (model {http.served_model}, "
-              f"cores: {', '.join(args.core) or 'none, local prefill'})", flush=True)
+              f"cores: {', '.join(args.core) or 'none, local prefill'}; "
+              f"{'/v1/ and /stats need an API key' if http.api_keys else 'no API key'})", flush=True)
         return finished
 
     async def stop():
@@ -111,6 +121,17 @@ def run_edge(args: argparse.Namespace) -> int:
         await edge.stop()
 
     return run_service(start, stop)
+
+
+def _check_limits(args: argparse.Namespace):
+    from edgecore.shared.errors import ConfigError
+    from edgecore.shared.http_server import limits_from_args
+    if args.max_seqs_per_request < 1 or args.max_concurrent < 1:
+        raise ConfigError("--max-seqs-per-request and --max-concurrent must be at least 1")
+    if args.max_seqs_per_request > args.max_concurrent:
+        raise ConfigError(f"--max-seqs-per-request ({args.max_seqs_per_request}) must not exceed --max-concurrent "
+                          f"({args.max_concurrent}), or such a request could never run")
+    return limits_from_args(args)
 
 
 def _local_prefill_below(value: str) -> int | None:

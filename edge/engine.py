@@ -7,20 +7,22 @@ engine process does to forward them without a task switch per token):
    short (below `local_prefill_below`, a measured crossover), or when the edge's
    own prefix cache leaves only a short uncached suffix; otherwise pick a core
    by RTT and load.
-2. Remote: reserve blocks for the prompt (the locally cached prefix is reused
-   and announced as `skip_tokens`), send a PrefillRequest with the codec
-   chosen (fixed or adaptive), decode arriving KVChunks in a worker thread
-   (checksum first) and write them into the paged cache while later layers
-   are still in flight, check every layer and token arrived, then `activate`
-   with the core's first token: the request joins the decode batch. Ack
-   frees the core's copy.
+2. Remote (`RemotePrefill`, edge/remote_prefill.py, around the sans-IO
+   `KVReceiver`, edge/kv_receiver.py): reserve blocks for the prompt (the
+   locally cached prefix is announced as `skip_tokens`), send a PrefillRequest
+   with the codec chosen (fixed or adaptive), write arriving KV into the paged
+   cache while later layers are still in flight, then `activate` with the
+   core's first token: the request joins the decode batch. Ack frees the
+   core's copy.
 3. Any failure before the KV is complete (core died, Error, timeout, bad
    chunk): free the reservation, Cancel at the core, retry on another core,
    and finally prefill locally — the caller always gets a full answer.
 4. A caller that stops iterating (client disconnect), a cancelled `submit`,
    or `cancel` for a submitted request aborts the request on the edge (and
    at the core while its KV is still in transit). Per-request metrics (TTFT,
-   ITL, end-to-end) are kept by `_Progress`.
+   ITL, end-to-end) are kept by `Progress` (edge/progress.py).
+The engine is reached only through its `EngineHandle`; this class is the
+in-process `EdgeService` that the HTTP frontend (or the engine process) uses.
 """
 
 from __future__ import annotations
@@ -37,19 +39,16 @@ from edgecore.edge.codec_policy import choose_codec
 from edgecore.edge.core_client import CoreClient, CoreRouter
 from edgecore.edge.metrics import EdgeMetrics
 from edgecore.edge.placement import PrefillModel
+from edgecore.edge.progress import Progress
+from edgecore.edge.remote_prefill import RemotePrefill, RemotePrefillFailed
 from prometheus_client import generate_latest
-from edgecore.protocol import messages as m
-from edgecore.protocol.errors import ProtocolError
-from edgecore.protocol.kv import SMALL_CHUNK_BYTES, decode_chunk
-from edgecore.protocol.state import KVData
-from edgecore.protocol.transport import PeerError, Timeouts
+from edgecore.protocol.transport import Timeouts
 from edgecore.shared.config import CacheConfig, EngineConfig
 from edgecore.shared.engine.async_engine import AsyncEngine
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.fingerprint import model_fingerprint
-from edgecore.shared.kv.wire import from_bits
 
 log = logging.getLogger("edgecore.edge")
 
@@ -76,20 +75,16 @@ class EdgeConfig:
     ssl: object = None
 
 
-class RemotePrefillFailed(Exception):
-    pass
-
-
 class EdgeEngine:
     def __init__(self, config: EdgeConfig, engine: LLMEngine | None = None):
         self.config = config
-        self.engine = engine or LLMEngine.from_dir(config.model_dir, config.dtype, config.device,
-                                                   config.cache, config.engine)
-        self.tokenizer = self.engine.tokenizer
+        engine = engine or LLMEngine.from_dir(config.model_dir, config.dtype, config.device,
+                                              config.cache, config.engine)
+        self.handle = AsyncEngine(engine, threads=config.engine_threads)   # all this node knows of the engine
+        self.tokenizer = self.handle.tokenizer
         self.metrics = EdgeMetrics()
-        self.aengine = AsyncEngine(self.engine, threads=config.engine_threads)
         remote = bool(config.cores or config.core_dns)
-        self.fingerprint = model_fingerprint(config.model_dir, self.engine.config) if remote else ""
+        self.fingerprint = model_fingerprint(config.model_dir, self.handle.config) if remote else ""
         wire_codecs = sorted(set(config.codecs) | {"lossless", "raw"})
 
         def client(host: str, port: int) -> CoreClient:
@@ -97,26 +92,26 @@ class EdgeEngine:
                               timeouts=config.timeouts, ssl=config.ssl, name=config.name)
         self.router = CoreRouter([client(h, p) for h, p in config.cores], dns=config.core_dns, make_client=client)
         self.decoder_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edgecore-decode")
-        self.kv_bytes_per_token = self.engine.config.kv_bytes_per_token(self.engine.pool.k[0].element_size())
+        self.kv_bytes_per_token = self.handle.kv_bytes_per_token
         self.active = 0
         self.pinned: list[list[int]] = []      # prefetched contexts' blocks
         self.prefill_model = PrefillModel(config.local_prefill_below or 32)
-        self._started: dict[str, _Progress] = {}   # requests begun with `submit`, until they finish
+        self._started: dict[str, Progress] = {}   # requests begun with `submit`, until they finish
 
     async def start(self) -> None:
-        self.aengine.start()
-        self.aengine.on_outputs = self._observe
+        self.handle.start()
+        self.handle.on_outputs = self._observe
         if self.router.clients or self.router.dns:
             await self.router.start()
 
     async def stop(self) -> None:
         await self.router.stop()
-        self.aengine.stop()
+        self.handle.stop()
         self.decoder_pool.shutdown(wait=False)
 
     @property
     def ready(self) -> bool:
-        return self.aengine.alive
+        return self.handle.alive
 
     def _observe(self, outputs: list[RequestOutput]) -> None:
         self.metrics.generation_tokens.inc(sum(len(o.new_token_ids) for o in outputs))
@@ -130,28 +125,20 @@ class EdgeEngine:
         and adding after."""
         if not self.router.healthy():
             return "local", "no_core" if self.router.clients else "no_core_configured", None
+        if params.prompt_logprobs is not None:    # they come from this engine's prefill logits
+            return "local", "prompt_logprobs", None
         threshold = self.config.local_prefill_below
         if threshold is None:             # the measured crossover: decided here, on the event loop
-            cached = await self.aengine.call(lambda e: len(e.block_manager.match_prefix(prompt_ids))
-                                             * e.block_manager.block_size)
+            cached = await self.handle.cached_prefix(prompt_ids)
             uncached = len(prompt_ids) - cached
             best = self.router.pick()
             if best is not None and self.prefill_model.local_is_faster(uncached, best.address, best.rtt):
                 return "local", "faster_here" if cached == 0 else "prefix_cached", None
             return "remote", "", None
-
-        def place(e) -> str | None:       # on the engine thread
-            cached = len(e.block_manager.match_prefix(prompt_ids)) * e.block_manager.block_size
-            if len(prompt_ids) - cached >= threshold:
-                return None
-            e.add_request(request_id, prompt_ids, params)
-            return "short" if cached == 0 else "prefix_cached"
-
-        reason, queue = await self.aengine.admit(request_id, place)
-        if reason is None:
-            self.aengine.close_stream(request_id)
+        cached, queue = await self.handle.add_if_uncached_below(request_id, prompt_ids, params, threshold)
+        if queue is None:
             return "remote", "", None
-        return "local", reason, queue
+        return "local", "short" if cached == 0 else "prefix_cached", queue
 
     def _codec(self, client: CoreClient, num_tokens: int) -> str:
         allowed = [c for c in self.config.codecs if c in client.peer.conn.peer_codecs] or ["lossless"]
@@ -163,15 +150,15 @@ class EdgeEngine:
     # ---- the request -------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
-        progress = _Progress(self, len(prompt_ids))
+        progress = Progress(self, len(prompt_ids))
         try:
             queue, progress.core = await self._open(request_id, prompt_ids, params, progress)
-            async for out in self.aengine.stream(request_id, queue):
+            async for out in self.handle.stream(request_id, queue):
                 progress.observe(out)
                 yield out
         finally:
             progress.done()
-            self.aengine.close_stream(request_id)
+            self.handle.close_stream(request_id)
 
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      emit: Callable[[RequestOutput | BaseException], None]) -> None:
@@ -179,12 +166,12 @@ class EdgeEngine:
         output to `emit` straight from the engine's dispatch, with no task switch per token. `emit` gets an
         exception if the engine fails. Cancelling this coroutine undoes it; `cancel(request_id)` aborts
         the request once submitted."""
-        progress = _Progress(self, len(prompt_ids))
+        progress = Progress(self, len(prompt_ids))
         try:
             _, progress.core = await self._open(request_id, prompt_ids, params, progress)
         except BaseException:
             progress.done()
-            self.aengine.close_stream(request_id)
+            self.handle.close_stream(request_id)
             raise
 
         def sink(item: RequestOutput | BaseException) -> None:
@@ -194,26 +181,26 @@ class EdgeEngine:
             if failed or item.finished:
                 self._started.pop(request_id, None)
                 progress.done()
-                self.aengine.close_stream(request_id)
+                self.handle.close_stream(request_id)
             emit(item)
 
         self._started[request_id] = progress
-        self.aengine.redirect(request_id, sink)
+        self.handle.redirect(request_id, sink)
 
     def cancel(self, request_id: str) -> None:
         """Abort a request begun with `submit` (its consumer went away); a no-op for any other id."""
         progress = self._started.pop(request_id, None)
         if progress is not None:
             progress.done()
-            self.aengine.close_stream(request_id)
-            self.aengine.abort(request_id)
+            self.handle.close_stream(request_id)
+            self.handle.abort(request_id)
 
     def cancel_all(self) -> None:
         """Abort every request begun with `submit` and not finished (the forwarder went away)."""
         for request_id in list(self._started):
             self.cancel(request_id)
 
-    async def _open(self, request_id: str, prompt_ids: list[int], params: SamplingParams, progress: "_Progress"):
+    async def _open(self, request_id: str, prompt_ids: list[int], params: SamplingParams, progress: Progress):
         """Place the prefill and start the request: (the queue its outputs arrive in; the core that
         prefilled it or None)."""
         where, reason, queue = await self._placement(request_id, prompt_ids, params)
@@ -224,7 +211,7 @@ class EdgeEngine:
             reason = "core_failed"
         if queue is None:
             self.metrics.local_prefills.labels(reason).inc()
-            _, queue = await self.aengine.admit(request_id, lambda e: e.add_request(request_id, prompt_ids, params))
+            queue = await self.handle.add(request_id, prompt_ids, params)
         return queue, core
 
     async def _remote_with_retries(self, request_id, prompt_ids, params):
@@ -256,114 +243,40 @@ class EdgeEngine:
             except RemotePrefillFailed as exc:
                 log.warning("prefetch from %s failed (%s); prefilling locally", client.address, exc)
         if source == "local":
-            async for _ in self.aengine.generate(rid, prompt_ids, params, prefill_only=True):
+            async for _ in self.handle.generate(rid, prompt_ids, params, prefill_only=True):
                 pass
-        blocks = await self.aengine.call(lambda e: e.commit_prefix(rid))
+        blocks = await self.handle.commit_prefix(rid)
         self.pinned.append(blocks)
-        return {"tokens": len(prompt_ids), "cached_tokens": len(blocks) * self.engine.block_manager.block_size,
+        return {"tokens": len(prompt_ids), "cached_tokens": len(blocks) * self.handle.block_size,
                 "source": source}
 
     async def _remote(self, client: CoreClient, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       activate: bool = True) -> asyncio.Queue | None:
         """Prefill at `client` and receive the KV; with `activate`, the request then decodes here and this
         returns the queue its outputs arrive in."""
-        engine_cfg = self.engine.config
-        seq, cached = await self.aengine.call(lambda e: e.reserve(request_id, prompt_ids, params))
-        queue = self.aengine.open_stream(request_id)
-        codec = self._codec(client, len(prompt_ids) - cached)
-        spec = m.SamplingSpec(params.temperature, params.top_p, params.top_k, params.seed, params.logprobs)
-        want = len(prompt_ids) - cached
-        got = [0] * engine_cfg.num_hidden_layers
-        heads = engine_cfg.num_key_value_heads
-        loop = asyncio.get_running_loop()
-        started = time.perf_counter()
-        encoded = raw = 0
-        first_chunk_at = last_chunk_at = None
-        first_chunk_bytes = 0
-        ok = False
-        direct = client.direct
-        try:
-            events = await client.prefill(m.PrefillRequest(request_id, prompt_ids, spec, [codec],
-                                                           int(self.config.transfer_timeout * 1000), cached,
-                                                           direct=direct))
-            done: m.PrefillDone | None = None    # a parallel core's other ranks may still be sending after it
-            while done is None or any(n < want * heads for n in got):
-                ev = await asyncio.wait_for(events.get(), self.config.transfer_timeout)
-                if isinstance(ev, KVData):
-                    c = ev.chunk
-                    if (c.token_start < cached or c.token_end > len(prompt_ids) or c.layer_end > len(got)
-                            or c.head_start < 0 or c.head_end > heads):
-                        raise RemotePrefillFailed(f"chunk outside the request: {c}")
-                    # A small chunk costs less to decode here than to hand to a thread and back.
-                    k, v = decode_chunk(ev) if ev.chunk.raw_len < SMALL_CHUNK_BYTES else \
-                        await loop.run_in_executor(self.decoder_pool, decode_chunk, ev)
-                    kt, vt = from_bits(k, c.dtype), from_bits(v, c.dtype)
-                    for i, layer in enumerate(range(c.layer_start, c.layer_end)):
-                        self.aengine.post(lambda e, l=layer, s=c.token_start, kk=kt[i], vv=vt[i], h=c.head_start:
-                                          e.write_kv(request_id, l, s, kk, vv, h))
-                        got[layer] += (c.token_end - c.token_start) * (c.head_end - c.head_start)
-                        if got[layer] > want * heads:
-                            raise RemotePrefillFailed(f"layer {layer} received more KV than the request has")
-                    encoded += len(ev.payload)
-                    raw += c.raw_len
-                    last_chunk_at = time.perf_counter()
-                    if first_chunk_at is None:
-                        first_chunk_at, first_chunk_bytes = last_chunk_at, len(ev.payload)
-                elif isinstance(ev, m.PrefillDone):
-                    done = ev
-                    if not direct and any(n != want * heads for n in got):   # one sender: all KV came first
-                        raise RemotePrefillFailed(f"incomplete KV: token×heads per layer {got}, expected "
-                                                  f"{want * heads}")
-                elif isinstance(ev, m.Error):
-                    raise RemotePrefillFailed(f"core error {ev.code}: {ev.message}")
-                elif isinstance(ev, BaseException):
-                    raise RemotePrefillFailed(str(ev))
-            top = [tuple(t) for t in done.top_logprobs]
-            if activate:
-                await self.aengine.call(lambda e: e.activate(
-                    request_id, done.first_token, done.logprob if params.logprobs is not None else None, top))
-            ok = True
-            await client.send(m.Ack(request_id))
-        except (asyncio.TimeoutError, PeerError, ProtocolError) as exc:
-            raise RemotePrefillFailed(str(exc) or type(exc).__name__) from None
-        finally:
-            # Link estimate: the bytes that arrived after the first chunk, over the span they took.
-            span = (last_chunk_at - first_chunk_at) if first_chunk_at is not None else 0.0
-            client.finish(request_id, encoded - first_chunk_bytes, span)
-            if not ok:
-                self.aengine.close_stream(request_id)
-                self.aengine.post(lambda e: e.release(request_id))
-                await client.send(m.Cancel(request_id))
-        self.metrics.remote_prefills.labels(codec).inc()
-        self.metrics.kv_bytes.labels(codec).inc(encoded)
-        self.metrics.kv_raw_bytes.labels(codec).inc(raw)
-        if encoded:
-            self.metrics.compression.labels(codec).set(raw / encoded)
-        self.metrics.transfer.labels(codec).observe(time.perf_counter() - started)
-        if not activate:
-            self.aengine.close_stream(request_id)
-            return None
-        return queue
+        prefill = RemotePrefill(self.handle, client, request_id, prompt_ids, params, self.config.transfer_timeout,
+                                self.decoder_pool, self.metrics)
+        return await prefill.run(self._codec, activate)
 
-    # ---- what EdgeHTTP uses (the same surface as edge/engine_client.EngineClient) -----------------
+    # ---- EdgeService (edge/service.py; across the process boundary: edge/engine_client.py) ------------
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.handle.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.config.vocab_size
+        return self.handle.config.vocab_size
 
     async def get_stats(self) -> dict:
         return self.stats()
 
     async def get_metrics(self) -> str:
         """The Prometheus exposition of this edge's metrics, gauges refreshed from the engine."""
-        stats = self.engine.stats()
+        stats = self.handle.stats()
         m = self.metrics
-        m.running.set(stats["running"])
-        m.waiting.set(stats["waiting"])
-        m.kv_usage.set(stats["kv_cache_usage"])
+        m.running.set(stats.running)
+        m.waiting.set(stats.waiting)
+        m.kv_usage.set(stats.kv_cache_usage)
         return generate_latest(m.registry).decode()
 
     async def get_readiness(self) -> dict:
@@ -374,7 +287,7 @@ class EdgeEngine:
         self.metrics.errors.labels(status).inc()
 
     def stats(self) -> dict:
-        stats = self.engine.stats()
+        stats = self.handle.stats().as_dict()
         pm = self.prefill_model
         stats.update({
             "requests": self.active,
@@ -392,40 +305,3 @@ class EdgeEngine:
 
 def _megabytes_per_s(rate: float | None) -> float | None:
     return round(rate / 1e6, 1) if rate else None
-
-
-class _Progress:
-    """One request's counters and latency metrics, fed each output (by `generate` or `submit`'s sink)."""
-
-    def __init__(self, edge: EdgeEngine, prompt_len: int):
-        self.edge, self.prompt_len = edge, prompt_len
-        self.arrived = time.perf_counter()
-        self.core: CoreClient | None = None
-        self.first_at = self.last_at = None
-        self.open = True
-        edge.active += 1
-        edge.metrics.prompt_tokens.inc(prompt_len)
-
-    def observe(self, out: RequestOutput) -> None:
-        metrics, now = self.edge.metrics, time.perf_counter()
-        if self.first_at is None:
-            self.first_at = now
-            metrics.ttft.observe(now - self.arrived)
-            metrics.cached_tokens.inc(out.num_cached_tokens)
-            prefilled = self.prompt_len - out.num_cached_tokens
-            if self.core is None:
-                self.edge.prefill_model.observe_local(prefilled, now - self.arrived)
-            else:
-                self.edge.prefill_model.observe_remote(self.core.address, prefilled, now - self.arrived,
-                                                       self.core.rtt)
-        elif out.new_token_ids:
-            metrics.itl.observe(now - self.last_at)
-        self.last_at = now
-        if out.finished:
-            metrics.requests.labels(out.finish_reason).inc()
-            metrics.e2e.observe(now - self.arrived)
-
-    def done(self) -> None:
-        if self.open:
-            self.open = False
-            self.edge.active -= 1

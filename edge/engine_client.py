@@ -4,14 +4,15 @@ Life cycle: `start()` makes a socketpair, starts `edgecore edge <same flags>
 --engine-fd N` with the child end, and `connect()`s: waits for its `Hello`
 (the model is loaded). `generate()` sends `Generate` and yields the request's outputs as
 they arrive; a caller that stops early sends `Abort`. `get_stats()`,
-`get_metrics()`, `get_readiness()` and `prefetch()` are calls answered by the
-engine process. If that process exits, every waiting request gets
+`get_metrics()`, `get_readiness()` and `prefetch()` send typed requests
+(edge/ipc.py) answered by the engine process with typed replies. If that
+process exits, every waiting request gets
 `EngineDead`, `ready` turns false, and `on_death` runs (the CLI shuts the
 frontend down, so a supervisor restarts the pair). `stop()` closes the socket
 (the engine process then ends) and reaps the process.
 
-It offers the same surface as an in-process `EdgeEngine`, so `EdgeHTTP`
-serves either.
+It implements `EdgeService` (edge/service.py), as the in-process `EdgeEngine`
+does, so `EdgeHTTP` serves either.
 """
 
 from __future__ import annotations
@@ -22,15 +23,20 @@ import logging
 import socket
 import subprocess
 import sys
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, TypeVar
 
-from edgecore.edge.ipc import Abort, Call, Failed, FrameBuffer, Generate, Hello, IpcError, Message, Outputs, Reply, encode
+from edgecore.edge.ipc import (Abort, CountError, Failed, FrameBuffer, Generate, GetMetrics, GetReadiness, GetStats,
+                               Hello, IpcError, Message, MetricsReply, Outputs, Prefetch, PrefetchReply, ReadinessReply,
+                               RequestFailed, StatsReply, encode)
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import EdgecoreError, EngineDead, RequestError
 from edgecore.shared.tokenizer import Tokenizer
 
 log = logging.getLogger("edgecore.edge.engine_client")
+
+REPLIES = (StatsReply, MetricsReply, ReadinessReply, PrefetchReply, RequestFailed)
+R = TypeVar("R", StatsReply, MetricsReply, ReadinessReply, PrefetchReply)
 
 
 class EngineClient:
@@ -135,25 +141,27 @@ class EngineClient:
                 self._send(Abort(request_id))
 
     async def prefetch(self, prompt_ids: list[int]) -> dict:
-        return await self._call("prefetch", prompt_ids)
+        r = await self._request(lambda i: Prefetch(i, prompt_ids), PrefetchReply)
+        return {"tokens": r.tokens, "cached_tokens": r.cached_tokens, "source": r.source}
 
     async def get_stats(self) -> dict:
-        stats = await self._call("stats")
+        stats = (await self._request(GetStats, StatsReply)).stats
         if self._proc is not None:
             stats["engine_pid"] = self._proc.pid
         return stats
 
     async def get_metrics(self) -> str:
-        return await self._call("metrics")
+        return (await self._request(GetMetrics, MetricsReply)).text
 
     async def get_readiness(self) -> dict:
         if not self.ready:
             return {"ready": False, "cores_healthy": 0}
-        return await self._call("readiness")
+        r = await self._request(GetReadiness, ReadinessReply)
+        return {"ready": r.ready, "cores_healthy": r.cores_healthy}
 
     def count_error(self, status: str) -> None:
         if self.dead is None and self._writer is not None:
-            self._send(Call(0, "count_error", status))
+            self._send(CountError(status))
 
     # ---- internals -------------------------------------------------------------
     def _send(self, msg: Message) -> None:
@@ -161,17 +169,21 @@ class EngineClient:
             raise EngineDead(self.dead or "the engine process connection is closed")
         self._writer.write(encode(msg))
 
-    async def _call(self, method: str, arg=None):
+    async def _request(self, make: Callable[[int], Message], expect: type[R]) -> R:
+        """Send the request `make(id)` and wait for its reply, which must be an `expect`."""
         if self.dead is not None:
             raise EngineDead(self.dead)
         call_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._replies[call_id] = fut
         try:
-            self._send(Call(call_id, method, arg))
-            return await fut
+            self._send(make(call_id))
+            reply = await fut
         finally:
             self._replies.pop(call_id, None)
+        if not isinstance(reply, expect):
+            raise IpcError(f"the engine process answered {type(reply).__name__} to a {expect.__name__} request")
+        return reply
 
     async def _read(self, reader: asyncio.StreamReader, frames: FrameBuffer) -> None:
         reason = "the engine process closed its connection"
@@ -191,13 +203,13 @@ class EngineClient:
                 queue = streams.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
-        elif isinstance(msg, Reply):
+        elif isinstance(msg, REPLIES):
             fut = self._replies.get(msg.id)
             if fut is not None and not fut.done():
-                if msg.error is None:
-                    fut.set_result(msg.result)
-                else:
+                if isinstance(msg, RequestFailed):
                     fut.set_exception(EngineDead(f"engine call failed: {msg.error}"))
+                else:
+                    fut.set_result(msg)
         elif isinstance(msg, Failed):
             queue = self._streams.get(msg.request_id)
             if queue is not None:

@@ -14,7 +14,9 @@ connections), sends `Hello`, then serves frames until the socket closes:
 then on the engine's dispatch hands its outputs straight to this server (no
 task switch per token), and outputs produced in one event-loop turn leave in
 one `Outputs` frame. `Abort` cancels that task, or the request (which
-aborts it here and at its core). `Call` runs one of `CALLS`.
+aborts it here and at its core). `CountError` is counted; each request
+(`GetStats`, `GetMetrics`, `GetReadiness`, `Prefetch`) runs as a task and is
+answered with its typed reply, or `RequestFailed`.
 When the frontend goes away, every request is cancelled and the process ends.
 """
 
@@ -26,7 +28,9 @@ import socket
 from functools import partial
 
 from edgecore.edge.engine import EdgeEngine
-from edgecore.edge.ipc import Abort, Call, Failed, FrameBuffer, Generate, Hello, IpcError, Message, Outputs, Reply, encode
+from edgecore.edge.ipc import (Abort, CountError, Failed, FrameBuffer, Generate, GetMetrics, GetReadiness, GetStats,
+                               Hello, IpcError, Message, MetricsReply, Outputs, Prefetch, PrefetchReply, ReadinessReply,
+                               Reply, Request, RequestFailed, StatsReply, encode)
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.errors import RequestError
 
@@ -39,13 +43,20 @@ log = logging.getLogger("edgecore.edge.engine_process")
 # bench/serve gained 4-6% (0.81-0.84 → 0.88-0.89 in runs side by side).
 SWITCH_INTERVAL_S = 50e-6
 
-# Call.method → coroutine function of (edge, arg)
-CALLS = {
-    "stats": lambda edge, _: edge.get_stats(),
-    "metrics": lambda edge, _: edge.get_metrics(),
-    "readiness": lambda edge, _: edge.get_readiness(),
-    "prefetch": lambda edge, ids: edge.prefetch(ids),
-}
+REQUESTS = (GetStats, GetMetrics, GetReadiness, Prefetch)
+
+
+async def answer(edge: EdgeEngine, msg: Request) -> Reply:
+    """The typed reply to one request of the frontend."""
+    if isinstance(msg, GetStats):
+        return StatsReply(msg.id, await edge.get_stats())
+    if isinstance(msg, GetMetrics):
+        return MetricsReply(msg.id, await edge.get_metrics())
+    if isinstance(msg, GetReadiness):
+        r = await edge.get_readiness()
+        return ReadinessReply(msg.id, r["ready"], r["cores_healthy"])
+    r = await edge.prefetch(msg.prompt_ids)
+    return PrefetchReply(msg.id, r["tokens"], r["cached_tokens"], r["source"])
 
 
 class EngineServer:
@@ -59,8 +70,7 @@ class EngineServer:
     async def run(self) -> None:
         """Serve the frontend until it closes the socket."""
         reader, self.writer = await asyncio.open_connection(sock=self.sock)
-        cfg = self.edge.engine.config
-        self._send(Hello(self.edge.max_model_len, cfg.vocab_size, self.edge.fingerprint))
+        self._send(Hello(self.edge.max_model_len, self.edge.vocab_size, self.edge.fingerprint))
         frames = FrameBuffer()
         try:
             while data := await reader.read(1 << 16):
@@ -85,11 +95,10 @@ class EngineServer:
                 task.cancel()
             else:
                 self.edge.cancel(msg.request_id)
-        elif isinstance(msg, Call):
-            if msg.method == "count_error":          # fire and forget
-                self.edge.count_error(str(msg.arg))
-            else:
-                asyncio.create_task(self._call(msg))
+        elif isinstance(msg, CountError):            # fire and forget
+            self.edge.count_error(msg.status)
+        elif isinstance(msg, REQUESTS):
+            asyncio.create_task(self._answer(msg))
         else:
             raise IpcError(f"unexpected {type(msg).__name__} from the frontend")
 
@@ -116,18 +125,14 @@ class EngineServer:
             asyncio.get_running_loop().call_soon(self._flush)
         self.pending.append(item)
 
-    async def _call(self, msg: Call) -> None:
-        fn = CALLS.get(msg.method)
-        if fn is None:
-            self._send(Reply(msg.id, error=f"unknown call {msg.method!r}"))
-            return
+    async def _answer(self, msg: Request) -> None:
         try:
-            result = await fn(self.edge, msg.arg)
+            reply = await answer(self.edge, msg)
         except Exception as exc:
-            log.exception("call %s failed", msg.method)
-            self._send(Reply(msg.id, error=str(exc) or type(exc).__name__))
+            log.exception("%s failed", type(msg).__name__)
+            self._send(RequestFailed(msg.id, str(exc) or type(exc).__name__))
         else:
-            self._send(Reply(msg.id, result))
+            self._send(reply)
 
     def _flush(self) -> None:
         if self.pending:

@@ -1,9 +1,13 @@
 """The edge's OpenAI-compatible HTTP endpoint (aiohttp).
 
-Life cycle of a request: middleware checks the API key (constant-time) and
-turns every failure into an OpenAI error object → the handler reads the body
-(size-limited: 413), decodes JSON (400), validates fields (400/404), checks
-capacity (503) → one engine stream per choice (prompts × n), merged → either
+Life cycle of a request: the connection is admitted under the server's
+limits (`shared/http_server.py`: connection cap, header and body timeouts) →
+middleware checks the API key (constant-time) on /v1/ and /stats and turns
+every failure, our own bugs included, into a counted OpenAI error object → the
+handler reads the body (size-limited: 413), decodes JSON (400), validates
+fields (400/404), checks the request's sequences (prompts × n ≤
+`max_seqs_per_request`: 400) and capacity (sequences in flight ≤
+`max_concurrent`: 503) → one engine stream per choice (prompts × n), merged → either
 one JSON response, or SSE chunks as tokens decode (role first, deltas,
 finish_reason, optional usage chunk, `data: [DONE]`). A client that
 disconnects cancels the handler, which aborts every choice and frees its KV
@@ -17,11 +21,15 @@ import contextlib
 import logging
 import time
 import uuid
+
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from edgecore.edge.service import EdgeService
 from edgecore.shared.errors import EngineDead
+from edgecore.shared.http_server import ServerLimits, start_site
+from edgecore.shared.openai.extra_routes import add_edge_routes, model_card
 from edgecore.shared.openai.http import error_middleware, json_body
 from edgecore.shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
 from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body, usage
@@ -31,13 +39,17 @@ json_encode = msgspec.json.Encoder().encode
 
 
 class EdgeHTTP:
-    def __init__(self, edge, served_model: str, api_keys: list[bytes] | None = None,
-                 max_body: int = 8 * 1024 * 1024, max_concurrent: int = 256):
+    def __init__(self, edge: EdgeService, served_model: str, api_keys: list[bytes] | None = None,
+                 max_body: int = 8 * 1024 * 1024, max_concurrent: int = 256, max_seqs_per_request: int = 64,
+                 limits: ServerLimits | None = None):
         self.edge = edge
         self.served_model = served_model
         self.api_keys = api_keys or []
         self.max_body = max_body
-        self.max_concurrent = max_concurrent
+        self.max_concurrent = max_concurrent            # sequences (choices) in flight, all requests together
+        self.max_seqs_per_request = max_seqs_per_request
+        self.limits = limits or ServerLimits()
+        self.sequences = 0                              # choices of the requests being served now
         self.created = int(time.time())
         self.texts = TokenText(edge.tokenizer)
 
@@ -53,29 +65,37 @@ class EdgeHTTP:
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/stats", self.stats)
+        add_edge_routes(app, self.edge.tokenizer, self.edge.vocab_size, lambda: model_card(
+            self.served_model, self.edge.max_model_len, self.created))   # /tokenize, /detokenize, /version, ...
         return app
 
-    def _capacity(self) -> None:
+    def _capacity(self, parsed: ParsedRequest) -> None:
+        count = len(parsed.params)
+        if count > self.max_seqs_per_request:
+            prompts = count // parsed.n
+            raise ApiError(400, f"This request asks for {prompts} prompt(s) × n={parsed.n} = {count} sequences; "
+                                f"this server allows at most {self.max_seqs_per_request} per request",
+                           "n" if parsed.n > 1 else "prompt", "too_many_sequences")
         if not self.edge.ready:
             raise ApiError(503, "The engine is not running", None, "engine_unavailable",
                            headers={"x-should-retry": "false"})
-        if self.edge.active >= self.max_concurrent:
-            raise ApiError(503, f"The server is at capacity ({self.max_concurrent} requests); retry shortly", None,
-                           "server_overloaded", headers={"retry-after": "1"})
+        if self.sequences + count > self.max_concurrent:
+            raise ApiError(503, f"The server is at capacity ({self.max_concurrent} sequences in flight); retry "
+                                f"shortly", None, "server_overloaded", headers={"retry-after": "1"})
 
     # ---- endpoints ------------------------------------------------------------
     async def completions(self, request: web.Request):
         body = await json_body(request)
         check_model(body, self.served_model)
         parsed = parse_completion(body, self.edge.tokenizer, self.edge.vocab_size, self.edge.max_model_len)
-        self._capacity()
+        self._capacity(parsed)
         return await self._serve(request, parsed, chat=False)
 
     async def chat(self, request: web.Request):
         body = await json_body(request)
         check_model(body, self.served_model)
         parsed = parse_chat(body, self.edge.tokenizer, self.edge.vocab_size, self.edge.max_model_len)
-        self._capacity()
+        self._capacity(parsed)
         return await self._serve(request, parsed, chat=True)
 
     async def prefetch(self, request: web.Request):
@@ -122,10 +142,15 @@ class EdgeHTTP:
     async def _serve(self, request: web.Request, parsed: ParsedRequest, chat: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        async with contextlib.aclosing(self._choices(parsed, rid)) as outputs:
-            if parsed.stream:
-                return await self._stream(request, parsed, chat, rid, created, outputs)
-            return await self._collect(parsed, chat, rid, created, outputs)
+        count = len(parsed.params)
+        self.sequences += count          # checked in _capacity with no await since: no other request raced in
+        try:
+            async with contextlib.aclosing(self._choices(parsed, rid)) as outputs:
+                if parsed.stream:
+                    return await self._stream(request, parsed, chat, rid, created, outputs)
+                return await self._collect(parsed, chat, rid, created, outputs)
+        finally:
+            self.sequences -= count
 
     async def _choices(self, parsed: ParsedRequest, rid: str):
         """(choice index, RequestOutput) as they come. One choice streams straight from the engine;
@@ -225,8 +250,5 @@ class EdgeHTTP:
 
 
 async def start_http(http: EdgeHTTP, host: str, port: int):
-    runner = web.AppRunner(http.build_app(), access_log=None, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
+    """Serve the API on host:port under `http.limits`. Returns (runner, bound port)."""
+    return await start_site(http.build_app(), host, port, http.limits, handler_cancellation=True)

@@ -2,11 +2,15 @@
 
 The two processes share one stream socket (a socketpair made by the
 frontend). Each message is a frame: u32 LE length, then a msgpack-encoded
-tagged struct (msgspec; no pickle). The frontend sends `Generate`, `Abort`
-and `Call`; the engine process answers with `Hello` once (when its model is
-loaded), `Outputs` (every output produced in one event-loop turn, for all
-requests together: one frame per engine step, not one per token), `Failed`
-(a request's stream broke) and `Reply` (to a `Call`).
+tagged struct (msgspec; no pickle). They carry the `EdgeService` calls
+(edge/service.py), one typed message per call: the frontend sends `Generate`,
+`Abort`, `CountError`, and the requests `GetStats`, `GetMetrics`,
+`GetReadiness`, `Prefetch` (each with an id); the engine process answers with
+`Hello` once (when its model is loaded), `Outputs` (every output produced in
+one event-loop turn, for all requests together: one frame per engine step, not
+one per token), `Failed` (a request's stream broke), and per request its typed
+reply (`StatsReply`, `MetricsReply`, `ReadinessReply`, `PrefetchReply`) or
+`RequestFailed`.
 
 `FrameBuffer` is the sans-IO half: feed it bytes, take whole messages out.
 """
@@ -36,11 +40,26 @@ class Abort(msgspec.Struct, tag="abort"):
     request_id: str
 
 
-class Call(msgspec.Struct, tag="call"):
-    """Run one of the engine process's `CALLS` (stats, metrics, prefetch, readiness, count_error)."""
+class CountError(msgspec.Struct, tag="count_error"):
+    """The frontend answered an HTTP error (counted in the engine process's metrics); no reply."""
+    status: str
+
+
+class GetStats(msgspec.Struct, tag="get_stats"):
     id: int
-    method: str
-    arg: Any = None
+
+
+class GetMetrics(msgspec.Struct, tag="get_metrics"):
+    id: int
+
+
+class GetReadiness(msgspec.Struct, tag="get_readiness"):
+    id: int
+
+
+class Prefetch(msgspec.Struct, tag="prefetch"):
+    id: int
+    prompt_ids: list[int]
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -62,13 +81,37 @@ class Failed(msgspec.Struct, tag="failed"):
     code: str | None = None
 
 
-class Reply(msgspec.Struct, tag="reply"):
+class StatsReply(msgspec.Struct, tag="stats"):
     id: int
-    result: Any = None
-    error: str | None = None
+    stats: dict[str, Any]              # the /stats body (engine snapshot, cores, placement model)
 
 
-Message = Generate | Abort | Call | Hello | Outputs | Failed | Reply
+class MetricsReply(msgspec.Struct, tag="metrics"):
+    id: int
+    text: str                          # Prometheus exposition
+
+
+class ReadinessReply(msgspec.Struct, tag="readiness"):
+    id: int
+    ready: bool
+    cores_healthy: int
+
+
+class PrefetchReply(msgspec.Struct, tag="prefetched"):
+    id: int
+    tokens: int
+    cached_tokens: int
+    source: str                        # "local" or the core's address
+
+
+class RequestFailed(msgspec.Struct, tag="request_failed"):
+    id: int
+    error: str
+
+
+Request = GetStats | GetMetrics | GetReadiness | Prefetch
+Reply = StatsReply | MetricsReply | ReadinessReply | PrefetchReply | RequestFailed
+Message = Generate | Abort | CountError | Request | Hello | Outputs | Failed | Reply
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

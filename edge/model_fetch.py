@@ -32,11 +32,13 @@ def _get(url: str, headers: dict | None = None, timeout: float = 60):
 
 
 def fetch_model(base_url: str, cache_dir: str | Path, progress: Callable[[str], None] | None = None,
-                retries: int = 2) -> Path:
+                retries: int = 2, api_key: bytes | None = None) -> Path:
+    """`api_key`: presented to the core (its control port needs one whenever it listens beyond loopback)."""
+    auth = {"Authorization": "Bearer " + api_key.decode()} if api_key else {}
     base = base_url.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise ConfigError(f"--model-from needs an http(s) URL of a core's control port, got '{base_url}'")
-    with _get(f"{base}/v1/model/manifest") as r:
+    with _get(f"{base}/v1/model/manifest", auth) as r:
         raw = r.read()
     try:
         manifest = json.loads(raw)
@@ -51,13 +53,14 @@ def fetch_model(base_url: str, cache_dir: str | Path, progress: Callable[[str], 
     for name, meta in files.items():
         if "/" in name or name.startswith("."):
             raise ModelLoadError(f"manifest names an unsafe file '{name}'")
-        _fetch_file(f"{base}/v1/model/files/{name}", target / name, meta["size"], meta["sha256"], progress, retries)
+        _fetch_file(f"{base}/v1/model/files/{name}", target / name, meta["size"], meta["sha256"], progress, retries,
+                    auth)
     (target / (MANIFEST + ".tmp")).write_bytes(raw)
     (target / (MANIFEST + ".tmp")).rename(target / MANIFEST)
     return target
 
 
-def _fetch_file(url: str, path: Path, size: int, sha256: str, progress, retries: int) -> None:
+def _fetch_file(url: str, path: Path, size: int, sha256: str, progress, retries: int, auth: dict) -> None:
     for attempt in range(retries + 1):
         have = path.stat().st_size if path.exists() else 0
         if have == size and sha256_file(path) == sha256:
@@ -66,7 +69,7 @@ def _fetch_file(url: str, path: Path, size: int, sha256: str, progress, retries:
             path.unlink()
             have = 0
         if have < size:
-            headers = {"Range": f"bytes={have}-"} if have else {}
+            headers = {**auth, "Range": f"bytes={have}-"} if have else auth
             with _get(url, headers) as r, open(path, "ab" if have and r.status == 206 else "wb") as f:
                 if have and r.status != 206:
                     have = 0

@@ -1,10 +1,11 @@
-"""KV chunks: numpy K/V planes ↔ a checksummed KVData frame.
+"""KV chunks: numpy K/V planes ↔ a KVData frame.
 
 Life cycle: the core calls `encode_chunk` for each (request, layer range,
 token range) as soon as those layers are computed; the edge calls
-`decode_chunk` on arrival, which verifies the CRC-32 of the payload *before*
-decoding (a flipped bit fails the request, it never decodes silently) and
-checks the decoded size against the header.
+`decode_chunk` on arrival, which checks the ranges and the decoded size
+against the header. Integrity is not checked here: the frame's MAC covers
+header and payload, and a frame that fails it never becomes a KVData
+(state.py), so a flipped bit fails the request, it never decodes silently.
 
 The two planes share layers, tokens and heads; their widths may differ (the MLA latent layout:
 plane 0 the compressed KV, plane 1 the rotary key). `head_dim` is plane 0's width and `raw_len` the
@@ -18,7 +19,7 @@ import numpy as np
 from edgecore.protocol.codecs import PlaneInfo, get_codec
 from edgecore.protocol.errors import CodecError
 from edgecore.protocol.messages import KVChunk
-from edgecore.protocol.state import KVData, checksum, verify_checksum
+from edgecore.protocol.events import KVData
 
 # Below this many K+V bytes, encoding or decoding a chunk takes less time than handing it to a worker
 # thread and back, so callers do it in place.
@@ -40,13 +41,12 @@ def encode_chunk(request_id: str, k: np.ndarray, v: np.ndarray, *, layer_start: 
     payload = memoryview(b"".join((ek, ev)))
     chunk = KVChunk(request_id, layer_start, layer_start + layers, token_start, token_start + tokens,
                     head_start, head_start + heads, dim, dtype, codec, len(ek), kinfo.raw_bytes + vinfo.raw_bytes,
-                    checksum(payload), total_tokens)
+                    total_tokens)
     return KVData(chunk, payload)
 
 
 def decode_chunk(data: KVData) -> tuple[np.ndarray, np.ndarray]:
     c = data.chunk
-    verify_checksum(c, data.payload, data.received_crc)
     if not (0 <= c.layer_start < c.layer_end and 0 <= c.token_start < c.token_end
             and 0 <= c.head_start < c.head_end and c.head_dim > 0):
         raise CodecError(f"KV chunk of request {c.request_id} has an empty or negative range")

@@ -4,7 +4,8 @@ Each message type has a small integer tag, which is also the frame type byte
 of the frame that carries it (see docs/wire-format.md). Structs are encoded
 as msgpack arrays (`array_like=True`) with trailing defaults omitted; tensor
 bytes never go inside msgpack — a KVChunk's K and V planes travel as the
-frame's raw payload.
+frame's raw payload. Integrity is the frame's business (framing.py, mac.py):
+no message carries its own checksum.
 """
 
 from __future__ import annotations
@@ -13,41 +14,42 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+PROTOCOL_VERSION = 2
+SUPPORTED_VERSIONS = (2,)
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, tag_field="t", frozen=True):
     pass
 
 
+# The handshake reveals nothing before both sides have proved the secret: Hello and Welcome carry
+# only versions and nonces; what describes a node (model fingerprint, name, layout, stream ports)
+# travels in Auth and AuthOk, whose frames are MACed with keys derived from the secret and both nonces.
 class Hello(_Msg, tag=1):
     versions: list[int]
-    codecs: list[str]
-    model_fingerprint: str
-    nonce: bytes                       # client challenge for the server (32 random bytes)
-    capabilities: list[str] = []
-    name: str = ""
-    session: str = ""                  # client's random id, shared with its stream connections (see Welcome)
+    nonce: bytes                       # client's 32 random bytes (key derivation)
 
 
 class Welcome(_Msg, tag=2):
-    version: int
-    codecs: list[str]                  # codecs both sides support
+    version: int                       # chosen
+    nonce: bytes                       # server's 32 random bytes (key derivation)
+
+
+class Auth(_Msg, tag=3):
     model_fingerprint: str
-    nonce: bytes                       # server challenge for the client
+    codecs: list[str]
+    capabilities: list[str] = []
+    name: str = ""
+    session: str = ""                  # client's random id, shared with its stream connections (see AuthOk)
+
+
+class AuthOk(_Msg, tag=4):
+    model_fingerprint: str
+    codecs: list[str]                  # codecs both sides support
     capabilities: list[str] = []
     name: str = ""
     layout: dict[str, int] = {}        # core layout: tp, pp, num_layers, num_kv_heads
     streams: list[int] = []            # ports where a parallel core's other ranks stream their own KV
-
-
-class Auth(_Msg, tag=3):
-    mac: bytes                         # HMAC-SHA256(secret, "edgecore-auth-client" ‖ transcript)
-
-
-class AuthOk(_Msg, tag=4):
-    mac: bytes                         # HMAC-SHA256(secret, "edgecore-auth-server" ‖ transcript)
 
 
 class SamplingSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
@@ -56,6 +58,11 @@ class SamplingSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=T
     top_k: int = -1
     seed: int | None = None
     logprobs: int | None = None
+    presence_penalty: float = 0.0      # penalties over prompt/output tokens, vLLM semantics
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    min_p: float = 0.0
 
 
 class PrefillRequest(_Msg, tag=5):
@@ -81,8 +88,7 @@ class KVChunk(_Msg, tag=6):
     dtype: str                         # "bfloat16" | "float16" | "float32"
     codec: str
     k_bytes: int                       # encoded K length; V follows in the payload
-    raw_len: int                       # bytes of K+V before encoding
-    checksum: int                      # CRC-32 of the whole payload
+    raw_len: int                       # bytes of K+V before encoding (the frame's MAC covers the payload)
     total_tokens: int = 0              # prompt length (lossy codecs keep the last tokens exact)
 
 
@@ -110,6 +116,11 @@ class Error(_Msg, tag=10):
     request_id: str = ""               # empty: the connection is failing
 
 
+class Reject(_Msg, tag=13):
+    seq: int                           # the receiver's sequence number of a frame that failed its MAC
+    message: str = ""
+
+
 class Ping(_Msg, tag=11):
     nonce: int
 
@@ -120,7 +131,7 @@ class Pong(_Msg, tag=12):
 
 
 Message = Union[Hello, Welcome, Auth, AuthOk, PrefillRequest, KVChunk, PrefillDone, Ack, Cancel, Error,
-                Ping, Pong]
+                Ping, Pong, Reject]
 MESSAGE_TYPES: dict[int, type] = {cls.__struct_config__.tag: cls for cls in Message.__args__}
 
 encoder = msgspec.msgpack.Encoder()

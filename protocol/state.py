@@ -1,38 +1,43 @@
 """The sans-IO connection: bytes in → events out, events in → bytes out (h11 style).
 
-Life cycle of a connection (client = edge, server = core):
+Life cycle of a connection (client = edge, server = core); both sides walk the same states, and
+sends and receives are checked against the one table below (`TRANSITIONS`):
 
-    client                                    server
-    START --Hello-->                          START
-          <--Welcome--                        HELLO_RECEIVED → WELCOME_SENT
-    WELCOMED --Auth-->                        (MAC checked, constant time)
-          <--AuthOk--                         READY
-    READY  (MAC of the server checked)        READY
-    READY: client sends PrefillRequest/Ack/Cancel, server sends KVChunk/PrefillDone;
-           both send Ping/Pong/Error.
-    Any side → CLOSED after sending or receiving a connection-level Error.
+    START --Hello(c)--> HELLO --Welcome(s)--> WELCOME --Auth(c)--> AUTH --AuthOk(s)--> READY
+    READY: the client sends PrefillRequest/Ack/Cancel, the server KVChunk/PrefillDone;
+           both send Ping/Pong/Reject and Error naming a request.
+    any state --Error without request (either side)--> CLOSED;  before READY any Error closes.
+    any exception inside the machine (sending or receiving) --> ERROR: further use raises,
+           except `error_frame`, which tells the peer why and moves to CLOSED.
 
-Use: `receive_data(data)` then call `next_event()` until it returns NEED_DATA;
-`send(event)` returns the buffers to write (header bytes and, for KV data, the
-payload as a memoryview, never copied). Messages illegal in the current
-state raise `LocalProtocolError` (sending) or `RemoteProtocolError`
+Every frame is tagged (mac.py) with an implicit per-direction sequence number, so a frame that is
+altered, replayed, dropped or reordered fails its MAC. Before READY that fails the connection, and
+only handshake-sized frames are accepted (framing.HANDSHAKE_LIMITS). In READY one bad frame whose
+fixed header was intact becomes a `BadFrame` event (the transport answers `Reject(seq)`); the sender
+maps the rejected seq back to what it sent (`FrameRejected`) and fails only that request. Two bad
+frames in a row (a drop or reorder shifts every later seq) fail the connection.
+
+Use: `receive_data(data)` (or `get_buffer`/`buffer_updated`) then call `next_event()` until it
+returns NEED_DATA; `send(event)` returns the buffers to write (the KV payload as a memoryview,
+never copied). Protocol errors raise `LocalProtocolError` (sending) or `RemoteProtocolError`
 (receiving); the caller then sends `error_frame(exc)` and closes.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
-import hmac
 import os
-import zlib
-from dataclasses import dataclass
+from collections import OrderedDict
 
 import msgspec
 
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
-from edgecore.protocol.framing import FrameParser, Limits, pack_fixed
+from edgecore.protocol.events import NEED_DATA, BadFrame, FrameRejected, KVData
+from edgecore.protocol.framing import HANDSHAKE_LIMITS, LEGACY_VERSION, FrameParser, Limits, pack_fixed
+from edgecore.protocol.mac import HandshakeMac, IncrementalVerify, Keys, SessionMac, transcript_hash
+
+__all__ = ["Connection", "Role", "State", "NEED_DATA", "KVData", "BadFrame", "FrameRejected", "TRANSITIONS"]
 
 
 class Role(enum.Enum):
@@ -42,52 +47,38 @@ class Role(enum.Enum):
 
 class State(enum.Enum):
     START = "START"
-    HELLO_SENT = "HELLO_SENT"
-    HELLO_RECEIVED = "HELLO_RECEIVED"
-    WELCOME_SENT = "WELCOME_SENT"
-    WELCOMED = "WELCOMED"
-    AUTH_SENT = "AUTH_SENT"
-    AUTH_RECEIVED = "AUTH_RECEIVED"
+    HELLO = "HELLO"
+    WELCOME = "WELCOME"
+    AUTH = "AUTH"
     READY = "READY"
     CLOSED = "CLOSED"
+    ERROR = "ERROR"
 
 
-class _NeedData:
-    def __repr__(self):
-        return "NEED_DATA"
-
-
-NEED_DATA = _NeedData()
-
-
-@dataclass
-class KVData:
-    """A KVChunk header with its payload (encoded K then V); `received_crc` is the CRC-32 the frame
-    parser computed while the payload arrived (None for data built locally)."""
-    chunk: m.KVChunk
-    payload: memoryview | bytes
-    received_crc: int | None = None
-
-
-READY_FROM_CLIENT = (m.PrefillRequest, m.Ack, m.Cancel, m.Ping, m.Pong, m.Error)
-READY_FROM_SERVER = (m.KVChunk, m.PrefillDone, m.Ping, m.Pong, m.Error)
-
-# (role that sends, state) → (allowed message types, next state or None to stay)
-_SEND = {
-    (Role.CLIENT, State.START): ((m.Hello,), State.HELLO_SENT),
-    (Role.CLIENT, State.WELCOMED): ((m.Auth,), State.AUTH_SENT),
-    (Role.SERVER, State.HELLO_RECEIVED): ((m.Welcome,), State.WELCOME_SENT),
-    (Role.SERVER, State.AUTH_RECEIVED): ((m.AuthOk,), State.READY),
+C, S = Role.CLIENT, Role.SERVER
+READY_FROM = {
+    C: (m.PrefillRequest, m.Ack, m.Cancel, m.Ping, m.Pong, m.Error, m.Reject),
+    S: (m.KVChunk, m.PrefillDone, m.Ping, m.Pong, m.Error, m.Reject),
 }
+# (role that sends, state, message type) → next state. Sending and receiving both use it.
+TRANSITIONS: dict[tuple[Role, State, type], State] = {
+    (C, State.START, m.Hello): State.HELLO,
+    (S, State.HELLO, m.Welcome): State.WELCOME,
+    (C, State.WELCOME, m.Auth): State.AUTH,
+    (S, State.AUTH, m.AuthOk): State.READY,
+    **{(role, State.READY, cls): State.READY for role, types in READY_FROM.items() for cls in types},
+}
+SENT_WINDOW = 4096          # sent frames remembered (seq → message) for Reject recovery
+_lenient = msgspec.msgpack.Decoder()
 
 
-def _transcript(hello: m.Hello, welcome: m.Welcome) -> bytes:
-    return b"".join([hello.nonce, welcome.nonce, hello.model_fingerprint.encode(),
-                     welcome.version.to_bytes(2, "little")])
-
-
-def compute_mac(secret: bytes, label: bytes, transcript: bytes) -> bytes:
-    return hmac.new(secret, label + transcript, hashlib.sha256).digest()
+def next_state(sender: Role, state: State, msg) -> State | None:
+    """The state after `sender` sends `msg` in `state`; None when the table forbids it."""
+    if state in (State.CLOSED, State.ERROR):
+        return None
+    if isinstance(msg, m.Error) and (not msg.request_id or state is not State.READY):
+        return State.CLOSED
+    return TRANSITIONS.get((sender, state, type(msg)))
 
 
 class Connection:
@@ -96,100 +87,175 @@ class Connection:
                  capabilities: list[str] | None = None, session: str = "", streams: list[int] | None = None):
         if not secret:
             raise ValueError("a cluster secret is required")
-        self.role = role
-        self.secret = secret
+        self.role, self.peer_role = role, (S if role is C else C)
         self.fingerprint = model_fingerprint
         self.codecs = list(codecs)
         self.name = name
         self.layout = layout or {}
         self.capabilities = capabilities or []
-        self.session = session             # client: sent in Hello; server: the peer's, from its Hello
-        self.streams = list(streams or [])  # server: sent in Welcome; client: the peer's, from its Welcome
+        self.session = session             # client: sent in Auth; server: the peer's, from its Auth
+        self.streams = list(streams or [])  # server: sent in AuthOk; client: the peer's, from its AuthOk
         self.state = State.START
-        self.parser = FrameParser(limits)
         self.version: int | None = None
         self.peer_codecs: list[str] = []
         self.peer_layout: dict = {}
         self.peer_name = ""
-        self._hello: m.Hello | None = None
-        self._welcome: m.Welcome | None = None
+        self.parser = FrameParser(HANDSHAKE_LIMITS)
+        self._limits = limits or Limits()
+        self._keys = Keys(secret)
+        self._send_mac: HandshakeMac | SessionMac = self._keys.handshake
+        self._recv_mac: HandshakeMac | SessionMac = self._keys.handshake
+        self._send_seq = self._recv_seq = 0
+        self._hello_header = b""
+        self._sent: OrderedDict[int, object] = OrderedDict()
+        self._bad_in_a_row = 0
+        self._legacy_peer = False
+        self._incoming: IncrementalVerify | None = None   # MAC of the large frame now arriving
 
-    # ---- sending ----------------------------------------------------------
+    # ---- handshake messages ----------------------------------------------------
     def hello(self) -> m.Hello:
-        return m.Hello(list(m.SUPPORTED_VERSIONS), self.codecs, self.fingerprint, os.urandom(32),
-                       self.capabilities, self.name, self.session)
+        return m.Hello(list(m.SUPPORTED_VERSIONS), os.urandom(32))
+
+    def welcome(self) -> m.Welcome:
+        return m.Welcome(self.version or m.PROTOCOL_VERSION, os.urandom(32))
 
     def auth(self) -> m.Auth:
-        return m.Auth(compute_mac(self.secret, b"edgecore-auth-client", _transcript(self._hello, self._welcome)))
+        return m.Auth(self.fingerprint, self.codecs, self.capabilities, self.name, self.session)
 
+    def auth_ok(self) -> m.AuthOk:
+        return m.AuthOk(self.fingerprint, self.peer_codecs, self.capabilities, self.name, self.layout, self.streams)
+
+    # ---- state -------------------------------------------------------------------
+    @property
+    def usable(self) -> bool:
+        return self.state not in (State.CLOSED, State.ERROR)
+
+    def close(self) -> None:
+        """The stream is gone: release the input buffer; further sends raise."""
+        if self.state is not State.ERROR:
+            self.state = State.CLOSED
+        self.parser.close()
+
+    def _enter(self, state: State) -> None:
+        self.state = state
+        if state is State.READY:
+            self.parser.set_limits(self._limits)
+        elif state is State.CLOSED:
+            self.parser.close()
+
+    # ---- sending -------------------------------------------------------------------
     def send(self, event) -> list[bytes | memoryview]:
         """Serialize `event` (a message or KVData) for the wire; advance the state."""
+        try:
+            return self._send(event)
+        except BaseException:
+            self.state = State.ERROR
+            raise
+
+    def _send(self, event) -> list[bytes | memoryview]:
         msg = event.chunk if isinstance(event, KVData) else event
-        self._check_send(msg)
-        payload = b""
-        if isinstance(event, KVData):
-            payload = event.payload
-        elif isinstance(msg, m.KVChunk):
+        nxt = next_state(self.role, self.state, msg)
+        if nxt is None:
+            raise LocalProtocolError(f"{self.role.value} cannot send {type(msg).__name__} in state {self.state.value}")
+        if isinstance(msg, m.KVChunk) and not isinstance(event, KVData):
             raise LocalProtocolError("a KVChunk must be sent as KVData with its payload")
         header = m.encoder.encode(msg)
-        parts: list[bytes | memoryview] = [pack_fixed(self.version or m.PROTOCOL_VERSION, m.tag_of(msg),
-                                                      len(header), len(payload)) + header]
-        if payload:
-            parts.append(payload if isinstance(payload, memoryview) else memoryview(payload))
+        payload = event.payload if isinstance(event, KVData) else b""
+        if not isinstance(payload, memoryview):
+            payload = memoryview(payload)
+        if payload.format != "B" or payload.ndim != 1:
+            payload = payload.cast("B")            # lengths and MAC over bytes, whatever the view's items
+        seq = self._send_seq
+        parts = self._frame(m.tag_of(msg), header, payload)
+        if self.state is State.READY:
+            self._sent[seq] = msg
+            if len(self._sent) > SENT_WINDOW:
+                self._sent.popitem(last=False)
+        if isinstance(msg, m.Hello):
+            self._hello_header = header
+        elif isinstance(msg, m.Welcome):
+            self._start_session(header)
+        self._enter(nxt)
         return parts
+
+    def _frame(self, ftype: int, header: bytes, payload: memoryview) -> list[bytes | memoryview]:
+        head = pack_fixed(ftype, len(header), payload.nbytes) + header
+        seq, self._send_seq = self._send_seq, self._send_seq + 1
+        if payload.nbytes:
+            return [head, payload, self._send_mac.tag(seq, [head, payload])]
+        return [head + self._send_mac.tag(seq, [head])]
 
     def send_bytes(self, event) -> bytes:
         return b"".join(self.send(event))
 
     def error_frame(self, exc: ProtocolError | str, code: ErrorCode | None = None) -> bytes:
         """The Error frame that tells the peer why this side is closing; closes the connection."""
-        message = str(exc)
-        code = code or getattr(exc, "code", ErrorCode.PROTOCOL)
-        header = m.encoder.encode(m.Error(int(code), message[:1000]))
+        number = int(code if code is not None else getattr(exc, "code", ErrorCode.PROTOCOL))
+        header = m.encoder.encode(m.Error(number, str(exc)[:1000]))
+        if self._legacy_peer:        # an old peer can read only a version-1 frame
+            data = pack_fixed(m.tag_of(m.Error(0, "")), len(header), 0, LEGACY_VERSION) + header
+        else:
+            data = b"".join(self._frame(m.tag_of(m.Error(0, "")), header, memoryview(b"")))
         self.state = State.CLOSED
-        return pack_fixed(self.version or m.PROTOCOL_VERSION, m.tag_of(m.Error(0, "")), len(header), 0) + header
+        self.parser.close()
+        return data
 
-    def _check_send(self, msg) -> None:
-        st = self.state
-        if st is State.CLOSED:
-            raise LocalProtocolError(f"cannot send {type(msg).__name__}: connection is in state {st.value}")
-        if isinstance(msg, m.Error):
-            if not msg.request_id:
-                self.state = State.CLOSED
-            return
-        allowed = _SEND.get((self.role, st))
-        if allowed is not None:
-            types, nxt = allowed
-            if isinstance(msg, types):
-                if isinstance(msg, m.Hello):
-                    self._hello = msg
-                elif isinstance(msg, m.Welcome):
-                    self._welcome = msg
-                    self.version = msg.version
-                self.state = nxt
-                return
-        if st is State.READY:
-            ok = READY_FROM_CLIENT if self.role is Role.CLIENT else READY_FROM_SERVER
-            if isinstance(msg, ok):
-                return
-        raise LocalProtocolError(f"{self.role.value} cannot send {type(msg).__name__} in state {st.value}")
+    # ---- receiving -------------------------------------------------------------------
+    def receive_data(self, data) -> None:
+        if self.usable:
+            self._guard(self.parser.feed, data)
 
-    # ---- receiving --------------------------------------------------------
-    def receive_data(self, data: bytes) -> None:
-        if self.state is State.CLOSED:
-            return
-        self.parser.feed(data)
+    def get_buffer(self) -> memoryview:
+        """Where an I/O layer may receive the next bytes (asyncio BufferedProtocol)."""
+        return self._guard(self.parser.get_buffer)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._guard(self.parser.buffer_updated, nbytes)
+        if isinstance(self._recv_mac, SessionMac) and self.parser.large_frame_pending:
+            if self._incoming is None:                 # a large frame's MAC, as its bytes arrive
+                self._incoming = self._recv_mac.verifier(self._recv_seq)
+            self._incoming.pos = self.parser.feed_signed(self._incoming.update, self._incoming.pos)
+
+    @property
+    def full(self) -> bool:
+        """True while the I/O layer should stop reading until `next_event` takes a frame."""
+        return self.usable and self._guard(lambda: self.parser.full)
+
+    @property
+    def buffered(self) -> int:
+        return self.parser.buffered
 
     def next_event(self):
         if self.state is State.CLOSED:
             return NEED_DATA
+        if self.state is State.ERROR:
+            raise RemoteProtocolError("connection is in state ERROR after an earlier failure")
+        return self._guard(self._next_event)
+
+    def _guard(self, fn, *args):
+        try:
+            return fn(*args)
+        except BaseException:
+            self.state = State.ERROR
+            raise
+
+    def _next_event(self):
         frame = self.parser.next_frame()
         if frame is None:
             return NEED_DATA
-        if frame.version not in m.SUPPORTED_VERSIONS:
-            raise RemoteProtocolError(f"peer speaks protocol version {frame.version}; this side supports "
-                                      f"{list(m.SUPPORTED_VERSIONS)}", ErrorCode.VERSION_MISMATCH)
+        if frame.version == LEGACY_VERSION:
+            self._legacy(frame)
+        seq, self._recv_seq = self._recv_seq, self._recv_seq + 1
         cls = m.MESSAGE_TYPES.get(frame.frame_type)
+        inc, self._incoming = self._incoming, None
+        if inc is not None:
+            inc.update(frame.signed[inc.pos:])
+            verified = inc.verify(frame.tag)
+        else:
+            verified = self._recv_mac.verify(seq, frame.signed, frame.tag)
+        if not verified:
+            return self._bad_frame(seq, frame, cls)
+        self._bad_in_a_row = 0
         if cls is None:
             raise RemoteProtocolError(f"unknown frame type {frame.frame_type}")
         try:
@@ -200,76 +266,92 @@ class Connection:
             raise RemoteProtocolError(f"frame type {frame.frame_type} carries a {type(msg).__name__} header")
         if frame.payload.nbytes and not isinstance(msg, m.KVChunk):
             raise RemoteProtocolError(f"{cls.__name__} frames carry no payload")
-        self._on_receive(msg)
+        nxt = next_state(self.peer_role, self.state, msg)
+        if nxt is None:
+            raise RemoteProtocolError(f"unexpected {type(msg).__name__} from peer in state {self.state.value}")
+        self._check_handshake(msg, frame)
+        self._enter(nxt)
         if isinstance(msg, m.KVChunk):
             if msg.k_bytes > frame.payload.nbytes or msg.k_bytes < 0:
                 raise RemoteProtocolError("KVChunk k_bytes exceeds its payload")
-            return KVData(msg, frame.payload, frame.payload_crc)
+            return KVData(msg, frame.payload)
+        if isinstance(msg, m.Reject):
+            sent = self._sent.get(msg.seq)
+            if sent is None:
+                raise RemoteProtocolError(f"peer rejected frame {msg.seq}, which this side does not remember "
+                                          f"sending: cannot recover", ErrorCode.CHECKSUM)
+            return FrameRejected(msg.seq, sent, msg.message)
         return msg
 
-    def _on_receive(self, msg) -> None:
-        st, role = self.state, self.role
-        if isinstance(msg, m.Error):
-            if not msg.request_id:
-                self.state = State.CLOSED
-            return
-        if role is Role.SERVER and st is State.START and isinstance(msg, m.Hello):
+    def _bad_frame(self, seq: int, frame, cls):
+        name = cls.__name__ if cls else f"type-{frame.frame_type}"
+        if self.state is not State.READY:
+            if cls is m.Error:      # the peer is closing anyway; say what it said, marked as unverified
+                self._enter(State.CLOSED)
+                return _unverified_error(frame.header)
+            raise RemoteProtocolError(f"authentication failed: {name} frame failed its MAC during the handshake "
+                                      f"(wrong cluster secret on one side, or a corrupted frame)",
+                                      ErrorCode.AUTH_FAILED)
+        self._bad_in_a_row += 1
+        if self._bad_in_a_row > 1:
+            raise RemoteProtocolError("two frames in a row failed their MAC: frames were lost, reordered or "
+                                      "replayed, or the link corrupts data", ErrorCode.CHECKSUM)
+        return BadFrame(seq, frame.frame_type, f"frame {seq} ({name}) failed its MAC")
+
+    def _legacy(self, frame) -> None:
+        self._legacy_peer = True
+        said = ""
+        if frame.frame_type == m.tag_of(m.Error(0, "")):
+            try:
+                said = f" (the peer says: {str(_lenient.decode(frame.header)[2])[:300]})"
+            except (msgspec.DecodeError, IndexError, TypeError, KeyError):
+                pass
+        raise RemoteProtocolError(f"edgecore protocol version mismatch: this side speaks version "
+                                  f"{m.PROTOCOL_VERSION}, the peer version {LEGACY_VERSION}; run the same "
+                                  f"edgecore release on edges and cores{said}", ErrorCode.VERSION_MISMATCH)
+
+    # ---- handshake checks (the table already allowed the message) -----------------------------
+    def _check_handshake(self, msg, frame) -> None:
+        if isinstance(msg, m.Hello):
             common = sorted(set(msg.versions) & set(m.SUPPORTED_VERSIONS))
             if not common:
                 raise RemoteProtocolError(f"no common protocol version: peer offers {msg.versions}, this side "
                                           f"supports {list(m.SUPPORTED_VERSIONS)}", ErrorCode.VERSION_MISMATCH)
-            if msg.model_fingerprint != self.fingerprint:
-                raise RemoteProtocolError(
-                    f"model mismatch: peer serves model {msg.model_fingerprint[:16]}, this side "
-                    f"{self.fingerprint[:16]}", ErrorCode.MODEL_MISMATCH)
-            if len(msg.nonce) < 16:
-                raise RemoteProtocolError("Hello nonce is too short", ErrorCode.AUTH_FAILED)
-            self._hello, self.version = msg, common[-1]
-            self.peer_codecs = [c for c in msg.codecs if c in self.codecs]
-            self.peer_name, self.session = msg.name, msg.session
-            self.state = State.HELLO_RECEIVED
-        elif role is Role.CLIENT and st is State.HELLO_SENT and isinstance(msg, m.Welcome):
+            _check_nonce(msg.nonce)
+            self._hello_header, self.version = bytes(frame.header), common[-1]
+        elif isinstance(msg, m.Welcome):
             if msg.version not in m.SUPPORTED_VERSIONS:
                 raise RemoteProtocolError(f"server chose unsupported version {msg.version}",
                                           ErrorCode.VERSION_MISMATCH)
-            if msg.model_fingerprint != self.fingerprint:
+            _check_nonce(msg.nonce)
+            self.version = msg.version
+            self._start_session(bytes(frame.header))
+        elif isinstance(msg, (m.Auth, m.AuthOk)):
+            if msg.model_fingerprint != self.fingerprint:     # the peer is authenticated: names may be shown
                 raise RemoteProtocolError(
-                    f"model mismatch: core serves model {msg.model_fingerprint[:16]}, this side "
+                    f"model mismatch: peer serves model {msg.model_fingerprint[:16]}, this side "
                     f"{self.fingerprint[:16]}", ErrorCode.MODEL_MISMATCH)
-            self._welcome, self.version = msg, msg.version
             self.peer_codecs = [c for c in msg.codecs if c in self.codecs]
-            self.peer_layout, self.peer_name, self.streams = dict(msg.layout), msg.name, list(msg.streams)
-            self.state = State.WELCOMED
-        elif role is Role.SERVER and st is State.WELCOME_SENT and isinstance(msg, m.Auth):
-            expect = compute_mac(self.secret, b"edgecore-auth-client", _transcript(self._hello, self._welcome))
-            if not hmac.compare_digest(expect, msg.mac):
-                raise RemoteProtocolError("authentication failed: wrong cluster secret", ErrorCode.AUTH_FAILED)
-            self.state = State.AUTH_RECEIVED
-        elif role is Role.CLIENT and st is State.AUTH_SENT and isinstance(msg, m.AuthOk):
-            expect = compute_mac(self.secret, b"edgecore-auth-server", _transcript(self._hello, self._welcome))
-            if not hmac.compare_digest(expect, msg.mac):
-                raise RemoteProtocolError("authentication failed: the core does not know the cluster secret",
-                                          ErrorCode.AUTH_FAILED)
-            self.state = State.READY
-        elif st is State.READY and isinstance(msg, READY_FROM_SERVER if role is Role.CLIENT else READY_FROM_CLIENT):
-            return
-        else:
-            raise RemoteProtocolError(f"unexpected {type(msg).__name__} from peer in state {st.value}")
+            self.peer_name = msg.name
+            if isinstance(msg, m.Auth):
+                self.session = msg.session
+            else:
+                self.peer_layout, self.streams = dict(msg.layout), list(msg.streams)
 
-    # ---- server helpers ---------------------------------------------------
-    def welcome(self) -> m.Welcome:
-        return m.Welcome(self.version, self.peer_codecs, self.fingerprint, os.urandom(32),
-                         self.capabilities, self.name, self.layout, self.streams)
-
-    def auth_ok(self) -> m.AuthOk:
-        return m.AuthOk(compute_mac(self.secret, b"edgecore-auth-server", _transcript(self._hello, self._welcome)))
+    def _start_session(self, welcome_header: bytes) -> None:
+        c2s, s2c = self._keys.session(transcript_hash(self._hello_header, welcome_header))
+        self._send_mac, self._recv_mac = (c2s, s2c) if self.role is C else (s2c, c2s)
 
 
-def checksum(payload) -> int:
-    return zlib.crc32(payload) & 0xFFFFFFFF
+def _check_nonce(nonce: bytes) -> None:
+    if len(nonce) < 16:
+        raise RemoteProtocolError("handshake nonce is too short", ErrorCode.AUTH_FAILED)
 
 
-def verify_checksum(chunk: m.KVChunk, payload, computed: int | None = None) -> None:
-    if (checksum(payload) if computed is None else computed) != chunk.checksum:
-        raise RemoteProtocolError(f"KV chunk of request {chunk.request_id} (layers {chunk.layer_start}-"
-                                  f"{chunk.layer_end}) failed its checksum", ErrorCode.CHECKSUM)
+def _unverified_error(header) -> m.Error:
+    try:
+        fields = _lenient.decode(header)
+        code, message = int(fields[1]), str(fields[2])
+    except (msgspec.DecodeError, IndexError, TypeError, ValueError):
+        code, message = ErrorCode.PROTOCOL, "undecodable error"
+    return m.Error(code, f"{message} (unverified: sent before keys were agreed)")

@@ -9,8 +9,11 @@ the state machine yields an event, answers Pings itself, and fails with
 `idle_timeout`. Received bytes go straight from the socket into the frame
 parser's buffer (an asyncio BufferedProtocol), so a large KV payload is
 received in place and never copied again. Any protocol violation makes this side send an Error frame
-and close. A heartbeat task pings an idle link so half-open connections are
-found. Servers bind 127.0.0.1 unless told otherwise.
+and close. A frame that fails its MAC in READY is answered with `Reject` (not surfaced); a `Reject`
+from the peer is resolved by `FrameRejected.recovery()`: resend, tell the peer which request failed,
+or hand this side an Error for just that request (events.py). A heartbeat task pings an idle link
+so half-open connections are found. Servers bind 127.0.0.1 unless told otherwise. The transport
+uses only the Connection's methods (buffers, events, close), never its parser or state.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from typing import Awaitable, Callable
 
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode, ProtocolError
-from edgecore.protocol.state import NEED_DATA, Connection, KVData, Role, State
+from edgecore.protocol.events import BadFrame, FrameRejected
+from edgecore.protocol.state import NEED_DATA, Connection, KVData, Role
 
 log = logging.getLogger("edgecore.protocol")
 
@@ -52,7 +56,7 @@ class _Stream(asyncio.BufferedProtocol):
 
     def __init__(self, conn: Connection):
         self.conn = conn
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport          # set by connection_made
         self.closed = False
         self.error: Exception | None = None
         self.protocol_error: ProtocolError | None = None
@@ -69,7 +73,7 @@ class _Stream(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         try:
-            return self.conn.parser.get_buffer()
+            return self.conn.get_buffer()
         except ProtocolError as exc:       # a bad fixed header: stop reading, let recv report it
             self.protocol_error = exc
             self.transport.pause_reading()
@@ -79,8 +83,8 @@ class _Stream(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.protocol_error is None:
             try:
-                self.conn.parser.buffer_updated(nbytes)
-                if self.conn.parser.full:       # back-pressure until the frame is taken
+                self.conn.buffer_updated(nbytes)
+                if self.conn.full:              # back-pressure until the frame is taken
                     self.transport.pause_reading()
                     self.paused = True
             except ProtocolError as exc:
@@ -90,7 +94,7 @@ class _Stream(asyncio.BufferedProtocol):
 
     def taken(self) -> None:
         """A frame was consumed: receive again if reading was paused for it."""
-        if self.paused and not self.conn.parser.full and not self.closed:
+        if self.paused and not self.conn.full and not self.closed:
             self.paused = False
             self.transport.resume_reading()
 
@@ -159,7 +163,7 @@ class Peer:
         await self.send(m.Ping(nonce))
 
     async def send(self, event) -> None:
-        if self.closed or self.stream.closed:
+        if self.closed or self.stream.closed or not self.conn.usable:
             raise PeerError("connection is closed")
         try:
             self.transport.writelines(self.conn.send(event))
@@ -203,6 +207,16 @@ class Peer:
                 if sent is not None:
                     self.rtt = time.monotonic() - sent
                 continue
+            if isinstance(event, BadFrame):
+                await self.send(event.reject())
+                continue
+            if isinstance(event, FrameRejected):
+                recovery = event.recovery()
+                for msg in recovery.send:
+                    await self.send(msg)
+                if recovery.deliver is None:
+                    continue
+                event = recovery.deliver
             if isinstance(event, m.Error) and not event.request_id:
                 self._abort()
                 raise PeerError(f"peer error: {event.message}", event.code)
@@ -220,7 +234,7 @@ class Peer:
     def _abort(self) -> None:
         if not self.closed:
             self.closed = True
-            self.conn.state = State.CLOSED
+            self.conn.close()
             self.transport.close()
             if self._heartbeat is not None:
                 self._heartbeat.cancel()

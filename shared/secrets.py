@@ -1,4 +1,4 @@
-"""Reading secrets (cluster secret, API keys) from files or the environment.
+"""Reading secrets (cluster secret, API keys) from files or the environment; HOST:PORT and loopback checks.
 
 Secrets never come from command-line values (they would show in `ps`); a file
 path or EDGECORE_SECRET / EDGECORE_API_KEYS is required.
@@ -55,3 +55,14 @@ def parse_hostport(value: str, default_host: str = "127.0.0.1") -> tuple[str, in
     if not 0 <= number < 65536:
         raise ConfigError(f"port {number} in '{value}' is out of range")
     return (host.strip("[]") or default_host), number
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or 'localhost') reaches this machine only; '' and 0.0.0.0 are every interface."""
+    import ipaddress
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False            # a host name: it may resolve to any interface

@@ -1,15 +1,18 @@
-"""Runs an `LLMEngine` on its own thread and streams its outputs into asyncio.
+"""The in-thread `EngineHandle`: runs an `LLMEngine` on its own thread and streams its outputs into asyncio.
 
-Life cycle: `start()` spawns the engine thread; coroutines call
-`generate()` (an async iterator of `RequestOutput`), `abort()`, or `call(fn)`
-to run any engine method between two steps (the engine itself is never
-touched from two threads). A stream can be `redirect`ed to a callback that the
-dispatch calls per output (no task switch per token). The thread steps while
-there is work and sleeps on a condition otherwise; each step's outputs reach
-the event loop in one `call_soon_threadsafe` (outputs of requests opened with
-`collect` stay on the engine thread until the request finishes). `stop()` ends
-the thread. A failure inside a step is delivered to every waiting stream, so no
-caller hangs.
+Life cycle: `start()` spawns the engine thread; coroutines use the handle's
+typed methods (shared/engine/handle.py: `add`/`generate`, `abort`, `reserve`,
+`write_kv`, `activate`, `read_kv`, `release`, prefix pins, stream routes),
+each of which becomes one command the engine thread runs between two steps, in
+the order they were made (the engine itself is never touched from two
+threads). After each step and each batch of commands the thread publishes an
+`EngineStats` snapshot, which `stats()` returns. A stream can be `redirect`ed to
+a callback that the dispatch calls per output (no task switch per token). The
+thread steps while there is work and sleeps on a condition otherwise; each
+step's outputs reach the event loop in one `call_soon_threadsafe` (outputs of
+requests opened with `collect` stay on the engine thread until the request
+finishes). `stop()` ends the thread. A failure inside a step is delivered to
+every waiting stream and command, so no caller hangs.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from collections import deque
 from typing import Any, AsyncIterator, Callable
 
 from edgecore.shared.engine.engine import LayerHook, LLMEngine
+from edgecore.shared.engine.handle import EngineStats, FirstToken, Sink
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import EngineDead
+from edgecore.shared.kv.transfer import KVSlice, StreamRoute
 
 log = logging.getLogger("edgecore.engine")
 
@@ -38,12 +43,19 @@ class AsyncEngine:
         self._wake = threading.Condition()
         self._streams: dict[str, asyncio.Queue] = {}
         self._collected: dict[str, list[RequestOutput]] = {}   # requests delivered only when finished
-        self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}   # see redirect()
+        self._sinks: dict[str, Sink] = {}   # see redirect()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None
         self.on_outputs: Callable[[list[RequestOutput]], None] | None = None   # observer (metrics)
+        # Facts that never change (EngineHandle); everything else is asked of the engine thread.
+        self.config = engine.config
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.block_size = engine.block_manager.block_size
+        self.kv_bytes_per_token = engine.kv_bytes_per_token
+        self._stats: EngineStats = engine.stats()
 
     # ---- lifecycle --------------------------------------------------------
     def start(self) -> None:
@@ -62,22 +74,46 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    # ---- API for coroutines ------------------------------------------------
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run fn(engine) on the engine thread between steps; return its result."""
-        if self.error is not None:
-            raise EngineDead(f"engine failed: {self.error}")
-        fut = self._loop.create_future()
-        with self._wake:
-            self._commands.append((fn, fut))
-            self._wake.notify()
-        return await fut
+    # ---- facts and the published stats ---------------------------------------
+    def stats(self) -> EngineStats:
+        """The snapshot the engine thread published after its last step or batch of commands."""
+        return self._stats
 
-    def post(self, fn: Callable[[LLMEngine], Any]) -> None:
-        """Like `call` without waiting for the result (errors are logged)."""
-        with self._wake:
-            self._commands.append((fn, None))
-            self._wake.notify()
+    # ---- ordinary requests (EngineHandle) ----------------------------------------
+    async def add(self, request_id: str, prompt, params: SamplingParams, *, prefill_only: bool = False,
+                  priority: int = 0, collect: bool = False) -> asyncio.Queue:
+        """Add a request; returns the queue its outputs arrive in (see `stream`)."""
+        _, queue = await self._admit(
+            request_id, lambda e: e.add_request(request_id, prompt, params, prefill_only, priority), collect)
+        return queue
+
+    async def add_if_uncached_below(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                                    limit: int) -> tuple[int, asyncio.Queue | None]:
+        """Measure the prompt's cached prefix and, when fewer than `limit` tokens are left to compute, add
+        the request right there (one engine turn, not two). Returns (cached tokens, the output queue or
+        None when the request was not added)."""
+        def place(e: LLMEngine) -> tuple[int, bool]:
+            cached = e.cached_prefix(prompt_ids)
+            if len(prompt_ids) - cached >= limit:
+                return cached, False
+            e.add_request(request_id, prompt_ids, params)
+            return cached, True
+
+        (cached, added), queue = await self._admit(request_id, place)
+        if not added:
+            self.close_stream(request_id)
+            return cached, None
+        return cached, queue
+
+    async def generate(self, request_id: str, prompt, params: SamplingParams, *, prefill_only: bool = False,
+                       priority: int = 0, collect: bool = False) -> AsyncIterator[RequestOutput]:
+        try:
+            queue = await self.add(request_id, prompt, params, prefill_only=prefill_only, priority=priority,
+                                   collect=collect)
+            async for out in self.stream(request_id, queue):
+                yield out
+        finally:
+            self.close_stream(request_id)
 
     def open_stream(self, request_id: str, collect: bool = False) -> asyncio.Queue:
         """A queue of the request's outputs; with `collect`, they arrive together when it finishes
@@ -88,7 +124,7 @@ class AsyncEngine:
             self._collected[request_id] = []
         return queue
 
-    def redirect(self, request_id: str, sink: Callable[[RequestOutput | BaseException], None]) -> None:
+    def redirect(self, request_id: str, sink: Sink) -> None:
         """From now on hand the request's outputs to `sink`, called from the dispatch itself: no queue and
         no task switch per token (outputs already queued go first). An engine failure reaches the sink as
         an exception. Event-loop thread only; `close_stream` ends it."""
@@ -102,29 +138,6 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
         self._collected.pop(request_id, None)
         self._sinks.pop(request_id, None)
-
-    async def generate(self, request_id: str, prompt, params: SamplingParams, prefill_only: bool = False,
-                       priority: int = 0, collect: bool = False) -> AsyncIterator[RequestOutput]:
-        try:
-            _, queue = await self.admit(
-                request_id, lambda e: e.add_request(request_id, prompt, params, prefill_only, priority), collect)
-            async for out in self.stream(request_id, queue):
-                yield out
-        finally:
-            self.close_stream(request_id)
-
-    async def admit(self, request_id: str, add: Callable[[LLMEngine], Any], collect: bool = False
-                    ) -> tuple[Any, asyncio.Queue]:
-        """Open the request's stream, then run `add(engine)` on the engine thread, which may add the request
-        (the stream exists before any output can). Returns add's result and the stream's queue. Cancelled
-        while `add` is queued, the request is aborted after it, so nothing runs on unobserved."""
-        queue = self.open_stream(request_id, collect)
-        try:
-            return await self.call(add), queue
-        except BaseException:
-            self.close_stream(request_id)
-            self.abort(request_id)
-            raise
 
     async def stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         """Outputs of a request already in the engine until it finishes; aborts it if the consumer leaves."""
@@ -141,10 +154,90 @@ class AsyncEngine:
                         return
         finally:
             if not finished:
-                self.post(lambda e: e.abort(request_id))
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self.post(lambda e: e.abort(request_id))
+        self._post(lambda e: e.abort(request_id))
+
+    async def cached_prefix(self, prompt_ids: list[int]) -> int:
+        return await self._call(lambda e: e.cached_prefix(prompt_ids))
+
+    # ---- KV from outside ------------------------------------------------------------
+    async def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Reserve blocks for a prompt whose KV will be written from outside; returns its locally cached
+        leading tokens. Raises NoFreeBlocks when the cache is full."""
+        return await self._call(lambda e: e.reserve(request_id, prompt_ids, params)[1])
+
+    def write_kv(self, request_id: str, piece: KVSlice) -> None:
+        self._post(lambda e: e.write_kv(request_id, piece))
+
+    async def activate(self, request_id: str, first: FirstToken) -> None:
+        await self._call(lambda e: e.activate(request_id, first.token, first.logprob, first.top))
+
+    # ---- KV handed out --------------------------------------------------------------
+    async def read_kv(self, request_id: str, start: int, end: int) -> list[KVSlice]:
+        return await self._call(lambda e: e.read_kv_slices(request_id, start, end))
+
+    def release(self, request_id: str) -> None:
+        self._post(lambda e: e.release(request_id))
+
+    def add_stream_route(self, stream_id: str, route: StreamRoute) -> None:
+        self._post(lambda e: e.add_stream_route(stream_id, route))
+
+    def drop_stream_route(self, stream_id: str) -> None:
+        self._post(lambda e: e.drop_stream_route(stream_id))
+
+    # ---- resident prefixes ----------------------------------------------------------
+    async def pin_prefix(self, request_id: str) -> list[int]:
+        """Pin a prefilled request's full blocks and release the request; returns the pinned blocks."""
+        def pin(e: LLMEngine) -> list[int]:
+            blocks = e.pin_prefix(request_id)
+            e.release(request_id)
+            return blocks
+        return await self._call(pin)
+
+    async def commit_prefix(self, request_id: str) -> list[int]:
+        return await self._call(lambda e: e.commit_prefix(request_id))
+
+    async def unpin(self, block_ids: list[int]) -> None:
+        await self._call(lambda e: e.unpin(block_ids))
+
+    # ---- a parallel core's ranks ----------------------------------------------------
+    async def rank_stats(self) -> list[dict]:
+        return await self._call(lambda e: e.runner.rank_stats())
+
+    async def shutdown_ranks(self) -> None:
+        await self._call(lambda e: e.runner.shutdown())
+
+    # ---- commands (private: only the methods above run on the engine thread) ----------
+    async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps; return its result."""
+        if self.error is not None:
+            raise EngineDead(f"engine failed: {self.error}")
+        fut = self._loop.create_future()
+        with self._wake:
+            self._commands.append((fn, fut))
+            self._wake.notify()
+        return await fut
+
+    def _post(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Like `_call` without waiting for the result (errors are logged)."""
+        with self._wake:
+            self._commands.append((fn, None))
+            self._wake.notify()
+
+    async def _admit(self, request_id: str, add: Callable[[LLMEngine], Any], collect: bool = False
+                     ) -> tuple[Any, asyncio.Queue]:
+        """Open the request's stream, then run `add(engine)` on the engine thread, which may add the request
+        (the stream exists before any output can). Returns add's result and the stream's queue. Cancelled
+        while `add` is queued, the request is aborted after it, so nothing runs on unobserved."""
+        queue = self.open_stream(request_id, collect)
+        try:
+            return await self._call(add), queue
+        except BaseException:
+            self.close_stream(request_id)
+            self.abort(request_id)
+            raise
 
     # ---- engine thread ----------------------------------------------------
     def _run(self) -> None:
@@ -161,25 +254,37 @@ class AsyncEngine:
                         return
                     commands = list(self._commands)
                     self._commands.clear()
-                for fn, fut in commands:
-                    try:
-                        result = fn(engine)
-                    except Exception as exc:  # delivered to the awaiting coroutine
-                        if fut is not None:
-                            self._loop.call_soon_threadsafe(_set_exception, fut, exc)
-                        else:
-                            log.warning("engine command failed: %s", exc)
-                    else:
-                        if fut is not None:
-                            self._loop.call_soon_threadsafe(_set_result, fut, result)
+                if commands:
+                    replies = self._run_commands(commands)
+                    self._stats = engine.stats()      # before any reply: a caller sees its command's effect
+                    if replies:
+                        self._loop.call_soon_threadsafe(_deliver, replies)
                 if engine.has_unfinished():
                     outputs = self._hold_collected(engine.step(self.on_layer))
+                    self._stats = engine.stats()      # one reference swap: readers see a whole snapshot
                     if outputs:
                         self._loop.call_soon_threadsafe(self._dispatch, outputs)
         except BaseException as exc:   # a bug or resource failure: fail every stream, stay dead
             log.exception("engine thread failed")
             self.error = exc
             self._loop.call_soon_threadsafe(self._fail_all, exc)
+
+    def _run_commands(self, commands) -> list[tuple[asyncio.Future, bool, Any]]:
+        """Engine thread: run queued commands in order; returns (future, ok, result or exception) of those
+        awaited (a failed posted command is logged)."""
+        replies = []
+        for fn, fut in commands:
+            try:
+                result = fn(self.engine)
+            except Exception as exc:  # delivered to the awaiting coroutine
+                if fut is not None:
+                    replies.append((fut, False, exc))
+                else:
+                    log.warning("engine command failed: %s", exc)
+            else:
+                if fut is not None:
+                    replies.append((fut, True, result))
+        return replies
 
     def _hold_collected(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Engine thread: keep unfinished outputs of collected requests here, so a step whose outputs all
@@ -230,11 +335,10 @@ class AsyncEngine:
                 fut.set_exception(EngineDead(f"engine failed: {exc}"))
 
 
-def _set_result(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
+def _deliver(replies: list[tuple[asyncio.Future, bool, Any]]) -> None:
+    for fut, ok, value in replies:
+        if not fut.done():
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)

@@ -8,12 +8,15 @@ request that produced a token; a finished request's blocks are freed at once
 
 Two entry points serve disaggregated serving:
 (a) prefill only — `add_request(..., prefill_only=True)`: after its first token
-    the request is parked with its KV kept; `read_kv` hands out per-layer K/V
-    (the `on_layer` hook of `step` signals each layer as it is computed) and
-    `release` frees it.
+    the request is PREFILLED with its KV kept; `read_kv` / `read_kv_slices` hand
+    out K/V (the `on_layer` hook of `step` signals each layer as it is
+    computed) and `release` frees it.
 (b) KV from outside — `reserve` allocates blocks for a prompt (reusing the
-    local prefix cache), `write_kv` fills layers as they arrive, and
-    `activate(first_token)` joins the request to the decode batch.
+    local prefix cache; the request is AWAITING_KV), `write_kv` fills slices as
+    they arrive, and `activate(first_token)` joins the request to the decode
+    batch.
+Only the engine thread calls these (through `AsyncEngine`, the in-thread
+`EngineHandle`); `stats()` builds the snapshot that thread publishes.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Callable
 import torch
 
 from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
+from edgecore.shared.engine.handle import EngineStats
 from edgecore.shared.engine.model_runner import ModelRunner
 from edgecore.shared.engine.output import OutputState, RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
@@ -32,6 +36,7 @@ from edgecore.shared.engine.sequence import Sequence, Status
 from edgecore.shared.errors import RequestError
 from edgecore.shared.kv.block_manager import BlockManager, NoFreeBlocks
 from edgecore.shared.kv.pool import KVPool
+from edgecore.shared.kv.transfer import KVSlice, StreamRoute
 from edgecore.shared.models.loader import load_model, resolve_dtype
 from edgecore.shared.tokenizer import Tokenizer
 
@@ -60,6 +65,7 @@ class LLMEngine:
         self.eos_ids = config.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and
                                                  tokenizer.eos_token_id is not None else ())
         self._pending: list[RequestOutput] = []
+        self.kv_bytes_per_token = config.kv_bytes_per_token(self.pool.k[0].element_size())
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, dtype="auto", device: str = "cpu",
@@ -113,7 +119,7 @@ class LLMEngine:
         if state is None:
             return False
         seq = state.seq
-        if seq.status is Status.PARKED:
+        if seq.status in (Status.PREFILLED, Status.AWAITING_KV):
             self.block_manager.free_table(seq.table)
             seq.status = Status.FINISHED
         elif seq.status is not Status.FINISHED:
@@ -126,6 +132,10 @@ class LLMEngine:
     def get(self, request_id: str) -> Sequence | None:
         state = self.requests.get(request_id)
         return state.seq if state else None
+
+    def cached_prefix(self, prompt_ids: list[int]) -> int:
+        """How many leading tokens of the prompt the prefix cache holds (whole blocks)."""
+        return len(self.block_manager.match_prefix(prompt_ids)) * self.block_manager.block_size
 
     # ---- stepping -------------------------------------------------------
     def step(self, on_layer: LayerHook | None = None) -> list[RequestOutput]:
@@ -178,9 +188,27 @@ class LLMEngine:
         """K, V [tokens, kv_heads, head_dim] of one layer for a request's computed tokens."""
         return self.pool.read(layer, self.kv_slots(request_id, start, end))
 
+    def read_kv_slices(self, request_id: str, start: int, end: int) -> list[KVSlice]:
+        """Every layer and KV head of tokens [start, end) of a request, as slices (a parallel runner gathers
+        them from its ranks, one slice per distinct piece)."""
+        blocks = self.requests[request_id].seq.table.blocks
+        gather = getattr(self.runner, "read_kv", None)
+        if gather is not None:
+            return [KVSlice(layer0, start, end, head0, k, v) for layer0, head0, k, v in gather(blocks, start, end)]
+        slots = self.pool.slots(blocks, start, end)
+        ks, vs = zip(*(self.pool.read(layer, slots) for layer in range(len(self.pool.k))))
+        return [KVSlice(0, start, end, 0, torch.stack(ks), torch.stack(vs))]
+
     def release(self, request_id: str) -> None:
-        """Free a parked (prefill-only or reserved) request's KV."""
+        """Free a parked (prefilled or reserved) request's KV."""
         self.abort(request_id)
+
+    def add_stream_route(self, stream_id: str, route: StreamRoute) -> None:
+        """A parallel core: have every rank stream its own KV of request `stream_id` (before it is added)."""
+        self.runner.add_route(stream_id, route)
+
+    def drop_stream_route(self, stream_id: str) -> None:
+        self.runner.drop_route(stream_id)
 
     def pin_prefix(self, request_id: str) -> list[int]:
         """Keep a parked request's full, cached blocks resident after it is released (contexts)."""
@@ -216,14 +244,15 @@ class LLMEngine:
             del self.requests[request_id]
             raise
         seq.num_cached_tokens = cached
-        seq.status = Status.PARKED
+        seq.status = Status.AWAITING_KV
         return seq, cached
 
-    def write_kv(self, request_id: str, layer: int, start: int, k: torch.Tensor, v: torch.Tensor,
-                 head_start: int = 0) -> None:
+    def write_kv(self, request_id: str, piece: KVSlice) -> None:
+        """Write a slice received from elsewhere into a reserved request's blocks."""
         seq = self.requests[request_id].seq
-        slots = self.pool.slots(seq.table.blocks, start, start + k.shape[0])
-        self.pool.write(layer, slots, k, v, head_start)
+        slots = self.pool.slots(seq.table.blocks, piece.token_start, piece.token_end)
+        for i in range(piece.num_layers):
+            self.pool.write(piece.layer + i, slots, piece.k[i], piece.v[i], piece.head_start)
 
     def activate(self, request_id: str, first_token: int, logprob: float | None = None, top=None) -> None:
         """The request's KV is complete: record its first token and join the decode batch."""
@@ -247,17 +276,20 @@ class LLMEngine:
             self.scheduler.running.append(seq)
 
     # ---- stats ------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         bm = self.block_manager
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "parked": sum(1 for s in self.requests.values() if s.seq.status is Status.PARKED),
-            "blocks_total": len(bm.blocks),
-            "blocks_used": bm.num_used,
-            "blocks_cached": len(bm.evictable),
-            "kv_cache_usage": bm.num_used / max(1, len(bm.blocks)),
-            "prefix_cache_hit_tokens": bm.hits,
-            "prefix_cache_query_tokens": bm.queries,
-            "preemptions": self.scheduler.num_preemptions,
-        }
+        statuses = [s.seq.status for s in self.requests.values()]
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            prefilled=statuses.count(Status.PREFILLED),
+            awaiting_kv=statuses.count(Status.AWAITING_KV),
+            requests=len(statuses),
+            blocks_total=len(bm.blocks),
+            blocks_used=bm.num_used,
+            blocks_cached=len(bm.evictable),
+            kv_cache_usage=bm.num_used / max(1, len(bm.blocks)),
+            prefix_cache_hit_tokens=bm.hits,
+            prefix_cache_query_tokens=bm.queries,
+            preemptions=self.scheduler.num_preemptions,
+        )

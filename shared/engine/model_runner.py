@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from edgecore.shared.engine import prompt_logprobs
 from edgecore.shared.engine.sampler import SampleResult, sample
 from edgecore.shared.engine.scheduler import ScheduledBatch
 from edgecore.shared.engine.sequence import Sequence
@@ -111,6 +112,8 @@ class ModelRunner:
         hook = (lambda layer: on_layer(layer, batch.items)) if on_layer is not None else None
         ordered, ids, positions, meta = self.prepare(batch.items, hook)
         hidden = self.model(ids, positions, meta)
+        if prompt_logprobs.wanted(ordered):
+            prompt_logprobs.record(self.model, hidden, ordered)
         rows, samplers = sampling_rows(ordered)
         if not samplers:
             return [], None

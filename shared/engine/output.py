@@ -5,7 +5,8 @@ sampled token it calls `push(token, logprob, top)`, which appends to the
 sequence, decides whether the request stops (stop token / EOS, stop string,
 max_tokens, context length), and returns the text that can be shown now.
 Text that might still become the start of a stop string is held back until
-it cannot (or the request ends), so a streamed stop string never leaks.
+it cannot (or the request ends), so a streamed stop string never leaks. The
+first output carries the prompt logprobs when the request asked for them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int = 0                          # 1 = the most likely token (prompt logprobs only; 0: not computed)
 
 
 @dataclass
@@ -34,6 +36,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # first output only, when asked for
 
 
 class OutputState:
@@ -69,7 +72,10 @@ class OutputState:
         lps = None
         if logprob is not None:
             lps = [TokenLogprob(token, logprob, top or [])]
-        return self._output([token], reason, lps)
+        out = self._output([token], reason, lps)
+        if seq.num_output_tokens == 1 and params.prompt_logprobs is not None:
+            out.prompt_logprobs = seq.prompt_logprobs
+        return out
 
     def _append_text(self, delta: str) -> str | None:
         start = max(0, len(self.text) - self.holdback)

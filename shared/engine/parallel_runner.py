@@ -32,13 +32,9 @@ from edgecore.shared.engine.model_runner import ModelRunner, sampling_rows
 from edgecore.shared.engine.sampler import sample
 from edgecore.shared.engine.step_plan import (READ_KV, STATS, STEP, STOP, StepRoutes, decode_plan, encode_read_kv,
                                      encode_stats, encode_step, encode_stop)
+from edgecore.shared.kv.heads import kv_head_start  # noqa: F401  (the partition rule; core/ranks.py imports it here)
 from edgecore.shared.models.layers import weight_bytes
 from edgecore.shared.parallel import Layout
-
-
-def kv_head_start(tp_rank: int, tp: int, total_kv_heads: int) -> int:
-    per = max(1, total_kv_heads // tp)
-    return tp_rank * per if total_kv_heads >= tp else tp_rank * total_kv_heads // tp
 
 
 class StageRunner(ModelRunner):

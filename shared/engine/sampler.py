@@ -1,11 +1,15 @@
 """Token sampling for a batch of rows, each with its own parameters.
 
 Life cycle: per step, the engine passes the logits of the rows that sample
-(float32 [S, vocab]) and their sequences. Greedy rows take the argmax;
-the others apply temperature, top-k and top-p, then draw with the
-exponential-race trick (argmax of p / E, E ~ Exp(1)), where a seeded request
-draws E from its own generator so its tokens do not depend on what else is
-in the batch. Logprobs are those of the model's raw distribution.
+(float32 [S, vocab]) and their sequences. Rows with penalties or biases get
+them first (`logits_processors.adjust`: tensor operations over those rows,
+vLLM semantics). Greedy rows then take the argmax; the others apply
+temperature, top-k, top-p and min-p, then draw with the exponential-race trick
+(argmax of p / E, E ~ Exp(1)), where a seeded request draws E from its own
+generator so its tokens do not depend on what else is in the batch. Logprobs
+are those of the model's raw distribution (before penalties, as vLLM returns
+by default). A batch without penalties, biases or sampling rows costs one
+argmax: the fast path checks only per-row flags.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from edgecore.shared.engine.logits_processors import adjust
 from edgecore.shared.engine.sequence import Sequence
 
 
@@ -35,34 +40,46 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+def _draw(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+    """Random tokens for the sampling `rows` of `logits` (already penalized)."""
     vocab = logits.shape[-1]
-    greedy = [s.params.greedy for s in seqs]
+    sub = logits[rows]
+    params = [seqs[i].params for i in rows]
+    temp = torch.tensor([p.temperature for p in params], dtype=sub.dtype, device=sub.device)
+    sub = sub / temp.unsqueeze(1)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=sub.device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=sub.dtype, device=sub.device)
+    if (top_k < vocab).any() or (top_p < 1).any():
+        sub = _filter(sub, top_k, top_p)
+    probs = sub.softmax(-1)
+    min_p = [p.min_p for p in params]
+    if any(min_p):      # drop tokens below min_p × the row's top probability
+        floor = torch.tensor(min_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
+        probs = probs.masked_fill(probs < floor * probs.amax(-1, keepdim=True), 0.0)
+    noise = torch.empty_like(probs)
+    unseeded = [j for j, i in enumerate(rows) if seqs[i].generator is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), vocab, device=sub.device).exponential_()
+    for j, i in enumerate(rows):
+        if seqs[i].generator is not None:
+            noise[j].exponential_(generator=seqs[i].generator)
+    return (probs / noise).argmax(-1)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    raw = logits
+    adjusted = [i for i, s in enumerate(seqs) if s.params.adjusts_logits]
+    if adjusted:
+        logits = adjust(logits, seqs, adjusted)
     tokens = logits.argmax(-1)
-    if not all(greedy):
-        rows = [i for i, g in enumerate(greedy) if not g]
-        sub = logits[rows]
-        params = [seqs[i].params for i in rows]
-        temp = torch.tensor([p.temperature for p in params], dtype=sub.dtype, device=sub.device)
-        sub = sub / temp.unsqueeze(1)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=sub.device)
-        top_p = torch.tensor([p.top_p for p in params], dtype=sub.dtype, device=sub.device)
-        if (top_k < vocab).any() or (top_p < 1).any():
-            sub = _filter(sub, top_k, top_p)
-        probs = sub.softmax(-1)
-        noise = torch.empty_like(probs)
-        unseeded = [j for j, i in enumerate(rows) if seqs[i].generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab, device=sub.device).exponential_()
-        for j, i in enumerate(rows):
-            if seqs[i].generator is not None:
-                noise[j].exponential_(generator=seqs[i].generator)
-        tokens[rows] = (probs / noise).argmax(-1)
+    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if rows:
+        tokens[rows] = _draw(logits, seqs, rows)
     token_list = tokens.tolist()
     want = [s.params.logprobs for s in seqs]
     if all(w is None for w in want):
         return SampleResult(token_list, None, None)
-    logp = logits.log_softmax(-1)
+    logp = raw.log_softmax(-1)
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
     k = max(w or 0 for w in want)
     top = [[] for _ in seqs]

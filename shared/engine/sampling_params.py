@@ -1,19 +1,51 @@
-"""Per-request sampling parameters, validated once when a request is added.
+"""Per-request sampling parameters, validated once when a request is created.
 
 Field names and meanings follow vLLM / OpenAI: `temperature` 0 means greedy;
-`top_k` ≤ 0 disables top-k; `logprobs` is how many top alternatives to return
-beside the chosen token's logprob (None: no logprobs); `detokenize=False`
-returns token ids only (no text, so no stop strings either).
+`top_k` ≤ 0 disables top-k; `min_p` drops tokens below `min_p` × the top
+probability; `presence_penalty` / `frequency_penalty` apply to the output
+tokens, `repetition_penalty` to prompt and output tokens (divides positive
+logits, multiplies negative ones); `logit_bias` adds to token ids' logits; `logprobs`
+is how many top alternatives to return beside the chosen token's logprob (None:
+no logprobs); `prompt_logprobs` the same for each prompt token (None: none);
+`detokenize=False` returns token ids only (no text, so no stop strings either).
+Validation is one msgspec conversion against `_Checked`: a bad value raises
+`RequestError` naming the field.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
 
 from edgecore.shared.errors import RequestError
 
 MAX_LOGPROBS = 20
+# What decides a request's first token: the fields a prefill on another node needs (protocol SamplingSpec).
+SPEC_FIELDS = ("temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "logit_bias", "min_p")
+
+
+class _Checked(msgspec.Struct):
+    max_tokens: Annotated[int, Meta(ge=1)]
+    temperature: Annotated[float, Meta(ge=0, le=100)]
+    top_p: Annotated[float, Meta(gt=0, le=1)]
+    top_k: int
+    seed: Annotated[int, Meta(ge=-(2 ** 63), le=2 ** 63 - 1)] | None
+    stop: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)]
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]]
+    ignore_eos: bool
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None
+    include_stop_str_in_output: bool
+    detokenize: bool
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)]
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)]
+    repetition_penalty: Annotated[float, Meta(gt=0, le=100)]
+    logit_bias: dict[Annotated[int, Meta(ge=0)], Annotated[float, Meta(ge=-100, le=100)]] | None
+    min_p: Annotated[float, Meta(ge=0, le=1)]
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None
 
 
 @dataclass
@@ -29,6 +61,12 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_p: float = 0.0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -39,31 +77,32 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
-    def validate(self) -> None:
-        def bad(param, message):
-            raise RequestError(f"'{param}' {message}", param=param)
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before choosing (penalties, biases)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                bad(name, f"must be a finite number, got {value!r}")
-        if not 0 <= self.temperature <= 100:
-            bad("temperature", f"must be between 0 and 100, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
-            bad("top_k", f"must be an integer, got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not -2**63 <= self.seed < 2**64):
-            bad("seed", f"must be a 64-bit integer, got {self.seed!r}")
-        if not all(isinstance(s, str) and s for s in self.stop) or len(self.stop) > 16:
-            bad("stop", "must be up to 16 non-empty strings")
+    def spec_fields(self) -> dict:
+        """The `SPEC_FIELDS` as keyword arguments of the protocol's `SamplingSpec`."""
+        fields = {name: getattr(self, name) for name in SPEC_FIELDS}
+        fields["logit_bias"] = dict(self.logit_bias or {})
+        return fields
+
+    @classmethod
+    def from_spec(cls, spec, **kw) -> SamplingParams:
+        """Parameters from a protocol `SamplingSpec` (validated like any others), plus `kw`."""
+        fields = {name: getattr(spec, name) for name in SPEC_FIELDS}
+        fields["logit_bias"] = dict(fields["logit_bias"]) or None
+        return cls(**fields, **kw)
+
+    def validate(self) -> None:
+        try:
+            msgspec.convert(self, _Checked, from_attributes=True)
+        except msgspec.ValidationError as exc:
+            text = str(exc)
+            name = text.rsplit("`$.", 1)[-1].split("[", 1)[0].rstrip("`") if "`$." in text else None
+            raise RequestError(f"'{name}': {text}" if name else text, param=name) from None
         if self.stop and not self.detokenize:
-            bad("stop", "needs detokenized text: stop strings cannot be used with detokenize=False")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be non-negative integers")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be an integer between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}")
+            raise RequestError("'stop' needs detokenized text: stop strings cannot be used with "
+                               "detokenize=False", param="stop")

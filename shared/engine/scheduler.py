@@ -77,7 +77,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             try:
-                cached = self.bm.allocate_prompt(seq.table, seq.token_ids, budget)
+                cached = self.bm.allocate_prompt(seq.table, seq.token_ids, budget,
+                                                 use_cache=seq.params.prompt_logprobs is None)
             except NoFreeBlocks:
                 break
             self.waiting.popleft()
@@ -124,7 +125,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.finish_reason = reason
         if keep_blocks:
-            seq.status = Status.PARKED
+            seq.status = Status.PREFILLED
         else:
             seq.status = Status.FINISHED
             self.bm.free_table(seq.table)

@@ -2,9 +2,11 @@
 
 Life cycle: WAITING (queued, or preempted back to the queue with its KV
 dropped) → RUNNING (scheduled each step; `num_computed_tokens` grows by the
-chunk computed) → FINISHED (stop token, stop string, length, abort) or PARKED
-(prefill-only requests: first token sampled, KV kept for a reader until
-released; externally filled requests: blocks reserved until their KV lands).
+chunk computed) → FINISHED (stop token, stop string, length, abort), or for a
+prefill-only request → PREFILLED (first token sampled, KV kept for a reader —
+on a core, until the edge's Ack — then released: FINISHED). A request whose KV
+comes from elsewhere starts AWAITING_KV (blocks reserved until its KV lands),
+then RUNNING once activated, or FINISHED if released.
 
 The tokens still to compute are `token_ids[num_computed_tokens:]`: the prompt
 (or its uncached rest) during prefill, then exactly one token per decode step,
@@ -25,7 +27,8 @@ _arrival = itertools.count()
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PARKED = "parked"
+    PREFILLED = "prefilled"          # prefill-only: done, KV kept until released (e.g. waiting for the Ack)
+    AWAITING_KV = "awaiting_kv"      # blocks reserved, KV being written from outside, not yet activated
     FINISHED = "finished"
 
 
@@ -46,6 +49,7 @@ class Sequence:
         self.arrival = next(_arrival)
         self.finish_reason: str | None = None
         self.generator = None           # per-request torch.Generator when seeded
+        self.prompt_logprobs: list | None = None   # per prompt position, when asked for (prompt_logprobs.py)
 
     @property
     def num_tokens(self) -> int:

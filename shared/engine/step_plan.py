@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
+from edgecore.shared.kv.transfer import StreamRoute
+
 STEP, READ_KV, STOP, STATS = 1, 2, 3, 4
 
 
@@ -48,7 +50,7 @@ class _Window:
 
 
 class StepRoutes(msgspec.Struct, omit_defaults=True):
-    new: dict[str, list] = {}          # stream id → [request_id, session, codec, skip_tokens, total_tokens]
+    new: dict[str, StreamRoute] = {}   # stream id → route (encoded as [request_id, session, codec, skip, total])
     drop: list[str] = []
     ids: dict[int, str] = {}           # item index → stream id
 

@@ -108,12 +108,13 @@ class BlockManager:
             hits.append(bid)
         return hits
 
-    def allocate_prompt(self, table: BlockTable, token_ids, max_new_tokens: int) -> int:
+    def allocate_prompt(self, table: BlockTable, token_ids, max_new_tokens: int, use_cache: bool = True) -> int:
         """Give a new sequence its cached prefix blocks plus fresh blocks for up to
-        `max_new_tokens` more tokens. Returns how many tokens are already cached.
+        `max_new_tokens` more tokens (`use_cache=False`: no cached prefix). Returns how many tokens
+        are already cached.
         All or nothing: raises NoFreeBlocks and changes nothing when short.
         """
-        hits = self.match_prefix(token_ids)
+        hits = self.match_prefix(token_ids) if use_cache else []
         cached_tokens = len(hits) * self.block_size
         cover = cached_tokens + min(len(token_ids) - cached_tokens, max_new_tokens)
         fresh = -(-cover // self.block_size) - len(hits)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgecore.shared.kv.heads import kv_head_start
 from edgecore.shared.parallel import all_gather_last_dim, all_reduce, tensor_parallel
 
 
@@ -62,16 +63,18 @@ def pack_for_cpu(model: nn.Module) -> int:
     """Pack every linear weight of a CPU model for oneDNN (fp32/bf16); returns how many were packed.
 
     Call after the weights are loaded: the plain copies are released, so a packed model can no
-    longer load weights. A no-op on other devices, dtypes, or builds without oneDNN."""
+    longer load weights. A no-op on other devices, dtypes, or builds without oneDNN; bf16 weights
+    stay plain on CPUs without oneDNN's bf16 support (e.g. AVX2-only)."""
     if not torch.backends.mkldnn.is_available():
         return 0
+    dtypes = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
     embeddings = {id(m.weight) for m in model.modules() if type(m) is VocabParallelEmbedding}
     count = 0
     for module in model.modules():
         if not isinstance(module, _Matmul) or module.packed is not None:
             continue
         w = module.weight
-        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.dim() != 2:
+        if w.device.type != "cpu" or w.dtype not in dtypes or w.dim() != 2:
             continue
         module.pack(keep_plain=id(w) in embeddings)   # a tied LM head shares the embedding table
         count += 1
@@ -161,9 +164,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_head_start(self) -> int:
         """Index of this rank's first KV head in the full model."""
         tp = tensor_parallel()
-        if self.total_kv_heads >= tp.size:
-            return tp.rank * self.num_kv_heads
-        return tp.rank * self.total_kv_heads // tp.size
+        return kv_head_start(tp.rank, tp.size, self.total_kv_heads)
 
     def shard_rows(self, shard_id: str) -> tuple[int, int, int]:
         """(first checkpoint row this rank reads, first parameter row it fills, row count) of q, k or v."""

@@ -1,27 +1,38 @@
 """aiohttp plumbing shared by the edge API and the core's batch API.
 
 `error_middleware(api_keys, max_body, on_error)` checks the bearer key on
-`/v1/` paths (compared with every configured key in constant time) and turns
-`ApiError`, oversized bodies (413) and aiohttp's own HTTP errors (404, 405, …)
-into OpenAI error objects, so no client ever sees aiohttp's plain text.
+`/v1/` paths and `/stats` (the scheme case-insensitively, the key against every
+configured key in constant time) and turns `ApiError`, oversized bodies (413),
+aiohttp's own HTTP errors (404, 405, …) and, as a last resort, any exception of
+ours (500 "internal error" with a request id; traceback logged, rate-limited)
+into OpenAI error objects, each counted through `on_error`, so no client ever
+sees plain text. `json_body` reads a body within the server's body timeout
+(408) and refuses JSON nested too deeply for the parser (400).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
+import uuid
 from typing import Callable
 
 import msgspec
 from aiohttp import web
 
+from edgecore.shared.http_server import LIMITS_KEY
 from edgecore.shared.openai.request import ApiError
+
+log = logging.getLogger("edgecore.http")
+PROTECTED = ("/v1/", "/stats")        # paths that need the API key when one is configured
 
 
 def check_bearer(request: web.Request, keys: list[bytes]) -> None:
     if not keys:
         return
-    header = request.headers.get("Authorization", "")
-    given = header[7:].strip().encode() if header.startswith("Bearer ") else b""
+    scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
+    given = token.strip().encode() if scheme.lower() == "bearer" else b""
     ok = False
     for key in keys:   # every key compared: timing does not reveal which one matched
         ok |= hmac.compare_digest(given, key)
@@ -34,20 +45,34 @@ def error_middleware(api_keys: list[bytes], max_body: int, on_error: Callable[[i
     @web.middleware
     async def middleware(request: web.Request, handler):
         try:
-            if request.path.startswith("/v1/"):
+            if request.path.startswith(PROTECTED):
                 check_bearer(request, api_keys)
             return await handler(request)
         except ApiError as exc:
             err = exc
+        except ConnectionError:
+            raise                       # the client went away: nothing to answer
         except web.HTTPRequestEntityTooLarge:
             err = ApiError(413, f"Request body exceeds the limit of {max_body} bytes", None, "request_too_large")
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
             err = ApiError(exc.status, exc.reason or "error", None, None)
+        except Exception:               # a bug of ours: logged (rate-limited), answered as JSON, counted
+            rid = uuid.uuid4().hex[:16]
+            log.exception("internal error answering %s %s (request id %s)", request.method, request.path, rid)
+            err = ApiError(500, f"internal error (request id {rid})", None, "internal_error",
+                           headers={"x-request-id": rid})
+            if request.writer is not None and request.writer.output_size > 0:
+                if on_error is not None:
+                    on_error(500)
+                raise ConnectionResetError("response already started; connection closed") from None
         if on_error is not None:
             on_error(err.status)
-        return web.json_response(err.body(), status=err.status, headers=err.headers)
+        resp = web.json_response(err.body(), status=err.status, headers=err.headers)
+        if err.status == 408:
+            resp.force_close()          # a client too slow to send its body does not keep the connection
+        return resp
     return middleware
 
 
@@ -56,7 +81,14 @@ async def json_body(request: web.Request) -> dict:
     ctype = request.content_type
     if ctype not in ("application/json", "", "application/octet-stream") and not ctype.endswith("+json"):
         raise ApiError(415, f"Content-Type must be application/json, got {ctype}", None, "invalid_content_type")
-    raw = await request.read()
+    limits = request.app.get(LIMITS_KEY)
+    timeout = limits.body_timeout if limits is not None else None
+    try:
+        async with asyncio.timeout(timeout):
+            raw = await request.read()
+    except TimeoutError:
+        raise ApiError(408, f"The request body did not arrive within {timeout:g} s", None,
+                       "request_timeout") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -66,6 +98,8 @@ async def json_body(request: web.Request) -> dict:
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"We could not parse the JSON body of your request: {exc}", None,
                        "invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "The JSON body is nested too deeply", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "The JSON body must be an object", None, "invalid_json")
     return body

@@ -1,8 +1,10 @@
 """OpenAI response bodies from engine outputs (non-streaming), shared by the edge API and batches.
 
 Life cycle: a caller collects each choice's `RequestOutput`s into a
-`ChoiceResult` (`add`), then `completion_body` / `chat_body` builds the JSON
-object OpenAI returns, logprobs and usage included. Token strings come from
+`ChoiceResult` (`add`), then `response_body` picks the choices returned (all,
+or the best by cumulative logprob with `best_of`) and builds the JSON object
+OpenAI returns, logprobs (prompt logprobs with `echo`, vLLM's
+`prompt_logprobs`) and usage included. Token strings come from
 `TokenText`, a cached id → text map.
 """
 
@@ -34,6 +36,36 @@ class TokenText:
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
+    def echo_logprobs(self, plps: list[TokenLogprob | None], lps: list[TokenLogprob]) -> dict:
+        """Completions `echo` + `logprobs`: the prompt tokens' entries (the first has none), then the output's."""
+        prompt = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for lp in plps:
+            if lp is None:
+                continue
+            s = self.text(lp.token_id)
+            prompt["tokens"].append(s)
+            prompt["token_logprobs"].append(lp.logprob)
+            prompt["top_logprobs"].append({self.text(t): v for t, v in lp.top})
+            prompt["text_offset"].append(offset)
+            offset += len(s)
+        return {key: prompt[key] + value for key, value in self.completion_logprobs(lps, offset).items()}
+
+    def prompt_logprobs(self, plps: list[TokenLogprob | None]) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank, decoded_token}} for the
+        token itself and the top alternatives (None for the first token)."""
+        out = []
+        for lp in plps:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(t): {"logprob": v, "rank": r + 1, "decoded_token": self.text(t)}
+                     for r, (t, v) in enumerate(lp.top)}
+            entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank,
+                                       "decoded_token": self.text(lp.token_id)}
+            out.append(entry)
+        return out
+
     def chat_logprobs(self, lps: list[TokenLogprob]) -> dict:
         content = []
         for lp in lps:
@@ -51,10 +83,13 @@ class ChoiceResult:
     finish_reason: str | None = None
     cached_tokens: int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, out: RequestOutput) -> None:
         if self.cached_tokens is None:
             self.cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text += out.new_text
         self.tokens += len(out.new_token_ids)
         if out.logprobs:
@@ -70,21 +105,41 @@ def usage(parsed: ParsedRequest, completion_tokens: int, cached: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def best_of(parsed: ParsedRequest, results: list[ChoiceResult]) -> list[tuple[int, ChoiceResult]]:
+    """(prompt index, result) of the choices returned: all of them, or with `best_of` the `keep` best of each
+    prompt's `n` by cumulative logprob (stable: ties keep generation order)."""
+    n, keep = parsed.n, parsed.returned
+    chosen = []
+    for p in range(len(parsed.prompts)):
+        group = results[p * n:(p + 1) * n]
+        if keep < n:
+            group = sorted(group, key=lambda r: -sum(lp.logprob for lp in r.logprobs))[:keep]
+        chosen += [(p, r) for r in group]
+    return chosen
+
+
 def response_body(parsed: ParsedRequest, results: list[ChoiceResult], chat: bool, rid: str, created: int,
                   model: str, texts: TokenText, fingerprint: str | None = None) -> dict:
     choices = []
-    for i, r in enumerate(results):
+    for i, (p, r) in enumerate(best_of(parsed, results)):
         if chat:
             choices.append({"index": i, "message": {"role": "assistant", "content": r.text},
                             "logprobs": texts.chat_logprobs(r.logprobs) if parsed.logprobs is not None else None,
                             "finish_reason": r.finish_reason})
         else:
-            prefix = parsed.prompt_texts[i // parsed.n] if parsed.echo else ""
-            choices.append({"index": i, "text": prefix + r.text,
-                            "logprobs": texts.completion_logprobs(r.logprobs, len(prefix))
-                            if parsed.logprobs is not None else None,
+            prefix = parsed.prompt_texts[p] if parsed.echo else ""
+            logprobs = None
+            if parsed.logprobs is not None:
+                logprobs = texts.echo_logprobs(r.prompt_logprobs or [], r.logprobs) if parsed.echo \
+                    else texts.completion_logprobs(r.logprobs)
+            choices.append({"index": i, "text": prefix + r.text, "logprobs": logprobs,
                             "finish_reason": r.finish_reason})
+            if parsed.extra.get("prompt_logprobs"):
+                choices[-1]["prompt_logprobs"] = texts.prompt_logprobs(r.prompt_logprobs or [])
     cached = sum(results[p * parsed.n].cached_tokens or 0 for p in range(len(parsed.prompts)))
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+    body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": choices, "usage": usage(parsed, sum(r.tokens for r in results), cached),
             "system_fingerprint": fingerprint}
+    if chat and parsed.extra.get("prompt_logprobs"):    # vLLM: one prompt, so one list beside the choices
+        body["prompt_logprobs"] = texts.prompt_logprobs(results[0].prompt_logprobs or [])
+    return body

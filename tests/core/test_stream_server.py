@@ -14,6 +14,7 @@ from edgecore.protocol.transport import PeerError, connect
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.engine.step_plan import StepRoutes
 from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.kv.transfer import StreamRoute
 from edgecore.shared.kv.wire import from_bits
 from tests.conftest import MODEL_DIR, make_engine
 
@@ -41,7 +42,7 @@ async def test_routed_request_streams_each_layer_with_this_ranks_offsets(served)
                 break
             await asyncio.sleep(0.01)
         prompt = list(range(5, 45))
-        server.apply(StepRoutes(new={"s1/a": ["a", "edge-1", "lossless", 8, len(prompt)]}))
+        server.apply(StepRoutes(new={"s1/a": StreamRoute("a", "edge-1", "lossless", 8, len(prompt))}))
         engine.add_request("s1/a", prompt, SamplingParams(max_tokens=1), prefill_only=True)
         engine.step(on_layer=server.on_layer)
         layers = engine.config.num_hidden_layers
@@ -56,7 +57,7 @@ async def test_routed_request_streams_each_layer_with_this_ranks_offsets(served)
             assert torch.equal(from_bits(k, c.dtype)[0], ref_k) and torch.equal(from_bits(v, c.dtype)[0], ref_v)
         assert server.streamer.remote == {}    # forgotten once its last tokens left
         # A dropped route is cancelled before it sends anything.
-        server.apply(StepRoutes(new={"s1/b": ["b", "edge-1", "raw", 0, 4]}))
+        server.apply(StepRoutes(new={"s1/b": StreamRoute("b", "edge-1", "raw", 0, 4)}))
         server.apply(StepRoutes(drop=["s1/b"]))
         assert server.streamer.remote == {}
         # The stream connection carries KV only.

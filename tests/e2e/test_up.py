@@ -91,19 +91,19 @@ delay_ms = 30
 
 
 def test_dns_discovery_and_context_prefetch(secret_file, tokenizer, heldout):
-    core, port, core_http = start_core(secret_file)
-    edge, http = start_edge("--local-prefill-below", "8", "--core-dns", f"localhost:{port}",
-                            secret_file=secret_file)
+    http = free_port()
+    core, port, core_http = start_core(secret_file, "--push-edge", f"west=http://127.0.0.1:{http}")
+    edge, _ = start_edge("--local-prefill-below", "8", "--core-dns", f"localhost:{port}", "--listen",
+                         f"127.0.0.1:{http}", secret_file=secret_file)
     try:
         stats = get_json(f"http://127.0.0.1:{http}/stats")
         assert any(c["address"] == f"127.0.0.1:{port}" and c["healthy"] for c in stats["cores"])
         context = tokenizer.encode(heldout[:2000])[:400]
         ctx = post_json(f"http://127.0.0.1:{core_http}/v1/contexts", {"token_ids": context})
-        pushed = post_json(f"http://127.0.0.1:{core_http}/v1/contexts/{ctx['id']}/push",
-                           {"edges": [f"http://127.0.0.1:{http}"]})
+        pushed = post_json(f"http://127.0.0.1:{core_http}/v1/contexts/{ctx['id']}/push", {"edges": ["west"]})
         result = pushed["results"][0]
-        assert result["status"] == 200 and result["result"]["source"] == f"127.0.0.1:{port}"
-        assert result["result"]["cached_tokens"] >= 384
+        assert result["edge"] == "west" and result["status"] == 200 and result["source"] == f"127.0.0.1:{port}"
+        assert result["cached_tokens"] >= 384
         prompt = context + tokenizer.encode(" What does this mean?")
         out = post_json(f"http://127.0.0.1:{http}/v1/completions",
                         {"prompt": prompt, "max_tokens": 16, "temperature": 0})

@@ -13,7 +13,8 @@ import pytest
 from edgecore.edge.engine import EdgeConfig, EdgeEngine
 from edgecore.edge.engine_client import EngineClient
 from edgecore.edge.engine_process import EngineServer
-from edgecore.edge.ipc import MAX_FRAME, Abort, Call, FrameBuffer, Generate, IpcError, Outputs, Reply, encode
+from edgecore.edge.ipc import (MAX_FRAME, Abort, CountError, FrameBuffer, Generate, GetStats, IpcError, Outputs, Prefetch,
+                               PrefetchReply, RequestFailed, StatsReply, encode)
 from edgecore.shared.engine.output import RequestOutput, TokenLogprob
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import EngineDead, RequestError
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_frames_survive_any_split_and_bad_frames_are_refused():
     msgs = [Generate("r1", [1, 2, 3], SamplingParams(max_tokens=4, stop=["x"], logprobs=2)), Abort("r1"),
-            Call(7, "prefetch", [4, 5]), Reply(7, {"tokens": 2}),
+            Prefetch(7, [4, 5]), PrefetchReply(7, 2, 0, "local"), GetStats(8), StatsReply(8, {"running": 0}),
+            RequestFailed(9, "boom"), CountError("400"),
             Outputs([RequestOutput("r1", [9], "é", True, "length", [TokenLogprob(9, -0.5, [(9, -0.5), (3, -1.5)])],
                                    3, 0, 1)])]
     data = b"".join(encode(m) for m in msgs)
@@ -103,7 +105,7 @@ async def test_a_consumer_that_leaves_aborts_the_request_and_frees_its_blocks(li
             break
         await asyncio.sleep(0.02)
     assert stats["running"] == 0 and stats["blocks_used"] == 0
-    assert "gone" not in edge.engine.requests
+    assert edge.handle.stats().requests == 0          # "gone" is no longer in the engine
 
 
 async def test_request_errors_keep_their_kind_and_the_link_keeps_serving(link):

@@ -19,6 +19,12 @@ def new_pair(secret_c=SECRET, secret_s=SECRET, fp_c=FP, fp_s=FP, limits=None):
     return client, server
 
 
+def forge(sender, msg, payload=b"") -> bytes:
+    """A frame with a valid MAC from `sender` that its state table would not let it send (a misbehaving
+    peer that knows the secret)."""
+    return b"".join(sender._frame(m.tag_of(msg), m.encoder.encode(msg), memoryview(payload)))
+
+
 def drain(conn):
     events = []
     while True:

@@ -105,7 +105,7 @@ async def test_stall_mid_stream_times_out_on_recv():
 
 
 @pytest.mark.parametrize("frame, needle", [
-    (pack_fixed(1, 1, 100, 1 << 30), b"exceeds the limit"),
+    (pack_fixed(1, 100, 1 << 30), b"exceeds the limit"),
     (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"bad frame magic"),
 ])
 async def test_garbage_gets_error_frame_and_close(frame, needle):
@@ -121,7 +121,7 @@ async def test_garbage_gets_error_frame_and_close(frame, needle):
 async def test_truncated_frame_then_close_is_reported():
     async def truncates(reader, writer):
         await reader.read(100)
-        writer.write(pack_fixed(1, 2, 50, 0) + b"\x00" * 10)   # a Welcome cut short
+        writer.write(pack_fixed(2, 50, 0) + b"\x00" * 10)   # a Welcome cut short
         await writer.drain()
         writer.close()
     server = await asyncio.start_server(truncates, "127.0.0.1", 0)

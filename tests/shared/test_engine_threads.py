@@ -17,7 +17,10 @@ engine = make_engine()
 async def run():
     aengine = AsyncEngine(engine, threads=threads)
     aengine.start()
-    seen = await aengine.call(lambda e: torch.get_num_threads())
+    seen = []
+    engine.block_manager.match_prefix = lambda ids: seen.append(torch.get_num_threads()) or []
+    await aengine.cached_prefix([1])    # runs on the engine thread
+    seen = seen[0]
     aengine.stop()
     return seen
 print(threads, main_after, asyncio.run(run()))

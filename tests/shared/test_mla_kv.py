@@ -9,6 +9,7 @@ import torch
 from edgecore.protocol.codecs import CODECS
 from edgecore.protocol.kv import decode_chunk, encode_chunk
 from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.kv.transfer import KVSlice
 from edgecore.shared.kv.wire import DTYPE_NAMES, from_bits, to_bits
 from tests.conftest import make_engine
 from tests.shared.deepseek_checkpoints import deepseek_checkpoint
@@ -45,9 +46,7 @@ def transfer(core, edge, prompt, codec: str, chunk_tokens: int = 64):
         raw, encoded = raw + data.chunk.raw_len, encoded + len(data.payload)
         kb, vb = decode_chunk(data)
         assert kb.shape == tuple(k.shape) and vb.shape == tuple(v.shape)
-        kt, vt = from_bits(kb, dtype), from_bits(vb, dtype)
-        for layer in range(layers):
-            edge.write_kv("r", layer, start, kt[layer], vt[layer])
+        edge.write_kv("r", KVSlice(0, start, end, 0, from_bits(kb, dtype), from_bits(vb, dtype)))
     core.release("r")
     edge.activate("r", first)
     tokens = []

@@ -1,0 +1,104 @@
+"""The core's send side of one KV transfer: a request's state as one explicit enum.
+
+Life cycle (the state is written by one thread — the core's event loop; on a
+worker rank, its engine thread — and read by the others: a one-word enum swap
+is atomic):
+
+    PREFILLING --prefill_done()--> LEASED --release()--> RELEASED   (Ack, or the lease ran out)
+        |                             |
+        +--------cancel()-------------+--> CANCELLED   (Cancel, disconnect, deadline, error, drop)
+
+    worker rank (no Ack there):  PREFILLING --all layers left--> SENT
+
+PREFILLING: the request runs prefill-only in the engine; each computed layer's
+new tokens are cut out of the pool as a `KVSlice` and queued (`KVSend`) for the
+connection's sender while the next layer computes (or kept back in `held`, in
+the baseline mode that sends everything after the last layer, and on a parallel
+core whose edge lacks stream connections, where rank 0 gathers the KV after
+the prefill). LEASED: PrefillDone is queued behind the request's last chunk;
+the KV stays in the engine under a lease until the edge's Ack frees it.
+Chunks of a CANCELLED transfer still queued are dropped by the sender.
+
+Written by the engine thread only: `sent_until`, `last_layer_at`; by the
+sender only: `first_chunk_sent_at`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from edgecore.shared.kv.transfer import KVSlice
+
+
+class TransferState(enum.Enum):
+    PREFILLING = "prefilling"
+    LEASED = "leased"              # prefilled, KV kept until the edge's Ack
+    RELEASED = "released"          # acknowledged (or the lease expired): KV freed
+    CANCELLED = "cancelled"
+    SENT = "sent"                  # a worker rank's route: its last layers and tokens have left
+
+
+_NEXT = {
+    TransferState.PREFILLING: {TransferState.LEASED, TransferState.CANCELLED, TransferState.SENT},
+    TransferState.LEASED: {TransferState.RELEASED, TransferState.CANCELLED},
+}
+
+
+@dataclass(eq=False)
+class Transfer:
+    internal_id: str                   # the engine's request id
+    request_id: str                    # the edge's request id
+    queue: asyncio.Queue               # the connection's sender queue (KVSend and messages, in order)
+    codec: str
+    total_tokens: int                  # prompt length
+    skip_tokens: int = 0               # tokens the edge holds already
+    gather: bool = False               # parallel core, edge not attached to every rank: rank 0 gathers the KV
+    state: TransferState = TransferState.PREFILLING
+    sent_until: int = 0                # tokens fully queued (all layers); engine thread only
+    received_at: float = field(default_factory=time.perf_counter)
+    first_chunk_sent_at: float | None = None
+    last_layer_at: float | None = None
+    lease: asyncio.TimerHandle | None = None
+    held: list["KVSend"] = field(default_factory=list)   # chunks kept back until the prefill ends
+
+    def __post_init__(self):
+        self.sent_until = self.skip_tokens
+
+    @property
+    def cancelled(self) -> bool:
+        return self.state is TransferState.CANCELLED
+
+    def move(self, to: TransferState) -> bool:
+        """Take a transition of the diagram above; False (and no change) if it is not one from here."""
+        if to not in _NEXT.get(self.state, ()):
+            return False
+        self.state = to
+        return True
+
+    def prefill_done(self) -> bool:
+        return self.move(TransferState.LEASED)
+
+    def cancel(self) -> bool:
+        return self.move(TransferState.CANCELLED)
+
+    def release(self) -> bool:
+        return self.move(TransferState.RELEASED)
+
+    def timings(self, now: float) -> dict[str, float]:
+        """PrefillDone's timings (ms since the request arrived)."""
+        out = {"total_ms": (now - self.received_at) * 1e3}
+        if self.first_chunk_sent_at is not None:
+            out["first_chunk_sent_ms"] = (self.first_chunk_sent_at - self.received_at) * 1e3
+        if self.last_layer_at is not None:
+            out["last_layer_done_ms"] = (self.last_layer_at - self.received_at) * 1e3
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class KVSend:
+    """One slice of one transfer's KV, queued for the connection's sender."""
+    transfer: Transfer
+    piece: KVSlice

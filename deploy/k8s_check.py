@@ -1,0 +1,86 @@
+"""`edgecore deploy render --check`: validate rendered manifests offline.
+
+Life cycle: `check(out)` reads every YAML file under OUT and returns the
+problems found (empty when all is well): built-in kinds against
+kubernetes-validate's strict schemas (unknown fields fail), the CRD kinds of
+the monitoring overlay and kustomizations against `k8s_schemas`, every
+kustomization's `resources` must exist, and each overlay's pods may name
+only objects of its own build (`k8s_refs`). kubernetes-validate (and the PyYAML
+and jsonschema it brings) is the `deploy` extra; without it `check` raises a
+ConfigError saying what to install.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edgecore.deploy.k8s_refs import gather
+from edgecore.deploy.k8s_refs import problems as references
+from edgecore.deploy.k8s_schemas import CRDS, KUSTOMIZATION
+from edgecore.shared.errors import ConfigError
+
+KUBERNETES_VERSION = "1.30"      # the oldest release the manifests are checked against (all fields are GA there)
+
+
+def _libraries():
+    try:
+        import jsonschema
+        import kubernetes_validate
+        import yaml
+    except ImportError as exc:
+        raise ConfigError(f"--check needs {exc.name}: pip install 'edgecore[deploy]'") from None
+    return jsonschema, kubernetes_validate, yaml
+
+
+def _schema_problems(jsonschema, schema: dict, doc: dict) -> list[str]:
+    validator = jsonschema.Draft202012Validator(schema)
+    return [f"{'.'.join(str(p) for p in e.absolute_path) or '(top)'}: {e.message}"
+            for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))]
+
+
+def check_document(doc: dict) -> list[str]:
+    """Problems of one manifest (built-in kind: strict Kubernetes schema; CRD kind: k8s_schemas)."""
+    jsonschema, kv, _ = _libraries()
+    if not isinstance(doc, dict) or "kind" not in doc or "apiVersion" not in doc:
+        return ["not a Kubernetes object (no apiVersion/kind)"]
+    schema = CRDS.get((doc["apiVersion"], doc["kind"]))
+    if schema is not None:
+        return _schema_problems(jsonschema, schema, doc)
+    try:
+        kv.validate(doc, KUBERNETES_VERSION, strict=True)
+    except kv.ValidationError as exc:
+        return [f"{'.'.join(str(p) for p in exc.path) or '(top)'}: {exc.message}"]
+    except kv.SchemaNotFoundError as exc:
+        return [exc.message]
+    return []
+
+
+def check(out: str | Path) -> list[str]:
+    """Every problem under `out`, each as 'FILE: KIND/NAME: where: what'."""
+    jsonschema, _, yaml = _libraries()
+    out = Path(out)
+    problems: list[str] = []
+    files = sorted(out.rglob("*.yaml"))
+    if not files:
+        return [f"{out}: no manifests"]
+    for path in files:
+        shown = path.relative_to(out)
+        try:
+            docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+        except yaml.YAMLError as exc:
+            problems.append(f"{shown}: not YAML: {exc}")
+            continue
+        for doc in docs:
+            if path.name == "kustomization.yaml":
+                found = _schema_problems(jsonschema, KUSTOMIZATION, doc)
+                found += [f"resources: {r} does not exist" for r in doc.get("resources", [])
+                          if not (path.parent / r).exists()]
+                problems += [f"{shown}: {p}" for p in found]
+                continue
+            name = f"{doc.get('kind')}/{(doc.get('metadata') or {}).get('name')}" if isinstance(doc, dict) else "?"
+            problems += [f"{shown}: {name}: {p}" for p in check_document(doc)]
+    overlays = sorted(p for p in (out / "overlays").glob("*") if (p / "kustomization.yaml").is_file())
+    everything = [o for overlay in overlays for o in gather(overlay, yaml)[1]]
+    for overlay in overlays:
+        problems += [f"{overlay.relative_to(out)}: {p}" for p in references(overlay, yaml, everything)]
+    return problems

@@ -1,0 +1,61 @@
+"""The optional monitoring overlay of a region: a ServiceMonitor and queue-depth autoscaling for its edges.
+
+Life cycle: `monitoring_manifests(topo, region)` returns the objects of
+overlays/REGION-monitoring (which builds on overlays/REGION): a Prometheus
+Operator `ServiceMonitor` over the region's Services (port `http`, /metrics),
+and per edge either a KEDA `ScaledObject` (default) or an autoscaling/v2
+HPA on a Pods metric (served by prometheus-adapter), both on
+`edgecore:num_requests_waiting` (edge/metrics.py) per replica. `replica_patch`
+removes the Deployments' fixed replica count so the autoscaler owns it.
+"""
+
+from __future__ import annotations
+
+from edgecore.deploy.k8s_workloads import APP, edge_name
+from edgecore.deploy.topology import EdgeNode, Topology
+
+QUEUE_METRIC = "edgecore:num_requests_waiting"
+ADAPTER_METRIC = "edgecore_num_requests_waiting"     # the name prometheus-adapter serves it under (docs/deploy.md)
+
+
+def service_monitor(topo: Topology, region: str) -> dict:
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+            "metadata": {"name": f"edgecore-{region}",
+                         "labels": {"app.kubernetes.io/name": APP, **topo.kube.prometheus.service_monitor_labels}},
+            "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": APP, "edgecore.dev/region": region}},
+                     "namespaceSelector": {"matchNames": [topo.kube.namespace]},
+                     "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}]}}
+
+
+def queue_query(topo: Topology, edge: EdgeNode) -> str:
+    """Waiting requests summed over the edge's pods (the Service's scrape target labels)."""
+    return f'sum({QUEUE_METRIC}{{namespace="{topo.kube.namespace}",service="{edge_name(edge)}"}})'
+
+
+def autoscaler(topo: Topology, edge: EdgeNode) -> dict:
+    name, target = edge_name(edge), topo.kube.autoscaling.queue_target
+    meta = {"name": name, "labels": {"app.kubernetes.io/name": APP, "edgecore.dev/node": edge.name}}
+    if topo.kube.autoscaling.mode == "keda":
+        return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": meta,
+                "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+                         "minReplicaCount": edge.replicas, "maxReplicaCount": edge.max_replicas,
+                         "pollingInterval": 15, "cooldownPeriod": 300,
+                         "triggers": [{"type": "prometheus", "metricType": "AverageValue", "metadata": {
+                             "serverAddress": topo.kube.prometheus.url, "query": queue_query(topo, edge),
+                             "threshold": f"{target:g}"}}]}}
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": meta,
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+                     "minReplicas": edge.replicas, "maxReplicas": edge.max_replicas,
+                     "metrics": [{"type": "Pods", "pods": {"metric": {"name": ADAPTER_METRIC},
+                                                           "target": {"type": "AverageValue",
+                                                                      "averageValue": f"{target:g}"}}}]}}
+
+
+def replica_patch() -> dict:
+    """A kustomize patch: edge Deployments leave `replicas` to the autoscaler (else each apply resets it)."""
+    return {"target": {"kind": "Deployment", "labelSelector": "app.kubernetes.io/component=edge"},
+            "patch": "- op: remove\n  path: /spec/replicas\n"}
+
+
+def monitoring_manifests(topo: Topology, region: str) -> list[dict]:
+    return [service_monitor(topo, region), *(autoscaler(topo, e) for e in topo.edges if e.region == region)]

@@ -1,0 +1,194 @@
+"""Kubernetes objects of one node: a core's StatefulSet and headless Service, an edge's Deployment and
+Service, a PodDisruptionBudget for each, and a region's model volume claim.
+
+Life cycle: pure functions from the topology (`Topology`, `CoreNode`,
+`EdgeNode`) to manifest dicts; `k8s.render` writes them into the region's
+overlay. Pods run as the image's non-root user, read the generated Secret
+(`cluster-secret`, `api-keys`), mount the region's model claim read-only
+unless the model is the one bundled in the image, and are probed on
+/health (startup, sized for model loading; liveness) and /ready.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+from edgecore.deploy.topology import CoreNode, EdgeNode, Resources, Topology
+
+APP = "edgecore"
+MODEL_MOUNT = "/models"
+SECRET_MOUNT = "/etc/edgecore"
+SECRET_KEYS = ("cluster-secret", "api-keys")
+RUN_AS = 10001          # the image's user (deploy/docker/Dockerfile)
+STARTUP_PERIOD = 10
+
+
+def labels(component: str, node: str, region: str) -> dict:
+    return {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": component,
+            "edgecore.dev/node": node, "edgecore.dev/region": region}
+
+
+def selector(component: str, node: str) -> dict:
+    return {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": component, "edgecore.dev/node": node}
+
+
+def core_name(core: CoreNode) -> str:
+    return core.name if core.name.startswith("core") else f"core-{core.name}"
+
+
+def edge_name(edge: EdgeNode) -> str:
+    return edge.name if edge.name.startswith("edge") else f"edge-{edge.name}"
+
+
+def models_claim(region: str) -> str:
+    return f"edgecore-models-{region}"
+
+
+def needs_model_volume(topo: Topology, region: str) -> bool:
+    """A region's pods read the model from a volume: cores, and edges with no core to fetch it from."""
+    if topo.bundled_model:
+        return False
+    return any(c.region == region for c in topo.cores) or \
+        any(e.region == region and not topo.cores_for(e.region) for e in topo.edges)
+
+
+def model_volume_claim(topo: Topology, region: str) -> dict:
+    spec: dict = {"accessModes": [topo.kube.models_access_mode],
+                  "resources": {"requests": {"storage": topo.kube.models_pvc_size}}}
+    if topo.kube.storage_class:
+        spec["storageClassName"] = topo.kube.storage_class
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": models_claim(region), "labels": {"app.kubernetes.io/name": APP,
+                                                                   "edgecore.dev/region": region}},
+            "spec": spec}
+
+
+def _model_args(topo: Topology) -> list[str]:
+    """The bundled model is the image's default; any other is read from the mounted claim."""
+    return [] if topo.bundled_model else ["--model", f"{MODEL_MOUNT}/{Path(topo.model).name}"]
+
+
+def _doubled(quantity: str) -> str:
+    parsed = re.match(r"^([0-9.]+)(.*)$", quantity)      # the topology's pattern guarantees a number first
+    if parsed is None:
+        return quantity
+    number, unit = parsed.groups()
+    value = float(number) * 2
+    return f"{int(value) if value.is_integer() else value}{unit}"
+
+
+def _resources(res: Resources, gpus: int) -> dict:
+    out = {"requests": {"cpu": res.cpu, "memory": res.memory},
+           "limits": {"memory": res.memory_limit or _doubled(res.memory)}}
+    if gpus:
+        out["requests"]["nvidia.com/gpu"] = str(gpus)
+        out["limits"]["nvidia.com/gpu"] = str(gpus)
+    return out
+
+
+def _probes(topo: Topology) -> dict:
+    def probe(path: str, period: int, failures: int) -> dict:
+        return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "timeoutSeconds": 3,
+                "failureThreshold": failures}
+    return {"startupProbe": probe("/health", STARTUP_PERIOD, math.ceil(topo.kube.startup_seconds / STARTUP_PERIOD)),
+            "readinessProbe": probe("/ready", 5, 3), "livenessProbe": probe("/health", 10, 3)}
+
+
+def _secret_volume(topo: Topology) -> dict:
+    return {"name": "secrets", "secret": {"secretName": topo.secret_name, "defaultMode": 0o440,
+                                          "items": [{"key": k, "path": k} for k in SECRET_KEYS]}}
+
+
+def _pod(topo: Topology, lab: dict, region: str, port: int, container: dict, volumes: list[dict]) -> dict:
+    """A pod template: non-root, no service-account token, scraped on `port`'s /metrics."""
+    container = {**container, **_probes(topo),
+                 "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
+    return {"metadata": {"labels": lab, "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                                                         "prometheus.io/path": "/metrics"}},
+            "spec": {"nodeSelector": {"topology.kubernetes.io/region": region},
+                     "automountServiceAccountToken": False,
+                     "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
+                                         "fsGroup": RUN_AS, "seccompProfile": {"type": "RuntimeDefault"}},
+                     "containers": [container], "volumes": volumes}}
+
+
+def _disruption_budget(name: str, lab: dict, sel: dict, replicas: int) -> dict:
+    """Two or more replicas keep one up during drains; a single replica may be evicted (else drains hang)."""
+    spec = {"minAvailable": 1} if replicas > 1 else {"maxUnavailable": 1}
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": name, "labels": lab},
+            "spec": {**spec, "selector": {"matchLabels": sel}}}
+
+
+def core_manifests(topo: Topology, core: CoreNode) -> list[dict]:
+    name = core_name(core)
+    lab, sel = labels("core", core.name, core.region), selector("core", core.name)
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": lab},
+               "spec": {"clusterIP": "None", "selector": sel, "publishNotReadyAddresses": False,
+                        "ports": [{"name": "kv", "port": core.port, "targetPort": "kv"},
+                                  {"name": "http", "port": core.http_port, "targetPort": "http"}]}}
+    args = ["core", *_model_args(topo), "--listen", f"0.0.0.0:{core.port}", "--http", f"0.0.0.0:{core.http_port}",
+            "--secret-file", f"{SECRET_MOUNT}/cluster-secret", "--name", core.name, "--device", core.device,
+            "--data-dir", "/data"]
+    if core.tp * core.pp > 1:    # the Service exposes one KV port, so rank 0 sends every rank's KV
+        args += ["--tp", str(core.tp), "--pp", str(core.pp), "--gather-kv"]
+    mounts = [{"name": "secrets", "mountPath": SECRET_MOUNT, "readOnly": True}, {"name": "data", "mountPath": "/data"}]
+    volumes = [_secret_volume(topo)]
+    if needs_model_volume(topo, core.region):
+        mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
+        volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": models_claim(core.region),
+                                                                    "readOnly": True}})
+    container = {"name": "core", "image": topo.cuda_image if core.device == "cuda" else topo.image, "args": args,
+                 "ports": [{"name": "kv", "containerPort": core.port},
+                           {"name": "http", "containerPort": core.http_port}],
+                 "resources": _resources(core.resources, core.gpus), "volumeMounts": mounts}
+    data = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": topo.kube.data_pvc_size}}}
+    if topo.kube.storage_class:
+        data["storageClassName"] = topo.kube.storage_class
+    statefulset = {
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name, "labels": lab},
+        "spec": {"serviceName": name, "replicas": core.replicas, "selector": {"matchLabels": sel},
+                 "template": _pod(topo, lab, core.region, core.http_port, container, volumes),
+                 "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": data}]}}
+    return [service, statefulset, _disruption_budget(name, lab, sel, core.replicas)]
+
+
+def core_address(topo: Topology, core: CoreNode) -> str:
+    """How an edge names a core's headless Service (`kubernetes.core_dns`, e.g. a multi-cluster domain)."""
+    return topo.kube.core_dns.format(service=core_name(core), namespace=topo.kube.namespace)
+
+
+def edge_manifests(topo: Topology, edge: EdgeNode) -> list[dict]:
+    name = edge_name(edge)
+    lab, sel = labels("edge", edge.name, edge.region), selector("edge", edge.name)
+    args = ["edge", "--listen", f"0.0.0.0:{edge.port}", "--name", edge.name, "--served-model-name", topo.model_name,
+            "--secret-file", f"{SECRET_MOUNT}/cluster-secret", "--api-key-file", f"{SECRET_MOUNT}/api-keys",
+            "--transfer-timeout", str(edge.transfer_timeout)]
+    mounts = [{"name": "secrets", "mountPath": SECRET_MOUNT, "readOnly": True},
+              {"name": "cache", "mountPath": "/cache"}]
+    volumes = [_secret_volume(topo), {"name": "cache", "emptyDir": {}}]
+    cores = topo.cores_for(edge.region)
+    if cores:   # the nearest core serves the packed model; every reachable core is a prefill target
+        first = cores[0]
+        args += ["--model-from", f"http://{core_address(topo, first)}:{first.http_port}", "--model-cache", "/cache"]
+        for core in cores:
+            args += ["--core-dns", f"{core_address(topo, core)}:{core.port}"]
+    else:
+        args += _model_args(topo)
+        if needs_model_volume(topo, edge.region):
+            mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
+            volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": models_claim(edge.region),
+                                                                        "readOnly": True}})
+    for codec in edge.codecs:
+        args += ["--codec", codec]
+    container = {"name": "edge", "image": topo.image, "args": args,
+                 "ports": [{"name": "http", "containerPort": edge.port}],
+                 "resources": _resources(edge.resources, edge.resources.gpu or 0), "volumeMounts": mounts}
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": lab},
+                  "spec": {"replicas": edge.replicas, "selector": {"matchLabels": sel},
+                           "template": _pod(topo, lab, edge.region, edge.port, container, volumes)}}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": lab},
+               "spec": {"type": "ClusterIP", "selector": sel,
+                        "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}}
+    return [deployment, service, _disruption_budget(name, lab, sel, edge.replicas)]

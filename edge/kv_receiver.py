@@ -1,0 +1,156 @@
+"""The edge's receive side of one KV transfer, sans-IO: events in, decisions out.
+
+Life cycle: the edge reserves blocks for a prompt (its cached prefix becomes
+`skip_tokens`) and makes a `KVReceiver` for the request. For every KVChunk
+header that arrives, `on_chunk` checks it lies inside the request (layers,
+tokens [skip_tokens, total_tokens), KV heads) and overlaps nothing received
+before — a duplicate, an overlap or an out-of-range chunk fails the transfer —
+then records its coverage (layer × token range × head range; chunks may arrive
+in any order). `on_done` takes the core's PrefillDone: from a single sender
+every chunk precedes it, so the KV must then be complete; with direct streams
+(a parallel core's ranks each send their own layers and heads) chunks from
+other ranks may still follow it. The state goes RECEIVING → COMPLETE (PrefillDone
+seen and every layer covered: activate, then send `closing_message()`, an Ack)
+or FAILED (any error: `closing_message()` is a Cancel, and the core frees the
+KV). `bandwidth_sample()` gives the link estimate: the bytes that arrived after
+the first chunk over the span they took.
+
+    RECEIVING --on_chunk--> RECEIVING --on_done + full coverage--> COMPLETE
+        |                                                   (Ack after activate)
+        +-- out of range / overlap / incomplete at PrefillDone / fail() --> FAILED (Cancel)
+    (abandon(): the edge gives up, from any state --> FAILED)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from edgecore.protocol import messages as m
+
+
+class ReceiveState(enum.Enum):
+    RECEIVING = "receiving"
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+class TransferFailed(Exception):
+    """The transfer cannot complete (a bad chunk, missing KV, a core error); the request falls back."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Box:
+    token_start: int
+    token_end: int
+    head_start: int
+    head_end: int
+
+    def overlaps(self, o: "_Box") -> bool:
+        return (self.token_start < o.token_end and o.token_start < self.token_end
+                and self.head_start < o.head_end and o.head_start < self.head_end)
+
+    @property
+    def area(self) -> int:
+        return (self.token_end - self.token_start) * (self.head_end - self.head_start)
+
+
+class KVReceiver:
+    def __init__(self, request_id: str, num_layers: int, num_kv_heads: int, total_tokens: int,
+                 skip_tokens: int = 0, direct: bool = False):
+        if not 0 <= skip_tokens < total_tokens:
+            raise ValueError(f"skip_tokens {skip_tokens} must be below the prompt length {total_tokens}")
+        self.request_id = request_id
+        self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
+        self.total_tokens, self.skip_tokens = total_tokens, skip_tokens
+        self.direct = direct
+        self.state = ReceiveState.RECEIVING
+        self.done: m.PrefillDone | None = None
+        self.failure: str | None = None
+        self._boxes: list[list[_Box]] = [[] for _ in range(num_layers)]
+        self._covered = [0] * num_layers
+        self._missing_layers = num_layers
+        self.encoded_bytes = self.raw_bytes = 0
+        self._first_at: float | None = None
+        self._last_at: float | None = None
+        self._first_bytes = 0
+
+    @property
+    def per_layer(self) -> int:
+        """Token × head cells each layer must receive."""
+        return (self.total_tokens - self.skip_tokens) * self.num_kv_heads
+
+    @property
+    def complete(self) -> bool:
+        return self.state is ReceiveState.COMPLETE
+
+    @property
+    def covered(self) -> bool:
+        return self._missing_layers == 0
+
+    # ---- events ----------------------------------------------------------------------------
+    def on_chunk(self, c: m.KVChunk, encoded_bytes: int, now: float) -> None:
+        """A chunk's header (before its payload is decoded): check it, record what it covers."""
+        self._expect_receiving()
+        if not (0 <= c.layer_start < c.layer_end <= self.num_layers
+                and self.skip_tokens <= c.token_start < c.token_end <= self.total_tokens
+                and 0 <= c.head_start < c.head_end <= self.num_kv_heads):
+            self.fail(f"chunk outside the request: {c}")
+        box = _Box(c.token_start, c.token_end, c.head_start, c.head_end)
+        for layer in range(c.layer_start, c.layer_end):
+            if any(box.overlaps(b) for b in self._boxes[layer]):
+                self.fail(f"layer {layer} received tokens [{c.token_start}, {c.token_end}) × heads "
+                          f"[{c.head_start}, {c.head_end}) twice")
+        for layer in range(c.layer_start, c.layer_end):
+            self._boxes[layer].append(box)
+            self._covered[layer] += box.area
+            if self._covered[layer] == self.per_layer:
+                self._missing_layers -= 1
+        self.encoded_bytes += encoded_bytes
+        self.raw_bytes += c.raw_len
+        self._last_at = now
+        if self._first_at is None:
+            self._first_at, self._first_bytes = now, encoded_bytes
+        self._maybe_complete()
+
+    def on_done(self, done: m.PrefillDone) -> None:
+        self._expect_receiving()
+        if self.done is not None:
+            self.fail("a second PrefillDone")
+        self.done = done
+        if not self.direct and not self.covered:      # one sender: all of its KV came first
+            self.fail(f"incomplete KV at PrefillDone: token×heads per layer {self._covered}, expected "
+                      f"{self.per_layer}")
+        self._maybe_complete()
+
+    def fail(self, why: str) -> None:
+        """Fail the transfer (also for errors found outside: a core Error, a timeout, a bad payload)."""
+        if self.state is ReceiveState.RECEIVING:
+            self.state, self.failure = ReceiveState.FAILED, why
+        raise TransferFailed(why)
+
+    def abandon(self, why: str) -> None:
+        """The edge gives the transfer up (its request was cancelled, activation failed): FAILED, so the
+        core hears Cancel."""
+        if self.state is not ReceiveState.FAILED:
+            self.state, self.failure = ReceiveState.FAILED, why
+
+    # ---- decisions -------------------------------------------------------------------------
+    def closing_message(self) -> m.Ack | m.Cancel:
+        """What the core must hear when the edge is done with the transfer: Ack frees the core's copy after
+        a complete transfer; Cancel after anything else."""
+        return m.Ack(self.request_id) if self.complete else m.Cancel(self.request_id)
+
+    def bandwidth_sample(self) -> tuple[int, float]:
+        """(bytes, seconds): the bytes that arrived after the first chunk, over the span they took."""
+        if self._first_at is None or self._last_at is None:
+            return 0, 0.0
+        return self.encoded_bytes - self._first_bytes, self._last_at - self._first_at
+
+    def _expect_receiving(self) -> None:
+        if self.state is not ReceiveState.RECEIVING:
+            raise TransferFailed(f"transfer of {self.request_id} is already {self.state.value}")
+
+    def _maybe_complete(self) -> None:
+        if self.done is not None and self.covered:
+            self.state = ReceiveState.COMPLETE

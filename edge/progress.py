@@ -1,0 +1,56 @@
+"""One edge request's counters and latency metrics.
+
+Life cycle: made when a request arrives at the `EdgeEngine` (it counts as
+active from then on), told which core prefilled it (if any), fed every output
+(`observe`: TTFT and the placement model's timing with the first, ITL after,
+end-to-end and the finish reason with the last), and closed once (`done`),
+whether the request finished, failed or was cancelled.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from edgecore.edge.core_client import CoreClient
+from edgecore.shared.engine.output import RequestOutput
+
+if TYPE_CHECKING:
+    from edgecore.edge.engine import EdgeEngine
+
+
+class Progress:
+    """One request's counters and latency metrics, fed each output (by `generate` or `submit`'s sink)."""
+
+    def __init__(self, edge: "EdgeEngine", prompt_len: int):
+        self.edge, self.prompt_len = edge, prompt_len
+        self.arrived = time.perf_counter()
+        self.core: CoreClient | None = None
+        self.first_at = self.last_at = None
+        self.open = True
+        edge.active += 1
+        edge.metrics.prompt_tokens.inc(prompt_len)
+
+    def observe(self, out: RequestOutput) -> None:
+        metrics, now = self.edge.metrics, time.perf_counter()
+        if self.first_at is None:
+            self.first_at = now
+            metrics.ttft.observe(now - self.arrived)
+            metrics.cached_tokens.inc(out.num_cached_tokens)
+            prefilled = self.prompt_len - out.num_cached_tokens
+            if self.core is None:
+                self.edge.prefill_model.observe_local(prefilled, now - self.arrived)
+            else:
+                self.edge.prefill_model.observe_remote(self.core.address, prefilled, now - self.arrived,
+                                                       self.core.rtt)
+        elif out.new_token_ids:
+            metrics.itl.observe(now - self.last_at)
+        self.last_at = now
+        if out.finished:
+            metrics.requests.labels(out.finish_reason).inc()
+            metrics.e2e.observe(now - self.arrived)
+
+    def done(self) -> None:
+        if self.open:
+            self.open = False
+            self.edge.active -= 1

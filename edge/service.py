@@ -1,0 +1,48 @@
+"""What the edge's HTTP frontend asks of the edge: the `EdgeService` protocol.
+
+Life cycle of the seam: `EdgeHTTP` (edge/http.py) is built on an `EdgeService`
+and uses nothing else of it. Two classes implement it: `EdgeEngine`
+(edge/engine.py: placement, remote prefill, decode, in this process) and
+`EngineClient` (edge/engine_client.py: the same calls as typed messages to the
+edge's engine process, edge/ipc.py). The service is ready once its engine
+runs; `generate` streams one request's outputs (a consumer that leaves aborts
+the request); the rest are reads of published state and small commands.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Protocol
+
+from edgecore.shared.engine.output import RequestOutput
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.tokenizer import Tokenizer
+
+
+class EdgeService(Protocol):
+    tokenizer: Tokenizer
+    active: int                         # requests in flight through this service
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
+                 ) -> AsyncIterator[RequestOutput]: ...
+
+    async def prefetch(self, prompt_ids: list[int]) -> dict: ...
+
+    async def get_stats(self) -> dict: ...
+
+    async def get_metrics(self) -> str: ...
+
+    async def get_readiness(self) -> dict: ...
+
+    def count_error(self, status: str) -> None: ...

@@ -1,0 +1,110 @@
+"""vLLM's extra routes and the model card, for the edge's API and the core's control port.
+
+Life cycle: a node's app builder calls `add_edge_routes(app, ...)` (edge:
+/tokenize, /detokenize, /version, /v1/models/{id}) or `add_model_routes(app,
+card)` (core: /v1/models, /v1/models/{id}); each handler validates its body
+with the same schema machinery as the completions endpoints (`schemas.py`),
+so a bad body is a 400 naming the field. `card()` is read per request: the
+model is known only once the node has loaded it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Callable
+
+from aiohttp import web
+from msgspec import Meta, Struct
+
+from edgecore.shared.errors import RequestError
+from edgecore.shared.openai.errors import ApiError
+from edgecore.shared.openai.http import json_body
+from edgecore.shared.openai.schemas import ChatMessage, TokenId, decode_body
+from edgecore.shared.openai.request import check_model, render_message
+from edgecore.shared.tokenizer import Tokenizer
+
+Card = Callable[[], dict]
+
+
+def model_card(name: str, max_model_len: int, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "edgecore", "root": name,
+            "max_model_len": max_model_len}
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+    try:
+        return dist_version("edgecore")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Meta(max_length=1 << 20)]
+
+
+def add_model_routes(app: web.Application, card: Card, list_route: bool = True) -> None:
+    async def one(request: web.Request):
+        c = card()
+        if request.match_info["model_id"] != c["id"]:
+            raise ApiError(404, f"The model '{request.match_info['model_id']}' does not exist (this server serves "
+                           f"'{c['id']}')", "model", "model_not_found")
+        return web.json_response(c)
+
+    async def listing(_):
+        return web.json_response({"object": "list", "data": [card()]})
+
+    app.router.add_get("/v1/models/{model_id:.+}", one)
+    if list_route:
+        app.router.add_get("/v1/models", listing)
+
+
+def _tokenize(req: TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
+    if (req.prompt is None) == (req.messages is None):
+        raise ApiError(400, "give exactly one of 'prompt' or 'messages'", "prompt", "invalid_value")
+    if req.prompt is not None:
+        return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    rendered = [render_message(msg, i) for i, msg in enumerate(req.messages)]
+    try:
+        return tokenizer.encode_chat(rendered, add_generation_prompt=req.add_generation_prompt)
+    except RequestError as exc:
+        raise ApiError(400, str(exc), "messages", "invalid_value") from None
+
+
+def add_edge_routes(app: web.Application, tokenizer: Tokenizer, vocab: int, card: Card) -> None:
+    """/tokenize, /detokenize and /version as vLLM serves them, and /v1/models/{id}."""
+    async def tokenize(request: web.Request):
+        body = await json_body(request)
+        check_model(body, card()["id"])
+        req = decode_body(body, TokenizeRequest)
+        ids = _tokenize(req, tokenizer)
+        out = {"count": len(ids), "max_model_len": card()["max_model_len"], "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+        return web.json_response(out)
+
+    async def detokenize(request: web.Request):
+        body = await json_body(request)
+        check_model(body, card()["id"])
+        req = decode_body(body, DetokenizeRequest)
+        if any(t >= vocab for t in req.tokens):
+            raise ApiError(400, f"token ids must be in [0, {vocab})", "tokens", "invalid_value")
+        return web.json_response({"prompt": tokenizer.decode(req.tokens)})
+
+    async def version_route(_):
+        return web.json_response({"version": version()})
+
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version_route)
+    add_model_routes(app, card, list_route=False)

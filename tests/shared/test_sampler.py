@@ -1,0 +1,71 @@
+"""Penalties, biases and min-p in the batched sampler against a per-row reference written from vLLM's rules."""
+
+import torch
+
+from edgecore.shared.engine.logits_processors import adjust
+from edgecore.shared.engine.sampler import sample
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.engine.sequence import Sequence
+
+
+def seq(prompt, output, **kw):
+    s = Sequence("r", prompt, SamplingParams(**kw))
+    s.token_ids += output
+    return s
+
+
+def reference(row: torch.Tensor, s: Sequence) -> torch.Tensor:
+    row = row.clone()
+    p = s.params
+    for t in set(s.token_ids):
+        if p.repetition_penalty != 1.0:
+            row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+    for t in set(s.output_token_ids):
+        row[t] -= p.frequency_penalty * s.output_token_ids.count(t) + p.presence_penalty
+    for t, b in (p.logit_bias or {}).items():
+        row[t] += b
+    return row
+
+
+def test_adjust_matches_per_row_reference():
+    g = torch.Generator().manual_seed(0)
+    vocab = 50
+    logits = torch.randn(5, vocab, generator=g) * 3
+    seqs = [seq([1, 2, 3, 3], [4, 4, 4, 2], repetition_penalty=1.7),
+            seq([5, 6], [7, 7, 8], frequency_penalty=0.6, presence_penalty=-0.4),
+            seq([9], [], temperature=0),                                 # untouched row
+            seq([1, 1, 2], [2, 9, 9, 9], repetition_penalty=0.8, frequency_penalty=-1.5, presence_penalty=2.0,
+                logit_bias={3: -100, 4: 7.5}),
+            seq([10, 11], [12], logit_bias={0: 100})]
+    rows = [0, 1, 3, 4]
+    out = adjust(logits, seqs, rows)
+    for i in range(5):
+        want = reference(logits[i], seqs[i]) if i in rows else logits[i]
+        torch.testing.assert_close(out[i], want)
+    assert not torch.equal(out, logits)          # the raw logits stay for logprobs
+    torch.testing.assert_close(logits, torch.randn(5, vocab, generator=torch.Generator().manual_seed(0)) * 3)
+
+
+def test_sample_applies_bias_penalties_and_min_p():
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0]] * 4)
+    seqs = [seq([0], [], temperature=0, logit_bias={0: -100}),                 # greedy token banned
+            seq([0], [0, 0], temperature=0, frequency_penalty=2.0),             # 5 - 4 < 4
+            seq([0], [], temperature=0, logprobs=1),
+            seq([2], [], temperature=1.0, min_p=1.0, seed=5)]                  # min_p 1: only the top token
+    r = sample(logits, seqs)
+    assert r.token_ids == [1, 1, 0, 0]
+    assert r.logprobs[0] == torch.log_softmax(logits[0], -1)[1].item()   # logprob of the raw distribution
+    seeded = [seq([2], [], temperature=1.5, min_p=0.3, seed=s) for s in range(40)]
+    for s in seeded:
+        s.generator = torch.Generator().manual_seed(s.params.seed)
+    drawn = sample(logits[:1].expand(40, 4).contiguous(), seeded).token_ids
+    probs = torch.softmax(logits[0] / 1.5, -1)
+    allowed = {t for t in range(4) if probs[t] >= 0.3 * probs.max()}
+    assert set(drawn) <= allowed and len(set(drawn)) > 1
+
+
+def test_fast_path_unchanged_without_adjustments():
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(1))
+    seqs = [seq([1], [2], temperature=0) for _ in range(3)]
+    assert not any(s.params.adjusts_logits for s in seqs)
+    assert sample(logits, seqs).token_ids == logits.argmax(-1).tolist()
