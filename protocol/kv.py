@@ -6,6 +6,10 @@ token range) as soon as those layers are computed; the edge calls
 against the header. Integrity is not checked here: the frame's MAC covers
 header and payload, and a frame that fails it never becomes a KVData
 (state.py), so a flipped bit fails the request, it never decodes silently.
+
+The two planes share layers, tokens and heads; their widths may differ (the MLA latent layout:
+plane 0 the compressed KV, plane 1 the rotary key). `head_dim` is plane 0's width and `raw_len` the
+raw size of both planes, from which the receiver derives plane 1's width.
 """
 
 from __future__ import annotations
@@ -25,16 +29,20 @@ SMALL_CHUNK_BYTES = 128 * 1024
 def encode_chunk(request_id: str, k: np.ndarray, v: np.ndarray, *, layer_start: int, token_start: int,
                  head_start: int = 0, dtype: str, codec: str, total_tokens: int = 0,
                  rope: tuple[float, ...] | None = None) -> KVData:
-    """k, v: raw bits [layers, tokens, heads, head_dim] (uint16 for 16-bit dtypes, uint32 for float32).
-    `rope`: the model's RoPE inverse frequencies, when the decoding side passes them too (see codecs/equant.py)."""
+    """k, v: raw bits [layers, tokens, heads, width] (uint16 for 16-bit dtypes, uint32 for float32); the
+    widths may differ, nothing else (MLA's latent and RoPE planes). `rope`: the model's RoPE inverse
+    frequencies, when the decoding side passes them too (see codecs/equant.py)."""
     impl = get_codec(codec)
     layers, tokens, heads, dim = k.shape
+    if v.shape[:3] != k.shape[:3]:
+        raise CodecError(f"K/V planes differ in layers, tokens or heads: {k.shape} vs {v.shape}")
     kinfo = PlaneInfo(dtype, k.shape, "k", token_start, total_tokens, layer_start, rope)
+    vinfo = PlaneInfo(dtype, v.shape, "v", token_start, total_tokens, layer_start)
     ek = impl.encode(k, kinfo)
-    ev = impl.encode(v, PlaneInfo(dtype, v.shape, "v", token_start, total_tokens, layer_start))
+    ev = impl.encode(v, vinfo)
     payload = memoryview(b"".join((ek, ev)))
     chunk = KVChunk(request_id, layer_start, layer_start + layers, token_start, token_start + tokens,
-                    head_start, head_start + heads, dim, dtype, codec, len(ek), kinfo.raw_bytes * 2,
+                    head_start, head_start + heads, dim, dtype, codec, len(ek), kinfo.raw_bytes + vinfo.raw_bytes,
                     total_tokens)
     return KVData(chunk, payload)
 
@@ -47,13 +55,15 @@ def decode_chunk(data: KVData, rope: tuple[float, ...] | None = None) -> tuple[n
     shape = (c.layer_end - c.layer_start, c.token_end - c.token_start, c.head_end - c.head_start, c.head_dim)
     impl = get_codec(c.codec)
     kinfo = PlaneInfo(c.dtype, shape, "k", c.token_start, c.total_tokens, c.layer_start, rope)
-    if kinfo.raw_bytes * 2 != c.raw_len:
+    row_bytes = kinfo.raw_bytes // c.head_dim if kinfo.raw_bytes else 0     # one value across layers×tokens×heads
+    v_dim, rest = divmod(c.raw_len - kinfo.raw_bytes, row_bytes) if row_bytes else (0, 1)
+    if rest or v_dim <= 0:
         raise CodecError(f"KV chunk raw_len {c.raw_len} does not match its shape {shape}")
     payload = memoryview(data.payload)
     try:
         k = impl.decode(payload[:c.k_bytes], kinfo)
-        v = impl.decode(payload[c.k_bytes:], PlaneInfo(c.dtype, shape, "v", c.token_start, c.total_tokens,
-                                                       c.layer_start))
+        v = impl.decode(payload[c.k_bytes:], PlaneInfo(c.dtype, shape[:3] + (v_dim,), "v", c.token_start,
+                                                       c.total_tokens, c.layer_start))
     except (ValueError, TypeError, IndexError) as exc:
         raise CodecError(f"KV chunk of request {c.request_id} does not decode: {exc}") from None
     return k, v

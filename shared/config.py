@@ -133,9 +133,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    mla: Any = None    # MLA models (DeepSeek): their `DeepseekConfig` (shared/models/mla_config.py)
 
     def kv_bytes_per_token(self, value_bytes: int = 2) -> int:
-        """Bytes of K and V per token over all layers, at `value_bytes` per value."""
+        """Bytes of K and V (of the latent, for MLA) per token over all layers, at `value_bytes` per value."""
+        if self.mla is not None:
+            return self.num_hidden_layers * self.mla.latent_dim * value_bytes
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * value_bytes
 
     def attention_of(self, layer: int) -> LayerAttention:
@@ -183,9 +186,14 @@ class ModelConfig:
             if not isinstance(text, dict):
                 raise ConfigError(f"{source}: field '{spec.sub_config}' must be an object")
             text = {**text, "architectures": archs}
+        mla = None
+        if spec.mla:                      # DeepSeek: its own fields (shared/models/mla_config.py)
+            from edgecore.shared.models.mla_config import generic_fields, parse_deepseek
+            mla = parse_deepseek(text, arch, source)
+            text = generic_fields(text, mla)
         hf = _decode(_legacy_rope_keys(text), HFConfig, source)
         params = _decode(text, spec.params, source) if spec.params is not None else None
-        return _build(arch, spec, hf, params, generation or {}, source)
+        return _build(arch, spec, hf, params, generation or {}, source, mla)
 
 
 def _decode(raw: dict, kind: type, source: str):
@@ -254,7 +262,8 @@ def _layer_attention(hf: HFConfig, params: Any, source: str) -> tuple[LayerAtten
     return (FULL,) * n
 
 
-def _build(arch: str, spec, hf: HFConfig, params: Any, generation: dict, source: str) -> ModelConfig:
+def _build(arch: str, spec, hf: HFConfig, params: Any, generation: dict, source: str,
+           mla: Any = None) -> ModelConfig:
     heads = hf.num_attention_heads
     kv_heads = hf.num_key_value_heads or heads
     if heads % kv_heads:
@@ -281,7 +290,7 @@ def _build(arch: str, spec, hf: HFConfig, params: Any, generation: dict, source:
         qkv_bias=qkv_bias, o_bias=hf.attention_bias if spec.qkv_bias is None else False,
         qk_norm=spec.qk_norm, sliding_window=max(windows) if windows else None,
         layer_attention=layers, params=params, bos_token_id=hf.bos_token_id, eos_token_ids=eos_ids,
-        torch_dtype=str(hf.torch_dtype or hf.dtype or "float32"))
+        torch_dtype=str(hf.torch_dtype or hf.dtype or "float32"), mla=mla)
 
 
 @dataclass(frozen=True)

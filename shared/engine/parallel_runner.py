@@ -187,7 +187,7 @@ class ParallelModelRunner(StageRunner):
                 k, v = self.local_kv(blocks, start, end)
             else:
                 k = torch.empty(len(layers), end - start, heads, dim, dtype=self.pool.dtype)
-                v = torch.empty_like(k)
+                v = torch.empty(len(layers), end - start, heads, self.pool.v[0].shape[2], dtype=self.pool.dtype)
                 dist.recv(k, src=rank)
                 dist.recv(v, src=rank)
             head0 = kv_head_start(tp_rank, lay.tp, self.total_kv_heads)

@@ -1,8 +1,10 @@
 """The paged KV pool: the tensors behind the block manager's block ids.
 
-Life cycle: allocated once at engine start as one K and one V tensor per layer,
-shaped [num_blocks * block_size, kv_heads, head_dim] (a flat slot index
-= block_id * block_size + offset). Attention writes and reads through slots;
+Life cycle: allocated once at engine start from the model's `KVLayout` (shared/kv/layout.py):
+for per-head layouts one K and one V tensor per layer, shaped
+[num_blocks * block_size, kv_heads, head_dim]; for the MLA latent layout one tensor per layer,
+[num_blocks * block_size, 1, kv_lora_rank + qk_rope_head_dim], whose two planes (latent, rope)
+`k` and `v` are views of (a flat slot index = block_id * block_size + offset). Attention writes and reads through slots;
 `read`/`write` move one sequence's K/V for a range of layers and tokens in and
 out (used by the KV sender and receiver of disaggregated serving).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from edgecore.shared.config import CacheConfig, ModelConfig
+from edgecore.shared.kv.layout import KVLayout
 
 
 class KVPool:
@@ -19,15 +22,24 @@ class KVPool:
                  num_kv_heads: int | None = None, num_layers: int | None = None):
         self.block_size = cache.block_size
         self.num_slots = cache.num_blocks * cache.block_size
-        heads = num_kv_heads or config.num_key_value_heads
+        self.layout = layout = KVLayout.of(config, num_kv_heads)
         layers = num_layers if num_layers is not None else config.num_hidden_layers
-        shape = (self.num_slots, heads, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        if layout.latent:
+            shape = (self.num_slots, 1, layout.k_dim + layout.v_dim)
+            self.latent = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+            self.k = [t[..., :layout.k_dim] for t in self.latent]
+            self.v = [t[..., layout.k_dim:] for t in self.latent]
+        else:
+            shape = (self.num_slots, layout.heads, layout.k_dim)
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.dtype, self.device = dtype, device
 
     @property
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """What attention reads per layer: (K, V) caches, or (the whole latent cache, None) for MLA."""
+        if self.layout.latent:
+            return [(t, None) for t in self.latent]
         return list(zip(self.k, self.v))
 
     def slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
@@ -37,12 +49,15 @@ class KVPool:
         return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [tokens, kv_heads, head_dim] at these slots (a copy)."""
+        """K, V [tokens, kv_heads, head_dim] at these slots (a copy); latent, rope [tokens, 1, width] for MLA."""
         return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_start: int = 0) -> None:
         """Write K, V [tokens, heads, head_dim]; a slice of the KV heads starting at `head_start` is allowed
         (KV from a tensor-parallel core arrives per head range)."""
+        if k.shape[-1] != self.k[layer].shape[-1] or v.shape[-1] != self.v[layer].shape[-1]:
+            raise ValueError(f"KV planes of width {k.shape[-1]}, {v.shape[-1]} do not fit this pool's "
+                             f"{self.k[layer].shape[-1]}, {self.v[layer].shape[-1]}")
         if head_start == 0 and k.shape[1] == self.k[layer].shape[1]:
             self.k[layer].index_copy_(0, slots, k.to(self.dtype))
             self.v[layer].index_copy_(0, slots, v.to(self.dtype))
@@ -53,4 +68,5 @@ class KVPool:
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        tensors = self.latent if self.layout.latent else self.k + self.v
+        return sum(t.numel() * t.element_size() for t in tensors)

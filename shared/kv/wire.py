@@ -1,7 +1,9 @@
 """Torch KV tensors ↔ the numpy bit planes the protocol's codecs take.
 
 bfloat16/float16 travel as uint16 bits, float32 as uint32 bits, in
-[layers, tokens, heads, head_dim] order; conversions are views, not copies.
+[layers, tokens, heads, width] order; conversions are views, not copies. The planes are
+those of the model's `KVLayout` (shared/kv/layout.py): K and V per head, or, for MLA, the
+latent (kv_lora_rank wide) and the rope key (qk_rope_head_dim wide) of one shared "head".
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ class Arch:
     qk_norm: bool = False         # per-head RMSNorm on q and k (Qwen3)
     text_prefix: str = ""         # weights live under this prefix (multimodal checkpoints' text part)
     sub_config: str = ""          # the text model's fields live under this key of config.json
+    mla: bool = False             # multi-head latent attention: config read by shared/models/mla_config.py
 
     def model_class(self):
         module, name = self.model.split(":")
@@ -41,4 +42,6 @@ ARCHITECTURES: dict[str, Arch] = {
     "Llama4ForCausalLM": Arch("edgecore.shared.models.llama4:Llama4ForCausalLM", Llama4Params),
     "Llama4ForConditionalGeneration": Arch("edgecore.shared.models.llama4:Llama4ForCausalLM", Llama4Params,
                                            text_prefix="language_model.", sub_config="text_config"),
+    "DeepseekV2ForCausalLM": Arch("edgecore.shared.models.deepseek:DeepseekForCausalLM", mla=True),
+    "DeepseekV3ForCausalLM": Arch("edgecore.shared.models.deepseek:DeepseekForCausalLM", mla=True),
 }

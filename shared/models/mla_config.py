@@ -1,0 +1,157 @@
+"""DeepSeek-V2/V3 (and Kimi K2) configuration: the fields of multi-head latent attention (MLA), YaRN
+RoPE and the routed MoE, read from a Hugging Face config.json into one msgspec Struct.
+
+Life cycle: `ModelConfig.from_dict` meets a `DeepseekV2ForCausalLM`/`DeepseekV3ForCausalLM`
+architecture (whatever its `model_type`: Kimi K2 declares DeepseekV3 with its own), calls
+`parse_deepseek(raw, arch, source)` once, keeps the returned `DeepseekConfig` as `ModelConfig.mla`
+and takes the generic fields from `generic_fields(raw, mla)`. The model (`deepseek.py`), its
+attention (`mla.py`) and the latent KV layout read it from there, read-only. No torch here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from edgecore.shared.errors import ConfigError
+
+Pos = Annotated[int, msgspec.Meta(gt=0)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class YarnRope(msgspec.Struct, frozen=True):
+    """RoPE of the rotary part (qk_rope_head_dim): plain, or YaRN with the DeepSeek mscale terms."""
+    rope_type: Literal["default", "yarn"] = "default"
+    rope_theta: Annotated[float, msgspec.Meta(gt=0)] = 10000.0
+    factor: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    original_max_position_embeddings: Pos | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+class DeepseekConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """The DeepSeek-specific config.json fields (the generic ones stay in `ModelConfig`)."""
+    kv_lora_rank: Pos
+    qk_rope_head_dim: Pos
+    qk_nope_head_dim: Pos
+    v_head_dim: Pos
+    q_lora_rank: Pos | None = None
+    attention_bias: bool = False
+    n_routed_experts: Pos | None = None
+    n_shared_experts: NonNeg | None = None
+    moe_intermediate_size: Pos | None = None
+    num_experts_per_tok: Pos | None = None
+    first_k_dense_replace: NonNeg = 0
+    moe_layer_freq: Pos = 1
+    n_group: Pos | None = None
+    topk_group: Pos | None = None
+    topk_method: Literal["greedy", "group_limited_greedy", "noaux_tc"] | None = None
+    scoring_func: Literal["softmax", "sigmoid"] | None = None
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = False
+    rope_interleave: bool = True
+    rope: YarnRope = YarnRope()
+    version: Literal[2, 3] = 3
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per layer: the compressed KV plus the shared RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (self.n_routed_experts is not None and layer >= self.first_k_dense_replace
+                and layer % self.moe_layer_freq == 0)
+
+    @property
+    def sigmoid_routing(self) -> bool:
+        return self.scoring_func == "sigmoid"
+
+    def softmax_scale(self) -> float:
+        """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under YaRN (DeepSeek's formula)."""
+        scale = self.qk_head_dim ** -0.5
+        r = self.rope
+        if r.rope_type == "yarn" and r.mscale_all_dim:
+            m = yarn_mscale(r.factor, r.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rope(raw: dict, source: str) -> YarnRope:
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else None
+    scaling = raw.get("rope_scaling") if isinstance(raw.get("rope_scaling"), dict) else None
+    fields: dict[str, Any] = {"rope_theta": raw.get("rope_theta", 10000.0)}
+    for part in (params, scaling):          # the older `rope_scaling` form wins where both exist
+        if part:
+            fields.update({k: v for k, v in part.items() if k in YarnRope.__struct_fields__})
+            if "type" in part and "rope_type" not in part:
+                fields["rope_type"] = part["type"]
+    try:
+        rope = msgspec.convert(fields, YarnRope)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: field 'rope_scaling'/'rope_parameters': {exc}") from None
+    if rope.rope_type == "yarn":
+        if rope.original_max_position_embeddings is None:
+            raise ConfigError(f"{source}: YaRN rope needs 'original_max_position_embeddings'")
+        if rope.factor is None:
+            factor = raw.get("max_position_embeddings", 0) / rope.original_max_position_embeddings
+            rope = msgspec.structs.replace(rope, factor=float(factor))
+    return rope
+
+
+def parse_deepseek(raw: dict, arch: str, source: str = "config.json") -> DeepseekConfig:
+    """Validate the DeepSeek fields of a config.json; every bad value is a `ConfigError` naming it."""
+    if raw.get("quantization_config"):
+        raise ConfigError(f"{source}: field 'quantization_config' is set: quantized (fp8) DeepSeek checkpoints "
+                          "are not supported; convert the weights to bf16 first")
+    version = 2 if arch == "DeepseekV2ForCausalLM" else 3
+    fields = {k: v for k, v in raw.items() if k in DeepseekConfig.__struct_fields__ and v is not None}
+    fields.pop("rope", None)
+    fields["version"] = version
+    if version == 2:
+        fields["rope_interleave"] = True          # V2 rotates interleaved pairs (complex form) always
+    fields.setdefault("scoring_func", "sigmoid" if version == 3 else "softmax")
+    fields.setdefault("topk_method", "noaux_tc" if version == 3 else "greedy")
+    try:
+        cfg = msgspec.convert(fields, DeepseekConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    cfg = msgspec.structs.replace(cfg, rope=_rope(raw, source))
+    if cfg.qk_rope_head_dim % 2:
+        raise ConfigError(f"{source}: field 'qk_rope_head_dim' = {cfg.qk_rope_head_dim} must be even")
+    if cfg.n_routed_experts is not None:
+        for key in ("moe_intermediate_size", "num_experts_per_tok"):
+            if getattr(cfg, key) is None:
+                raise ConfigError(f"{source}: field '{key}' is required with n_routed_experts")
+        if cfg.num_experts_per_tok > cfg.n_routed_experts:
+            raise ConfigError(f"{source}: field 'num_experts_per_tok' exceeds n_routed_experts")
+        groups = cfg.n_group or 1
+        if cfg.n_routed_experts % groups:
+            raise ConfigError(f"{source}: field 'n_group' = {groups} must divide n_routed_experts")
+        if (cfg.topk_group or groups) > groups:
+            raise ConfigError(f"{source}: field 'topk_group' = {cfg.topk_group} exceeds n_group = {groups}")
+        if cfg.sigmoid_routing != (cfg.topk_method == "noaux_tc"):
+            raise ConfigError(f"{source}: fields 'scoring_func' = {cfg.scoring_func!r} and 'topk_method' = "
+                              f"{cfg.topk_method!r} do not go together (sigmoid needs noaux_tc)")
+    return cfg
+
+
+def generic_fields(raw: dict, mla: DeepseekConfig) -> dict:
+    """The config with the fields the generic `ModelConfig` parser reads set for MLA: one latent "KV head"
+    (shared by every query head), the attention head dimension, and no RoPE scaling (read here)."""
+    out = {k: v for k, v in raw.items() if k not in ("rope_scaling", "rope_parameters")}
+    out.update(num_key_value_heads=1, head_dim=mla.qk_head_dim, rope_theta=mla.rope.rope_theta)
+    return out
