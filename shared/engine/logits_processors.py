@@ -52,9 +52,18 @@ def _fixed_of(seqs: list[Sequence], rows: list[int], vocab: int, dtype, device) 
 
 def _flat_index(parts: list[torch.Tensor], vocab: int, device) -> torch.Tensor:
     """Row-major indices into a flattened [R, vocab] tensor of the per-row token tensors `parts`."""
+    if len(parts) == 1:
+        return parts[0]
     lengths = torch.tensor([len(p) for p in parts], device=device)
     rows = torch.repeat_interleave(torch.arange(len(parts), device=device), lengths)
     return rows * vocab + torch.cat(parts)
+
+
+def _column(values: list[float], dtype, device):
+    """Per-row values as an [R, 1] tensor, or one Python number when every row has the same."""
+    if all(v == values[0] for v in values):
+        return values[0]
+    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
 
 
 def _output_counts(seqs: list[Sequence], rows: list[int], vocab: int, device) -> torch.Tensor:
@@ -62,9 +71,12 @@ def _output_counts(seqs: list[Sequence], rows: list[int], vocab: int, device) ->
     outputs = [seqs[i].output_token_ids for i in rows]
     buffer = array("q", chain.from_iterable(outputs))      # one C-level pass over the rows' tokens
     flat = torch.frombuffer(buffer, dtype=torch.long) if buffer else torch.empty(0, dtype=torch.long)
-    lengths = torch.tensor([len(o) for o in outputs])
-    row_ids = torch.repeat_interleave(torch.arange(len(rows)), lengths)
-    index = (row_ids * vocab + flat).to(device)
+    if len(rows) == 1:
+        index = flat.to(device)
+    else:
+        lengths = torch.tensor([len(o) for o in outputs])
+        row_ids = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+        index = (row_ids * vocab + flat).to(device)
     return torch.bincount(index, minlength=len(rows) * vocab).view(len(rows), vocab)
 
 
@@ -83,12 +95,11 @@ def adjust(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch
     if any(r != 1.0 for r in rep):                   # over prompt and output tokens
         seen = (counts > 0).view(-1)
         seen[_flat_index([f.prompt for f in fixed], vocab, device)] = True
-        r = torch.tensor(rep, dtype=dtype, device=device).unsqueeze(1)
+        r = _column(rep, dtype, device)
         scale = torch.where(sub > 0, 1.0 / r, r)
         sub *= torch.where(seen.view(len(rows), vocab), scale, 1.0)
     if any(freq) or any(pres):                        # over output tokens only
-        f = torch.tensor(freq, dtype=dtype, device=device).unsqueeze(1)
-        p = torch.tensor(pres, dtype=dtype, device=device).unsqueeze(1)
+        f, p = _column(freq, dtype, device), _column(pres, dtype, device)
         penalty = counts.to(dtype) * f
         penalty += (counts > 0) * p
         sub -= penalty

@@ -37,11 +37,15 @@ def test_adjust_matches_per_row_reference():
             seq([1, 1, 2], [2, 9, 9, 9], repetition_penalty=0.8, frequency_penalty=-1.5, presence_penalty=2.0,
                 logit_bias={3: -100, 4: 7.5}),
             seq([10, 11], [12], logit_bias={0: 100})]
-    rows = [0, 1, 3, 4]
-    out = adjust(logits, seqs, rows)
-    for i in range(5):
-        want = reference(logits[i], seqs[i]) if i in rows else logits[i]
-        torch.testing.assert_close(out[i], want)
+    for rows in ([0, 1, 3, 4], [3], [1]):         # several rows with different values; one row (scalar paths)
+        out = adjust(logits, seqs, rows)
+        for i in range(5):
+            want = reference(logits[i], seqs[i]) if i in rows else logits[i]
+            torch.testing.assert_close(out[i], want)
+    same = [seq([1, 2], [3, 3], repetition_penalty=1.5, presence_penalty=0.5) for _ in range(2)]
+    out = adjust(logits[:2], same, [0, 1])        # every row, equal values
+    for i in range(2):
+        torch.testing.assert_close(out[i], reference(logits[i], same[i]))
     assert not torch.equal(out, logits)          # the raw logits stay for logprobs
     torch.testing.assert_close(logits, torch.randn(5, vocab, generator=torch.Generator().manual_seed(0)) * 3)
 
