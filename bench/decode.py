@@ -10,7 +10,8 @@ own dtype) is measured and reported beside it.
 to read those bytes once at the memory bandwidth measured now (a large tensor copy).
 `--penalties`: decode throughput of the bundled model with presence, frequency and repetition
 penalties and a 16-entry logit_bias on every request, against the same requests without them,
-interleaved in one run (greedy, fp32; target ≥ 0.9×), at batch sizes 1/8/32/64.
+interleaved in one run (greedy, fp32; target ≥ 0.9×), at batch sizes 1/8/32/64; tokens per wall
+second and per CPU second of the process (the steadier one on a machine shared with other jobs).
 `--breakdown`: where a decode step of the bundled model goes at one batch size (torch profiler,
 operator self time grouped into matmuls, attention, KV gather/write and other operators; the rest
 of the step's wall time, `between_ops`, is Python, dispatch and the profiler's own cost, which
@@ -92,16 +93,20 @@ def bench_penalties(batches, prompt_len, new_tokens, repeats) -> list[dict]:
         penalized = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, detokenize=False,
                                    **PENALTIES)
         engine.generate(prompts[:1], [penalized])     # warm-up
-        base, pen = [], []
+        wall = {"plain": [], "penalized": []}
+        cpu = {"plain": [], "penalized": []}
         for _ in range(repeats):                      # interleaved: drift on a shared machine hits both alike
-            for params, into in ((plain, base), (penalized, pen)):
-                t = time.perf_counter()
+            for name, params in (("plain", plain), ("penalized", penalized)):
+                t, c = time.perf_counter(), time.process_time()
                 engine.generate(prompts, params)
-                into.append(b * new_tokens / (time.perf_counter() - t))
-        ours, theirs = statistics.median(pen), statistics.median(base)
+                wall[name].append(b * new_tokens / (time.perf_counter() - t))
+                cpu[name].append(b * new_tokens / (time.process_time() - c))
+        ours, theirs = statistics.median(wall["penalized"]), statistics.median(wall["plain"])
+        cpu_ratio = statistics.median(cpu["penalized"]) / statistics.median(cpu["plain"])
         rows.append({"batch": b, "penalized_tok_s": round(ours, 1), "plain_tok_s": round(theirs, 1),
-                     "ratio": round(ours / theirs, 3)})
-        progress(f"batch {b}: with penalties {ours:.0f} tok/s, without {theirs:.0f} tok/s, {ours / theirs:.3f}x")
+                     "ratio": round(ours / theirs, 3), "cpu_time_ratio": round(cpu_ratio, 3)})
+        progress(f"batch {b}: with penalties {ours:.0f} tok/s, without {theirs:.0f} tok/s, {ours / theirs:.3f}x "
+                 f"(per CPU second: {cpu_ratio:.3f}x)")
     return rows
 
 
