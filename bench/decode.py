@@ -8,6 +8,10 @@ transformers too. The headline is float32, the engine's CPU default; bfloat16 (t
 own dtype) is measured and reported beside it.
 `--synthetic`: a random-weight Llama of about 1 GB; batch-1 decode step time against the time
 to read those bytes once at the memory bandwidth measured now (a large tensor copy).
+`--penalties`: decode throughput of the bundled model with presence, frequency and repetition
+penalties and a 16-entry logit_bias on every request, against the same requests without them,
+interleaved in one run (greedy, fp32; target ≥ 0.9×), at batch sizes 1/8/32/64; tokens per wall
+second and per CPU second of the process (the steadier one on a machine shared with other jobs).
 `--breakdown`: where a decode step of the bundled model goes at one batch size (torch profiler,
 operator self time grouped into matmuls, attention, KV gather/write and other operators; the rest
 of the step's wall time, `between_ops`, is Python, dispatch and the profiler's own cost, which
@@ -71,6 +75,38 @@ def bench_bundled(batches, prompt_len, new_tokens, repeats, dtype_name):
                      "ratio": round(ours / theirs, 2)})
         progress(f"{dtype_name} batch {b}: edgecore {ours:.0f} tok/s, transformers {theirs:.0f} tok/s, "
                  f"{ours / theirs:.2f}x")
+    return rows
+
+
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
+                 logit_bias={t: (-1.0) ** t for t in range(100, 116)})
+
+
+def bench_penalties(batches, prompt_len, new_tokens, repeats) -> list[dict]:
+    engine = LLMEngine.from_dir(MODEL, "fp32", "cpu", CacheConfig(num_blocks=4096),
+                                EngineConfig(max_num_batched_tokens=4096, max_num_seqs=256))
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for b in batches:
+        prompts = torch.randint(3, 2048, (b, prompt_len), generator=gen).tolist()
+        plain = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, detokenize=False)
+        penalized = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, detokenize=False,
+                                   **PENALTIES)
+        engine.generate(prompts[:1], [penalized])     # warm-up
+        wall = {"plain": [], "penalized": []}
+        cpu = {"plain": [], "penalized": []}
+        for _ in range(repeats):                      # interleaved: drift on a shared machine hits both alike
+            for name, params in (("plain", plain), ("penalized", penalized)):
+                t, c = time.perf_counter(), time.process_time()
+                engine.generate(prompts, params)
+                wall[name].append(b * new_tokens / (time.perf_counter() - t))
+                cpu[name].append(b * new_tokens / (time.process_time() - c))
+        ours, theirs = statistics.median(wall["penalized"]), statistics.median(wall["plain"])
+        cpu_ratio = statistics.median(cpu["penalized"]) / statistics.median(cpu["plain"])
+        rows.append({"batch": b, "penalized_tok_s": round(ours, 1), "plain_tok_s": round(theirs, 1),
+                     "ratio": round(ours / theirs, 3), "cpu_time_ratio": round(cpu_ratio, 3)})
+        progress(f"batch {b}: with penalties {ours:.0f} tok/s, without {theirs:.0f} tok/s, {ours / theirs:.3f}x "
+                 f"(per CPU second: {cpu_ratio:.3f}x)")
     return rows
 
 
@@ -160,6 +196,8 @@ def main():
     ap.add_argument("--synthetic", action="store_true", help="batch-1 bandwidth test on a ~1 GB random model")
     ap.add_argument("--breakdown", type=int, metavar="BATCH",
                     help="profile decode steps at this batch size and group their time (no comparison)")
+    ap.add_argument("--penalties", action="store_true",
+                    help="throughput with penalties and logit_bias against without (same run, no transformers)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -169,6 +207,13 @@ def main():
     ap.add_argument("--dtype", choices=sorted(DTYPES),
                     help="synthetic: the weights' dtype (bf16); bundled: one dtype only (else fp32 and bf16)")
     args = ap.parse_args()
+    if args.penalties:
+        rows = bench_penalties([int(b) for b in args.batches.split(",")], args.prompt_len, args.new_tokens,
+                               args.repeats)
+        emit("decode_penalties", "min_ratio_with_penalties", min(r["ratio"] for r in rows), target=0.9, rows=rows,
+             penalties={k: v for k, v in PENALTIES.items() if k != "logit_bias"}, logit_bias_entries=16,
+             prompt_tokens=args.prompt_len, new_tokens=args.new_tokens, threads=torch.get_num_threads())
+        return
     if args.breakdown:
         r = bench_breakdown(args.breakdown, args.dtype or "fp32")
         emit("decode_breakdown", "matmul_share_of_decode_step", r["share"]["matmul"], **r)

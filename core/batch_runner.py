@@ -136,7 +136,9 @@ class BatchRunner:
                 if not isinstance(body, dict):
                     raise ValueError("'body' must be an object")
                 check_model(body, self.model_name)
-                parse(body, engine.tokenizer, engine.config.vocab_size, engine.max_model_len)
+                parsed = parse(body, engine.tokenizer, engine.config.vocab_size, engine.max_model_len)
+                if parsed.prompt_logprobs is not None and getattr(self.core, "parallel", False):
+                    raise ValueError("prompt logprobs (echo with logprobs, prompt_logprobs) need a single-rank core")
             except (ValueError, ApiError) as exc:   # json.JSONDecodeError is a ValueError
                 message = f"line {number}: {exc}"
                 if isinstance(custom_id, str) and custom_id not in seen:

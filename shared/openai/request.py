@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
 from edgecore.shared.openai.errors import ApiError
-from edgecore.shared.openai.schemas import MAX_N, MAX_PROMPTS, ChatRequest, CompletionRequest, _Sampling, decode_body
+from edgecore.shared.openai.schemas import MAX_N, MAX_PROMPTS, ChatRequest, CompletionRequest, SamplingFields, decode_body
 from edgecore.shared.tokenizer import Tokenizer
 
 __all__ = ["ApiError", "ParsedRequest", "check_model", "parse_chat", "parse_completion", "MAX_N"]
@@ -57,7 +57,7 @@ def check_model(body: dict, served: str) -> None:
                        "model_not_found")
 
 
-def _logit_bias(req: _Sampling, vocab: int) -> dict[int, float] | None:
+def _logit_bias(req: SamplingFields, vocab: int) -> dict[int, float] | None:
     if not req.logit_bias:
         return None
     bias = {}
@@ -85,7 +85,7 @@ def _max_tokens(requested: int | None, default: int | None, prompts: list[list[i
     return max_tokens
 
 
-def _params(req: _Sampling, prompts: list[list[int]], n: int, max_tokens: int, vocab: int,
+def _params(req: SamplingFields, prompts: list[list[int]], n: int, max_tokens: int, vocab: int,
             logprobs: int | None, prompt_logprobs: int | None) -> list[SamplingParams]:
     stop = req.stop or []
     stop = [stop] if isinstance(stop, str) else [s for s in stop if s]
@@ -109,7 +109,7 @@ def _params(req: _Sampling, prompts: list[list[int]], n: int, max_tokens: int, v
     return params
 
 
-def _stream_opts(req: _Sampling) -> tuple[bool, bool]:
+def _stream_opts(req: SamplingFields) -> tuple[bool, bool]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return bool(req.stream), include_usage
 

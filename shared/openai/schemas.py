@@ -35,7 +35,7 @@ class StreamOptions(Struct):
     include_usage: bool | None = False
 
 
-class _Sampling(Struct, kw_only=True):
+class SamplingFields(Struct, kw_only=True):
     """Fields shared by both endpoints (vLLM's extras included)."""
     model: str | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
@@ -65,7 +65,7 @@ class _Sampling(Struct, kw_only=True):
     min_tokens: Any = None
 
 
-class CompletionRequest(_Sampling, kw_only=True):
+class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | Annotated[list[str | TokenId | list[TokenId]], Meta(min_length=1)]   # prompts ≤ MAX_PROMPTS
     best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
     echo: bool | None = False
@@ -86,7 +86,7 @@ class ChatMessage(Struct):
     tool_call_id: str | None = None
 
 
-class ChatRequest(_Sampling, kw_only=True):
+class ChatRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: Count | None = None
     logprobs: bool | None = False

@@ -22,14 +22,14 @@ AUTH = {"Authorization": f"Bearer {KEY}"}          # /stats needs the key like /
 def server(request, secret_file, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(f"# test keys\n{KEY}\nsk-second\n")
-    core = None
+    core = core_http = None
     if request.param == "with-core":
-        core, port, _ = start_core(secret_file)
+        core, port, core_http = start_core(secret_file)
         edge, http = start_edge("--api-key-file", str(keys), "--local-prefill-below", "0", "--max-body-mb", "1",
                                 cores=[port], secret_file=secret_file)
     else:
         edge, http = start_edge("--api-key-file", str(keys), "--max-body-mb", "1")
-    yield {"http": http, "mode": request.param}
+    yield {"http": http, "mode": request.param, "core_http": core_http}
     edge.stop()
     if core:
         core.stop()
@@ -232,3 +232,138 @@ def test_64_simultaneous_streams(server):
     counts = asyncio.run(main())
     assert len(counts) == 64 and all(c >= 1 for c in counts)
     assert get_json(f"http://127.0.0.1:{port}/stats", headers=AUTH)["blocks_used"] == 0
+
+
+# ---- sampling parameters: each changes the output as it should, equal to a single-node run ------------------
+REPETITIVE = "for x in range(10): for x in range(10): for x in range(10): for x in"
+
+
+def single_node(prompt_ids, **kw):
+    kw.setdefault("temperature", 0)
+    return make_engine().generate([prompt_ids], SamplingParams(**kw))[0]
+
+
+def test_logit_bias_bans_the_greedy_token(client, tokenizer):
+    ids = tokenizer.encode(REPETITIVE)
+    greedy = single_node(ids, max_tokens=6)["token_ids"]
+    r = client.completions.create(model="pydoc-llama", prompt=ids, max_tokens=6, temperature=0,
+                                  logit_bias={str(greedy[0]): -100})
+    ref = single_node(ids, max_tokens=6, logit_bias={greedy[0]: -100.0})
+    assert ref["token_ids"][0] != greedy[0] and greedy[0] not in ref["token_ids"]
+    assert r.choices[0].text == ref["text"]
+    forced = client.completions.create(model="pydoc-llama", prompt=ids, max_tokens=3, temperature=0,
+                                       logit_bias={"65": 100})
+    assert forced.choices[0].text == tokenizer.decode([65, 65, 65])
+
+
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 1.5},
+                                     {"repetition_penalty": 1.8}])
+def test_penalties_change_a_repetitive_continuation(client, tokenizer, penalty):
+    ids = tokenizer.encode(REPETITIVE)
+    plain = single_node(ids, max_tokens=24)
+    ref = single_node(ids, max_tokens=24, **penalty)
+    assert ref["text"] != plain["text"]
+    r = client.completions.create(model="pydoc-llama", prompt=REPETITIVE, max_tokens=24, temperature=0,
+                                  extra_body=penalty)
+    assert r.choices[0].text == ref["text"]
+    chat = client.chat.completions.create(model="pydoc-llama", max_tokens=16, temperature=0,
+                                          messages=[{"role": "user", "content": REPETITIVE}], extra_body=penalty)
+    ref = single_node(tokenizer.encode_chat([{"role": "user", "content": REPETITIVE}]), max_tokens=16, **penalty)
+    assert chat.choices[0].message.content == ref["text"]
+
+
+def test_min_p_one_is_greedy(client):
+    kw = dict(model="pydoc-llama", prompt="The class statement", max_tokens=16)
+    greedy = client.completions.create(**kw, temperature=0).choices[0].text
+    for seed in (1, 2, 3):
+        r = client.completions.create(**kw, temperature=1.5, seed=seed, extra_body={"min_p": 1.0})
+        assert r.choices[0].text == greedy
+
+
+def test_best_of_returns_the_most_likely_sample(client):
+    kw = dict(model="pydoc-llama", prompt="A module is", max_tokens=10, temperature=1.2, seed=11)
+    every = client.completions.create(**kw, n=4, logprobs=0)
+    cumulative = [sum(c.logprobs.token_logprobs) for c in every.choices]
+    assert len(set(c.text for c in every.choices)) > 1
+    best = client.completions.create(**kw, n=1, best_of=4)
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    assert best.choices[0].text == every.choices[cumulative.index(max(cumulative))].text
+    assert best.usage.completion_tokens == every.usage.completion_tokens
+    two = client.completions.create(**kw, n=2, best_of=4)
+    ranked = sorted(range(4), key=lambda i: -cumulative[i])[:2]
+    assert [c.text for c in two.choices] == [every.choices[i].text for i in ranked]
+
+
+def test_echo_with_logprobs_gives_prompt_logprobs(client, tokenizer, hf_model):
+    import torch
+    prompt = "The for statement is used to"
+    ids = tokenizer.encode(prompt)
+    r = client.completions.create(model="pydoc-llama", prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(prompt)
+    assert len(lp.token_logprobs) == len(ids) - 1 + 4 and len(lp.top_logprobs[0]) == 2
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    for p in range(1, len(ids)):
+        assert lp.token_logprobs[p - 1] == pytest.approx(ref[p - 1, ids[p]].item(), abs=1e-3)
+    extra = client.completions.create(model="pydoc-llama", prompt=prompt, max_tokens=2, temperature=0,
+                                      extra_body={"prompt_logprobs": 0})
+    plps = extra.choices[0].model_extra["prompt_logprobs"]
+    assert plps[0] is None and len(plps) == len(ids)
+    assert plps[1][str(ids[1])]["logprob"] == pytest.approx(ref[0, ids[1]].item(), abs=1e-3)
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+    ({"extra_body": {"response_format": {"type": "made-up"}}}, "response_format"),
+    ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}}, "tools"),
+    ({"extra_body": {"tool_choice": "required"}}, "tool_choice"),
+    ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+    ({"extra_body": {"guided_regex": "[a-z]+"}}, "guided_regex"),
+    ({"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
+    ({"extra_body": {"min_p": 5}}, "min_p"),
+    ({"extra_body": {"stop_token_ids": 5}}, "stop_token_ids"),
+    ({"extra_body": {"top_k": 1e30}}, "top_k"),
+    ({"logit_bias": {"5": 1000}}, "logit_bias"),
+    ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"extra_body": {"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                                 "image_url": {"url": "x"}}]}]}},
+     "messages[0].content[0]"),
+])
+def test_rejected_chat_parameters_name_the_parameter(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="pydoc-llama", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=2, **kw)
+    assert e.value.body["param"] == param and e.value.status_code == 400
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"suffix": "def f():"}, "suffix"), ({"n": 3, "best_of": 2}, "best_of"),
+    ({"best_of": 2, "stream": True}, "best_of"), ({"echo": True, "logprobs": 1, "stream": True}, "echo"),
+    ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+    ({"extra_body": {"min_tokens": 4}}, "min_tokens"), ({"logprobs": 9}, "logprobs"),
+])
+def test_rejected_completion_parameters_name_the_parameter(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="pydoc-llama", prompt="x", max_tokens=2, **kw)
+    assert e.value.body["param"] == param
+
+
+def test_tokenize_version_and_model_routes(server, client, tokenizer):
+    port = server["http"]
+    body = json.dumps({"prompt": "The with statement"}).encode()
+    code, tokens = raw_request(port, body, path="/tokenize")
+    assert code == 200 and tokens["tokens"] == tokenizer.encode("The with statement")
+    code, text = raw_request(port, json.dumps({"tokens": tokens["tokens"]}).encode(), path="/detokenize")
+    assert code == 200 and text["prompt"] == "The with statement"
+    assert get_json(f"http://127.0.0.1:{port}/version")["version"]
+    assert client.models.retrieve("pydoc-llama").id == "pydoc-llama"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    if server["core_http"]:
+        core = openai.OpenAI(base_url=f"http://127.0.0.1:{server['core_http']}/v1", api_key="unused",
+                             max_retries=0, timeout=30)
+        assert [m.id for m in core.models.list().data] == ["pydoc-llama"]

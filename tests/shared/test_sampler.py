@@ -37,11 +37,15 @@ def test_adjust_matches_per_row_reference():
             seq([1, 1, 2], [2, 9, 9, 9], repetition_penalty=0.8, frequency_penalty=-1.5, presence_penalty=2.0,
                 logit_bias={3: -100, 4: 7.5}),
             seq([10, 11], [12], logit_bias={0: 100})]
-    rows = [0, 1, 3, 4]
-    out = adjust(logits, seqs, rows)
-    for i in range(5):
-        want = reference(logits[i], seqs[i]) if i in rows else logits[i]
-        torch.testing.assert_close(out[i], want)
+    for rows in ([0, 1, 3, 4], [3], [1]):         # several rows with different values; one row (scalar paths)
+        out = adjust(logits, seqs, rows)
+        for i in range(5):
+            want = reference(logits[i], seqs[i]) if i in rows else logits[i]
+            torch.testing.assert_close(out[i], want)
+    same = [seq([1, 2], [3, 3], repetition_penalty=1.5, presence_penalty=0.5) for _ in range(2)]
+    out = adjust(logits[:2], same, [0, 1])        # every row, equal values
+    for i in range(2):
+        torch.testing.assert_close(out[i], reference(logits[i], same[i]))
     assert not torch.equal(out, logits)          # the raw logits stay for logprobs
     torch.testing.assert_close(logits, torch.randn(5, vocab, generator=torch.Generator().manual_seed(0)) * 3)
 
@@ -69,3 +73,18 @@ def test_fast_path_unchanged_without_adjustments():
     seqs = [seq([1], [2], temperature=0) for _ in range(3)]
     assert not any(s.params.adjusts_logits for s in seqs)
     assert sample(logits, seqs).token_ids == logits.argmax(-1).tolist()
+
+
+def test_sampling_spec_carries_every_first_token_field():
+    from edgecore.protocol import messages as m
+    p = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=3, logprobs=2, presence_penalty=0.5,
+                       frequency_penalty=-0.5, repetition_penalty=1.3, logit_bias={7: -100.0}, min_p=0.2)
+    wire = m.encoder.encode(m.PrefillRequest("r", [1, 2], m.SamplingSpec(**p.spec_fields())))
+    spec = m.decoder.decode(wire).sampling
+    back = SamplingParams.from_spec(spec, max_tokens=1)
+    for name in ("temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "logit_bias", "min_p"):
+        assert getattr(back, name) == getattr(p, name), name
+    old = m.decoder.decode(m.encoder.encode(m.PrefillRequest("r", [1], m.SamplingSpec(0.5, 1.0, -1, 9))))
+    plain = SamplingParams.from_spec(old.sampling, max_tokens=1)     # a peer that sends only the first fields
+    assert plain.logit_bias is None and not plain.adjusts_logits and plain.seed == 9
