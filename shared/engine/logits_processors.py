@@ -90,15 +90,17 @@ def adjust(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch
     rep = [p.repetition_penalty for p in params]
     freq = [p.frequency_penalty for p in params]
     pres = [p.presence_penalty for p in params]
-    counts = _output_counts(seqs, rows, vocab, device) if any(freq) or any(pres) or any(r != 1.0 for r in rep) \
-        else None
+    counts: torch.Tensor | None = None               # output-token counts, built once if a penalty needs them
     if any(r != 1.0 for r in rep):                   # over prompt and output tokens
+        counts = _output_counts(seqs, rows, vocab, device)
         seen = (counts > 0).view(-1)
         seen[_flat_index([f.prompt for f in fixed], vocab, device)] = True
         r = _column(rep, dtype, device)
         scale = torch.where(sub > 0, 1.0 / r, r)
         sub *= torch.where(seen.view(len(rows), vocab), scale, 1.0)
     if any(freq) or any(pres):                        # over output tokens only
+        if counts is None:
+            counts = _output_counts(seqs, rows, vocab, device)
         f, p = _column(freq, dtype, device), _column(pres, dtype, device)
         penalty = counts.to(dtype) * f
         penalty += (counts > 0) * p

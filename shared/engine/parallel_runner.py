@@ -33,6 +33,7 @@ from edgecore.shared.engine.sampler import sample
 from edgecore.shared.engine.step_plan import (READ_KV, STATS, STEP, STOP, StepRoutes, decode_plan, encode_read_kv,
                                      encode_stats, encode_step, encode_stop)
 from edgecore.shared.kv.heads import kv_head_start  # noqa: F401  (the partition rule; core/ranks.py imports it here)
+from edgecore.shared.kv.transfer import StreamRoute
 from edgecore.shared.models.layers import weight_bytes
 from edgecore.shared.parallel import Layout
 
@@ -82,7 +83,8 @@ class StageRunner(ModelRunner):
     def _execute(self, items, on_layer=None):
         lay = self.layout
         last_driver = lay.rank_of(lay.pp - 1, 0)
-        pending, results = [], []
+        pending: list = []                  # isend handles (torch.distributed.Work)
+        results: list = []
         for group in self.micro_batches(items):
             hook = (lambda layer, g=group: on_layer(layer, g)) if on_layer is not None else None
             ordered, ids, positions, meta = self.prepare(group, hook)
@@ -127,11 +129,11 @@ class ParallelModelRunner(StageRunner):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._lock = threading.Lock()
-        self._routes: dict[str, list] = {}     # stream id → route, until the ranks have it
+        self._routes: dict[str, StreamRoute] = {}   # stream id → route, until the ranks have it
         self._announced: set[str] = set()
         self._drops: list[str] = []
 
-    def add_route(self, stream_id: str, route: list) -> None:
+    def add_route(self, stream_id: str, route: StreamRoute) -> None:
         """Have every rank stream its own KV of request `stream_id` (any thread; before the request is added)."""
         with self._lock:
             self._routes[stream_id] = route

@@ -82,10 +82,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     logp = raw.log_softmax(-1)
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
     k = max(w or 0 for w in want)
-    top = [[] for _ in seqs]
+    top: list[list[tuple[int, float]]] = [[] for _ in seqs]
     if k:
-        values, ids = logp.topk(k, dim=-1)
-        values, ids = values.tolist(), ids.tolist()
+        top_values, top_ids = logp.topk(k, dim=-1)
+        values, ids = top_values.tolist(), top_ids.tolist()
         for i, w in enumerate(want):
             if w:
                 top[i] = list(zip(ids[i][:w], values[i][:w]))

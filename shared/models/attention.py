@@ -50,7 +50,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None   # [B, 1, 1, L] True where attended; None: everything
     decode_masks: dict[LayerAttention, torch.Tensor] = field(default_factory=dict)   # other attention forms
     prefills: list[PrefillChunk] = field(default_factory=list)
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer [slots, H, D]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)  # per layer [slots, H, D] (MLA: latent, None)
     on_layer: Callable[[int], None] | None = None
 
 
