@@ -43,7 +43,7 @@ from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.engine.sequence import Sequence
 from edgecore.shared.kv.wire import from_bits, to_bits
-from edgecore.shared.models import llama
+from edgecore.shared.models import llama, rope
 
 TARGETS = {"ratio_0.15": {"ratio_vs_bf16": 0.15, "ppl_increase": 0.01, "agreement": 0.97},
            "ratio_0.25": {"ratio_vs_bf16": 0.25, "ppl_increase": 0.003}}
@@ -71,7 +71,8 @@ def model_rope(engine: LLMEngine) -> tuple[float, ...] | None:
     """The RoPE inverse frequencies codecs may use: Llama-family models (rotate-half, full head_dim)."""
     if type(engine.model).__module__ != llama.__name__:
         return None
-    return tuple(float(f) for f in llama.rope_inv_freq(engine.config).double())
+    inv_freq, _scale = rope.rope_inv_freq(engine.config)
+    return tuple(float(f) for f in inv_freq.double())
 
 
 class Run:

@@ -37,6 +37,7 @@ from edgecore.deploy.fault_relay import Fault, FaultRelay
 PREFILL_REQUEST, KV_CHUNK, PREFILL_DONE = 5, 6, 7     # protocol/messages.py tags worth aiming at
 FRAME_TYPES = {"up": [None, PREFILL_REQUEST], "down": [None, KV_CHUNK, KV_CHUNK, PREFILL_DONE]}
 PROCESS_FAULTS = ("kill_core", "stop_core", "kill_edge_engine")
+RANK_FAULTS = ("kill_rank",)            # a parallel core (core_args with --tp/--pp): SIGKILL one worker rank
 
 
 def _free_port() -> int:
@@ -103,8 +104,11 @@ class _Process:
 
 
 class ChaosCluster:
-    def __init__(self, model: str, workdir: Path, transfer_timeout: float = 5.0, max_tokens: int = 12):
+    def __init__(self, model: str, workdir: Path, transfer_timeout: float = 5.0, max_tokens: int = 12,
+                 core_args: tuple[str, ...] = ()):
         self.model, self.workdir, self.max_tokens = model, Path(workdir), max_tokens
+        self.core_args = core_args                 # e.g. ("--tp", "2"): a parallel core, whose ranks can be killed
+        self.process_faults = PROCESS_FAULTS + (RANK_FAULTS if core_args else ())
         self.transfer_timeout = transfer_timeout
         self.secret = self.workdir / "cluster.secret"
         self.secret.write_text(secrets.token_hex(32))
@@ -125,7 +129,8 @@ class ChaosCluster:
     def _start_core(self) -> None:
         self.core = _Process(["core", "--model", self.model, "--listen", f"127.0.0.1:{self.core_port}",
                               "--http", f"127.0.0.1:{self.core_http}", "--secret-file", str(self.secret),
-                              "--data-dir", str(self.workdir / "core-data")], self.workdir / "core.log")
+                              "--data-dir", str(self.workdir / "core-data"), *self.core_args],
+                             self.workdir / "core.log")
 
     def _start_edge(self) -> None:
         self.edge = _Process(["edge", "--model", self.model, "--listen", f"127.0.0.1:{self.edge_http}",
@@ -168,15 +173,19 @@ class ChaosCluster:
             return None, time.monotonic()
 
     # ---- trials --------------------------------------------------------------------------
-    def run_trial(self, seed: int, requests: int = 3, fault: Fault | None = None) -> TrialResult:
-        """One trial; `fault` overrides the seeded draw (the seed still picks the prompts)."""
+    def run_trial(self, seed: int, requests: int = 3, fault: Fault | None = None,
+                  process: str | None = None) -> TrialResult:
+        """One trial; `fault` (a network fault) or `process` (one of the process faults) overrides the
+        seeded draw (the seed still picks the prompts and the timing)."""
         rng = random.Random(seed)
         prompts = rng.sample(sorted(self.refs), requests)
-        if fault is not None:
+        if process is not None:
+            kind, fault_name = process, process
+        elif fault is not None:
             kind, fault_name = "network", f"{fault.kind}:{fault.direction}:{fault.frame_type}:{fault.nth}"
             self.relay.arm(fault)
         elif rng.random() < 0.15:
-            kind = rng.choice(PROCESS_FAULTS)
+            kind = rng.choice(self.process_faults)
             fault_name, fault = kind, None
         else:
             fault = Fault.random(rng, FRAME_TYPES)
@@ -212,6 +221,11 @@ class ChaosCluster:
             self.core.signal_group(signal.SIGSTOP)
             time.sleep(rng.uniform(0.5, 2.0))
             self.core.signal_group(signal.SIGCONT)
+        elif kind == "kill_rank":
+            ranks = subprocess.run(["pgrep", "-f", "core-worker --rank", "-g", str(self.core.popen.pid)],
+                                   capture_output=True, text=True).stdout.split()
+            if ranks:
+                os.kill(int(rng.choice(ranks)), signal.SIGKILL)
         elif kind == "kill_edge_engine":
             engine = subprocess.run(["pgrep", "-P", str(self.edge.popen.pid)], capture_output=True, text=True)
             for pid in engine.stdout.split():
@@ -219,7 +233,7 @@ class ChaosCluster:
         return fired
 
     def _recover(self, kind: str) -> None:
-        if kind == "kill_core":
+        if kind in ("kill_core", "kill_rank"):       # a core that lost a rank stays unhealthy: restart it
             self.core.kill()
             self._start_core()
         if self.edge.popen.poll() is not None or kind == "kill_edge_engine":

@@ -60,3 +60,22 @@ def test_bit_flips_in_prefill_done_fields_are_never_silent(cluster):
     silent = [r for r in results if r.silent_differences]
     assert not silent, f"{len(silent)} of {len(results)} flips gave a silently different answer: {silent}"
     assert not [r for r in results if r.leaked]
+
+
+@pytest.fixture(scope="module")
+def parallel_cluster(model_dir, tokenizer, heldout, tmp_path_factory):
+    c = ChaosCluster(str(model_dir), tmp_path_factory.mktemp("chaos-tp"), core_args=("--tp", "2"))
+    c.reference(_prompts(tokenizer, heldout))
+    c.start()
+    yield c
+    assert c.stop() == [], "processes left behind"
+
+
+def test_killing_a_parallel_rank_is_never_silent(parallel_cluster):
+    """SIGKILL of one rank of a `--tp 2` core at a random point of a request: answers stay identical
+    (another placement) or fail cleanly, and the restarted core and the edge hold nothing."""
+    results = [parallel_cluster.run_trial(2000 + i, process="kill_rank") for i in range(3)]
+    results += [parallel_cluster.run_trial(2100 + i) for i in range(3)]
+    assert not [r for r in results if r.silent_differences], results
+    assert not [r for r in results if r.leaked], results
+    assert sum(r.identical for r in results) > 0

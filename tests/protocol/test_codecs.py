@@ -261,10 +261,11 @@ def test_fuzz_decoder_mutated(name, edits, cut, forge):
 def test_rotate_matches_the_model_rope():
     from edgecore.protocol.codecs.equant import rotate
     from edgecore.shared.config import ModelConfig
-    from edgecore.shared.models.llama import apply_rope, rope_cos_sin, rope_inv_freq
+    from edgecore.shared.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
     from tests.conftest import MODEL_DIR
     config = ModelConfig.from_dir(MODEL_DIR)
-    rope = tuple(float(f) for f in rope_inv_freq(config).double())
+    inv_freq, _scale = rope_inv_freq(config)
+    rope = tuple(float(f) for f in inv_freq.double())
     x = torch.randn(300, 2, config.head_dim)
     cos, sin = rope_cos_sin(config, 400)
     ref = apply_rope(x, cos[100:400, None], sin[100:400, None])
