@@ -77,13 +77,17 @@ CONVERT = """
 import sys
 sys.path.insert(0, sys.argv[1] + "/gguf-py"); sys.path.insert(0, sys.argv[1])
 import convert_hf_to_gguf as c
-orig = c.TextModel.get_vocab_base_pre
+try:
+    from conversion.base import TextModel      # newer sources split the converter into a package
+except ImportError:
+    TextModel = c.TextModel
+orig = TextModel.get_vocab_base_pre
 def pre(self, tokenizer):
     try:
         return orig(self, tokenizer)
     except NotImplementedError:      # a byte-level BPE that splits like GPT-2
         return "gpt-2"
-c.TextModel.get_vocab_base_pre = pre
+TextModel.get_vocab_base_pre = pre
 sys.argv = ["convert", sys.argv[2], "--outfile", sys.argv[3], "--outtype", "f32"]
 c.main()
 """
