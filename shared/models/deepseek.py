@@ -1,13 +1,13 @@
 """DeepSeek-V2/V3 decoder (and Kimi K2, which declares DeepseekV3ForCausalLM): multi-head latent attention
 (`mla.py`) and a routed mixture of experts with shared experts, over a paged cache of latent vectors.
 
-Life cycle: as for the Llama family (`llama.py`, whose forward, logits and checkpoint loading this class
-reuses): `DeepseekForCausalLM(config)` allocates this rank's shards, `load_weights` fills them from the
-Hugging Face checkpoint (routed experts one matrix at a time into `FusedExperts`), then each step runs
-`forward(input_ids [T], positions [T], meta)` and `compute_logits`.
+Life cycle: as `LlamaForCausalLM`, whose decoder layer, dense MLP, forward, logits and loading it reuses
+through the hooks: `make_attention` builds an `MLAttention`, `make_mlp` a dense `MLP` on the first
+`first_k_dense_replace` layers (and those off `moe_layer_freq`) and a `MoE` on the others, `rope_tables`
+the half-width YaRN tables of the rotary part, and the routed experts (`mlp.experts.E.{gate,up,down}_proj`)
+load one matrix at a time into `FusedExperts` through the expert loading Qwen3-MoE uses (`mixtral.py`).
 
-Layers: the first `first_k_dense_replace` layers (and those off `moe_layer_freq`) have a dense MLP,
-the others a MoE: the router scores experts (V3: sigmoid, plus `e_score_correction_bias` for the choice
+Routing: the router scores experts (V3: sigmoid, plus `e_score_correction_bias` for the choice
 only; V2: softmax), limits the choice to the `topk_group` best of `n_group` expert groups, takes the top
 `num_experts_per_tok`, optionally renormalises (`norm_topk_prob`) and scales by `routed_scaling_factor`;
 the shared experts run on every token.
@@ -20,25 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgecore.shared.config import ModelConfig
-from edgecore.shared.models.layers import (MergedColumnParallelLinear, ParallelLMHead, RowParallelLinear,
-                                           VocabParallelEmbedding)
-from edgecore.shared.models.llama import LlamaForCausalLM, RMSNorm
+from edgecore.shared.models.llama import MLP
+from edgecore.shared.models.mixtral import MixtralForCausalLM
 from edgecore.shared.models.mla import MLAttention, rope_cos_sin
 from edgecore.shared.models.mla_config import DeepseekConfig
 from edgecore.shared.models.moe import FusedExperts
-
-
-class GatedMLP(nn.Module):
-    """silu(x W_gate) * (x W_up) W_down: the dense layers' MLP and the shared experts."""
-
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate])
-        self.down_proj = RowParallelLinear(intermediate, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 class Router(nn.Module):
@@ -88,12 +74,15 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, mla: DeepseekConfig, hidden: int):
+    """Routed experts (`FusedExperts`) + the shared experts (one dense `MLP` of their summed width)."""
+
+    def __init__(self, config: ModelConfig):
         super().__init__()
+        mla, hidden = config.mla, config.hidden_size
         self.gate = Router(mla, hidden)
         self.experts = FusedExperts(mla.n_routed_experts, hidden, mla.moe_intermediate_size)
         shared = (mla.n_shared_experts or 0) * mla.moe_intermediate_size
-        self.shared_experts = GatedMLP(hidden, shared) if shared else None
+        self.shared_experts = MLP(config, shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -101,75 +90,21 @@ class MoE(nn.Module):
         return y if self.shared_experts is None else y + self.shared_experts(x)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, local: int):
-        super().__init__()
-        self.self_attn = MLAttention(config, local)
-        moe = config.mla.is_moe_layer(layer)
-        self.mlp = MoE(config.mla, config.hidden_size) if moe else GatedMLP(config.hidden_size,
-                                                                            config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, cos, sin, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DeepseekModel(nn.Module):
-    def __init__(self, config: ModelConfig, layers: range | None = None):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layer_ids = list(layers if layers is not None else range(config.num_hidden_layers))
-        self.layers = nn.ModuleList(DecoderLayer(config, gid, local) for local, gid in enumerate(self.layer_ids))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-EXPERT_MATRICES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-
-
-class DeepseekForCausalLM(LlamaForCausalLM):
+class DeepseekForCausalLM(MixtralForCausalLM):
+    # No fused q/k/v (MLA's projections load as they are named); the dense MLPs and shared experts pack gate/up.
     packed = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    moe_prefix = "mlp"
+    names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    moe_class = MoE
 
-    def __init__(self, config: ModelConfig, layers: range | None = None):
-        nn.Module.__init__(self)          # the Llama layers are not built; forward and loading are shared
-        self.config = config
-        self.model = DeepseekModel(config, layers)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        cos, sin = rope_cos_sin(config.mla, config.max_position_embeddings)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+    def rope_tables(self, config: ModelConfig, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(config.mla, positions)      # [positions, qk_rope_head_dim / 2]
 
-    def _moe_layers(self) -> list[tuple[int, MoE]]:
-        return [(gid, layer.mlp) for gid, layer in zip(self.model.layer_ids, self.model.layers)
-                if isinstance(layer.mlp, MoE)]
+    def make_attention(self, config: ModelConfig, local: int, layer: int) -> nn.Module:
+        return MLAttention(config, local)
 
-    def expected_weights(self) -> set[str]:
-        names = {n for n in super().expected_weights() if not n.endswith((".experts.w13", ".experts.w2"))}
-        for gid, moe in self._moe_layers():
-            for e in range(moe.experts.num_experts):
-                names.update(f"model.layers.{gid}.mlp.experts.{e}.{m}.weight" for m in EXPERT_MATRICES)
-        return names
+    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+        return MoE(config) if config.mla.is_moe_layer(layer) else MLP(config)
 
-    def _load_weights(self, weights, pool, jobs) -> set[str]:
-        """Routed experts go into their layer's `FusedExperts` here; everything else as for Llama."""
-        moe = dict(self._moe_layers())
-        used: set[str] = set()
-
-        def others():
-            for name, source in weights:
-                parts = name.split(".")
-                if len(parts) == 8 and parts[3:5] == ["mlp", "experts"] and parts[6] in EXPERT_MATRICES:
-                    layer = moe.get(int(parts[2]))
-                    if layer is not None:
-                        try:
-                            layer.experts.load_expert(EXPERT_MATRICES[parts[6]], int(parts[5]), source)
-                        except (RuntimeError, IndexError) as exc:
-                            raise ValueError(f"tensor '{name}': {exc}") from None
-                        used.add(name)
-                    continue
-                yield name, source
-
-        return super()._load_weights(others(), pool, jobs) | used
+    def num_experts(self) -> int:
+        return self.config.mla.n_routed_experts

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache; the base the MoE
-families (Mixtral, Qwen3-MoE, gpt-oss, Llama 4) extend by replacing the MLP, the attention or both.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache; the base the MoE and MLA
+families (Mixtral, Qwen3-MoE, gpt-oss, Llama 4, DeepSeek) extend by replacing the MLP, the attention or both.
 
 Life cycle: `LlamaForCausalLM(config)` allocates this rank's weight shards,
 `load_weights` fills them from (name, lazy slice) pairs named as in the

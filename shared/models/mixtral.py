@@ -1,4 +1,5 @@
 """Mixtral (and the sparse-MoE block Qwen3-MoE shares): the Llama decoder with a routed-experts MLP.
+Its per-expert checkpoint loading also serves DeepSeek (`deepseek.py`, its own MoE as `moe_class`).
 
 Life cycle: as `LlamaForCausalLM`; `make_mlp` builds a `SparseMoE` (router + `FusedExperts`) on
 sparse layers; `load_special` fills the stacked expert weights one checkpoint tensor at a time
@@ -39,6 +40,7 @@ class SparseMoE(nn.Module):
 class MixtralForCausalLM(LlamaForCausalLM):
     moe_prefix = "block_sparse_moe"
     names = {"w1": "gate", "w3": "up", "w2": "down"}
+    moe_class: type[nn.Module] = SparseMoE     # the MLP whose `experts` the per-expert tensors fill
 
     def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
         p = config.params
@@ -54,7 +56,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         if m is None:
             return None
         mlp = self.get_submodule(m.group(1) + "mlp")
-        return mlp.experts if isinstance(mlp, SparseMoE) else None
+        return mlp.experts if isinstance(mlp, self.moe_class) else None
 
     def load_special(self, name: str, local_name: str, source) -> bool:
         if f".{self.moe_prefix}.gate." in local_name:     # Mixtral's router lives under block_sparse_moe

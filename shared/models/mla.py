@@ -16,58 +16,28 @@ projections are replicated, so every rank caches the same latent.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgecore.shared.config import ModelConfig
 from edgecore.shared.models.attention import AttentionMetadata
 from edgecore.shared.models.layers import ColumnParallelLinear, RowParallelLinear, _Matmul
 from edgecore.shared.models.llama import RMSNorm
-from edgecore.shared.models.mla_config import DeepseekConfig, YarnRope, yarn_mscale
+from edgecore.shared.models.mla_config import DeepseekConfig
+from edgecore.shared.models.rope import apply_rope_split, default_inv_freq, yarn
 from edgecore.shared.parallel import tensor_parallel
 
 
-def rope_inv_freq(rope: YarnRope, dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [dim/2] and the factor cos/sin are scaled by (YaRN's attention factor)."""
-    pos_freqs = rope.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
-    if rope.rope_type != "yarn":
-        return 1.0 / pos_freqs, 1.0
-    factor = rope.factor
-    attention = rope.attention_factor
-    if attention is None:
-        attention = (yarn_mscale(factor, rope.mscale) / yarn_mscale(factor, rope.mscale_all_dim)
-                     if rope.mscale and rope.mscale_all_dim else yarn_mscale(factor))
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) \
-            / (2 * math.log(rope.rope_theta))
-
-    low, high = correction_dim(rope.beta_fast or 32), correction_dim(rope.beta_slow or 1)
-    if rope.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, float(attention)
-
-
 def rope_cos_sin(mla: DeepseekConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [max_positions, qk_rope_head_dim/2] (one angle per rotated pair), float32."""
-    inv_freq, scale = rope_inv_freq(mla.rope, mla.qk_rope_head_dim)
+    """cos and sin tables [max_positions, qk_rope_head_dim/2] (one angle per rotated pair), float32, YaRN-scaled
+    when the config says so (the schedule of `rope.py`)."""
+    rope, dim = mla.rope, mla.qk_rope_head_dim
+    inv_freq, scale = default_inv_freq(dim, rope.rope_theta), 1.0
+    if rope.rope_type == "yarn":
+        inv_freq, scale = yarn(inv_freq, dim, rope.rope_theta, rope)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     return freqs.cos() * scale, freqs.sin() * scale
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) when `interleaved`, else (x[i], x[i+d/2]); x [..., d], cos/sin [..., d/2]
-    broadcast. The result holds the pairs' first members, then their second ones (both layouts)."""
-    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class ReplicatedLinear(_Matmul):
@@ -110,7 +80,7 @@ class KVUpProjection(nn.Module):
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config, layer: int):
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         mla: DeepseekConfig = config.mla
         self.layer, self.mla = layer, mla
@@ -132,9 +102,9 @@ class MLAttention(nn.Module):
         self.o_proj = RowParallelLinear(total_heads * mla.v_head_dim, config.hidden_size, bias=bias)
         self.scale = mla.softmax_scale()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """x [T, hidden]; cos, sin [T, 1, rope/2]. Returns [T, hidden]."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden]; `rope`: cos, sin [T, 1, rope/2] (the model's `rope_inputs`). Returns [T, hidden]."""
+        cos, sin = rope[0], rope[1]
         mla, t, heads = self.mla, x.shape[0], self.num_heads
         if mla.q_lora_rank is None:
             q = self.q_proj(x)
@@ -142,10 +112,10 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, heads, mla.qk_head_dim)
         q_nope = q[..., :mla.qk_nope_head_dim]
-        q_pe = apply_rope(q[..., mla.qk_nope_head_dim:], cos, sin, mla.rope_interleave)
+        q_pe = apply_rope_split(q[..., mla.qk_nope_head_dim:], cos, sin, mla.rope_interleave)
         kv = self.kv_a_proj_with_mqa(x)
         c = self.kv_a_layernorm(kv[:, :mla.kv_lora_rank])
-        k_pe = apply_rope(kv[:, mla.kv_lora_rank:], cos[:, 0], sin[:, 0], mla.rope_interleave)
+        k_pe = apply_rope_split(kv[:, mla.kv_lora_rank:], cos[:, 0], sin[:, 0], mla.rope_interleave)
         latent = torch.cat((c, k_pe), dim=-1)                                   # [T, latent_dim]
         cache = meta.kv_caches[self.layer][0].view(-1, mla.latent_dim)        # [slots, latent_dim]
         cache.index_copy_(0, meta.slot_mapping, latent.to(cache.dtype))

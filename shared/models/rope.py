@@ -1,5 +1,6 @@
 """Rotary position embeddings as pure functions: inverse frequencies (default, linear, llama3, yarn),
-cos/sin tables, and the two rotation layouts (halves, as Llama/Qwen/gpt-oss; adjacent pairs, as Llama 4).
+cos/sin tables, and the rotation layouts (halves, as Llama/Qwen/gpt-oss; adjacent pairs, as Llama 4;
+halves or pairs gathered into halves over half-width tables, as DeepSeek's MLA).
 
 Life cycle: a model builds its float32 tables once (`rope_cos_sin`) for every position it can see,
 then each step indexes them by position and rotates q and k with `apply_rope` (tables from
@@ -16,9 +17,14 @@ from edgecore.shared.config import ModelConfig
 
 
 def _yarn(config: ModelConfig, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
+    return yarn(inv_freq, config.head_dim, config.rope_theta, config.rope_scaling)
+
+
+def yarn(inv_freq: torch.Tensor, dim: int, base: float, s) -> tuple[torch.Tensor, float]:
     """YaRN (transformers' `_compute_yarn_parameters`): interpolate low frequencies, keep high ones,
-    a linear ramp between; cos/sin scaled by the attention factor."""
-    s, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+    a linear ramp between; cos/sin scaled by the attention factor. `s`: the scaling fields (factor,
+    beta_fast/slow, original_max_position_embeddings, mscale, mscale_all_dim, attention_factor, truncate)
+    of a `RopeScaling` or of DeepSeek's `YarnRope`."""
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -32,7 +38,7 @@ def _yarn(config: ModelConfig, inv_freq: torch.Tensor) -> tuple[torch.Tensor, fl
     def correction_dim(rotations: float) -> float:
         return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    low, high = correction_dim(s.beta_fast or 32.0), correction_dim(s.beta_slow or 1.0)
     if s.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
@@ -44,10 +50,14 @@ def _yarn(config: ModelConfig, inv_freq: torch.Tensor) -> tuple[torch.Tensor, fl
     return inv, float(attention)
 
 
+def default_inv_freq(dim: int, base: float) -> torch.Tensor:
+    """Unscaled inverse frequencies [dim/2]: base^(-2i/dim)."""
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] with the config's scaling, and the cos/sin scale (1 except yarn)."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = default_inv_freq(config.head_dim, config.rope_theta)
     scaling = config.rope_scaling
     if scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
@@ -96,3 +106,11 @@ def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     """Adjacent-pair rotation (complex multiply of (x0, x1) pairs): x*cos + (x1, x0)*sin, sin signed."""
     swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     return x * cos + swapped * sin
+
+
+def apply_rope_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) when `interleaved`, else (x[i], x[i+d/2]); x [..., d], cos/sin [..., d/2]
+    (one angle per pair, unsigned) broadcast. The result holds the pairs' first members, then their second
+    ones (both layouts), as transformers' DeepSeek after its interleave permutation."""
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -6,6 +6,7 @@ import torch
 
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
+from edgecore.shared.kv.transfer import KVSlice
 from tests.conftest import make_engine
 
 GREEDY64 = SamplingParams(max_tokens=64, temperature=0)
@@ -187,7 +188,7 @@ def test_prefill_only_then_external_kv_decode_equals_single_node(tokenizer, held
     edge.reserve("r", prompt, params)
     for layer in range(core.config.num_hidden_layers):
         k, v = core.read_kv("r", layer)
-        edge.write_kv("r", layer, 0, k, v)
+        edge.write_kv("r", KVSlice(layer, 0, len(prompt), 0, k[None], v[None]))
     core.release("r")
     assert core.block_manager.num_used == 0
     edge.activate("r", first)
