@@ -79,7 +79,7 @@ def build_app(core) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
-    add_model_routes(app, lambda: model_card(model_name(core.config.model_dir), core.engine.max_model_len,
+    add_model_routes(app, lambda: model_card(model_name(core.config.model_dir), core.handle.max_model_len,
                                              int(core.started_at)))
     for extend in getattr(core, "http_extensions", []):
         extend(app)

@@ -46,6 +46,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _alive(pid: int) -> bool:
+    """Running or stopped, not a zombie (a killed child whose parent died is reaped by init, if ever)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _get(url: str, timeout: float = 10) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
@@ -148,7 +157,7 @@ class ChaosCluster:
         self.loop.call_soon_threadsafe(self.loop.stop)
         time.sleep(0.2)
         left = subprocess.run(["pgrep", "-g", ",".join(map(str, groups))], capture_output=True, text=True)
-        return [int(p) for p in left.stdout.split()] if groups else []
+        return [int(p) for p in left.stdout.split() if _alive(int(p))] if groups else []
 
     # ---- requests ------------------------------------------------------------------------
     def reference(self, prompts: list[list[int]]) -> None:
