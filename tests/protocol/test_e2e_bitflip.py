@@ -80,7 +80,9 @@ def test_bit_flips_on_the_wire_never_change_an_answer(faulty_cluster, tokenizer,
     for p, r, o in zip(prompts, ref, outs):
         assert o["choices"][0]["text"] == r["text"], f"prompt of {len(p)} tokens"
     flipped = faulty_cluster["relay"].flipped
-    assert sum(1 for d, t, _ in flipped if t == PREFILL_DONE) >= 2 and any(t == KV_CHUNK for _, t, _ in flipped)
+    # The flips were exercised: PrefillDone's first token at least (a request that failed over to a local
+    # prefill sends no second PrefillDone, so how many more depends on timing) and a KV payload.
+    assert any(t == PREFILL_DONE for _, t, _ in flipped) and any(t == KV_CHUNK for _, t, _ in flipped)
     # Each corrupted frame failed only its request (then retried), never the connection.
     logs = faulty_cluster["edge"].logs()
     assert logs.count("was corrupted in transit") >= 3 and "in a row failed their MAC" not in logs
