@@ -16,8 +16,9 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2
-SUPPORTED_VERSIONS = (2,)
+PROTOCOL_VERSION = 3
+SUPPORTED_VERSIONS = (2, 3)
+HANDOVER_VERSION = 3                   # first version with core decoding (Token, Handover, DecodeStop)
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, tag_field="t", frozen=True):
@@ -76,6 +77,8 @@ class PrefillRequest(_Msg, tag=5, frozen=True):
     skip_tokens: int = 0               # leading tokens whose KV the edge already holds
     direct: bool = False               # the client holds a connection to every stream port (same session):
                                        # each rank sends its own layers and heads there
+    core_decode: int = 0               # version 3: tokens the core may decode after the first and stream
+                                       # as Token frames until the edge's Handover; 0 = none (version 2 mode)
 
 
 class KVChunk(_Msg, tag=6, frozen=True):
@@ -123,6 +126,28 @@ class Reject(_Msg, tag=13, frozen=True):
     message: str = ""
 
 
+# Version 3: decode handover. Positions count output tokens: 0 is PrefillDone's first token, Token frames
+# carry 1, 2, ... in order. The core stops at Handover, Cancel, its bound or the request's end, and says so
+# with DecodeStop (`position`: the first position it will not send); see docs/wire-format.md.
+class Token(_Msg, tag=14, frozen=True):
+    request_id: str
+    position: int
+    token_id: int
+    logprob: float = 0.0
+    top_logprobs: list[tuple[int, float]] = []
+
+
+class Handover(_Msg, tag=15, frozen=True):
+    request_id: str
+    position: int                      # the edge holds tokens [0, position) and decodes from here on
+
+
+class DecodeStop(_Msg, tag=16, frozen=True):
+    request_id: str
+    position: int                      # no Token at or after this position follows
+    reason: str                        # "refused" | "bound" | "handover" | "finished" | "cancelled"
+
+
 class Ping(_Msg, tag=11, frozen=True):
     nonce: int
 
@@ -133,7 +158,8 @@ class Pong(_Msg, tag=12, frozen=True):
 
 
 Message = Union[Hello, Welcome, Auth, AuthOk, PrefillRequest, KVChunk, PrefillDone, Ack, Cancel, Error,
-                Ping, Pong, Reject]
+                Ping, Pong, Reject, Token, Handover, DecodeStop]
+HANDOVER_MESSAGES = (Token, Handover, DecodeStop)     # only on a connection that agreed version 3
 MESSAGE_TYPES: dict[int, type] = {cls.__struct_config__.tag: cls for cls in typing.get_args(Message)}
 
 encoder = msgspec.msgpack.Encoder()

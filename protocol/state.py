@@ -6,6 +6,9 @@ sends and receives are checked against the one table below (`TRANSITIONS`):
     START --Hello(c)--> HELLO --Welcome(s)--> WELCOME --Auth(c)--> AUTH --AuthOk(s)--> READY
     READY: the client sends PrefillRequest/Ack/Cancel, the server KVChunk/PrefillDone;
            both send Ping/Pong/Reject and Error naming a request.
+           Version 3 only (`handover`): the client also Handover, the server Token/DecodeStop, and a
+           PrefillRequest may ask for `core_decode`; on a version-2 connection these are protocol errors,
+           so a version-2 peer keeps the old mode (the KV first, then the edge decodes).
     any state --Error without request (either side)--> CLOSED;  before READY any Error closes.
     any exception inside the machine (sending or receiving) --> ERROR: further use raises,
            except `error_frame`, which tells the peer why and moves to CLOSED.
@@ -35,6 +38,7 @@ from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 from edgecore.protocol.events import NEED_DATA, BadFrame, FrameRejected, KVData
 from edgecore.protocol.framing import HANDSHAKE_LIMITS, LEGACY_VERSION, FrameParser, Limits, pack_fixed
+from edgecore.protocol.framing import VERSION as FRAME_VERSION
 from edgecore.protocol.mac import HandshakeMac, IncrementalVerify, Keys, SessionMac, transcript_hash
 
 __all__ = ["Connection", "Role", "State", "NEED_DATA", "KVData", "BadFrame", "FrameRejected", "TRANSITIONS"]
@@ -57,8 +61,8 @@ class State(enum.Enum):
 
 C, S = Role.CLIENT, Role.SERVER
 READY_FROM = {
-    C: (m.PrefillRequest, m.Ack, m.Cancel, m.Ping, m.Pong, m.Error, m.Reject),
-    S: (m.KVChunk, m.PrefillDone, m.Ping, m.Pong, m.Error, m.Reject),
+    C: (m.PrefillRequest, m.Ack, m.Cancel, m.Ping, m.Pong, m.Error, m.Reject, m.Handover),
+    S: (m.KVChunk, m.PrefillDone, m.Ping, m.Pong, m.Error, m.Reject, m.Token, m.DecodeStop),
 }
 # (role that sends, state, message type) → next state. Sending and receiving both use it.
 TRANSITIONS: dict[tuple[Role, State, type], State] = {
@@ -72,9 +76,12 @@ SENT_WINDOW = 4096          # sent frames remembered (seq → message) for Rejec
 _lenient = msgspec.msgpack.Decoder()
 
 
-def next_state(sender: Role, state: State, msg) -> State | None:
-    """The state after `sender` sends `msg` in `state`; None when the table forbids it."""
+def next_state(sender: Role, state: State, msg, version: int | None = m.PROTOCOL_VERSION) -> State | None:
+    """The state after `sender` sends `msg` in `state` on a connection of `version`; None when forbidden."""
     if state in (State.CLOSED, State.ERROR):
+        return None
+    if (version or 0) < m.HANDOVER_VERSION and (isinstance(msg, m.HANDOVER_MESSAGES) or
+                                                (isinstance(msg, m.PrefillRequest) and msg.core_decode)):
         return None
     if isinstance(msg, m.Error) and (not msg.request_id or state is not State.READY):
         return State.CLOSED
@@ -127,6 +134,16 @@ class Connection:
 
     # ---- state -------------------------------------------------------------------
     @property
+    def handover(self) -> bool:
+        """True once both sides agreed a version with decode handover (Token, Handover, DecodeStop)."""
+        return (self.version or 0) >= m.HANDOVER_VERSION
+
+    def _version_note(self, msg) -> str:
+        if self.state is State.READY and not self.handover:
+            return f" (a version-{self.version} connection has no decode handover)"
+        return ""
+
+    @property
     def usable(self) -> bool:
         return self.state not in (State.CLOSED, State.ERROR)
 
@@ -154,9 +171,10 @@ class Connection:
 
     def _send(self, event) -> list[bytes | memoryview]:
         msg = event.chunk if isinstance(event, KVData) else event
-        nxt = next_state(self.role, self.state, msg)
+        nxt = next_state(self.role, self.state, msg, self.version)
         if nxt is None:
-            raise LocalProtocolError(f"{self.role.value} cannot send {type(msg).__name__} in state {self.state.value}")
+            raise LocalProtocolError(f"{self.role.value} cannot send {type(msg).__name__} in state {self.state.value}"
+                                     f"{self._version_note(msg)}")
         if isinstance(msg, m.KVChunk) and not isinstance(event, KVData):
             raise LocalProtocolError("a KVChunk must be sent as KVData with its payload")
         header = m.encoder.encode(msg)
@@ -266,9 +284,10 @@ class Connection:
             raise RemoteProtocolError(f"frame type {frame.frame_type} carries a {type(msg).__name__} header")
         if frame.payload.nbytes and not isinstance(msg, m.KVChunk):
             raise RemoteProtocolError(f"{cls.__name__} frames carry no payload")
-        nxt = next_state(self.peer_role, self.state, msg)
+        nxt = next_state(self.peer_role, self.state, msg, self.version)
         if nxt is None:
-            raise RemoteProtocolError(f"unexpected {type(msg).__name__} from peer in state {self.state.value}")
+            raise RemoteProtocolError(f"unexpected {type(msg).__name__} from peer in state {self.state.value}"
+                                      f"{self._version_note(msg)}")
         self._check_handshake(msg, frame)
         self._enter(nxt)
         if isinstance(msg, m.KVChunk):
@@ -307,7 +326,7 @@ class Connection:
             except (msgspec.DecodeError, IndexError, TypeError, KeyError):
                 pass
         raise RemoteProtocolError(f"edgecore protocol version mismatch: this side speaks version "
-                                  f"{m.PROTOCOL_VERSION}, the peer version {LEGACY_VERSION}; run the same "
+                                  f"{FRAME_VERSION}, the peer version {LEGACY_VERSION}; run the same "
                                   f"edgecore release on edges and cores{said}", ErrorCode.VERSION_MISMATCH)
 
     # ---- handshake checks (the table already allowed the message) -----------------------------
