@@ -48,6 +48,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gather-kv", action="store_true",
                    help="parallel core: rank 0 gathers every rank's KV after the prefill and sends it, instead "
                         "of each rank streaming its own on its own port (when edges can reach only --listen)")
+    p.add_argument("--handover-max-tokens", type=int, default=64,
+                   help="decode handover: tokens after the first this core decodes and streams for an edge while "
+                        "its KV travels (the edge then takes over); 0 turns core decoding off")
+    p.add_argument("--handover-max-seconds", type=float, default=10.0,
+                   help="decode handover: seconds after the first token this core decodes for an edge at most")
+    p.add_argument("--handover-refuse-waiting", type=int, default=8,
+                   help="decode handover: refuse to decode for edges while this many requests wait here "
+                        "(prefill pressure); the edge then waits for the KV")
     p.set_defaults(func=run_core)
     register_worker(sub)
 
@@ -55,6 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_core(args: argparse.Namespace) -> int:
     from edgecore.core.http import ControlPort, check_control_port, protection
     from edgecore.core.server import CoreConfig, CoreServer
+    from edgecore.core.transfer import HandoverLimits
     from edgecore.shared.http_server import limits_from_args
     from edgecore.protocol.transport import tls_context
     from edgecore.shared.config import CacheConfig, EngineConfig
@@ -83,7 +92,9 @@ def run_core(args: argparse.Namespace) -> int:
                         pp_split=[int(x) for x in args.pp_split.split(",")] if args.pp_split else None,
                         pp_micro_batches=args.pp_micro_batches, gather_kv=args.gather_kv,
                         stream_layers=not args.kv_after_prefill, engine_threads=engine_threads,
-                        rendezvous=args.rendezvous)
+                        rendezvous=args.rendezvous,
+                        handover=HandoverLimits(args.handover_max_tokens, args.handover_max_seconds,
+                                                args.handover_refuse_waiting))
     if args.tp * args.pp != 1:
         _check_parallel(config, args)         # one line before any rank starts
     core = CoreServer(config)

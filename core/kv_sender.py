@@ -54,7 +54,7 @@ class LayerStreamer:
             req = self.remote.get(seq.request_id)
             if req is None or req.cancelled or req.gather:
                 continue
-            end = seq.num_computed_tokens + n
+            end = min(seq.num_computed_tokens + n, req.total_tokens)   # a decoding request's new tokens stay
             if end > req.sent_until:
                 slots = pool.slots(seq.table.blocks, req.sent_until, end)
                 k, v = pool.read(layer, slots)

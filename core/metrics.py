@@ -20,6 +20,14 @@ class CoreMetrics:
                                          registry=r, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
         self.connections = Gauge("edgecore:core_edge_connections", "Connected edges", registry=r)
         self.leases = Gauge("edgecore:core_kv_leases", "Requests whose KV waits for an edge Ack", registry=r)
+        self.handover_requests = Counter("edgecore:core_handover_requests", "Remote requests the core decoded "
+                                         "for their edge until it took over", registry=r)
+        self.core_decoded_tokens = Counter("edgecore:core_handover_tokens", "Tokens decoded for edges before "
+                                           "their handover (first tokens not counted)", registry=r)
+        self.handovers = Counter("edgecore:core_handovers", "Handover messages that stopped a decoding request",
+                                 registry=r)
+        self.handover_refusals = Counter("edgecore:core_handover_refusals", "Requests for core decoding refused "
+                                         "under prefill pressure", registry=r)
         self.kv_usage = Gauge("edgecore:kv_cache_usage_perc", "Fraction of KV blocks in use", registry=r)
         self.request_errors = Counter("edgecore:request_errors", "Control-port HTTP requests answered with an "
                                       "error", ["status"], registry=r)

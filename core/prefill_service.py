@@ -14,6 +14,14 @@ prefix cache) → PREFILLING: each layer's K/V leaves as soon as it is computed 
 LEASED: PrefillDone with the first token queued behind the last chunk; the KV
 is held until the edge's Ack (RELEASED), or Cancel / the lease running out /
 a disconnect frees it.
+
+Decode handover (version-3 edges that ask with `core_decode`, on a single-process
+core): the request runs as an ordinary one; PrefillDone and then each decoded
+token (a Token frame) go ahead of queued KV (`SessionQueue.put_urgent`), until
+the edge's Handover, Cancel, the `HandoverLimits` bound (tokens, seconds) or the
+request's end, each answered with DecodeStop. A core with `refuse_waiting` or more
+requests waiting refuses (DecodeStop "refused" right after PrefillDone: the edge
+waits for the KV as in the old mode); a parallel core always does.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from concurrent.futures import Executor
 
 from edgecore.core.kv_sender import LayerStreamer, send_queued
 from edgecore.core.metrics import CoreMetrics
-from edgecore.core.transfer import KVSend, Transfer
+from edgecore.core.transfer import HandoverLimits, KVSend, Transfer
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode
 from edgecore.protocol.transport import Peer, PeerError
@@ -39,24 +47,57 @@ from edgecore.shared.kv.transfer import StreamRoute
 log = logging.getLogger("edgecore.core")
 
 
+class SessionQueue(asyncio.Queue):
+    """FIFO of KVSend and messages, except that `put_urgent` items (a handover's tokens) go ahead of every
+    ordinary item queued, in order among themselves: the first tokens do not wait behind the KV."""
+
+    def _init(self, maxsize):
+        super()._init(maxsize)
+        self._urgent = 0
+        self._next_urgent = False
+
+    def _put(self, item):
+        if self._next_urgent:
+            self._queue.insert(self._urgent, item)
+            self._urgent += 1
+        else:
+            self._queue.append(item)
+
+    def _get(self):
+        if self._urgent:
+            self._urgent -= 1
+        return self._queue.popleft()
+
+    def put_urgent(self, item) -> None:
+        self._next_urgent = True
+        try:
+            self.put_nowait(item)
+        finally:
+            self._next_urgent = False
+
+
 class Session:
     _ids = itertools.count(1)
 
     def __init__(self, peer: Peer):
         self.id = next(self._ids)
         self.peer = peer
-        self.queue: asyncio.Queue = asyncio.Queue()   # KVSend and protocol messages, sent in order
+        self.queue = SessionQueue()                    # KVSend and protocol messages, sent in order
         self.transfers: dict[str, Transfer] = {}       # by the edge's request id
 
 
 class PrefillService:
     def __init__(self, handle: EngineHandle, streamer: LayerStreamer, metrics: CoreMetrics, encoder_pool: Executor,
-                 dtype_name: str, lease_seconds: float, parallel: bool = False, direct_streams: bool = False):
-        """`parallel`: the engine spans ranks; `direct_streams`: its other ranks serve stream ports."""
+                 dtype_name: str, lease_seconds: float, parallel: bool = False, direct_streams: bool = False,
+                 handover: HandoverLimits | None = None):
+        """`parallel`: the engine spans ranks; `direct_streams`: its other ranks serve stream ports;
+        `handover`: how much this core decodes for edges before they take over."""
         self.handle, self.streamer, self.metrics = handle, streamer, metrics
         self.encoder_pool, self.dtype_name, self.lease_seconds = encoder_pool, dtype_name, lease_seconds
         self.parallel, self.direct_streams = parallel, direct_streams
+        self.limits = handover or HandoverLimits()
         self.sessions: set[Session] = set()
+        self.counts = {"decode_requests": 0, "decoded_tokens": 0, "handovers": 0, "refused": 0}
 
     # ---- one edge connection ---------------------------------------------
     async def serve(self, peer: Peer) -> None:
@@ -76,6 +117,8 @@ class PrefillService:
                     self._release(session, msg.request_id)
                 elif isinstance(msg, m.Cancel):
                     self._release(session, msg.request_id, cancelled=True)
+                elif isinstance(msg, m.Handover):
+                    self._handover(session, msg)
         except PeerError as exc:
             log.info("edge %s left: %s", peer.peername, exc)
         finally:
@@ -130,9 +173,90 @@ class PrefillService:
         if direct:      # the other ranks learn the route with the first step that computes this request
             self.handle.add_stream_route(req.internal_id, StreamRoute(rid, peer.conn.session, codec,
                                                                       msg.skip_tokens, len(msg.token_ids)))
+        limit, why_not = self._decode_limit(msg)
+        if limit:
+            req.decode = asyncio.current_task()
+            await self._decode(session, req, list(msg.token_ids), SamplingParams.from_spec(s, max_tokens=1 + limit),
+                               msg.deadline_ms)
+            return
         first = await self._run(session, req, list(msg.token_ids), params, msg.deadline_ms)
         if first is not None and req.prefill_done():
-            await self._finish(session, req, first)
+            await self._finish(session, req, first, urgent=msg.core_decode > 0)
+            if msg.core_decode > 0:          # asked for, not given: the edge waits for the KV
+                if why_not == "refused":
+                    self.counts["refused"] += 1
+                    self.metrics.handover_refusals.inc()
+                session.queue.put_urgent(m.DecodeStop(rid, 1, why_not))
+
+    # ---- decode handover --------------------------------------------------------------
+    def _decode_limit(self, msg: m.PrefillRequest) -> tuple[int, str]:
+        """(tokens after the first this core decodes for the request, why none when 0): "refused" under
+        prefill pressure or on a parallel core, "bound" when the limits or the context leave none."""
+        if msg.core_decode <= 0 or self.parallel:
+            return 0, "refused"
+        if self.handle.stats().waiting >= self.limits.refuse_waiting:
+            return 0, "refused"
+        limit = min(msg.core_decode, self.limits.max_tokens, self.handle.max_model_len - len(msg.token_ids) - 1)
+        return max(0, limit), "bound"
+
+    async def _decode(self, session: Session, req: Transfer, token_ids: list[int], params: SamplingParams,
+                      deadline_ms: int) -> None:
+        """Prefill, then decode in the batch, streaming PrefillDone and each Token ahead of queued KV until the
+        request ends, the bound, or `_handover`/`_release` cancel this task (they answer DecodeStop)."""
+        loop, rid = asyncio.get_running_loop(), req.request_id
+        reason = "finished"
+        self.counts["decode_requests"] += 1
+        self.metrics.handover_requests.inc()
+        try:
+            async with asyncio.timeout(deadline_ms / 1000 if deadline_ms > 0 else None) as scope:
+                async for out in self.handle.generate(req.internal_id, token_ids, params):
+                    if req.position == 0:
+                        if not req.prefill_done():
+                            return
+                        await self._finish(session, req, out, urgent=True, lease=False)
+                        scope.reschedule(loop.time() + self.limits.max_seconds)
+                    else:
+                        info = out.logprobs[0] if out.logprobs else None
+                        session.queue.put_urgent(m.Token(rid, req.position, out.new_token_ids[0],
+                                                         info.logprob if info else 0.0, list(info.top) if info else []))
+                        self.counts["decoded_tokens"] += 1
+                        self.metrics.core_decoded_tokens.inc()
+                    req.position += 1
+                    if out.finished and out.finish_reason == "length":
+                        reason = "bound"
+        except RequestError as exc:
+            self._forget(session, rid)
+            self.metrics.prefill_requests.labels("rejected").inc()
+            await session.peer.send(m.Error(ErrorCode.BAD_REQUEST, str(exc), rid))
+            return
+        except TimeoutError:
+            if req.position == 0:
+                self._release(session, rid, cancelled=True)
+                self.metrics.prefill_requests.labels("timeout").inc()
+                await session.peer.send(m.Error(ErrorCode.TIMEOUT, f"prefill missed its deadline of {deadline_ms} "
+                                                "ms", rid))
+                return
+            reason = "bound"
+        self._decode_stopped(session, req, reason)
+
+    def _decode_stopped(self, session: Session, req: Transfer, reason: str) -> None:
+        """Decoding ended: tell the edge where, and start the lease that waits for its Ack."""
+        req.decode = None
+        session.queue.put_urgent(m.DecodeStop(req.request_id, req.position, reason))
+        if session.transfers.get(req.request_id) is req and req.lease is None:
+            req.lease = asyncio.get_running_loop().call_later(self.lease_seconds, self._release, session,
+                                                              req.request_id)
+            self.metrics.leases.inc()
+
+    def _handover(self, session: Session, msg: m.Handover) -> None:
+        """The edge holds tokens [0, msg.position) and the KV: stop decoding and free the request's blocks."""
+        req = session.transfers.get(msg.request_id)
+        if req is None or req.decode is None:
+            return                    # it had stopped already (bound, end): its DecodeStop is on the way
+        self.counts["handovers"] += 1
+        self.metrics.handovers.inc()
+        req.decode.cancel()           # the generate stream's exit aborts the engine request
+        self._decode_stopped(session, req, "handover")
 
     async def _run(self, session: Session, req: Transfer, token_ids: list[int], params: SamplingParams,
                    deadline_ms: int) -> RequestOutput | None:
@@ -157,8 +281,11 @@ class PrefillService:
             return None
         return first
 
-    async def _finish(self, session: Session, req: Transfer, first: RequestOutput) -> None:
-        """The prefill ended: queue any KV kept back, then PrefillDone; start the lease."""
+    async def _finish(self, session: Session, req: Transfer, first: RequestOutput, urgent: bool = False,
+                      lease: bool = True) -> None:
+        """The prefill ended: queue any KV kept back, then PrefillDone (`urgent`: ahead of queued KV, for a
+        version-3 edge that forwards it at once); start the lease (`lease`; a decoding request's starts
+        when it stops)."""
         info = first.logprobs[0] if first.logprobs else None
         done = m.PrefillDone(req.request_id, first.new_token_ids[0], info.logprob if info else 0.0,
                              list(info.top) if info else [], req.total_tokens, first.num_cached_tokens,
@@ -169,11 +296,16 @@ class PrefillService:
         for item in req.held:            # baseline mode, gathered KV: all of it after the last layer
             session.queue.put_nowait(item)
         req.held.clear()
-        session.queue.put_nowait(done)
+        if urgent:
+            session.queue.put_urgent(done)
+        else:
+            session.queue.put_nowait(done)
         self.metrics.prefill_requests.labels("ok").inc()
         self.metrics.prompt_tokens.inc(req.total_tokens)
         self.metrics.cached_tokens.inc(first.num_cached_tokens)
         self.metrics.prefill_seconds.observe(time.perf_counter() - req.received_at)
+        if not lease:
+            return
         req.lease = asyncio.get_running_loop().call_later(self.lease_seconds, self._release, session,
                                                           req.request_id)
         self.metrics.leases.inc()
@@ -193,6 +325,10 @@ class PrefillService:
             return
         if cancelled or not req.release():
             req.cancel()
+        if req.decode is not None and req.decode is not asyncio.current_task():   # Cancel, disconnect, lease
+            req.decode.cancel()
+            req.decode = None
+            session.queue.put_urgent(m.DecodeStop(rid, req.position, "cancelled"))
         if req.lease is not None:
             req.lease.cancel()
             self.metrics.leases.dec()
@@ -202,7 +338,9 @@ class PrefillService:
     def stats(self) -> dict:
         return {"connections": len(self.sessions),
                 "remote_requests": sum(len(s.transfers) for s in self.sessions),
-                "leases": sum(1 for s in self.sessions for r in s.transfers.values() if r.lease is not None)}
+                "leases": sum(1 for s in self.sessions for r in s.transfers.values() if r.lease is not None),
+                "decoding": sum(1 for s in self.sessions for r in s.transfers.values() if r.decode is not None),
+                "handover": dict(self.counts)}
 
     async def fail_all(self, why: str) -> None:
         for session in list(self.sessions):

@@ -22,6 +22,7 @@ from pathlib import Path
 from edgecore.core.kv_sender import LayerStreamer
 from edgecore.core.metrics import CoreMetrics
 from edgecore.core.prefill_service import PrefillService
+from edgecore.core.transfer import HandoverLimits
 from edgecore.protocol.codecs import CODECS
 from edgecore.protocol.transport import Timeouts, serve
 from edgecore.shared.config import CacheConfig, EngineConfig
@@ -44,6 +45,7 @@ class CoreConfig:
     dtype: str = "auto"
     device: str = "cpu"
     lease_seconds: float = 30.0
+    handover: HandoverLimits = field(default_factory=HandoverLimits)   # decoding for edges before they take over
     codecs: list[str] = field(default_factory=lambda: list(CODECS))
     cache: CacheConfig = field(default_factory=CacheConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -88,7 +90,7 @@ class CoreServer:
         self.encoder_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edgecore-encode")
         self.prefill = PrefillService(self.handle, self.streamer, self.metrics, self.encoder_pool,
                                       DTYPE_NAMES[engine.dtype], config.lease_seconds, self.parallel,
-                                      self.parallel and bool(self.stream_ports))
+                                      self.parallel and bool(self.stream_ports), config.handover)
         self.server = None
         self.http_runner = None
         self.started = False

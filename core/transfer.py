@@ -19,6 +19,14 @@ the prefill). LEASED: PrefillDone is queued behind the request's last chunk;
 the KV stays in the engine under a lease until the edge's Ack frees it.
 Chunks of a CANCELLED transfer still queued are dropped by the sender.
 
+Decode handover (protocol version 3, `decoding`): the request runs as an ordinary
+request instead of prefill-only; the first token goes out ahead of queued KV
+(PREFILLING → LEASED as above), then the core keeps decoding it in its batch,
+each token a Token frame ahead of queued KV, until the edge's Handover, Cancel,
+the `HandoverLimits` bound or the request's end; `decode` is that task,
+`position` the next output position. The KV already left layer by layer, so
+nothing waits for it; the lease starts when decoding stops.
+
 Written by the engine thread only: `sent_until`, `last_layer_at`; by the
 sender only: `first_chunk_sent_at`.
 """
@@ -63,6 +71,8 @@ class Transfer:
     last_layer_at: float | None = None
     lease: asyncio.TimerHandle | None = None
     held: list["KVSend"] = field(default_factory=list)   # chunks kept back until the prefill ends
+    decode: asyncio.Task | None = None   # decode handover: the task streaming this request's tokens
+    position: int = 0                  # decode handover: the next output position to send
 
     def __post_init__(self):
         self.sent_until = self.skip_tokens
@@ -95,6 +105,18 @@ class Transfer:
         if self.last_layer_at is not None:
             out["last_layer_done_ms"] = (self.last_layer_at - self.received_at) * 1e3
         return out
+
+
+@dataclass(frozen=True)
+class HandoverLimits:
+    """How much a core decodes for an edge before the edge takes over (PrefillRequest.core_decode)."""
+    max_tokens: int = 64               # tokens after the first; 0: never decode for edges (old mode)
+    max_seconds: float = 10.0          # from the first token
+    refuse_waiting: int = 8            # refuse when this many requests wait in the core's engine (prefill pressure)
+
+    def __post_init__(self):
+        if self.max_tokens < 0 or self.max_seconds <= 0 or self.refuse_waiting < 0:
+            raise ValueError("handover limits: max_tokens and refuse_waiting must be >= 0, max_seconds > 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_limit_args(p)
     p.add_argument("--transfer-timeout", type=float, default=30.0,
                    help="seconds without KV progress before giving up on a core (then retry or prefill locally)")
+    p.add_argument("--handover-max-tokens", type=int, default=64,
+                   help="decode handover: tokens after the first a core may decode and stream while the KV "
+                        "travels, before this edge takes over (0: wait for the KV, the old mode)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="request body limit")
     p.add_argument("--kv-blocks", type=int, default=4096, help="KV cache blocks of 16 tokens")
     p.add_argument("--model-from", default=None, metavar="CORE_URL",
@@ -175,7 +178,7 @@ def _edge_engine(args: argparse.Namespace, model_dir: str, codecs: list[str], lo
                         dtype=args.dtype, device=resolve_device(args.device), codecs=codecs,
                         adaptive=args.adaptive, ttft_target_ms=args.ttft_target_ms,
                         local_prefill_below=local_below, cache=CacheConfig(num_blocks=args.kv_blocks),
-                        transfer_timeout=args.transfer_timeout,
+                        transfer_timeout=args.transfer_timeout, handover_tokens=max(0, args.handover_max_tokens),
                         name=args.name, ssl=ssl, engine_threads=engine_threads)
     return EdgeEngine(config)
 

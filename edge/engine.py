@@ -13,7 +13,9 @@ engine process does to forward them without a task switch per token):
    with the codec chosen (fixed or adaptive), write arriving KV into the paged
    cache while later layers are still in flight, then `activate` with the
    core's first token: the request joins the decode batch. Ack frees the
-   core's copy.
+   core's copy. With decode handover (a version-3 core; `handover_tokens`) the
+   core's first token, and the tokens it decodes while the KV travels, reach
+   the caller at once; the edge takes over when the KV is complete.
 3. Any failure before the KV is complete (core died, Error, timeout, bad
    chunk): free the reservation, Cancel at the core, retry on another core,
    and finally prefill locally — the caller always gets a full answer.
@@ -67,6 +69,7 @@ class EdgeConfig:
     local_prefill_below: int | None = 32   # None: measured crossover (fixed 32 until measured)
     transfer_timeout: float = 30.0
     max_core_attempts: int = 2
+    handover_tokens: int = 64          # tokens after the first a core may decode while the KV travels; 0: off
     cache: CacheConfig = field(default_factory=CacheConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     engine_threads: int | None = None   # intra-op threads of the engine thread (None: leave as they are)
@@ -97,6 +100,8 @@ class EdgeEngine:
         self.pinned: list[list[int]] = []      # prefetched contexts' blocks
         self.prefill_model = PrefillModel(config.local_prefill_below or 32)
         self._started: dict[str, Progress] = {}   # requests begun with `submit`, until they finish
+        self._follows: dict[str, asyncio.Task] = {}   # decode handovers still receiving, by request id
+        self.handover_counts: dict = {}              # RemotePrefill's tallies (stats)
 
     async def start(self) -> None:
         self.handle.start()
@@ -157,8 +162,15 @@ class EdgeEngine:
                 progress.observe(out)
                 yield out
         finally:
+            self._stop_follow(request_id)
             progress.done()
             self.handle.close_stream(request_id)
+
+    def _stop_follow(self, request_id: str) -> None:
+        """The consumer left: a handover still receiving sends Cancel at once."""
+        task = self._follows.pop(request_id, None)
+        if task is not None:
+            task.cancel()
 
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      emit: Callable[[RequestOutput | BaseException], None]) -> None:
@@ -170,6 +182,7 @@ class EdgeEngine:
         try:
             _, progress.core = await self._open(request_id, prompt_ids, params, progress)
         except BaseException:
+            self._stop_follow(request_id)
             progress.done()
             self.handle.close_stream(request_id)
             raise
@@ -191,6 +204,7 @@ class EdgeEngine:
         """Abort a request begun with `submit` (its consumer went away); a no-op for any other id."""
         progress = self._started.pop(request_id, None)
         if progress is not None:
+            self._stop_follow(request_id)
             progress.done()
             self.handle.close_stream(request_id)
             self.handle.abort(request_id)
@@ -255,8 +269,13 @@ class EdgeEngine:
         """Prefill at `client` and receive the KV; with `activate`, the request then decodes here and this
         returns the queue its outputs arrive in."""
         prefill = RemotePrefill(self.handle, client, request_id, prompt_ids, params, self.config.transfer_timeout,
-                                self.decoder_pool, self.metrics)
-        return await prefill.run(self._codec, activate)
+                                self.decoder_pool, self.metrics, self.config.handover_tokens, self.handover_counts)
+        queue = await prefill.run(self._codec, activate)
+        if prefill.follow is not None:
+            self._follows[request_id] = prefill.follow
+            prefill.follow.add_done_callback(lambda t: self._follows.pop(request_id, None) if
+                                             self._follows.get(request_id) is t else None)
+        return queue
 
     # ---- EdgeService (edge/service.py; across the process boundary: edge/engine_client.py) ------------
     @property
@@ -291,6 +310,7 @@ class EdgeEngine:
         pm = self.prefill_model
         stats.update({
             "requests": self.active,
+            "handover": {**self.handover_counts, "receiving": len(self._follows)},
             "prefill_model": {"local_ms_per_token": round(pm.local_per_token * 1e3, 4) if pm.local_per_token else None,
                               "crossover_tokens": {c.address: pm.crossover(c.address, c.rtt)
                                                    for c in self.router.clients}},

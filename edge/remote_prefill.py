@@ -12,6 +12,20 @@ activated with the core's first token (it joins the decode batch) and the core
 hears Ack; on any failure the reservation is released, the core hears Cancel,
 and `RemotePrefillFailed` tells the caller to try elsewhere. The link estimate
 and the transfer metrics are recorded either way.
+
+Decode handover (a version-3 core, `core_decode` > 0; the per-request rules in
+the sans-IO `CoreDecode`, protocol/handover.py): the PrefillRequest lets the core
+decode up to `core_decode` tokens after the first. `run()` returns the output
+queue as soon as the first token is pushed into the reserved request
+(`push_token`: its output rules run here, the client sees it at once), and a
+task (`follow`) goes on: each Token is pushed in position order, KV chunks are
+written as before; once the KV is complete the edge sends Handover(position)
+and `take_over` joins the request to the batch (the tokens the core decoded are
+recomputed here as one short chunk), then Ack. A request that finishes before
+that never moves (Cancel). If the transfer fails after the first token (core
+died, Error, timeout) the edge keeps the tokens it has and computes the rest
+itself from its own cached prefix (`take_over(cached)`), Cancel at the core; a
+cancelled `follow` (client gone) sends Cancel at once.
 """
 
 from __future__ import annotations
@@ -25,11 +39,13 @@ from edgecore.edge.kv_receiver import KVReceiver, TransferFailed
 from edgecore.edge.metrics import EdgeMetrics
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ProtocolError
+from edgecore.protocol.handover import CoreDecode, Phase
 from edgecore.protocol.kv import SMALL_CHUNK_BYTES, decode_chunk
 from edgecore.protocol.state import KVData
 from edgecore.protocol.transport import PeerError
 from edgecore.shared.engine.handle import EngineHandle, FirstToken
 from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.errors import RequestError
 from edgecore.shared.kv.transfer import KVSlice
 from edgecore.shared.kv.wire import from_bits
 
@@ -40,11 +56,17 @@ class RemotePrefillFailed(Exception):
 
 class RemotePrefill:
     def __init__(self, handle: EngineHandle, client: CoreClient, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, timeout: float, decoder_pool: Executor, metrics: EdgeMetrics):
+                 params: SamplingParams, timeout: float, decoder_pool: Executor, metrics: EdgeMetrics,
+                 core_decode: int = 0, counts: dict | None = None):
+        """`core_decode`: tokens after the first the core may decode before the edge takes over (0: the old
+        mode); `counts`: the edge's handover counters (stats)."""
         self.handle, self.client = handle, client
         self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
         self.timeout, self.decoder_pool, self.metrics = timeout, decoder_pool, metrics
+        self.core_decode, self.counts = core_decode, counts if counts is not None else {}
         self.receiver: KVReceiver | None = None
+        self.decode: CoreDecode | None = None
+        self.follow: asyncio.Task | None = None   # decode handover: the rest of the transfer, after run()
 
     async def run(self, choose_codec, activate: bool = True) -> asyncio.Queue | None:
         """Prefill at the core and receive the KV; with `activate`, the request then decodes here and this
@@ -54,10 +76,15 @@ class RemotePrefill:
         queue = handle.open_stream(rid)
         codec = choose_codec(client, len(self.prompt_ids) - cached)
         cfg = handle.config
+        limit = min(self.core_decode, self.params.max_tokens - 1) if activate and client.peer.conn.handover else 0
         receiver = self.receiver = KVReceiver(rid, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                              len(self.prompt_ids), cached, direct=client.direct)
+                                              len(self.prompt_ids), cached, direct=client.direct or limit > 0)
         started = time.perf_counter()
         try:
+            if limit > 0:
+                await self._first_token(receiver, codec, cached, limit)
+                self.follow = asyncio.create_task(self._follow(receiver, codec, cached, started))
+                return queue
             await self._receive(receiver, codec, cached)
             done = receiver.done
             if activate and done is not None:          # COMPLETE: PrefillDone is in
@@ -79,29 +106,104 @@ class RemotePrefill:
             return None
         return queue
 
-    async def _receive(self, receiver: KVReceiver, codec: str, cached: int) -> None:
+    async def _request(self, codec: str, cached: int, limit: int = 0) -> asyncio.Queue:
         spec = m.SamplingSpec(**self.params.spec_fields())
-        events = await self.client.prefill(m.PrefillRequest(
+        return await self.client.prefill(m.PrefillRequest(
             self.request_id, self.prompt_ids, spec, [codec], int(self.timeout * 1000), cached,
-            direct=self.client.direct))
-        loop = asyncio.get_running_loop()
+            direct=self.client.direct, core_decode=limit))
+
+    async def _receive(self, receiver: KVReceiver, codec: str, cached: int) -> None:
+        events = await self._request(codec, cached)
         while not receiver.complete:
-            ev = await asyncio.wait_for(events.get(), self.timeout)
-            if isinstance(ev, KVData):
-                c = ev.chunk
-                receiver.on_chunk(c, len(ev.payload), time.perf_counter())
-                # A small chunk costs less to decode here than to hand to a thread and back.
-                k, v = decode_chunk(ev) if c.raw_len < SMALL_CHUNK_BYTES else \
-                    await loop.run_in_executor(self.decoder_pool, decode_chunk, ev)
-                self.handle.write_kv(self.request_id, KVSlice(c.layer_start, c.token_start, c.token_end,
-                                                              c.head_start, from_bits(k, c.dtype),
-                                                              from_bits(v, c.dtype)))
-            elif isinstance(ev, m.PrefillDone):
-                receiver.on_done(ev)
-            elif isinstance(ev, m.Error):
-                receiver.fail(f"core error {ev.code}: {ev.message}")
-            elif isinstance(ev, BaseException):
-                receiver.fail(str(ev))
+            await self._on_event(receiver, await asyncio.wait_for(events.get(), self.timeout))
+
+    # ---- decode handover ----------------------------------------------------------------------
+    async def _first_token(self, receiver: KVReceiver, codec: str, cached: int, limit: int) -> None:
+        self.decode = CoreDecode(self.request_id, limit)
+        self.events = await self._request(codec, cached, limit)
+        while self.decode.phase is Phase.FIRST:
+            await self._on_event(receiver, await asyncio.wait_for(self.events.get(), self.timeout))
+
+    async def _follow(self, receiver: KVReceiver, codec: str, cached: int, started: float) -> None:
+        """After the first token: the core's tokens and the KV until the KV is complete, then Handover and
+        take over; on a failure, compute the rest here (see the module's docstring)."""
+        decode, rid = self.decode, self.request_id
+        try:
+            while not receiver.complete and decode.phase is not Phase.FINISHED:
+                await self._on_event(receiver, await asyncio.wait_for(self.events.get(), self.timeout))
+            if decode.phase is Phase.FINISHED:
+                receiver.abandon("the request finished before the handover")
+            else:
+                await self.client.send(decode.handover())
+                await self.handle.take_over(rid, len(self.prompt_ids))
+                self._tally(decode.core_tokens, "handovers")
+        except asyncio.CancelledError:
+            receiver.abandon("the request was cancelled")
+            await self._close(receiver)
+            raise
+        except (TransferFailed, asyncio.TimeoutError, PeerError, ProtocolError) as exc:
+            receiver.abandon(str(exc) or type(exc).__name__)
+            await self._close(receiver)
+            self.metrics.failovers.inc()
+            if decode.phase is not Phase.FINISHED:
+                self.metrics.local_prefills.labels("core_failed").inc()
+                decode.finish()
+                try:                    # the tokens the client has are kept; the rest is computed here
+                    await self.handle.take_over(rid, cached)
+                    self._tally(decode.core_tokens, "recovered")
+                except RequestError:    # the request ended (aborted) meanwhile
+                    pass
+            return
+        await self._close(receiver)
+        self._count(codec, receiver, time.perf_counter() - started)
+
+    def _tally(self, core_tokens: int, outcome: str) -> None:
+        c = self.counts
+        c[outcome] = c.get(outcome, 0) + 1
+        c["core_tokens"] = c.get("core_tokens", 0) + core_tokens
+        c["last_core_tokens"] = core_tokens
+
+    async def _push(self, token: int, logprob: float, top) -> None:
+        first = FirstToken(token, logprob if self.params.logprobs is not None else None,
+                           [(int(t), float(p)) for t, p in top])
+        if await self.handle.push_token(self.request_id, first):
+            self.decode.finish()         # it ended before the handover: it never moves
+
+    async def _on_event(self, receiver: KVReceiver, ev) -> None:
+        decode = self.decode
+        if isinstance(ev, m.Token):
+            if decode is None:
+                receiver.fail("a Token for a request that did not ask the core to decode")
+            if decode.on_token(ev):
+                await self._push(ev.token_id, ev.logprob, ev.top_logprobs)
+        elif isinstance(ev, m.DecodeStop):
+            if decode is None:
+                receiver.fail("a DecodeStop for a request that did not ask the core to decode")
+            decode.on_stop(ev)
+        elif isinstance(ev, m.PrefillDone) and decode is not None:
+            receiver.on_done(ev)
+            decode.on_first(ev)
+            await self._push(ev.first_token, ev.logprob, ev.top_logprobs)
+        else:
+            await self._on_kv_event(receiver, ev)
+
+    async def _on_kv_event(self, receiver: KVReceiver, ev) -> None:
+        loop = asyncio.get_running_loop()
+        if isinstance(ev, KVData):
+            c = ev.chunk
+            receiver.on_chunk(c, len(ev.payload), time.perf_counter())
+            # A small chunk costs less to decode here than to hand to a thread and back.
+            k, v = decode_chunk(ev) if c.raw_len < SMALL_CHUNK_BYTES else \
+                await loop.run_in_executor(self.decoder_pool, decode_chunk, ev)
+            self.handle.write_kv(self.request_id, KVSlice(c.layer_start, c.token_start, c.token_end,
+                                                          c.head_start, from_bits(k, c.dtype),
+                                                          from_bits(v, c.dtype)))
+        elif isinstance(ev, m.PrefillDone):
+            receiver.on_done(ev)
+        elif isinstance(ev, m.Error):
+            receiver.fail(f"core error {ev.code}: {ev.message}")
+        elif isinstance(ev, BaseException):
+            receiver.fail(str(ev))
 
     async def _close(self, receiver: KVReceiver) -> None:
         """Ack or Cancel at the core (the receiver decides), and the link estimate from this transfer."""

@@ -181,6 +181,13 @@ class AsyncEngine:
     async def activate(self, request_id: str, first: FirstToken) -> None:
         await self._call(lambda e: e.activate(request_id, first.token, first.logprob, first.top))
 
+    async def push_token(self, request_id: str, token: FirstToken) -> bool:
+        """A token decoded elsewhere (decode handover), in position order; True when it finished the request."""
+        return await self._call(lambda e: e.push_token(request_id, token.token, token.logprob, token.top))
+
+    async def take_over(self, request_id: str, kv_until: int) -> None:
+        await self._call(lambda e: e.take_over(request_id, kv_until))
+
     # ---- KV handed out --------------------------------------------------------------
     async def read_kv(self, request_id: str, start: int, end: int) -> list[KVSlice]:
         return await self._call(lambda e: e.read_kv_slices(request_id, start, end))

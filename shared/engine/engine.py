@@ -14,7 +14,12 @@ Two entry points serve disaggregated serving:
 (b) KV from outside — `reserve` allocates blocks for a prompt (reusing the
     local prefix cache; the request is AWAITING_KV), `write_kv` fills slices as
     they arrive, and `activate(first_token)` joins the request to the decode
-    batch.
+    batch. With decode handover the tokens a core decoded meanwhile come first:
+    `push_token` runs each through the request's output rules (emitted with the
+    next step's outputs; a request they finish never decodes here), and
+    `take_over(kv_until)` joins the batch with KV valid for [0, kv_until): the
+    tokens after it (those decoded elsewhere, or all but the cached prefix after
+    a failed transfer) are computed here as one prefill chunk, as a recompute.
 Only the engine thread calls these (through `AsyncEngine`, the in-thread
 `EngineHandle`); `stats()` builds the snapshot that thread publishes.
 """
@@ -104,8 +109,6 @@ class LLMEngine:
             raise RequestError(f"the request needs {need} tokens of KV cache but the cache holds {capacity}",
                                param="prompt", code="context_length_exceeded")
         seq = Sequence(request_id, ids, params, prefill_only, priority)
-        if params.seed is not None and not params.greedy:
-            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed % 2**63)
         self.requests[request_id] = OutputState(seq, self.tokenizer, self.eos_ids, self.max_model_len)
         return seq
 
@@ -266,10 +269,6 @@ class LLMEngine:
         state = self.requests[request_id]
         seq = state.seq
         seq.num_computed_tokens = seq.num_prompt_tokens
-        if seq.generator is not None:
-            # The first token was drawn elsewhere from the same seed: consume that draw so the
-            # following tokens equal a single-node run's.
-            torch.empty(self.config.vocab_size, device=self.device).exponential_(generator=seq.generator)
         self.block_manager.register_full_blocks(seq.table, seq.token_ids, seq.num_computed_tokens)
         out = state.push(first_token, logprob if seq.params.logprobs is not None else None, top)
         self._pending.append(out)
@@ -281,6 +280,37 @@ class LLMEngine:
         else:
             seq.status = Status.RUNNING
             self.scheduler.running.append(seq)
+
+    def push_token(self, request_id: str, token: int, logprob: float | None = None, top=None) -> bool:
+        """A token decoded elsewhere for a reserved request (AWAITING_KV), in position order: through its
+        output rules, emitted with the next step's outputs. True when it finished the request (its blocks
+        are freed: the request never decodes here)."""
+        state = self.requests.get(request_id)
+        if state is None or state.seq.status is not Status.AWAITING_KV:
+            raise RequestError(f"request '{request_id}' is not waiting for its KV", param="request_id")
+        seq = state.seq
+        out = state.push(token, logprob if seq.params.logprobs is not None else None, top)
+        self._pending.append(out)
+        if out.finished:
+            self.block_manager.free_table(seq.table)
+            seq.status, seq.finish_reason = Status.FINISHED, out.finish_reason
+            del self.requests[request_id]
+        return out.finished
+
+    def take_over(self, request_id: str, kv_until: int) -> None:
+        """Join the decode batch a reserved request that holds valid KV for its tokens [0, kv_until) (at least
+        its first token pushed); the rest is computed here before it decodes on."""
+        state = self.requests.get(request_id)
+        if state is None or state.seq.status is not Status.AWAITING_KV:
+            raise RequestError(f"request '{request_id}' is not waiting for its KV", param="request_id")
+        seq = state.seq
+        if not 0 <= kv_until <= seq.num_prompt_tokens or seq.num_output_tokens < 1:
+            raise RequestError(f"cannot take over '{request_id}' with KV until {kv_until} after "
+                               f"{seq.num_output_tokens} tokens", param="kv_until")
+        seq.num_computed_tokens = kv_until
+        self.block_manager.register_full_blocks(seq.table, seq.token_ids, kv_until)
+        seq.status = Status.RUNNING
+        self.scheduler.running.append(seq)
 
     # ---- stats ------------------------------------------------------------
     def stats(self) -> EngineStats:

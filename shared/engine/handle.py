@@ -4,7 +4,8 @@ Life cycle of the seam: a node (edge engine, core prefill service, batch
 runner, contexts, control port) holds an `EngineHandle` and nothing else of the
 engine. Requests enter with `add` / `generate` (outputs stream back), leave with
 `abort`; the disaggregation entry points are `reserve` → `write_kv`* →
-`activate` (KV from outside) and prefill-only requests → `read_kv` → `release`
+`activate` (KV from outside; with decode handover `reserve` → `push_token`* and
+`write_kv`* → `take_over`) and prefill-only requests → `read_kv` → `release`
 (KV handed out); `pin_prefix` / `commit_prefix` / `unpin` keep prefixes
 resident. Stream routes (`add_stream_route`, `drop_stream_route`) tell a
 parallel core's ranks where to send their KV. `stats()` returns the snapshot the
@@ -56,7 +57,7 @@ class EngineStats(msgspec.Struct, frozen=True):
 
 
 class FirstToken(msgspec.Struct, frozen=True):
-    """A request's first token, sampled where it was prefilled."""
+    """A request's first token, sampled where it was prefilled (or any token decoded there, `push_token`)."""
     token: int
     logprob: float | None = None
     top: list[tuple[int, float]] = []
@@ -109,6 +110,10 @@ class EngineHandle(Protocol):
     def write_kv(self, request_id: str, piece: KVSlice) -> None: ...
 
     async def activate(self, request_id: str, first: FirstToken) -> None: ...
+
+    async def push_token(self, request_id: str, token: FirstToken) -> bool: ...
+
+    async def take_over(self, request_id: str, kv_until: int) -> None: ...
 
     # ---- KV handed out --------------------------------------------------------------------------
     async def read_kv(self, request_id: str, start: int, end: int) -> list[KVSlice]: ...

@@ -5,8 +5,10 @@ Life cycle: per step, the engine passes the logits of the rows that sample
 them first (`logits_processors.adjust`: tensor operations over those rows,
 vLLM semantics). Greedy rows then take the argmax; the others apply
 temperature, top-k, top-p and min-p, then draw with the exponential-race trick
-(argmax of p / E, E ~ Exp(1)), where a seeded request draws E from its own
-generator so its tokens do not depend on what else is in the batch. Logprobs
+(argmax of p / E, E ~ Exp(1)), where a seeded request draws E from a generator
+seeded by (seed, position): its tokens depend neither on what else is in the
+batch nor on where or when they are sampled (a core that decoded the first
+tokens, an edge that took over, a recompute after preemption all agree). Logprobs
 are those of the model's raw distribution (before penalties, as vLLM returns
 by default). A batch without penalties, biases or sampling rows costs one
 argmax: the fast path checks only per-row flags.
@@ -57,13 +59,24 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.
         floor = torch.tensor(min_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
         probs = probs.masked_fill(probs < floor * probs.amax(-1, keepdim=True), 0.0)
     noise = torch.empty_like(probs)
-    unseeded = [j for j, i in enumerate(rows) if seqs[i].generator is None]
+    unseeded = [j for j, i in enumerate(rows) if seqs[i].params.seed is None]
     if unseeded:
         noise[unseeded] = torch.empty(len(unseeded), vocab, device=sub.device).exponential_()
     for j, i in enumerate(rows):
-        if seqs[i].generator is not None:
-            noise[j].exponential_(generator=seqs[i].generator)
+        seed = seqs[i].params.seed
+        if seed is not None:
+            gen = torch.Generator(device=sub.device).manual_seed(position_seed(seed, seqs[i].num_output_tokens))
+            noise[j].exponential_(generator=gen)
     return (probs / noise).argmax(-1)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of output position `position` of a request seeded with `seed` (a 64-bit mix, so
+    neighbouring seeds and positions give unrelated streams)."""
+    x = (seed % 2**64) ^ ((position + 1) * 0x9E3779B97F4A7C15 % 2**64)
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB % 2**64
+    return (x ^ (x >> 31)) % 2**63
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:

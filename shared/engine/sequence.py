@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Any
 
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.kv.block_manager import BlockTable
@@ -49,7 +48,6 @@ class Sequence:
         self.table = BlockTable()
         self.arrival = next(_arrival)
         self.finish_reason: str | None = None
-        self.generator: Any = None      # per-request torch.Generator when seeded (no torch import here)
         self.prompt_logprobs: list | None = None   # per prompt position, when asked for (prompt_logprobs.py)
 
     @property

@@ -60,8 +60,6 @@ def test_sample_applies_bias_penalties_and_min_p():
     assert r.token_ids == [1, 1, 0, 0]
     assert r.logprobs[0] == torch.log_softmax(logits[0], -1)[1].item()   # logprob of the raw distribution
     seeded = [seq([2], [], temperature=1.5, min_p=0.3, seed=s) for s in range(40)]
-    for s in seeded:
-        s.generator = torch.Generator().manual_seed(s.params.seed)
     drawn = sample(logits[:1].expand(40, 4).contiguous(), seeded).token_ids
     probs = torch.softmax(logits[0] / 1.5, -1)
     allowed = {t for t in range(4) if probs[t] >= 0.3 * probs.max()}

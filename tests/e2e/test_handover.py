@@ -1,0 +1,190 @@
+"""Decode handover over real processes on loopback: the core streams the first tokens while the KV travels,
+the edge takes over; output identical to single-node generation (greedy and seeded), handover points pinned
+by the core's bound over a slow link (deploy/wan_relay.py), a core killed mid-stream, no leaked blocks."""
+
+import asyncio
+import concurrent.futures
+import json
+import threading
+import urllib.request
+
+import pytest
+
+from edgecore.deploy.wan_relay import LinkSpec, WanRelay
+from edgecore.shared.engine.sampling_params import SamplingParams
+from tests.conftest import make_engine
+from tests.e2e.procs import get_json, post_json, start_core, start_edge, wait_for
+from tests.e2e.test_disaggregated import prompts_5_to_900
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+# A 2 Mbit/s link with a small router buffer: a 700-token prompt's KV (~0.7 MB raw) takes seconds, and the
+# tokens the core sends go ahead of the KV still queued at the core.
+SLOW = LinkSpec(delay_ms=5, bandwidth_mbit=2.0, buffer_bytes=64 * 1024)
+
+
+class Relay:
+    """deploy/wan_relay.py's relay on its own event loop thread (in front of a core)."""
+
+    def __init__(self, spec: LinkSpec, target_port: int):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.relay = WanRelay(spec, LinkSpec(delay_ms=spec.delay_ms))
+        self.port = asyncio.run_coroutine_threadsafe(
+            self.relay.start(("127.0.0.1", 0), ("127.0.0.1", target_port)), self.loop).result(10)
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.relay.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def complete(http, prompt, max_tokens=24, **kw):
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **kw}
+    return post_json(f"http://127.0.0.1:{http}/v1/completions", body, timeout=120)
+
+
+def stats(port):
+    return get_json(f"http://127.0.0.1:{port}/stats")
+
+
+def books_closed(edge_http, core_http=None):
+    edge = wait_for(lambda: (s := stats(edge_http))["blocks_used"] == 0 and s["handover"]["receiving"] == 0 and s)
+    assert edge, stats(edge_http)
+    if core_http is not None:
+        core = wait_for(lambda: (s := stats(core_http))["blocks_used"] == 0 and s["remote_requests"] == 0 and s)
+        assert core, stats(core_http)
+
+
+@pytest.fixture(scope="module")
+def cluster(secret_file):
+    core, port, core_http = start_core(secret_file)
+    edge, http = start_edge("--local-prefill-below", "0", cores=[port], secret_file=secret_file)
+    yield {"core": core, "core_http": core_http, "edge": edge, "http": http}
+    edge.stop()
+    core.stop()
+
+
+def test_greedy_through_handover_equals_single_node(cluster, tokenizer, heldout):
+    prompts = prompts_5_to_900(tokenizer, heldout)
+    ref = make_engine().generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    before = stats(cluster["http"])["handover"].get("handovers", 0)
+    core_before = stats(cluster["core_http"])["handover"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda p: complete(cluster["http"], p), prompts))
+    for p, r, o in zip(prompts, ref, outs):
+        assert o["choices"][0]["text"] == r["text"], f"prompt of {len(p)} tokens"
+        assert o["usage"]["completion_tokens"] == 24 and o["choices"][0]["finish_reason"] == "length"
+    assert stats(cluster["http"])["handover"]["handovers"] - before == len(prompts)
+    core_after = stats(cluster["core_http"])["handover"]
+    assert core_after["decode_requests"] - core_before["decode_requests"] == len(prompts)
+    books_closed(cluster["http"], cluster["core_http"])
+
+
+def test_seeded_sampling_equal_with_and_without_handover(cluster, secret_file, tokenizer, heldout):
+    prompts = prompts_5_to_900(tokenizer, heldout)[10:14]
+    kw = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
+    ref = make_engine().generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True, **kw))
+    with_handover = [complete(cluster["http"], p, 20, **kw)["choices"][0]["text"] for p in prompts]
+    assert with_handover == [r["text"] for r in ref]
+    edge, http = start_edge("--local-prefill-below", "0", "--handover-max-tokens", "0",
+                            cores=[int(cluster["core"].args[2].rsplit(":", 1)[1])], secret_file=secret_file)
+    try:
+        before = stats(http)["handover"]
+        without = [complete(http, p, 20, **kw)["choices"][0]["text"] for p in prompts]
+        assert without == with_handover and stats(http)["handover"] == before    # the old mode: no handover
+    finally:
+        edge.stop()
+
+
+@pytest.mark.parametrize("core_tokens", [1, 5, 30])
+def test_handover_points_over_a_slow_link(secret_file, tokenizer, heldout, core_tokens):
+    """The core may decode `core_tokens - 1` tokens after the first; the KV over the slow link takes longer,
+    so the edge takes over exactly at position `core_tokens` (measured by the edge, counted by the core)."""
+    core, port, core_http = start_core(secret_file, "--handover-max-tokens", str(core_tokens - 1))
+    relay = Relay(SLOW, port)
+    edge, http = start_edge("--local-prefill-below", "0", cores=[relay.port], secret_file=secret_file)
+    try:
+        prompts = [tokenizer.encode(heldout)[1000 + 50 * i: 1700 + 50 * i] for i in range(2)]
+        ref = make_engine().generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        for p, r in zip(prompts, ref):
+            before = stats(core_http)["handover"]["decoded_tokens"]
+            out = complete(http, p, 40)
+            assert out["choices"][0]["text"] == r["text"]
+            s = stats(http)["handover"]
+            assert s["last_core_tokens"] == core_tokens, s
+            assert stats(core_http)["handover"]["decoded_tokens"] - before == core_tokens - 1
+        books_closed(http, core_http)
+    finally:
+        edge.stop()
+        relay.close()
+        core.stop()
+
+
+def stream_tokens(http, prompt, max_tokens, on_token):
+    """Stream a completion; `on_token(i)` after the i-th chunk with text. Returns the whole text."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    text, n = "", 0
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for line in resp:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                text += chunk["choices"][0]["text"]
+                n += 1
+                on_token(n)
+    return text
+
+
+@pytest.mark.parametrize("kill_at", [1, 4, 12])
+def test_core_killed_at_token_k_still_identical(secret_file, tokenizer, heldout, kill_at):
+    core, port, core_http = start_core(secret_file, "--handover-max-tokens", "200")
+    relay = Relay(SLOW, port)
+    edge, http = start_edge("--local-prefill-below", "0", cores=[relay.port], secret_file=secret_file)
+    try:
+        prompt = tokenizer.encode(heldout)[4000:4700]
+        ref = make_engine().generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+
+        def maybe_kill(n):
+            if n == kill_at:
+                core.kill()
+
+        assert stream_tokens(http, prompt, 40, maybe_kill) == ref["text"]
+        s = stats(http)["handover"]
+        assert s.get("recovered", 0) == 1 and s.get("handovers", 0) == 0, s
+        books_closed(http)
+    finally:
+        edge.stop()
+        relay.close()
+        core.kill()
+
+
+def test_client_disconnect_stops_the_core_at_once(secret_file, tokenizer, heldout):
+    core, port, core_http = start_core(secret_file, "--handover-max-tokens", "500")
+    relay = Relay(SLOW, port)
+    edge, http = start_edge("--local-prefill-below", "0", cores=[relay.port], secret_file=secret_file)
+    try:
+        prompt = tokenizer.encode(heldout)[5000:5700]
+
+        async def read_then_drop():
+            import aiohttp
+            async with aiohttp.ClientSession() as s:
+                resp = await s.post(f"http://127.0.0.1:{http}/v1/completions",
+                                    json={"prompt": prompt, "max_tokens": 600, "stream": True, "ignore_eos": True})
+                await resp.content.readline()      # the first token is in: the core decodes
+                assert stats(core_http)["decoding"] == 1
+                resp.close()
+
+        asyncio.run(asyncio.wait_for(read_then_drop(), 60))
+        core_stats = wait_for(lambda: (s := stats(core_http))["decoding"] == 0 and s, 5)
+        assert core_stats and core_stats["handover"]["decoded_tokens"] < 300   # stopped long before its bound
+        books_closed(http, core_http)
+    finally:
+        edge.stop()
+        relay.close()
+        core.stop()
