@@ -27,8 +27,11 @@ waits for the KV as in the old mode); a parallel core always does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+import socket
+import sys
 import time
 from concurrent.futures import Executor
 
@@ -42,9 +45,24 @@ from edgecore.shared.engine.handle import EngineHandle
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
-from edgecore.shared.kv.transfer import StreamRoute
+from edgecore.shared.kv.transfer import KVSlice, StreamRoute
 
 log = logging.getLogger("edgecore.core")
+
+
+UNSENT_LOWAT = 32 * 1024      # kernel backlog of a version-3 connection
+PIECE_BYTES = 32 * 1024       # KV frame size of a request whose tokens go ahead of its KV
+
+
+def _limit_unsent(transport) -> None:
+    """Keep the kernel's not-yet-sent backlog small (TCP_NOTSENT_LOWAT), so that a handover's tokens, which
+    jump the session queue, do not wait behind megabytes of KV already handed to the socket. Bytes in flight
+    (the congestion window) are not limited, so throughput is kept."""
+    sock = transport.get_extra_info("socket")
+    option = getattr(socket, "TCP_NOTSENT_LOWAT", 25 if sys.platform.startswith("linux") else None)
+    if sock is not None and option is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, option, UNSENT_LOWAT)
 
 
 class SessionQueue(asyncio.Queue):
@@ -60,6 +78,8 @@ class SessionQueue(asyncio.Queue):
         if self._next_urgent:
             self._queue.insert(self._urgent, item)
             self._urgent += 1
+        elif isinstance(item, KVSend) and item.transfer.piece_bytes:
+            self._queue.extend(_pieces(item, item.transfer.piece_bytes))
         else:
             self._queue.append(item)
 
@@ -74,6 +94,20 @@ class SessionQueue(asyncio.Queue):
             self.put_nowait(item)
         finally:
             self._next_urgent = False
+
+
+def _pieces(item: KVSend, piece_bytes: int) -> list[KVSend]:
+    """A slice cut by token ranges into frames of about `piece_bytes`: a token queued behind it waits for
+    one piece on the wire, not a whole layer."""
+    p = item.piece
+    per_token = max(1, (p.k[:, :1].nbytes + p.v[:, :1].nbytes))
+    step = max(1, piece_bytes // per_token)
+    if p.token_end - p.token_start <= step:
+        return [item]
+    return [KVSend(item.transfer, KVSlice(p.layer, a, min(a + step, p.token_end), p.head_start,
+                                          p.k[:, a - p.token_start:a - p.token_start + step],
+                                          p.v[:, a - p.token_start:a - p.token_start + step]))
+            for a in range(p.token_start, p.token_end, step)]
 
 
 class Session:
@@ -101,6 +135,8 @@ class PrefillService:
 
     # ---- one edge connection ---------------------------------------------
     async def serve(self, peer: Peer) -> None:
+        if peer.conn.handover:
+            _limit_unsent(peer.transport)
         session = Session(peer)
         self.sessions.add(session)
         self.metrics.connections.inc()
@@ -167,7 +203,7 @@ class PrefillService:
             return
         direct = self.direct_streams and msg.direct and bool(peer.conn.session)
         req = Transfer(f"s{session.id}/{rid}", rid, session.queue, codec, len(msg.token_ids), msg.skip_tokens,
-                       gather=self.parallel and not direct)
+                       gather=self.parallel and not direct, piece_bytes=PIECE_BYTES if msg.core_decode else 0)
         session.transfers[rid] = req
         self.streamer.remote[req.internal_id] = req
         if direct:      # the other ranks learn the route with the first step that computes this request
@@ -176,7 +212,7 @@ class PrefillService:
         limit, why_not = self._decode_limit(msg)
         if limit:
             req.decode = asyncio.current_task()
-            await self._decode(session, req, list(msg.token_ids), SamplingParams.from_spec(s, max_tokens=1 + limit),
+            await self._decode(session, req, list(msg.token_ids), SamplingParams.from_spec(s, max_tokens=1 + limit, ignore_eos=True),
                                msg.deadline_ms)
             return
         first = await self._run(session, req, list(msg.token_ids), params, msg.deadline_ms)
@@ -202,7 +238,9 @@ class PrefillService:
     async def _decode(self, session: Session, req: Transfer, token_ids: list[int], params: SamplingParams,
                       deadline_ms: int) -> None:
         """Prefill, then decode in the batch, streaming PrefillDone and each Token ahead of queued KV until the
-        request ends, the bound, or `_handover`/`_release` cancel this task (they answer DecodeStop)."""
+        bound, or `_handover`/`_release` cancel this task (they answer DecodeStop). EOS does not stop it: the
+        stop rules (EOS, stop ids and strings, ignore_eos) are the edge's, which Cancels when they end the
+        request, so where the handover happens depends only on the bound and the KV's arrival."""
         loop, rid = asyncio.get_running_loop(), req.request_id
         reason = "finished"
         self.counts["decode_requests"] += 1

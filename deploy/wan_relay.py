@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import socket
 import time
 from dataclasses import dataclass
 
@@ -83,6 +84,15 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link
             writer.close()
 
 
+def _cap_receive_buffer(writer: asyncio.StreamWriter, spec: LinkSpec) -> None:
+    """A capped link's bytes wait in its own `buffer_bytes`, not in an autotuned kernel receive buffer in front
+    of it (which would let a sender put megabytes "on the link" ahead of their time)."""
+    sock = writer.get_extra_info("socket")
+    if spec.bandwidth_mbit and sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, spec.buffer_bytes)
+
+
 class WanRelay:
     def __init__(self, spec: LinkSpec, reverse: LinkSpec | None = None):
         self.spec, self.reverse = spec, reverse or spec
@@ -100,6 +110,8 @@ class WanRelay:
             except OSError:
                 writer.close()
                 return
+            _cap_receive_buffer(writer, self.spec)           # feeds the client → target link
+            _cap_receive_buffer(up_writer, self.reverse)     # feeds the target → client link
             task = asyncio.current_task()
             self.connections.add(task)
             try:

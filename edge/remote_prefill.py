@@ -133,6 +133,7 @@ class RemotePrefill:
                 await self._on_event(receiver, await asyncio.wait_for(self.events.get(), self.timeout))
             if decode.phase is Phase.FINISHED:
                 receiver.abandon("the request finished before the handover")
+                self._tally(decode.core_tokens, "finished_before")
             else:
                 await self.client.send(decode.handover())
                 await self.handle.take_over(rid, len(self.prompt_ids))

@@ -66,8 +66,8 @@ class FrameRejected:
         text = f"a frame of request {rid} was corrupted in transit ({self.reason or 'MAC failed'})"
         if isinstance(msg, m.PrefillRequest):
             return Recovery(deliver=m.Error(int(ErrorCode.CHECKSUM), text, rid))
-        if isinstance(msg, (m.KVChunk, m.PrefillDone)):
+        if isinstance(msg, (m.KVChunk, m.PrefillDone, m.Token, m.DecodeStop)):
             return Recovery(send=(m.Error(int(ErrorCode.CHECKSUM), text, rid),))
-        if isinstance(msg, (m.Ack, m.Cancel, m.Error, m.Reject)):
+        if isinstance(msg, (m.Ack, m.Cancel, m.Error, m.Reject, m.Handover)):
             return Recovery(send=(msg,))
         return Recovery()

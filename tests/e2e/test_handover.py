@@ -18,9 +18,9 @@ from tests.e2e.test_disaggregated import prompts_5_to_900
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-# A 2 Mbit/s link with a small router buffer: a 700-token prompt's KV (~0.7 MB raw) takes seconds, and the
-# tokens the core sends go ahead of the KV still queued at the core.
-SLOW = LinkSpec(delay_ms=5, bandwidth_mbit=2.0, buffer_bytes=64 * 1024)
+# A 3 Mbit/s link with a small router buffer: a 900-token prompt's KV (~1.5 MB as float32) takes 4 s, and the
+# tokens the core sends go ahead of the KV still queued at the core (behind ~0.5 MB of buffers on the way).
+SLOW = LinkSpec(delay_ms=5, bandwidth_mbit=3.0, buffer_bytes=64 * 1024)
 
 
 class Relay:
@@ -30,7 +30,7 @@ class Relay:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.relay = WanRelay(spec, LinkSpec(delay_ms=spec.delay_ms))
+        self.relay = WanRelay(LinkSpec(delay_ms=spec.delay_ms), spec)     # (edge → core, core → edge)
         self.port = asyncio.run_coroutine_threadsafe(
             self.relay.start(("127.0.0.1", 0), ("127.0.0.1", target_port)), self.loop).result(10)
 
@@ -98,15 +98,16 @@ def test_seeded_sampling_equal_with_and_without_handover(cluster, secret_file, t
         edge.stop()
 
 
-@pytest.mark.parametrize("core_tokens", [1, 5, 30])
-def test_handover_points_over_a_slow_link(secret_file, tokenizer, heldout, core_tokens):
-    """The core may decode `core_tokens - 1` tokens after the first; the KV over the slow link takes longer,
-    so the edge takes over exactly at position `core_tokens` (measured by the edge, counted by the core)."""
+@pytest.mark.parametrize("core_tokens,mbit", [(1, 3.0), (5, 3.0), (30, 1.0)])
+def test_handover_points_over_a_slow_link(secret_file, tokenizer, heldout, core_tokens, mbit):
+    """The core may decode `core_tokens - 1` tokens after the first; the KV over the slow link takes longer
+    (30 tokens on a loaded 2-core machine take seconds: a slower link), so the edge takes over exactly at
+    position `core_tokens` (measured by the edge, counted by the core)."""
     core, port, core_http = start_core(secret_file, "--handover-max-tokens", str(core_tokens - 1))
-    relay = Relay(SLOW, port)
+    relay = Relay(LinkSpec(SLOW.delay_ms, bandwidth_mbit=mbit, buffer_bytes=SLOW.buffer_bytes), port)
     edge, http = start_edge("--local-prefill-below", "0", cores=[relay.port], secret_file=secret_file)
     try:
-        prompts = [tokenizer.encode(heldout)[1000 + 50 * i: 1700 + 50 * i] for i in range(2)]
+        prompts = [tokenizer.encode(heldout)[1000 + 50 * i: 1900 + 50 * i] for i in range(2)]
         ref = make_engine().generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
         for p, r in zip(prompts, ref):
             before = stats(core_http)["handover"]["decoded_tokens"]
@@ -143,18 +144,20 @@ def stream_tokens(http, prompt, max_tokens, on_token):
 
 @pytest.mark.parametrize("kill_at", [1, 4, 12])
 def test_core_killed_at_token_k_still_identical(secret_file, tokenizer, heldout, kill_at):
-    core, port, core_http = start_core(secret_file, "--handover-max-tokens", "200")
+    """The core may decode 30 tokens, the client asks for 60: whenever the core dies after the client saw
+    `kill_at` tokens, the edge (still without the whole KV) computes the rest itself."""
+    core, port, core_http = start_core(secret_file, "--handover-max-tokens", "30")
     relay = Relay(SLOW, port)
     edge, http = start_edge("--local-prefill-below", "0", cores=[relay.port], secret_file=secret_file)
     try:
-        prompt = tokenizer.encode(heldout)[4000:4700]
-        ref = make_engine().generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+        prompt = tokenizer.encode(heldout)[4000:4900]
+        ref = make_engine().generate([prompt], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))[0]
 
         def maybe_kill(n):
             if n == kill_at:
                 core.kill()
 
-        assert stream_tokens(http, prompt, 40, maybe_kill) == ref["text"]
+        assert stream_tokens(http, prompt, 60, maybe_kill) == ref["text"]
         s = stats(http)["handover"]
         assert s.get("recovered", 0) == 1 and s.get("handovers", 0) == 0, s
         books_closed(http)
@@ -167,9 +170,10 @@ def test_core_killed_at_token_k_still_identical(secret_file, tokenizer, heldout,
 def test_client_disconnect_stops_the_core_at_once(secret_file, tokenizer, heldout):
     core, port, core_http = start_core(secret_file, "--handover-max-tokens", "500")
     relay = Relay(SLOW, port)
-    edge, http = start_edge("--local-prefill-below", "0", cores=[relay.port], secret_file=secret_file)
+    edge, http = start_edge("--local-prefill-below", "0", "--handover-max-tokens", "500", cores=[relay.port],
+                            secret_file=secret_file)
     try:
-        prompt = tokenizer.encode(heldout)[5000:5700]
+        prompt = tokenizer.encode(heldout)[5000:5900]
 
         async def read_then_drop():
             import aiohttp
