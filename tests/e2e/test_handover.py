@@ -168,25 +168,26 @@ def test_core_killed_at_token_k_still_identical(secret_file, tokenizer, heldout,
 
 
 def test_client_disconnect_stops_the_core_at_once(secret_file, tokenizer, heldout):
-    core, port, core_http = start_core(secret_file, "--handover-max-tokens", "500")
+    core, port, core_http = start_core(secret_file, "--handover-max-tokens", "300")
     relay = Relay(SLOW, port)
-    edge, http = start_edge("--local-prefill-below", "0", "--handover-max-tokens", "500", cores=[relay.port],
+    edge, http = start_edge("--local-prefill-below", "0", "--handover-max-tokens", "300", cores=[relay.port],
                             secret_file=secret_file)
     try:
-        prompt = tokenizer.encode(heldout)[5000:5900]
+        prompt = tokenizer.encode(heldout)[5000:5600]      # + 400 tokens: the model's 1024
 
         async def read_then_drop():
             import aiohttp
             async with aiohttp.ClientSession() as s:
                 resp = await s.post(f"http://127.0.0.1:{http}/v1/completions",
-                                    json={"prompt": prompt, "max_tokens": 600, "stream": True, "ignore_eos": True})
+                                    json={"prompt": prompt, "max_tokens": 400, "stream": True, "ignore_eos": True})
+                assert resp.status == 200
                 await resp.content.readline()      # the first token is in: the core decodes
                 assert stats(core_http)["decoding"] == 1
                 resp.close()
 
         asyncio.run(asyncio.wait_for(read_then_drop(), 60))
         core_stats = wait_for(lambda: (s := stats(core_http))["decoding"] == 0 and s, 5)
-        assert core_stats and core_stats["handover"]["decoded_tokens"] < 300   # stopped long before its bound
+        assert core_stats and core_stats["handover"]["decoded_tokens"] < 200   # stopped long before its bound
         books_closed(http, core_http)
     finally:
         edge.stop()
