@@ -38,6 +38,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from edgecore.shared.errors import ConfigError
 from edgecore.shared.kv.transfer import KVSlice
 
 
@@ -117,7 +118,8 @@ class HandoverLimits:
 
     def __post_init__(self):
         if self.max_tokens < 0 or self.max_seconds <= 0 or self.refuse_waiting < 0:
-            raise ValueError("handover limits: max_tokens and refuse_waiting must be >= 0, max_seconds > 0")
+            raise ConfigError("--handover-max-tokens and --handover-refuse-waiting must be >= 0 and "
+                              "--handover-max-seconds > 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ import torch
 from edgecore.core.prefill_service import SessionQueue, _pieces
 from edgecore.core.transfer import HandoverLimits, KVSend, Transfer
 from edgecore.protocol import messages as m
+from edgecore.shared.errors import ConfigError
 from edgecore.shared.kv.transfer import KVSlice
 
 import pytest
@@ -62,7 +63,7 @@ def test_only_handover_transfers_are_cut():
 
 
 def test_handover_limits_are_checked():
-    with pytest.raises(ValueError, match="max_seconds"):
+    with pytest.raises(ConfigError, match="--handover-max-seconds"):
         HandoverLimits(max_seconds=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         HandoverLimits(max_tokens=-1)
