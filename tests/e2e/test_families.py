@@ -10,6 +10,8 @@ the first tokens agree with single node. `--tp 2` / `--pp 2` logits within 1e-5 
 greedy tokens equal, split by what each layout exercises per family: TP on Qwen3 (per-head q/k norm on
 sharded heads), Mixtral (sharded experts) and Llama 4 (shared expert, top-1 sigmoid routing); PP on
 Qwen3-MoE (dense/sparse layers by global layer index) and Llama 4 (chunked / NoPE layers by index).
+An edge behind a parallel core gets exactly each layer's window: Llama 4 from a `--pp 2` core (each stage
+streams and cuts its own layers) and Mixtral from a `--tp 2 --gather-kv` core (rank 0 cuts what it gathers).
 """
 
 import io
@@ -135,3 +137,30 @@ def test_parallel_logits_equal_one_process(name, tp, pp, tmp_path_factory, tmp_p
     assert (torch.tensor(got["logits"]) - ref).abs().max().item() <= 1e-5
     assert got["greedy"] == [r["token_ids"] for r in engine.generate(prompts(), SamplingParams(
         max_tokens=24, temperature=0, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("name, tp, pp, gather", [("llama4", 1, 2, False), ("mixtral-sliding", 2, 1, True)])
+def test_edge_decodes_windowed_kv_from_a_parallel_core(name, tp, pp, gather, tmp_path_factory, secret_file):
+    """Each rank cuts its own layers (direct streams, by global layer index), or rank 0 cuts the gathered
+    KV (`--gather-kv`): the edge gets exactly each layer's window and decodes like one node."""
+    path = checkpoint(tmp_path_factory, name)
+    core, port, _ = start_core(secret_file, "--model", str(path), "--tp", str(tp), "--pp", str(pp),
+                               *(["--gather-kv"] * gather))
+    try:
+        edge, http = start_edge("--local-prefill-below", "0", "--model", str(path), cores=[port],
+                                secret_file=secret_file)
+    except BaseException:
+        core.stop()
+        raise
+    try:
+        engine = make_engine(path)
+        for prompt, r in zip(prompts(), engine.generate(prompts(), GREEDY)):
+            assert completions(http, prompt)["choices"][0]["text"] == r["text"]
+        cfg = engine.config
+        cells = sum(len(p) - start for p in prompts() for start in needed_from(cfg, len(p)))
+        raw = metric(http, 'edgecore:kv_raw_bytes_received_total{codec="lossless"}')
+        assert raw in {cells * 2 * cfg.num_key_value_heads * cfg.head_dim * size for size in (2, 4)}, raw
+        assert metric(http, 'edgecore:remote_prefills_total{codec="lossless"}') == len(prompts())
+    finally:
+        edge.stop()
+        core.stop()
