@@ -3,6 +3,11 @@
 Prefills windows of heldout.txt, takes each request's per-layer K and V (the
 unit the core streams), and for each codec measures bytes vs bf16 and
 single-thread encode / decode MB/s (MB of bf16 input per second, one core).
+
+Sliding-window row (`sliding_window`): one 2k-token prompt through the bundled
+model as is (full attention) and through the same weights with a 128-token
+sliding window; bytes each codec puts on the wire when each layer sends only
+what the edge can still attend to (docs/wire-format.md section 10).
 """
 
 from __future__ import annotations
@@ -45,6 +50,45 @@ def real_planes(windows: int, length: int):
     return planes
 
 
+def sliding_window_row(length: int = 2048, window: int = 128) -> dict:
+    """Per codec: encoded bytes of one `length`-token heldout prompt for the bundled model (full attention)
+    and for the same weights as a Mistral config with `sliding_window = window` (its context raised to
+    fit the prompt), each layer cut to the tokens it still needs (`needed_from`), as the core sends."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from edgecore.shared.kv.transfer import needed_from
+    src = ROOT / "models" / "pydoc-llama"
+    encoded: dict[str, dict[str, int]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind, extra in (("full", {}), ("sliding", {"sliding_window": window})):
+            path = Path(tmp) / kind
+            shutil.copytree(src, path)
+            cfg = json.loads((path / "config.json").read_text())
+            cfg.update(architectures=["MistralForCausalLM"], model_type="mistral",
+                       max_position_embeddings=2 * length, **extra)
+            (path / "config.json").write_text(json.dumps(cfg))
+            engine = LLMEngine.from_dir(path, "bf16", "cpu", CacheConfig(num_blocks=2 * length // 16))
+            ids = engine.tokenizer.encode((src / "heldout.txt").read_text())[:length]
+            engine.add_request("w", ids, prefill_only=True)
+            while engine.has_unfinished():
+                engine.step()
+            starts = needed_from(engine.config, length)
+            for layer, start in enumerate(starts):
+                k, v = engine.read_kv("w", layer, start, length)
+                for plane_kind, t in (("k", k), ("v", v)):
+                    bits = t.view(torch.int16).numpy().view(np.uint16)[None]
+                    info = PlaneInfo("bfloat16", bits.shape, plane_kind, start, length)
+                    for name, codec in CODECS.items():
+                        row = encoded.setdefault(name, {"full": 0, "sliding": 0})
+                        row[kind] += len(bytes(codec.encode(bits, info)))
+    return {"prompt_tokens": length, "window": window,
+            "codecs": {name: {"full_bytes": r["full"], "sliding_bytes": r["sliding"],
+                              "sliding_over_full": round(r["sliding"] / r["full"], 4)} for name, r in encoded.items()}}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--windows", type=int, default=9)
@@ -77,8 +121,11 @@ def main():
         rows[name] = {"ratio_vs_bf16": round(encoded / raw, 3), "encode_MBps_per_core": round(raw / best_enc / 1e6),
                       "decode_MBps_per_core": round(raw / best_dec / 1e6), "target": TARGETS.get(name)}
         progress(f"{name}: {rows[name]}")
+    progress("sliding-window row: 2k-token prompt, window 128 vs full attention")
+    sliding = sliding_window_row()
+    progress(f"sliding window: {sliding}")
     emit("kv_codec", "lossless_ratio_vs_bf16", rows["lossless"]["ratio_vs_bf16"], codecs=rows,
-         kv_megabytes=round(raw / 1e6, 2), window_tokens=args.length)
+         kv_megabytes=round(raw / 1e6, 2), window_tokens=args.length, sliding_window=sliding)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,13 @@ limited to
  (c) layer-wise streaming + lossless, (d) layer-wise + int8, (e) adaptive
  (lossless or int8, chosen from the measured link). Each is reported as a
 ratio to (b). Medians of `--repeats` runs.
+
+Sliding-window row (`sliding_window`, `--sliding-window-only` runs just it): the
+same random weights as a Mistral with full attention and with a 128-token
+sliding window, each behind its own core and an identical emulated link; a
+2k-token prompt, layer-wise lossless streaming: encoded KV bytes received per
+request and TTFT, sliding against full (the sliding core sends each layer's
+window only, docs/wire-format.md section 10).
 """
 
 from __future__ import annotations
@@ -137,15 +144,68 @@ async def run(args, model_dir: Path):
     return results
 
 
+async def sliding_window_row(args, tmp: Path, length: int = 2048, window: int = 128) -> dict:
+    """Encoded KV bytes per request and TTFT of a `length`-token prompt, full attention vs `window`."""
+    import json
+    import shutil
+    full, sliding = tmp / "mistral-full", tmp / "mistral-sliding"
+    write_model(full)
+    cfg = dict(CONFIG, architectures=["MistralForCausalLM"])
+    (full / "config.json").write_text(json.dumps(cfg))
+    shutil.copytree(full, sliding)
+    (sliding / "config.json").write_text(json.dumps(dict(cfg, sliding_window=window)))
+    secret_file = tmp / "sliding-secret"
+    secret_file.write_bytes(b"ttft-sliding")
+    cache = CacheConfig(num_blocks=(8192 + 256) // 16 * 2)
+    budget = EngineConfig(max_num_batched_tokens=1024, max_num_seqs=4)
+    gen = torch.Generator().manual_seed(2)
+    row = {}
+    for name, path in (("full", full), ("sliding", sliding)):
+        core, port, _ = start_core(str(secret_file), "--model", str(path), "--dtype", "bf16", "--max-batched-tokens",
+                                   str(budget.max_num_batched_tokens), "--kv-blocks", str(cache.num_blocks),
+                                   data_dir=str(tmp / f"core-{name}"))
+        relay = WanRelay(LinkSpec(delay_ms=args.delay_ms, bandwidth_mbit=args.mbit))
+        relay_port = await relay.start(("127.0.0.1", 0), ("127.0.0.1", port))
+        edge = EdgeEngine(EdgeConfig(str(path), cores=[("127.0.0.1", relay_port)], secret=b"ttft-sliding",
+                                     codecs=["lossless"], local_prefill_below=0, cache=cache, engine=budget,
+                                     transfer_timeout=300),
+                          engine=LLMEngine.from_dir(path, "bf16", "cpu", cache, budget))
+        await edge.start()
+        try:
+            times = []
+            for r in range(args.repeats):
+                prompt = torch.randint(5, 4000, (length,), generator=gen).tolist()
+                times.append(await measure(edge, prompt, f"sliding-{name}-{r}"))
+            wire = edge.metrics.registry.get_sample_value("edgecore:kv_bytes_received_total", {"codec": "lossless"})
+            row[name] = {"ttft_ms": round(statistics.median(times) * 1e3, 1),
+                         "kv_bytes_per_request": round(wire / args.repeats)}
+            progress(f"sliding-window row, {name}: {row[name]}")
+        finally:
+            await edge.stop()
+            await relay.stop()
+            core.stop()
+    row.update(prompt_tokens=length, window=window, codec="lossless",
+               bytes_sliding_over_full=round(row["sliding"]["kv_bytes_per_request"] / row["full"]["kv_bytes_per_request"], 4),
+               ttft_sliding_over_full=round(row["sliding"]["ttft_ms"] / row["full"]["ttft_ms"], 3))
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="512,2048,8192")
     ap.add_argument("--mbit", type=float, default=200)
     ap.add_argument("--delay-ms", type=float, default=20)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sliding-window-only", action="store_true", help="run only the sliding-window row "
+                    "(written to bench/results/ttft_sliding.json)")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
+        sliding = asyncio.run(sliding_window_row(args, Path(tmp)))
+        if args.sliding_window_only:
+            emit("ttft_sliding", "kv_bytes_sliding_over_full", sliding["bytes_sliding_over_full"], link_mbit=args.mbit,
+                 delay_ms=args.delay_ms, sliding_window=sliding, model=CONFIG)
+            return
         model_dir = Path(tmp) / "random-8k"
         progress("writing a random 8k-context model")
         write_model(model_dir)
@@ -153,7 +213,8 @@ def main():
     longest = results[max(results)]
     emit("ttft", "stream_lossless_ratio_to_raw_at_longest", longest["c_stream_lossless"]["ratio_to_b"],
          targets={"c": 0.85, "d": 0.6, "e": "within 10% of the best fixed"}, link_mbit=args.mbit,
-         delay_ms=args.delay_ms, results={str(k): v for k, v in results.items()}, model=CONFIG)
+         delay_ms=args.delay_ms, results={str(k): v for k, v in results.items()}, model=CONFIG,
+         sliding_window=sliding)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ the pool as a `KVSlice` and queues it (`KVSend`) for the request's connection;
 transfer's codec and sends a KVChunk while the engine computes the next layer. Tokens the edge already
 holds (`skip_tokens`) and tokens served from the core's own prefix cache are
 handled the same way: everything in [skip_tokens, end of step) not yet sent
-is sent.
+is sent. A sliding-window or chunked layer sends only from the first token
+the edge's decode can still attend to (`needed_from`: the window or chunk of
+the prompt's end); earlier tokens of that layer never leave the core.
 
 A parallel core runs one streamer per rank that holds distinct KV: each
 covers its own layers (`layer_offset`) and KV heads (`head_start`), so every
@@ -28,7 +30,7 @@ from typing import Callable
 from edgecore.core.transfer import KVSend, Transfer, TransferState
 from edgecore.protocol.kv import SMALL_CHUNK_BYTES, encode_chunk
 from edgecore.protocol.transport import Peer, PeerError
-from edgecore.shared.kv.transfer import KVSlice
+from edgecore.shared.kv.transfer import KVSlice, needed_from
 from edgecore.shared.kv.wire import to_bits
 
 
@@ -45,6 +47,8 @@ class LayerStreamer:
         self.layer_offset = model.model.layer_ids[0]
         self.head_start = head_start
         self.forget_when_sent = forget_when_sent
+        self.config = model.config
+        self._needed: dict[int, list[int]] = {}      # prompt length → first token each layer needs
 
     def on_layer(self, layer: int, items) -> None:
         if not self.remote:             # nothing to ship (e.g. only batch work running)
@@ -55,10 +59,11 @@ class LayerStreamer:
             if req is None or req.cancelled or req.gather:
                 continue
             end = seq.num_computed_tokens + n
-            if end > req.sent_until:
-                slots = pool.slots(seq.table.blocks, req.sent_until, end)
+            start = max(req.sent_until, self._first_needed(req.total_tokens, layer + self.layer_offset))
+            if end > start:
+                slots = pool.slots(seq.table.blocks, start, end)
                 k, v = pool.read(layer, slots)
-                item = KVSend(req, KVSlice(layer + self.layer_offset, req.sent_until, end, self.head_start,
+                item = KVSend(req, KVSlice(layer + self.layer_offset, start, end, self.head_start,
                                            k[None], v[None]))
                 if self.mode == "stream":
                     self.loop.call_soon_threadsafe(req.queue.put_nowait, item)
@@ -71,6 +76,14 @@ class LayerStreamer:
                     if self.forget_when_sent:
                         req.move(TransferState.SENT)
                         del self.remote[seq.request_id]
+
+    def _first_needed(self, total_tokens: int, layer: int) -> int:
+        needed = self._needed.get(total_tokens)
+        if needed is None:
+            if len(self._needed) > 256:
+                self._needed.clear()
+            needed = self._needed[total_tokens] = needed_from(self.config, total_tokens)
+        return needed[layer]
 
 
 async def send_queued(queue: asyncio.Queue, peer: Peer, encoder_pool, dtype_name: str,

@@ -30,7 +30,7 @@ from edgecore.protocol.state import KVData
 from edgecore.protocol.transport import PeerError
 from edgecore.shared.engine.handle import EngineHandle, FirstToken
 from edgecore.shared.engine.sampling_params import SamplingParams
-from edgecore.shared.kv.transfer import KVSlice
+from edgecore.shared.kv.transfer import KVSlice, needed_from
 from edgecore.shared.kv.wire import from_bits
 
 
@@ -55,7 +55,8 @@ class RemotePrefill:
         codec = choose_codec(client, len(self.prompt_ids) - cached)
         cfg = handle.config
         receiver = self.receiver = KVReceiver(rid, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                              len(self.prompt_ids), cached, direct=client.direct)
+                                              len(self.prompt_ids), cached, direct=client.direct,
+                                              needed_from=needed_from(cfg, len(self.prompt_ids)))
         started = time.perf_counter()
         try:
             await self._receive(receiver, codec, cached)

@@ -36,7 +36,7 @@ from edgecore.shared.engine.sequence import Sequence, Status
 from edgecore.shared.errors import RequestError
 from edgecore.shared.kv.block_manager import BlockManager, NoFreeBlocks
 from edgecore.shared.kv.pool import KVPool
-from edgecore.shared.kv.transfer import KVSlice, StreamRoute
+from edgecore.shared.kv.transfer import KVSlice, StreamRoute, needed_from
 from edgecore.shared.models.loader import load_model, resolve_dtype
 from edgecore.shared.tokenizer import Tokenizer
 
@@ -266,6 +266,7 @@ class LLMEngine:
         state = self.requests[request_id]
         seq = state.seq
         seq.num_computed_tokens = seq.num_prompt_tokens
+        self._clear_unsent_kv(seq)
         if seq.generator is not None:
             # The first token was drawn elsewhere from the same seed: consume that draw so the
             # following tokens equal a single-node run's.
@@ -281,6 +282,20 @@ class LLMEngine:
         else:
             seq.status = Status.RUNNING
             self.scheduler.running.append(seq)
+
+    def _clear_unsent_kv(self, seq: Sequence) -> None:
+        """Windowed layers received only the tokens their decode can still see (`needed_from`): zero the
+        rest (attention reads whole blocks, and a masked NaN from unwritten memory still poisons a softmax)
+        and keep the blocks holding them out of the prefix cache (some layer's KV there is missing)."""
+        lo, starts = seq.num_cached_tokens, needed_from(self.config, seq.num_prompt_tokens)
+        hi = max(starts)
+        if hi <= lo:
+            return
+        seq.table.uncached_before = hi
+        slots = self.pool.slots(seq.table.blocks, lo, hi)
+        for layer, start in enumerate(starts):
+            if start > lo:
+                self.pool.clear(layer, slots[:start - lo])
 
     # ---- stats ------------------------------------------------------------
     def stats(self) -> EngineStats:
