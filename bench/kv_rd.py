@@ -42,8 +42,7 @@ from edgecore.shared.config import CacheConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.engine.sequence import Sequence
-from edgecore.shared.kv.wire import from_bits, to_bits
-from edgecore.shared.models import llama, rope
+from edgecore.shared.kv.wire import codec_rope, from_bits, to_bits
 
 TARGETS = {"ratio_0.15": {"ratio_vs_bf16": 0.15, "ppl_increase": 0.01, "agreement": 0.97},
            "ratio_0.25": {"ratio_vs_bf16": 0.25, "ppl_increase": 0.003}}
@@ -65,14 +64,6 @@ def heldout_text(model: Path) -> str:
         docs += [inspect.getdoc(obj) or "" for _, obj in sorted(vars(mod).items())
                  if (inspect.isfunction(obj) or inspect.isclass(obj)) and getattr(obj, "__module__", "") == name]
     return "\n\n".join(d for d in docs if d)
-
-
-def model_rope(engine: LLMEngine) -> tuple[float, ...] | None:
-    """The RoPE inverse frequencies codecs may use: Llama-family models (rotate-half, full head_dim)."""
-    if type(engine.model).__module__ != llama.__name__:
-        return None
-    inv_freq, _scale = rope.rope_inv_freq(engine.config)
-    return tuple(float(f) for f in inv_freq.double())
 
 
 class Run:
@@ -281,7 +272,7 @@ def main():
     torch.set_num_threads(1)
     model = Path(args.model)
     engine = LLMEngine.from_dir(model, args.dtype, "cpu", CacheConfig(num_blocks=1024, enable_prefix_caching=False))
-    args.rope = None if args.no_rope else model_rope(engine)
+    args.rope = None if args.no_rope else codec_rope(engine.config)
     ids = engine.tokenizer.encode(heldout_text(model))
     span = args.prompt_len + args.new_tokens
     if len(ids) < span:

@@ -263,15 +263,22 @@ def test_rotate_matches_the_model_rope():
     from edgecore.shared.config import ModelConfig
     from edgecore.shared.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
     from tests.conftest import MODEL_DIR
+    from edgecore.shared.kv.wire import codec_rope
     config = ModelConfig.from_dir(MODEL_DIR)
     inv_freq, _scale = rope_inv_freq(config)
-    rope = tuple(float(f) for f in inv_freq.double())
+    rope = codec_rope(config)        # what core and edge hand the codecs on the live path
+    assert rope == tuple(float(f) for f in inv_freq.double())
     x = torch.randn(300, 2, config.head_dim)
     cos, sin = rope_cos_sin(config, 400)
     ref = apply_rope(x, cos[100:400, None], sin[100:400, None])
     ours = rotate(x.numpy()[None], rope, 100, inverse=False)[0]
     assert np.allclose(ours, ref.numpy(), atol=1e-4)     # the model's angles are float32, ours float64
     assert np.allclose(rotate(ours[None], rope, 100, inverse=True)[0], x.numpy(), atol=1e-5)
+
+    # No rotate-half keys over the full head_dim: MLA's latent plane, Llama 4's adjacent pairs.
+    import dataclasses
+    assert codec_rope(dataclasses.replace(config, mla=object())) is None
+    assert codec_rope(dataclasses.replace(config, architecture="Llama4ForCausalLM")) is None
 
 
 @pytest.mark.parametrize("name", ENTROPY)
