@@ -73,7 +73,6 @@ centres [layers][groups][heads][dim] | steps (same shape) | zstd(codes).
 from __future__ import annotations
 
 import struct
-import threading
 import zlib
 from dataclasses import dataclass
 
@@ -82,6 +81,7 @@ import numpy as np
 from edgecore.protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, check_bits, from_float32, safe_inverse,
                                            zstd_compress, zstd_decompress)
 from edgecore.protocol.codecs.lossless import LosslessCodec
+from edgecore.protocol.codecs.rope import rotate
 from edgecore.protocol.errors import CodecError
 
 HEADER = struct.Struct("<BBBBIIIIIIII")
@@ -90,7 +90,6 @@ EXACT_HEAD = 4
 FLAG_F32, FLAG_UNROTATED = 1, 2
 _CRC = struct.Struct("<I")
 _lossless = LosslessCodec()
-_local = threading.local()         # per-thread RoPE table cache (codecs run in worker threads)
 
 
 @dataclass(frozen=True)
@@ -130,40 +129,6 @@ def _to_f32(bits: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "float16":
         return bits.view(np.float16).astype(np.float32)
     return bits.view(np.float32)
-
-
-def _cos_sin(rope: tuple[float, ...], start: int, n: int, inverse: bool) -> tuple[np.ndarray, np.ndarray]:
-    """cos and signed sin [n, 1, dim] float32 for positions start..start+n (float64 angles), so that a rotation
-    is x·cos + swap_halves(x)·sin. A few recent ones are cached: every layer of a chunk has the same positions."""
-    cache = getattr(_local, "rope", None)
-    if cache is None:
-        cache = _local.rope = {}
-    key = (rope, start, n, inverse)
-    hit = cache.get(key)
-    if hit is None:
-        ang = np.arange(start, start + n, dtype=np.float64)[:, None] * np.asarray(rope, dtype=np.float64)[None]
-        cos, sin = np.cos(ang), np.sin(ang)
-        sign = 1.0 if inverse else -1.0            # forward: (x1·c − x2·s, x2·c + x1·s)
-        hit = (np.concatenate([cos, cos], axis=1).astype(np.float32)[:, None],
-               np.concatenate([sign * sin, -sign * sin], axis=1).astype(np.float32)[:, None])
-        if len(cache) >= 16:
-            cache.pop(next(iter(cache)))
-        cache[key] = hit
-    return hit
-
-
-def rotate(x: np.ndarray, rope: tuple[float, ...], start: int, inverse: bool) -> np.ndarray:
-    """Apply (or undo, `inverse`) RoPE in the rotate-half layout to x [layers, tokens, heads, dim] float32
-    whose first token is at position `start`: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin)."""
-    half = x.shape[-1] // 2
-    if len(rope) != half:
-        raise CodecError(f"RoPE has {len(rope)} frequencies, head_dim {x.shape[-1]} needs {half}")
-    cos, sin = _cos_sin(rope, start, x.shape[1], inverse)
-    out = x * cos
-    swapped = np.concatenate([x[..., half:], x[..., :half]], axis=-1)
-    swapped *= sin
-    out += swapped
-    return out
 
 
 def _from_f32(x: np.ndarray, dtype: str) -> np.ndarray:
