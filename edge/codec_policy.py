@@ -8,6 +8,10 @@ max(raw/encode, ratio·raw/link, raw/decode). Among the codecs within the qualit
 increase on held-out text, from the curve), the smallest-bytes one whose estimate meets the TTFT target
 wins; when none meets it, the fastest within the budget; with no measured link yet, the first allowed.
 
+The edge's flags set the choice: `--adaptive`, `--ttft-target-ms`, `--kv-quality-budget` (the largest
+perplexity increase, 0.01 by default) and `--kv-curve` (a bench/kv_rd.py result for the served model,
+instead of the bundled model's curve); edge/cli.py turns them into EdgeConfig fields.
+
 The curve is data: `CURVE` below is bench/kv_rd.py's measurement on the bundled model (ratio vs bf16,
 perplexity increase, greedy agreement, encode and decode bytes/s per core); `load_curve` reads the JSON
 that bench/kv_rd.py writes for another model.
