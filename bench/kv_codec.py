@@ -4,7 +4,8 @@ Prefills windows of heldout.txt, takes each request's per-layer K and V (the
 unit the core streams), and for each codec measures bytes vs bf16 and
 single-thread encode / decode MB/s (MB of bf16 input per second of this
 thread's CPU time, one core; best of --repeats). Keys are coded with the
-model's RoPE given, as on the live path (shared/kv/wire.py `codec_rope`).
+model's RoPE given, as on the live path (shared/kv/wire.py `codec_rope`);
+the model's bit allocation is not (it moves bytes between layers, not speed).
 
 The machine is shared, so every speed also comes as a ratio to baselines
 measured in the same run on the same bytes: a memcpy and lz4 (frame, default
