@@ -53,9 +53,9 @@ def rotate(x: np.ndarray, rope: tuple[float, ...], start: int, inverse: bool) ->
     # Narrow heads: tables as wide as the plane, so each pass is one long loop; wide heads broadcast.
     cos, sin = _tables(rope, start, tokens, heads if dim < _BROADCAST_DIM else 1, inverse)
     pairs = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, 2, half)
-    swapped = np.empty_like(pairs)
-    swapped[:, 0], swapped[:, 1] = pairs[:, 1], pairs[:, 0]
-    swapped = swapped.reshape(x.shape)
+    swapped_pairs = np.empty_like(pairs)
+    swapped_pairs[:, 0], swapped_pairs[:, 1] = pairs[:, 1], pairs[:, 0]
+    swapped = swapped_pairs.reshape(x.shape)
     swapped *= sin
     out = pairs.reshape(x.shape) * cos
     out += swapped
