@@ -31,7 +31,7 @@ from edgecore.core.transfer import KVSend, Transfer, TransferState
 from edgecore.protocol.kv import SMALL_CHUNK_BYTES, encode_chunk
 from edgecore.protocol.transport import Peer, PeerError
 from edgecore.shared.kv.transfer import KVSlice, needed_from
-from edgecore.shared.kv.wire import to_bits
+from edgecore.shared.kv.wire import codec_rope, to_bits
 
 
 class LayerStreamer:
@@ -49,6 +49,8 @@ class LayerStreamer:
         self.forget_when_sent = forget_when_sent
         self.config = model.config
         self._needed: dict[int, list[int]] = {}      # prompt length → first token each layer needs
+        self.rope = codec_rope(model.config)    # the model's RoPE for the codecs; the edge derives the same
+        self.step_scales: dict = {}             # the model's bit allocation (codec_step_scales), encoder only
 
     def on_layer(self, layer: int, items) -> None:
         if not self.remote:             # nothing to ship (e.g. only batch work running)
@@ -87,9 +89,11 @@ class LayerStreamer:
 
 
 async def send_queued(queue: asyncio.Queue, peer: Peer, encoder_pool, dtype_name: str,
-                      on_chunk: Callable[[Transfer, object], None] | None = None) -> None:
+                      on_chunk: Callable[[Transfer, object], None] | None = None,
+                      rope: tuple[float, ...] | None = None, step_scales: dict | None = None) -> None:
     """One connection's sender: encodes and sends queued `KVSend`s (and queued protocol messages) in order,
-    until the peer fails."""
+    until the peer fails. `rope`, `step_scales`: the model's RoPE and bit allocation for the codecs (the
+    `LayerStreamer`'s)."""
     loop = asyncio.get_running_loop()
     try:
         while True:
@@ -103,7 +107,8 @@ async def send_queued(queue: asyncio.Queue, peer: Peer, encoder_pool, dtype_name
             kb, vb = to_bits(piece.k), to_bits(piece.v)
             encode = partial(encode_chunk, req.request_id, kb, vb, layer_start=piece.layer,
                              token_start=piece.token_start, head_start=piece.head_start, dtype=dtype_name,
-                             codec=req.codec, total_tokens=req.total_tokens)
+                             codec=req.codec, total_tokens=req.total_tokens, rope=rope,
+                             step_scales=step_scales)
             # A small chunk costs less to encode here than to hand to a thread and back.
             data = encode() if kb.nbytes + vb.nbytes < SMALL_CHUNK_BYTES else \
                 await loop.run_in_executor(encoder_pool, encode)

@@ -93,7 +93,8 @@ class PrefillService:
             self.metrics.kv_chunks.inc()
             self.metrics.kv_bytes_sent.labels(req.codec).inc(len(data.payload))
             self.metrics.kv_raw_bytes.labels(req.codec).inc(data.chunk.raw_len)
-        await send_queued(session.queue, session.peer, self.encoder_pool, self.dtype_name, counted)
+        await send_queued(session.queue, session.peer, self.encoder_pool, self.dtype_name, counted,
+                          rope=self.streamer.rope, step_scales=self.streamer.step_scales)
 
     # ---- one remote request ------------------------------------------------
     def _refusal(self, session: Session, msg: m.PrefillRequest, codec: str | None) -> m.Error | None:

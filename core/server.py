@@ -28,7 +28,7 @@ from edgecore.shared.config import CacheConfig, EngineConfig
 from edgecore.shared.engine.async_engine import AsyncEngine
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.fingerprint import model_fingerprint
-from edgecore.shared.kv.wire import DTYPE_NAMES
+from edgecore.shared.kv.wire import DTYPE_NAMES, codec_step_scales
 
 log = logging.getLogger("edgecore.core")
 
@@ -82,6 +82,7 @@ class CoreServer:
                                               config.cache, config.engine)
         # On a parallel core this streams rank 0's own layers and heads; the other ranks stream theirs.
         self.streamer = LayerStreamer(engine.pool, engine.model, None, "stream" if config.stream_layers else "hold")
+        self.streamer.step_scales = codec_step_scales(config.model_dir)
         self.handle = AsyncEngine(engine, on_layer=self.streamer.on_layer, threads=config.engine_threads)
         self.fingerprint = model_fingerprint(config.model_dir, self.handle.config)
         self.metrics = CoreMetrics()

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from edgecore.edge.codec_policy import choose_codec
+from edgecore.edge.codec_policy import DEFAULT_QUALITY_BUDGET, choose_codec
 from edgecore.edge.core_client import CoreClient, CoreRouter
 from edgecore.edge.metrics import EdgeMetrics
 from edgecore.edge.placement import PrefillModel
@@ -64,6 +64,8 @@ class EdgeConfig:
     codecs: list[str] = field(default_factory=lambda: ["lossless"])   # allowed; lossy only if listed
     adaptive: bool = False
     ttft_target_ms: float | None = None
+    kv_quality_budget: float = DEFAULT_QUALITY_BUDGET   # adaptive: max perplexity increase (edge/codec_policy.py)
+    kv_curve: dict | None = None                        # adaptive: the model's curve (None: the bundled model's)
     local_prefill_below: int | None = 32   # None: measured crossover (fixed 32 until measured)
     transfer_timeout: float = 30.0
     max_core_attempts: int = 2
@@ -145,7 +147,8 @@ class EdgeEngine:
         if not self.config.adaptive:
             return allowed[0]
         target = self.config.ttft_target_ms / 1000 if self.config.ttft_target_ms else None
-        return choose_codec(allowed, num_tokens * self.kv_bytes_per_token, client.bandwidth, target)
+        return choose_codec(allowed, num_tokens * self.kv_bytes_per_token, client.bandwidth, target,
+                            self.config.kv_quality_budget, self.config.kv_curve)
 
     # ---- the request -------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams

@@ -31,7 +31,7 @@ from edgecore.protocol.transport import PeerError
 from edgecore.shared.engine.handle import EngineHandle, FirstToken
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.kv.transfer import KVSlice, needed_from
-from edgecore.shared.kv.wire import from_bits
+from edgecore.shared.kv.wire import codec_rope, from_bits
 
 
 class RemotePrefillFailed(Exception):
@@ -86,14 +86,15 @@ class RemotePrefill:
             self.request_id, self.prompt_ids, spec, [codec], int(self.timeout * 1000), cached,
             direct=self.client.direct))
         loop = asyncio.get_running_loop()
+        rope = codec_rope(self.handle.config)    # what the core's encoder took (core/kv_sender.py)
         while not receiver.complete:
             ev = await asyncio.wait_for(events.get(), self.timeout)
             if isinstance(ev, KVData):
                 c = ev.chunk
                 receiver.on_chunk(c, len(ev.payload), time.perf_counter())
                 # A small chunk costs less to decode here than to hand to a thread and back.
-                k, v = decode_chunk(ev) if c.raw_len < SMALL_CHUNK_BYTES else \
-                    await loop.run_in_executor(self.decoder_pool, decode_chunk, ev)
+                k, v = decode_chunk(ev, rope) if c.raw_len < SMALL_CHUNK_BYTES else \
+                    await loop.run_in_executor(self.decoder_pool, decode_chunk, ev, rope)
                 self.handle.write_kv(self.request_id, KVSlice(c.layer_start, c.token_start, c.token_end,
                                                               c.head_start, from_bits(k, c.dtype),
                                                               from_bits(v, c.dtype)))

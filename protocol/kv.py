@@ -28,16 +28,19 @@ SMALL_CHUNK_BYTES = 128 * 1024
 
 def encode_chunk(request_id: str, k: np.ndarray, v: np.ndarray, *, layer_start: int, token_start: int,
                  head_start: int = 0, dtype: str, codec: str, total_tokens: int = 0,
-                 rope: tuple[float, ...] | None = None) -> KVData:
+                 rope: tuple[float, ...] | None = None, step_scales: dict | None = None) -> KVData:
     """k, v: raw bits [layers, tokens, heads, width] (uint16 for 16-bit dtypes, uint32 for float32); the
     widths may differ, nothing else (MLA's latent and RoPE planes). `rope`: the model's RoPE inverse
-    frequencies, when the decoding side passes them too (see codecs/equant.py)."""
+    frequencies, when the decoding side passes them too (see codecs/equant.py). `step_scales`: the model's bit
+    allocation for the encoder, {"k": per-layer step multipliers, "v": ...} (decoders need none)."""
     impl = get_codec(codec)
     layers, tokens, heads, dim = k.shape
     if v.shape[:3] != k.shape[:3]:
         raise CodecError(f"K/V planes differ in layers, tokens or heads: {k.shape} vs {v.shape}")
-    kinfo = PlaneInfo(dtype, k.shape, "k", token_start, total_tokens, layer_start, rope)
-    vinfo = PlaneInfo(dtype, v.shape, "v", token_start, total_tokens, layer_start)
+    scales = step_scales or {}
+    kinfo = PlaneInfo(dtype, k.shape, "k", token_start, total_tokens, layer_start, rope, tuple(scales.get("k", ())))
+    vinfo = PlaneInfo(dtype, v.shape, "v", token_start, total_tokens, layer_start,
+                      step_scales=tuple(scales.get("v", ())))
     ek = impl.encode(k, kinfo)
     ev = impl.encode(v, vinfo)
     payload = memoryview(b"".join((ek, ev)))
