@@ -5,8 +5,10 @@ which hands each output to a callback from the engine's dispatch, as the
 engine process does to forward them without a task switch per token):
 1. Placement: prefill locally when no core is healthy, when the prompt is
    short (below `local_prefill_below`, a measured crossover), or when the edge's
-   own prefix cache leaves only a short uncached suffix; otherwise pick a core
-   by RTT and load.
+   own prefix cache leaves only a short uncached suffix, or when the request
+   follows a grammar (the mask must choose every token, the first included,
+   so it never asks a core to sample or decode); otherwise pick a core by RTT
+   and load.
 2. Remote (`RemotePrefill`, edge/remote_prefill.py, around the sans-IO
    `KVReceiver`, edge/kv_receiver.py): reserve blocks for the prompt (the
    locally cached prefix is announced as `skip_tokens`), send a PrefillRequest
@@ -127,6 +129,8 @@ class EdgeEngine:
             return "local", "no_core" if self.router.clients else "no_core_configured", None
         if params.prompt_logprobs is not None:    # they come from this engine's prefill logits
             return "local", "prompt_logprobs", None
+        if params.guided is not None:     # a core would choose the first token without the grammar's mask
+            return "local", "guided", None
         threshold = self.config.local_prefill_below
         if threshold is None:             # the measured crossover: decided here, on the event loop
             cached = await self.handle.cached_prefix(prompt_ids)
@@ -209,8 +213,9 @@ class EdgeEngine:
         if where == "remote":
             queue, core = await self._remote_with_retries(request_id, prompt_ids, params)
             reason = "core_failed"
-        if queue is None:
+        if core is None:                  # placed here, or every core failed
             self.metrics.local_prefills.labels(reason).inc()
+        if queue is None:
             queue = await self.handle.add(request_id, prompt_ids, params)
         return queue, core
 

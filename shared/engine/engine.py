@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
+from edgecore.shared.engine.grammar import Grammars
 from edgecore.shared.engine.handle import EngineStats
 from edgecore.shared.engine.model_runner import ModelRunner
 from edgecore.shared.engine.output import OutputState, RequestOutput
@@ -66,6 +67,7 @@ class LLMEngine:
         self.eos_ids = config.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and
                                                  tokenizer.eos_token_id is not None else ())
         self._pending: list[RequestOutput] = []
+        self.grammars: Grammars | None = None     # built on the first request with a grammar
         self.kv_bytes_per_token = config.kv_bytes_per_token(self.pool.k[0].element_size())
 
     @classmethod
@@ -106,8 +108,17 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, prefill_only, priority)
         if params.seed is not None and not params.greedy:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed % 2**63)
+        if params.guided is not None:
+            seq.grammar = self._grammars().matcher(params.guided)
         self.requests[request_id] = OutputState(seq, self.tokenizer, self.eos_ids, self.max_model_len)
         return seq
+
+    def _grammars(self) -> Grammars:
+        if self.grammars is None:
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer, so it cannot follow a grammar", param="guided")
+            self.grammars = Grammars(self.tokenizer.backend.to_str(), self.config.vocab_size, tuple(self.eos_ids))
+        return self.grammars
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     prefill_only: bool = False, priority: int = 0) -> Sequence:

@@ -2,7 +2,8 @@
 
 Life cycle: the HTTP handler passes the decoded JSON object; `parse_completion`
 or `parse_chat` converts it to its schema (`schemas.py`: every type and range
-checked there, unsupported parameters rejected), renders chat messages with
+checked there, unsupported parameters rejected; structured output read by
+`guided.py`), renders chat messages with
 the model's template, tokenizes, checks token ids, `logit_bias` keys and the
 context length, and returns a `ParsedRequest`: a list of prompts (token ids) ×
 `n` generated choices (`best_of` of them for completions), each with its
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
 from edgecore.shared.openai.errors import ApiError
+from edgecore.shared.openai.guided import guided_spec
 from edgecore.shared.openai.schemas import MAX_N, MAX_PROMPTS, ChatRequest, CompletionRequest, SamplingFields, decode_body
 from edgecore.shared.tokenizer import Tokenizer
 
@@ -87,6 +89,7 @@ def _max_tokens(requested: int | None, default: int | None, prompts: list[list[i
 
 def _params(req: SamplingFields, prompts: list[list[int]], n: int, max_tokens: int, vocab: int,
             logprobs: int | None, prompt_logprobs: int | None) -> list[SamplingParams]:
+    guided = guided_spec(req)
     stop = req.stop or []
     stop = [stop] if isinstance(stop, str) else [s for s in stop if s]
     top_p = 1.0 if req.top_p is None else (req.top_p or 1e-9)
@@ -103,7 +106,7 @@ def _params(req: SamplingFields, prompts: list[list[int]], n: int, max_tokens: i
                     logprobs=logprobs, presence_penalty=req.presence_penalty or 0.0,
                     frequency_penalty=req.frequency_penalty or 0.0,
                     repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                    logit_bias=bias, min_p=req.min_p or 0.0, prompt_logprobs=prompt_logprobs))
+                    logit_bias=bias, min_p=req.min_p or 0.0, prompt_logprobs=prompt_logprobs, guided=guided))
             except RequestError as exc:
                 raise _bad(str(exc), exc.param, "invalid_value") from None
     return params

@@ -315,13 +315,15 @@ def test_echo_with_logprobs_gives_prompt_logprobs(client, tokenizer, hf_model):
 
 
 @pytest.mark.parametrize("kw, param", [
-    ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
-    ({"extra_body": {"response_format": {"type": "made-up"}}}, "response_format"),
+    ({"extra_body": {"response_format": {"type": "made-up"}}}, "response_format.type"),
+    ({"extra_body": {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}},
+     "response_format.json_schema"),
     ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}}, "tools"),
     ({"extra_body": {"tool_choice": "required"}}, "tool_choice"),
-    ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
-    ({"extra_body": {"guided_regex": "[a-z]+"}}, "guided_regex"),
-    ({"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
+    ({"extra_body": {"guided_json": "{not json"}}, "guided_json"),
+    ({"extra_body": {"guided_regex": "[a-z"}}, "guided_regex"),
+    ({"extra_body": {"guided_choice": []}}, "guided_choice"),
+    ({"extra_body": {"guided_regex": "a", "guided_choice": ["a"]}}, "guided_choice"),
     ({"extra_body": {"min_p": 5}}, "min_p"),
     ({"extra_body": {"stop_token_ids": 5}}, "stop_token_ids"),
     ({"extra_body": {"top_k": 1e30}}, "top_k"),
