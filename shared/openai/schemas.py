@@ -92,7 +92,7 @@ class ChatRequest(SamplingFields, kw_only=True):
     max_completion_tokens: Count | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    tools: Any = None
+    tools: Any = None                 # tools.py reads and checks these two
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
@@ -105,7 +105,7 @@ class ChatRequest(SamplingFields, kw_only=True):
 UNSUPPORTED: dict[str, tuple] = {
     "use_beam_search": (None, False), "min_tokens": (None, 0),
     "suffix": (None, ""),
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
 }
 

@@ -57,7 +57,7 @@ def test_chat_errors_name_the_parameter(tokenizer, kw, param, code):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("use_beam_search", True), ("min_tokens", 3), ("functions", [{"name": "f"}]),
 ])
 def test_known_but_unsupported_parameters_are_400(tokenizer, field, value):
