@@ -35,6 +35,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from edgecore.edge.codec_policy import choose_codec
@@ -75,6 +76,7 @@ class EdgeConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     name: str = "edge"
     ssl: object = None
+    served_model_name: str = ""       # the `model_name` label of the metrics (default: the directory's name)
 
 
 class EdgeEngine:
@@ -84,7 +86,8 @@ class EdgeEngine:
                                               config.cache, config.engine)
         self.handle = AsyncEngine(engine, threads=config.engine_threads)   # all this node knows of the engine
         self.tokenizer = self.handle.tokenizer
-        self.metrics = EdgeMetrics()
+        self.metrics = EdgeMetrics(config.served_model_name or Path(config.model_dir).name, self.handle.stats,
+                                   self.handle.block_size)
         remote = bool(config.cores or config.core_dns)
         self.fingerprint = model_fingerprint(config.model_dir, self.handle.config) if remote else ""
         wire_codecs = sorted(set(config.codecs) | {"lossless", "raw"})
@@ -208,7 +211,8 @@ class EdgeEngine:
         """Place the prefill and start the request: (the queue its outputs arrive in; the core that
         prefilled it or None)."""
         where, reason, queue = await self._placement(request_id, prompt_ids, params)
-        self.metrics.queue_time.observe(time.perf_counter() - progress.arrived)
+        progress.placed_at = time.perf_counter()
+        self.metrics.queue_time.observe(progress.placed_at - progress.arrived)
         core = None
         if where == "remote":
             queue, core = await self._remote_with_retries(request_id, prompt_ids, params)

@@ -248,7 +248,8 @@ class EdgeHTTP:
                 await resp.write(head + json_encode(choice) + b"]}\n\n")
             if parsed.include_usage:
                 await send({**base, "choices": [], "usage": usage(parsed, ntoks, sum(cached.values()))})
-        except ApiError as exc:
+        except ApiError as exc:       # the 200 is sent: the error goes in the stream, and is counted
+            self.edge.count_error(str(exc.status))
             await send(exc.body())
         except (ConnectionResetError, asyncio.CancelledError):
             raise

@@ -38,6 +38,7 @@ from edgecore.shared.errors import RequestError
 from edgecore.shared.kv.block_manager import BlockManager, NoFreeBlocks
 from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.kv.transfer import KVSlice, StreamRoute
+from edgecore.shared.metrics import Buckets
 from edgecore.shared.models.loader import load_model, resolve_dtype
 from edgecore.shared.tokenizer import Tokenizer
 
@@ -68,6 +69,7 @@ class LLMEngine:
                                                  tokenizer.eos_token_id is not None else ())
         self._pending: list[RequestOutput] = []
         self.grammars: Grammars | None = None     # built on the first request with a grammar
+        self.iteration_tokens = Buckets()          # tokens computed per step (a metric)
         self.kv_bytes_per_token = config.kv_bytes_per_token(self.pool.k[0].element_size())
 
     @classmethod
@@ -156,6 +158,7 @@ class LLMEngine:
         if not batch:
             return outputs
         samplers, result = self.runner.run(batch, on_layer)
+        self.iteration_tokens.observe(sum(n for _, n in batch.items))
         self.scheduler.complete(batch)
         for seq, _ in batch.items if self.releases_kv else ():    # KV no layer attends to any more
             if not seq.prefill_only and seq.num_computed_tokens >= seq.num_prompt_tokens:
@@ -310,4 +313,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=bm.hits,
             prefix_cache_query_tokens=bm.queries,
             preemptions=self.scheduler.num_preemptions,
+            iteration_tokens=tuple(self.iteration_tokens.counts),
+            iteration_tokens_sum=self.iteration_tokens.total,
+            prefix_caching=self.cache_config.enable_prefix_caching,
         )
