@@ -183,7 +183,8 @@ def _edge_engine(args: argparse.Namespace, model_dir: str, codecs: list[str], lo
                         adaptive=args.adaptive, ttft_target_ms=args.ttft_target_ms, **codec_policy(args),
                         local_prefill_below=local_below, cache=CacheConfig(num_blocks=args.kv_blocks),
                         transfer_timeout=args.transfer_timeout,
-                        name=args.name, ssl=ssl, engine_threads=engine_threads)
+                        name=args.name, ssl=ssl, engine_threads=engine_threads,
+                        served_model_name=args.served_model_name or "")
     return EdgeEngine(config)
 
 

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
+from edgecore.shared.engine.grammar import Grammars
 from edgecore.shared.engine.handle import EngineStats
 from edgecore.shared.engine.model_runner import ModelRunner
 from edgecore.shared.engine.output import OutputState, RequestOutput
@@ -37,6 +38,7 @@ from edgecore.shared.errors import RequestError
 from edgecore.shared.kv.block_manager import BlockManager, NoFreeBlocks
 from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.kv.transfer import KVSlice, StreamRoute, needed_from
+from edgecore.shared.metrics import Buckets
 from edgecore.shared.models.loader import load_model, resolve_dtype
 from edgecore.shared.tokenizer import Tokenizer
 
@@ -66,6 +68,8 @@ class LLMEngine:
         self.eos_ids = config.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and
                                                  tokenizer.eos_token_id is not None else ())
         self._pending: list[RequestOutput] = []
+        self.grammars: Grammars | None = None     # built on the first request with a grammar
+        self.iteration_tokens = Buckets()          # tokens computed per step (a metric)
         self.kv_bytes_per_token = config.kv_bytes_per_token(self.pool.k[0].element_size())
 
     @classmethod
@@ -106,8 +110,17 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, prefill_only, priority)
         if params.seed is not None and not params.greedy:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed % 2**63)
+        if params.guided is not None:
+            seq.grammar = self._grammars().matcher(params.guided)
         self.requests[request_id] = OutputState(seq, self.tokenizer, self.eos_ids, self.max_model_len)
         return seq
+
+    def _grammars(self) -> Grammars:
+        if self.grammars is None:
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer, so it cannot follow a grammar", param="guided")
+            self.grammars = Grammars(self.tokenizer.backend.to_str(), self.config.vocab_size, tuple(self.eos_ids))
+        return self.grammars
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     prefill_only: bool = False, priority: int = 0) -> Sequence:
@@ -145,6 +158,7 @@ class LLMEngine:
         if not batch:
             return outputs
         samplers, result = self.runner.run(batch, on_layer)
+        self.iteration_tokens.observe(sum(n for _, n in batch.items))
         self.scheduler.complete(batch)
         for seq, _ in batch.items if self.releases_kv else ():    # KV no layer attends to any more
             if not seq.prefill_only and seq.num_computed_tokens >= seq.num_prompt_tokens:
@@ -314,4 +328,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=bm.hits,
             prefix_cache_query_tokens=bm.queries,
             preemptions=self.scheduler.num_preemptions,
+            iteration_tokens=tuple(self.iteration_tokens.counts),
+            iteration_tokens_sum=self.iteration_tokens.total,
+            prefix_caching=self.cache_config.enable_prefix_caching,
         )

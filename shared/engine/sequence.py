@@ -51,6 +51,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.generator: Any = None      # per-request torch.Generator when seeded (no torch import here)
         self.prompt_logprobs: list | None = None   # per prompt position, when asked for (prompt_logprobs.py)
+        self.grammar: Any = None        # the request's grammar matcher (grammar.py), when it has a `guided` spec
 
     @property
     def num_tokens(self) -> int:

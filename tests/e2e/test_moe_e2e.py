@@ -52,7 +52,7 @@ def test_disaggregated_lossless_moe_equals_single_node(gpt_oss_dir, secret_file)
         prompts = token_prompts()
         ref = make_engine(gpt_oss_dir).generate(prompts, SamplingParams(max_tokens=24, temperature=0,
                                                                         ignore_eos=True))
-        counter = 'edgecore:remote_prefills_total{codec="lossless"}'
+        counter = 'edgecore:remote_prefills_total{codec="lossless"'
         before = metric(http, counter)
         for prompt, r in zip(prompts, ref):
             body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "logprobs": 1}

@@ -83,9 +83,9 @@ def test_edge_decodes_kv_from_parallel_core(tp, pp, gather, secret_file, tokeniz
             outs = list(pool.map(lambda p: post_json(f"http://127.0.0.1:{http}/v1/completions", {
                 "prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True}), prompts))
         assert [o["choices"][0]["text"] for o in outs] == [r["text"] for r in ref]
-        assert metric(http, 'edgecore:remote_prefills_total{codec="lossless"}') == 3    # no fallback
-        received = metric(http, 'edgecore:kv_raw_bytes_received_total{codec="lossless"}')
-        from_rank0 = metric(core_http, 'edgecore:core_kv_raw_bytes_total{codec="lossless"}')
+        assert metric(http, 'edgecore:remote_prefills_total{codec="lossless"') == 3    # no fallback
+        received = metric(http, 'edgecore:kv_raw_bytes_received_total{codec="lossless"')
+        from_rank0 = metric(core_http, 'edgecore:core_kv_raw_bytes_total{codec="lossless"')
         assert received > 0
         # Rank 0 holds half the KV (2 KV heads over TP=2, 4 layers over PP=2), a quarter at TP=2×PP=2.
         assert from_rank0 == (received if gather else received / (tp * pp))
