@@ -102,6 +102,8 @@ def test_config_errors_name_the_field(tmp_path):
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
          "original_max_position_embeddings"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, "rope"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.rope_type"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.rope_type"),
     ]
     for change, field in cases:
         with pytest.raises(ConfigError, match=field):
