@@ -22,6 +22,15 @@ Pos = Annotated[int, msgspec.Meta(gt=0)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 
 
+class Fp8Quantization(msgspec.Struct, frozen=True):
+    """`quantization_config` of the published fp8 checkpoints (DeepSeek-V3, Kimi K2): float8_e4m3fn linear
+    weights, each with a `weight_scale_inv` of one float32 per block of `weight_block_size`."""
+    quant_method: Literal["fp8"]
+    weight_block_size: Annotated[list[Pos], msgspec.Meta(min_length=2, max_length=2)]
+    fmt: Literal["e4m3"] = "e4m3"
+    activation_scheme: Literal["dynamic"] = "dynamic"
+
+
 class DeepseekConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """The DeepSeek-specific config.json fields (the generic ones stay in `ModelConfig`)."""
     kv_lora_rank: Pos
@@ -44,6 +53,7 @@ class DeepseekConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     norm_topk_prob: bool = False
     rope_interleave: bool = True
     rope: RopeParams = RopeParams(rope_theta=10000.0)
+    fp8_block: tuple[int, int] | None = None     # block-scaled fp8 linear weights: the (rows, cols) of one scale
     version: Literal[2, 3] = 3
 
     @property
@@ -104,11 +114,21 @@ def _rope(raw: dict, source: str) -> RopeParams:
     return rope
 
 
+def _fp8_block(raw: dict, source: str) -> tuple[int, int] | None:
+    """The scale block of an fp8 checkpoint (None when the weights are not quantized)."""
+    quant = raw.get("quantization_config")
+    if not quant:
+        return None
+    try:
+        q = msgspec.convert(quant, Fp8Quantization)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: field 'quantization_config': {exc} (only block-scaled fp8 e4m3 weights "
+                          "with dynamic activations load)") from None
+    return q.weight_block_size[0], q.weight_block_size[1]
+
+
 def parse_deepseek(raw: dict, arch: str, source: str = "config.json") -> DeepseekConfig:
     """Validate the DeepSeek fields of a config.json; every bad value is a `ConfigError` naming it."""
-    if raw.get("quantization_config"):
-        raise ConfigError(f"{source}: field 'quantization_config' is set: quantized (fp8) DeepSeek checkpoints "
-                          "are not supported; convert the weights to bf16 first")
     version = 2 if arch == "DeepseekV2ForCausalLM" else 3
     fields = {k: v for k, v in raw.items() if k in DeepseekConfig.__struct_fields__ and v is not None}
     fields.pop("rope", None)
@@ -121,7 +141,7 @@ def parse_deepseek(raw: dict, arch: str, source: str = "config.json") -> Deepsee
         cfg = msgspec.convert(fields, DeepseekConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {exc}") from None
-    cfg = msgspec.structs.replace(cfg, rope=_rope(raw, source))
+    cfg = msgspec.structs.replace(cfg, rope=_rope(raw, source), fp8_block=_fp8_block(raw, source))
     if cfg.qk_rope_head_dim % 2:
         raise ConfigError(f"{source}: field 'qk_rope_head_dim' = {cfg.qk_rope_head_dim} must be even")
     if cfg.n_routed_experts is not None:
