@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from edgecore.protocol.codecs import CODECS, PlaneInfo
+from edgecore.protocol.kv import plane_codecs
 from edgecore.shared.config import CacheConfig
 from edgecore.shared.engine.engine import LLMEngine
 
@@ -67,13 +68,14 @@ def main():
         for _ in range(args.repeats):
             encoded, t_enc, t_dec = 0, 0.0, 0.0
             for kind, bits, total in planes:
+                impl = CODECS[plane_codecs(name, mla)[1]] if kind == "v" else codec     # MLA: finer rope plane
                 info = PlaneInfo("bfloat16", bits.shape, kind, 0, total)
                 t = time.perf_counter()
-                data = codec.encode(bits, info)
+                data = impl.encode(bits, info)
                 t_enc += time.perf_counter() - t
                 data = bytes(data)
                 t = time.perf_counter()
-                out = codec.decode(data, info)
+                out = impl.decode(data, info)
                 t_dec += time.perf_counter() - t
                 encoded += len(data)
                 if codec.lossless:
