@@ -129,6 +129,8 @@ class DeepseekForCausalLM(MixtralForCausalLM):
         """Every tensor but those of the multi-token-prediction layers (index >= num_hidden_layers)."""
         layers, skipped = self.config.num_hidden_layers, set()
         for name, source in weights:
+            if name.endswith("_scale_inv") and self.config.mla.fp8_block is None:
+                raise ValueError(f"tensor '{name}' scales fp8 weights, but config.json has no quantization_config")
             parts = name.split(".", 3)
             if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= layers:
                 skipped.add(int(parts[2]))

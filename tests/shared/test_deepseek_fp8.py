@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from edgecore.shared.errors import ModelLoadError
 from edgecore.shared.models.fp8 import dequantize_block, dequantized
 from tests.conftest import make_engine
 from tests.helpers import stepwise_logits
@@ -122,3 +123,12 @@ def test_fp8_checkpoint_logits_match_transformers(tmp_path, caplog):
     with torch.no_grad():
         before = unquantized(torch.tensor([ids])).logits[0, 39:]
     assert (before - ref).abs().max().item() > 1e-2          # the fp8 rounding is visible: the check can fail
+
+
+def test_fp8_weights_without_quantization_config_are_refused(tmp_path):
+    path, _, _ = fp8_checkpoint(tmp_path)
+    raw = json.loads((path / "config.json").read_text())
+    del raw["quantization_config"]
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="_scale_inv.*quantization_config"):
+        make_engine(path, block_size=16, num_blocks=32)
