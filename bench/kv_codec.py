@@ -18,12 +18,17 @@ Sliding-window row (`sliding_window`): one 2k-token prompt through the bundled
 model as is (full attention) and through the same weights with a 128-token
 sliding window; bytes each codec puts on the wire when each layer sends only
 what the edge can still attend to (docs/wire-format.md section 10).
+
+`--model models/pystd-mla` measures the trained MLA model's latent KV instead (planes "latent" and
+"rope" in the K and V places, as on the wire; the rope plane coded one step finer, `plane_codecs`) and
+writes `kv_codec_mla.json`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import re
 import subprocess
 import sys
@@ -38,6 +43,7 @@ import numpy as np
 import torch
 
 from edgecore.protocol.codecs import CODECS, PlaneInfo
+from edgecore.protocol.kv import plane_codecs
 from edgecore.shared.config import CacheConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.kv.wire import codec_rope
@@ -46,8 +52,7 @@ TARGETS = {"lossless": {"ratio": 0.80, "MBps": 300}, "int8": {"ratio": 0.55, "MB
            "int4": {"ratio": 0.30}, "q4e": {"MBps": 300}, "q3e": {"MBps": 300}, "q2e": {"MBps": 300}}
 
 
-def real_planes(windows: int, length: int):
-    model = ROOT / "models" / "pydoc-llama"
+def real_planes(windows: int, length: int, model=ROOT / "models" / "pydoc-llama"):
     engine = LLMEngine.from_dir(model, "fp32", "cpu", CacheConfig(num_blocks=4096))
     ids = engine.tokenizer.encode((model / "heldout.txt").read_text())
     planes = []
@@ -108,8 +113,9 @@ def baselines(planes, repeats: int) -> dict:
     return {k: round(raw / max(v, 1e-9) / 1e6) for k, v in best.items()}
 
 
-def measure(sets: dict[str, dict], planes, rope, repeats: int) -> dict:
-    """{label: {codec: (ratio, encode MB/s, decode MB/s)}}; the labels' codecs alternate plane by plane."""
+def measure(sets: dict[str, dict], planes, rope, repeats: int, mla: bool = False) -> dict:
+    """{label: {codec: (ratio, encode MB/s, decode MB/s)}}; the labels' codecs alternate plane by plane.
+    For MLA the rope plane (in the "v" place) goes through the finer codec the wire uses for it."""
     raw = sum(p.nbytes for _, _, p, _ in planes)
     names = [n for n in next(iter(sets.values())) if not n.startswith("__") and all(n in s for s in sets.values())]
     rows: dict[str, dict] = {label: {} for label in sets}
@@ -119,7 +125,7 @@ def measure(sets: dict[str, dict], planes, rope, repeats: int) -> dict:
             spent = {label: [0.0, 0.0, 0] for label in sets}
             for kind, layer, bits, total in planes:
                 for label, codecs in sets.items():
-                    codec = codecs[name]
+                    codec = codecs[plane_codecs(name, mla)[1]] if mla and kind == "v" else codecs[name]
                     info = codecs["__info__"](bits.shape, kind, total, layer, rope)
                     t = time.thread_time()
                     data = codec.encode(bits, info)
@@ -192,10 +198,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--before", metavar="REF", help="also measure the codecs of this git revision, interleaved")
     ap.add_argument("--no-rope", action="store_true", help="code keys rotated (no RoPE given to the codecs)")
+    ap.add_argument("--model", default=str(ROOT / "models" / "pydoc-llama"))
     args = ap.parse_args()
+    mla = json.loads((Path(args.model) / "config.json").read_text()).get("kv_lora_rank") is not None
     torch.set_num_threads(1)
     progress("prefilling heldout windows for real KV")
-    planes, rope = real_planes(args.windows, args.length)
+    planes, rope = real_planes(args.windows, args.length, Path(args.model))
     rope = None if args.no_rope else rope
     raw = sum(p.nbytes for _, _, p, _ in planes)
     progress(f"{len(planes)} planes, {raw / 1e6:.1f} MB of bf16 KV")
@@ -205,7 +213,7 @@ def main():
         old_info = importlib.import_module(type(next(iter(old.values()))).__module__.rsplit(".", 1)[0] + ".base")
         sets["before"] = {**old, "__info__": _info_maker(old_info.PlaneInfo)}
     base = baselines(planes, args.repeats)
-    rows = measure(sets, planes, rope, args.repeats)
+    rows = measure(sets, planes, rope, args.repeats, mla)
     base_after = baselines(planes, args.repeats)
     base = {k: min(base[k], base_after[k]) for k in base}     # the slower of the two: load drifts
     for label_rows in rows.values():
@@ -213,10 +221,12 @@ def main():
             row["encode_vs_lz4_compress"] = round(row["encode_MBps_per_core"] / base["lz4_compress"], 3)
             row["decode_vs_lz4_decompress"] = round(row["decode_MBps_per_core"] / base["lz4_decompress"], 3)
             row["target"] = TARGETS.get(name)
-    progress("sliding-window row: 2k-token prompt, window 128 vs full attention")
-    sliding = sliding_window_row()
-    progress(f"sliding window: {sliding}")
-    emit("kv_codec", "lossless_ratio_vs_bf16", rows["now"]["lossless"]["ratio_vs_bf16"], codecs=rows["now"],
+    sliding = None
+    if not mla:
+        progress("sliding-window row: 2k-token prompt, window 128 vs full attention")
+        sliding = sliding_window_row()
+        progress(f"sliding window: {sliding}")
+    emit("kv_codec_mla" if mla else "kv_codec", "lossless_ratio_vs_bf16", rows["now"]["lossless"]["ratio_vs_bf16"], codecs=rows["now"],
          before={"ref": args.before, "codecs": rows["before"]} if args.before else None,
          baselines_MBps_per_core=base, rope_given=rope is not None, kv_megabytes=round(raw / 1e6, 2),
          window_tokens=args.length, timing="thread CPU time, best of repeats", sliding_window=sliding)

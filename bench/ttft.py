@@ -190,6 +190,49 @@ async def sliding_window_row(args, tmp: Path, length: int = 2048, window: int = 
     return row
 
 
+MLA_CONFIG = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 4096, "hidden_size": 256,
+              "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "kv_lora_rank": 128, "q_lora_rank": None, "qk_rope_head_dim": 32, "qk_nope_head_dim": 96,
+              "v_head_dim": 128, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+              "n_group": 1, "topk_group": 1, "first_k_dense_replace": 4,           # every layer dense
+              "max_position_embeddings": 8192 + 64, "tie_word_embeddings": True, "rope_theta": 10000.0}
+
+
+def write_mla_model(path: Path) -> None:
+    """A random MLA checkpoint saved by transformers (bf16), weights of the dense model's scale."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{k: v for k, v in MLA_CONFIG.items() if k != "architectures"}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.02)
+    model.to(torch.bfloat16).save_pretrained(path)
+
+
+def wire_bytes_per_token(model_dir: Path) -> int:
+    """KV bytes per prompt token a raw (b) transfer carries: every layer's K and V, or latent and RoPE (bf16)."""
+    return ModelConfig.from_dir(model_dir).kv_bytes_per_token(2)
+
+
+def mla_against_dense(args, tmp: Path, dense_results: dict, dense_dir: Path) -> None:
+    """The MLA model through the same variants and link; both models' rows and KV bytes per token."""
+    mla_dir = tmp / "random-mla-8k"
+    progress("writing a random 8k-context MLA model of the same hidden size")
+    write_mla_model(mla_dir)
+    mla_results = asyncio.run(run(args, mla_dir))
+    rows = {str(n): {name: {"dense_ttft_ms": dense_results[n][name]["ttft_ms"], "mla_ttft_ms": r["ttft_ms"],
+                            "mla_over_dense": round(r["ttft_ms"] / dense_results[n][name]["ttft_ms"], 3)}
+                     for name, r in mla_results[n].items()} for n in mla_results}
+    dense_b, mla_b = wire_bytes_per_token(dense_dir), wire_bytes_per_token(mla_dir)
+    longest = rows[str(max(mla_results))]
+    emit("ttft_mla", "mla_over_dense_raw_ttft_at_longest", longest["b_raw_after_prefill"]["mla_over_dense"],
+         kv_bytes_per_token={"dense": dense_b, "mla": mla_b, "dense_over_mla": round(dense_b / mla_b, 2)},
+         link_mbit=args.mbit, delay_ms=args.delay_ms, results=rows, dense_model=CONFIG, mla_model=MLA_CONFIG,
+         dense_ratio_to_b={str(k): {n: v["ratio_to_b"] for n, v in r.items()} for k, r in dense_results.items()},
+         mla_ratio_to_b={str(k): {n: v["ratio_to_b"] for n, v in r.items()} for k, r in mla_results.items()})
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="512,2048,8192")
@@ -198,10 +241,11 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sliding-window-only", action="store_true", help="run only the sliding-window row "
                     "(written to bench/results/ttft_sliding.json)")
+    ap.add_argument("--mla", action="store_true", help="also the MLA model; write ttft_mla.json only")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        sliding = asyncio.run(sliding_window_row(args, Path(tmp)))
+        sliding = None if args.mla else asyncio.run(sliding_window_row(args, Path(tmp)))
         if args.sliding_window_only:
             emit("ttft_sliding", "kv_bytes_sliding_over_full", sliding["bytes_sliding_over_full"], link_mbit=args.mbit,
                  delay_ms=args.delay_ms, sliding_window=sliding, model=CONFIG)
@@ -210,6 +254,8 @@ def main():
         progress("writing a random 8k-context model")
         write_model(model_dir)
         results = asyncio.run(run(args, model_dir))
+        if args.mla:
+            return mla_against_dense(args, Path(tmp), results, model_dir)
     longest = results[max(results)]
     emit("ttft", "stream_lossless_ratio_to_raw_at_longest", longest["c_stream_lossless"]["ratio_to_b"],
          targets={"c": 0.85, "d": 0.6, "e": "within 10% of the best fixed"}, link_mbit=args.mbit,
