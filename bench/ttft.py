@@ -176,7 +176,8 @@ async def sliding_window_row(args, tmp: Path, length: int = 2048, window: int = 
             for r in range(args.repeats):
                 prompt = torch.randint(5, 4000, (length,), generator=gen).tolist()
                 times.append(await measure(edge, prompt, f"sliding-{name}-{r}"))
-            wire = edge.metrics.registry.get_sample_value("edgecore:kv_bytes_received_total", {"codec": "lossless"})
+            wire = edge.metrics.registry.get_sample_value("edgecore:kv_bytes_received_total",
+                                                          {"codec": "lossless", "model_name": path.name})
             row[name] = {"ttft_ms": round(statistics.median(times) * 1e3, 1),
                          "kv_bytes_per_request": round(wire / args.repeats)}
             progress(f"sliding-window row, {name}: {row[name]}")

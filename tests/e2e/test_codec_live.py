@@ -12,7 +12,8 @@ from edgecore.shared.engine.sequence import Sequence
 from edgecore.shared.kv.wire import codec_rope, codec_step_scales, to_bits
 from tests.conftest import MODEL_DIR, make_engine
 from tests.e2e.procs import start_core, start_edge
-from tests.e2e.test_disaggregated import complete, metric
+from tests.e2e.procs import metric
+from tests.e2e.test_disaggregated import complete
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -53,9 +54,9 @@ def test_q4e_live_bytes_match_offline_and_output_follows_single_node(secret_file
                             secret_file=secret_file)
     try:
         out = complete(http, prompt, 16)
-        assert metric(http, 'edgecore:remote_prefills_total{codec="q4e"}') == 1
-        received = metric(http, 'edgecore:kv_bytes_received_total{codec="q4e"}')
-        raw = metric(http, 'edgecore:kv_raw_bytes_received_total{codec="q4e"}')
+        assert metric(http, 'edgecore:remote_prefills_total{codec="q4e"') == 1
+        received = metric(http, 'edgecore:kv_bytes_received_total{codec="q4e"')
+        raw = metric(http, 'edgecore:kv_raw_bytes_received_total{codec="q4e"')
     finally:
         edge.stop()
         core.stop()

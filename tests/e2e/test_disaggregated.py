@@ -9,7 +9,7 @@ import pytest
 
 from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine
-from tests.e2e.procs import get_json, post_json, start_core, start_edge, wait_for
+from tests.e2e.procs import get_json, metric, post_json, start_core, start_edge, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -32,15 +32,6 @@ def prompts_5_to_900(tokenizer, heldout):
 def complete(http, prompt, max_tokens=24, **kw):
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **kw}
     return post_json(f"http://127.0.0.1:{http}/v1/completions", body)
-
-
-def metric(http, name):
-    text = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_lossless_equals_single_node(cluster, tokenizer, heldout):

@@ -10,7 +10,7 @@ import pytest
 from edgecore.shared.config import ModelConfig
 from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import MODEL_DIR, make_engine
-from tests.e2e.procs import get_json, post_json, start_core, start_edge
+from tests.e2e.procs import get_json, metric, post_json, start_core, start_edge
 from tests.shared.deepseek_checkpoints import deepseek_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -23,11 +23,6 @@ def mla_dir(tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json"):       # the bundled model's tokenizer: text prompts
         shutil.copy(MODEL_DIR / name, path / name)
     return path
-
-
-def metric(http, name):
-    text = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 @pytest.mark.parametrize("tp", [1, 2])

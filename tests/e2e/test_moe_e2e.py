@@ -12,7 +12,7 @@ import torch
 from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import MODEL_DIR, make_engine
 from tests.e2e.procs import post_json, start_core, start_edge
-from tests.e2e.test_disaggregated import metric
+from tests.e2e.procs import metric
 from tests.e2e.test_parallel import probe
 from tests.helpers import stepwise_logits
 from tests.shared.moe_checkpoints import build

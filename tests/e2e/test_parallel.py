@@ -11,7 +11,7 @@ import torch
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.models.layers import weight_bytes
 from tests.conftest import make_engine
-from tests.e2e.procs import ROOT, get_json, post_json, start_core, start_edge, wait_for
+from tests.e2e.procs import ROOT, get_json, metric, post_json, start_core, start_edge, wait_for
 from tests.helpers import random_hf_checkpoint, stepwise_logits
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -58,12 +58,6 @@ def test_parallel_logits_and_tokens_match_one_process(tp, pp, which, model_dir, 
     assert len(ranks) == tp * pp and all(r["steps"] > 0 and r["compute_seconds"] > 0 for r in ranks)
     if tp == 2 and pp == 1:      # sharded: about half each, plus the replicated norms
         assert all(r["parameter_bytes"] < 0.65 * full for r in ranks)
-
-
-def metric(http, name):
-    import urllib.request
-    text = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics").read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 @pytest.mark.parametrize("tp, pp, gather", [(2, 1, False), (1, 2, False), (2, 2, False), (1, 2, True)])
