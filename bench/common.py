@@ -10,6 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
+if str(ROOT) not in sys.path:          # the process benches start nodes with the tests' helpers (tests/e2e/procs.py)
+    sys.path.append(str(ROOT))
 
 
 def progress(msg: str) -> None:

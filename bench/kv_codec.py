@@ -2,30 +2,58 @@
 
 Prefills windows of heldout.txt, takes each request's per-layer K and V (the
 unit the core streams), and for each codec measures bytes vs bf16 and
-single-thread encode / decode MB/s (MB of bf16 input per second, one core).
+single-thread encode / decode MB/s (MB of bf16 input per second of this
+thread's CPU time, one core; best of --repeats). Keys are coded with the
+model's RoPE given, as on the live path (shared/kv/wire.py `codec_rope`);
+the model's bit allocation is not (it moves bytes between layers, not speed).
+
+The machine is shared, so every speed also comes as a ratio to baselines
+measured in the same run on the same bytes: a memcpy and lz4 (frame, default
+level) compress / decompress. With `--before REF`, the codecs of git revision
+REF (protocol/ at REF, imported under another package name) are measured
+interleaved with today's, plane by plane, so before/after share the machine's
+load.
+
+Sliding-window row (`sliding_window`): one 2k-token prompt through the bundled
+model as is (full attention) and through the same weights with a 128-token
+sliding window; bytes each codec puts on the wire when each layer sends only
+what the edge can still attend to (docs/wire-format.md section 10).
+
+`--model models/pystd-mla` measures the trained MLA model's latent KV instead (planes "latent" and
+"rope" in the K and V places, as on the wire; the rope plane coded one step finer, `plane_codecs`) and
+writes `kv_codec_mla.json`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from common import ROOT, emit, progress
 
+import lz4.frame
 import numpy as np
 import torch
 
 from edgecore.protocol.codecs import CODECS, PlaneInfo
+from edgecore.protocol.kv import plane_codecs
 from edgecore.shared.config import CacheConfig
 from edgecore.shared.engine.engine import LLMEngine
+from edgecore.shared.kv.wire import codec_rope
 
 TARGETS = {"lossless": {"ratio": 0.80, "MBps": 300}, "int8": {"ratio": 0.55, "MBps": 300},
-           "int4": {"ratio": 0.30}}
+           "int4": {"ratio": 0.30}, "q4e": {"MBps": 300}, "q3e": {"MBps": 300}, "q2e": {"MBps": 300}}
 
 
-def real_planes(windows: int, length: int):
-    model = ROOT / "models" / "pydoc-llama"
-    engine = LLMEngine.from_dir(model, "bf16", "cpu", CacheConfig(num_blocks=4096))
+def real_planes(windows: int, length: int, model=ROOT / "models" / "pydoc-llama"):
+    engine = LLMEngine.from_dir(model, "fp32", "cpu", CacheConfig(num_blocks=4096))
     ids = engine.tokenizer.encode((model / "heldout.txt").read_text())
     planes = []
     for w in range(windows):
@@ -38,11 +66,129 @@ def real_planes(windows: int, length: int):
             engine.step()
         for layer in range(engine.config.num_hidden_layers):
             k, v = engine.read_kv(rid, layer)
-            for kind, t in (("k", k), ("v", v)):
-                bits = t.view(torch.int16).numpy().view(np.uint16)[None]
-                planes.append((kind, bits, len(chunk)))
+            for kind, t in (("k", k), ("v", v)):       # float32 model, KV rounded to bf16 as a bf16 core holds it
+                bits = t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)[None]
+                planes.append((kind, layer, bits, len(chunk)))
         engine.release(rid)
-    return planes
+    return planes, codec_rope(engine.config)
+
+
+def codecs_at(ref: str) -> dict:
+    """The codec registry of git revision `ref`: its protocol/ package extracted and imported as
+    `edgecore_<ref>.protocol` (protocol/ imports nothing outside itself)."""
+    name = "edgecore_" + re.sub(r"\W", "_", ref)
+    root = Path(tempfile.mkdtemp(prefix="kv-codec-before-")) / name
+    root.mkdir()
+    files = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", ref, "protocol"],
+                           check=True, capture_output=True, text=True).stdout.split()
+    for path in files:
+        if not path.endswith(".py"):
+            continue
+        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:{path}"], check=True, capture_output=True,
+                              text=True).stdout
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text.replace("edgecore.protocol", f"{name}.protocol"))
+    (root / "__init__.py").write_text("")
+    sys.path.insert(0, str(root.parent))
+    return importlib.import_module(f"{name}.protocol.codecs").CODECS
+
+
+def baselines(planes, repeats: int) -> dict:
+    raw = sum(p.nbytes for _, _, p, _ in planes)
+    best = {"memcpy": float("inf"), "lz4_compress": float("inf"), "lz4_decompress": float("inf")}
+    for _ in range(repeats):
+        spent = dict.fromkeys(best, 0.0)
+        for _, _, bits, _ in planes:
+            out = np.empty_like(bits)
+            t = time.thread_time()
+            np.copyto(out, bits)
+            spent["memcpy"] += time.thread_time() - t
+            t = time.thread_time()
+            z = lz4.frame.compress(bits.data)
+            spent["lz4_compress"] += time.thread_time() - t
+            t = time.thread_time()
+            lz4.frame.decompress(z)
+            spent["lz4_decompress"] += time.thread_time() - t
+        best = {k: min(best[k], spent[k]) for k in best}
+    return {k: round(raw / max(v, 1e-9) / 1e6) for k, v in best.items()}
+
+
+def measure(sets: dict[str, dict], planes, rope, repeats: int, mla: bool = False) -> dict:
+    """{label: {codec: (ratio, encode MB/s, decode MB/s)}}; the labels' codecs alternate plane by plane.
+    For MLA the rope plane (in the "v" place) goes through the finer codec the wire uses for it."""
+    raw = sum(p.nbytes for _, _, p, _ in planes)
+    names = [n for n in next(iter(sets.values())) if not n.startswith("__") and all(n in s for s in sets.values())]
+    rows: dict[str, dict] = {label: {} for label in sets}
+    for name in names:
+        best = {label: [float("inf"), float("inf"), 0] for label in sets}
+        for _ in range(repeats):
+            spent = {label: [0.0, 0.0, 0] for label in sets}
+            for kind, layer, bits, total in planes:
+                for label, codecs in sets.items():
+                    codec = codecs[plane_codecs(name, mla)[1]] if mla and kind == "v" else codecs[name]
+                    info = codecs["__info__"](bits.shape, kind, total, layer, rope)
+                    t = time.thread_time()
+                    data = codec.encode(bits, info)
+                    spent[label][0] += time.thread_time() - t
+                    data = bytes(data)
+                    t = time.thread_time()
+                    out = codec.decode(data, info)
+                    spent[label][1] += time.thread_time() - t
+                    spent[label][2] += len(data)
+                    if codec.lossless and not np.array_equal(out, bits):
+                        raise SystemExit(f"{label} {name} is not bit-exact")
+            for label in sets:
+                b, s = best[label], spent[label]
+                best[label] = [min(b[0], s[0]), min(b[1], s[1]), s[2]]
+        for label in sets:
+            enc, dec, size = best[label]
+            rows[label][name] = {"ratio_vs_bf16": round(size / raw, 4), "encode_MBps_per_core": round(raw / enc / 1e6),
+                                 "decode_MBps_per_core": round(raw / dec / 1e6)}
+        progress(f"{name}: " + "  ".join(f"{label} {rows[label][name]}" for label in sets))
+    return rows
+
+
+def _info_maker(plane_info):
+    def make(shape, kind, total, layer, rope):
+        return plane_info("bfloat16", shape, kind, 0, total, layer, rope if kind == "k" else None)
+    return make
+
+
+def sliding_window_row(length: int = 2048, window: int = 128) -> dict:
+    """Per codec: encoded bytes of one `length`-token heldout prompt for the bundled model (full attention)
+    and for the same weights as a Mistral config with `sliding_window = window` (its context raised to
+    fit the prompt), each layer cut to the tokens it still needs (`needed_from`), as the core sends."""
+    import json
+    import shutil
+
+    from edgecore.shared.kv.transfer import needed_from
+    src = ROOT / "models" / "pydoc-llama"
+    encoded: dict[str, dict[str, int]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind, extra in (("full", {}), ("sliding", {"sliding_window": window})):
+            path = Path(tmp) / kind
+            shutil.copytree(src, path)
+            cfg = json.loads((path / "config.json").read_text())
+            cfg.update(architectures=["MistralForCausalLM"], model_type="mistral",
+                       max_position_embeddings=2 * length, **extra)
+            (path / "config.json").write_text(json.dumps(cfg))
+            engine = LLMEngine.from_dir(path, "bf16", "cpu", CacheConfig(num_blocks=2 * length // 16))
+            ids = engine.tokenizer.encode((src / "heldout.txt").read_text())[:length]
+            engine.add_request("w", ids, prefill_only=True)
+            while engine.has_unfinished():
+                engine.step()
+            starts = needed_from(engine.config, length)
+            for layer, start in enumerate(starts):
+                k, v = engine.read_kv("w", layer, start, length)
+                for plane_kind, t in (("k", k), ("v", v)):
+                    bits = t.view(torch.int16).numpy().view(np.uint16)[None]
+                    info = PlaneInfo("bfloat16", bits.shape, plane_kind, start, length)
+                    for name, codec in CODECS.items():
+                        row = encoded.setdefault(name, {"full": 0, "sliding": 0})
+                        row[kind] += len(bytes(codec.encode(bits, info)))
+    return {"prompt_tokens": length, "window": window,
+            "codecs": {name: {"full_bytes": r["full"], "sliding_bytes": r["sliding"],
+                              "sliding_over_full": round(r["sliding"] / r["full"], 4)} for name, r in encoded.items()}}
 
 
 def main():
@@ -50,35 +196,40 @@ def main():
     ap.add_argument("--windows", type=int, default=9)
     ap.add_argument("--length", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--before", metavar="REF", help="also measure the codecs of this git revision, interleaved")
+    ap.add_argument("--no-rope", action="store_true", help="code keys rotated (no RoPE given to the codecs)")
+    ap.add_argument("--model", default=str(ROOT / "models" / "pydoc-llama"))
     args = ap.parse_args()
+    mla = json.loads((Path(args.model) / "config.json").read_text()).get("kv_lora_rank") is not None
     torch.set_num_threads(1)
     progress("prefilling heldout windows for real KV")
-    planes = real_planes(args.windows, args.length)
-    raw = sum(p.nbytes for _, p, _ in planes)
+    planes, rope = real_planes(args.windows, args.length, Path(args.model))
+    rope = None if args.no_rope else rope
+    raw = sum(p.nbytes for _, _, p, _ in planes)
     progress(f"{len(planes)} planes, {raw / 1e6:.1f} MB of bf16 KV")
-    rows = {}
-    for name, codec in CODECS.items():
-        best_enc = best_dec = float("inf")
-        for _ in range(args.repeats):
-            encoded, t_enc, t_dec = 0, 0.0, 0.0
-            for kind, bits, total in planes:
-                info = PlaneInfo("bfloat16", bits.shape, kind, 0, total)
-                t = time.perf_counter()
-                data = codec.encode(bits, info)
-                t_enc += time.perf_counter() - t
-                data = bytes(data)
-                t = time.perf_counter()
-                out = codec.decode(data, info)
-                t_dec += time.perf_counter() - t
-                encoded += len(data)
-                if codec.lossless:
-                    assert np.array_equal(out, bits)
-            best_enc, best_dec = min(best_enc, t_enc), min(best_dec, t_dec)
-        rows[name] = {"ratio_vs_bf16": round(encoded / raw, 3), "encode_MBps_per_core": round(raw / best_enc / 1e6),
-                      "decode_MBps_per_core": round(raw / best_dec / 1e6), "target": TARGETS.get(name)}
-        progress(f"{name}: {rows[name]}")
-    emit("kv_codec", "lossless_ratio_vs_bf16", rows["lossless"]["ratio_vs_bf16"], codecs=rows,
-         kv_megabytes=round(raw / 1e6, 2), window_tokens=args.length)
+    sets = {"now": {**CODECS, "__info__": _info_maker(PlaneInfo)}}
+    if args.before:
+        old = codecs_at(args.before)
+        old_info = importlib.import_module(type(next(iter(old.values()))).__module__.rsplit(".", 1)[0] + ".base")
+        sets["before"] = {**old, "__info__": _info_maker(old_info.PlaneInfo)}
+    base = baselines(planes, args.repeats)
+    rows = measure(sets, planes, rope, args.repeats, mla)
+    base_after = baselines(planes, args.repeats)
+    base = {k: min(base[k], base_after[k]) for k in base}     # the slower of the two: load drifts
+    for label_rows in rows.values():
+        for name, row in label_rows.items():
+            row["encode_vs_lz4_compress"] = round(row["encode_MBps_per_core"] / base["lz4_compress"], 3)
+            row["decode_vs_lz4_decompress"] = round(row["decode_MBps_per_core"] / base["lz4_decompress"], 3)
+            row["target"] = TARGETS.get(name)
+    sliding = None
+    if not mla:
+        progress("sliding-window row: 2k-token prompt, window 128 vs full attention")
+        sliding = sliding_window_row()
+        progress(f"sliding window: {sliding}")
+    emit("kv_codec_mla" if mla else "kv_codec", "lossless_ratio_vs_bf16", rows["now"]["lossless"]["ratio_vs_bf16"], codecs=rows["now"],
+         before={"ref": args.before, "codecs": rows["before"]} if args.before else None,
+         baselines_MBps_per_core=base, rope_given=rope is not None, kv_megabytes=round(raw / 1e6, 2),
+         window_tokens=args.length, timing="thread CPU time, best of repeats", sliding_window=sliding)
 
 
 if __name__ == "__main__":

@@ -26,11 +26,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import json
 import importlib
 import math
 import time
 from pathlib import Path
 
+import kv_klt
 from common import RESULTS, ROOT, emit, progress
 
 import numpy as np
@@ -42,8 +44,7 @@ from edgecore.shared.config import CacheConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.engine.sequence import Sequence
-from edgecore.shared.kv.wire import from_bits, to_bits
-from edgecore.shared.models import llama, rope
+from edgecore.shared.kv.wire import ALLOCATION_FILE, codec_rope, codec_step_scales, from_bits, to_bits
 
 TARGETS = {"ratio_0.15": {"ratio_vs_bf16": 0.15, "ppl_increase": 0.01, "agreement": 0.97},
            "ratio_0.25": {"ratio_vs_bf16": 0.25, "ppl_increase": 0.003}}
@@ -65,14 +66,6 @@ def heldout_text(model: Path) -> str:
         docs += [inspect.getdoc(obj) or "" for _, obj in sorted(vars(mod).items())
                  if (inspect.isfunction(obj) or inspect.isclass(obj)) and getattr(obj, "__module__", "") == name]
     return "\n\n".join(d for d in docs if d)
-
-
-def model_rope(engine: LLMEngine) -> tuple[float, ...] | None:
-    """The RoPE inverse frequencies codecs may use: Llama-family models (rotate-half, full head_dim)."""
-    if type(engine.model).__module__ != llama.__name__:
-        return None
-    inv_freq, _scale = rope.rope_inv_freq(engine.config)
-    return tuple(float(f) for f in inv_freq.double())
 
 
 class Run:
@@ -113,6 +106,49 @@ class Run:
         self.engine.block_manager.free_table(self.seq.table)
 
 
+class Allocated(Codec):
+    """A level with the model's bit allocation: per (kind, layer) step multipliers given to the encoder."""
+
+    def __init__(self, codec: Codec, scales: dict[str, tuple[float, ...]]):
+        self.codec, self.scales = codec, scales
+        self.name, self.codec_id, self.lossless = codec.name, codec.codec_id, False
+
+    def encode(self, bits, info):
+        return self.codec.encode(bits, dataclasses.replace(info, step_scales=self.scales[info.kind]))
+
+    def decode(self, data, info):
+        return self.codec.decode(data, info)
+
+
+def allocation(kl: dict[str, float], layers: int, bound: float = 4.0) -> dict[str, tuple[float, ...]]:
+    """Step multipliers that equalise each (kind, layer)'s share of the KL (KL_i ∝ a_i·step_i², so step_i ∝
+    a_i^-1/2), normalised to a geometric mean of 1 (about the uniform level's rate) and kept within
+    [1/bound, bound]."""
+    a = {key: max(v, 1e-9) for key, v in kl.items()}
+    gm = math.exp(sum(math.log(v) for v in a.values()) / len(a))
+    m = {key: min(bound, max(1 / bound, math.sqrt(gm / v))) for key, v in a.items()}
+    return {kind: tuple(round(m[f"{kind}{i}"], 3) for i in range(layers)) for kind in "kv"}
+
+
+def model_allocation(engine, model: Path, calib, codecs, args) -> tuple[dict, dict | None]:
+    """The per-layer bit allocation the model's core uses (its kv_allocation.json), or with --allocate LEVEL
+    one calibrated now on `calib` windows (written to the model directory with --write-allocation)."""
+    if not args.allocate:
+        scales = {} if args.no_allocation else codec_step_scales(model)
+        return scales, {"source": str(model / ALLOCATION_FILE), "step_scales": scales} if scales else None
+    greedy = [r["token_ids"] for r in engine.generate([w[:args.prompt_len] for w in calib], SamplingParams(
+        max_tokens=args.new_tokens, temperature=0, ignore_eos=True))]
+    kl = sensitivity(engine, calib, greedy, codecs.get(args.allocate) or CODECS[args.allocate],
+                     engine.config.num_hidden_layers, args)
+    scales = allocation(kl, engine.config.num_hidden_layers)
+    progress(f"allocation from {args.allocate}: {scales}")
+    info = {"level": args.allocate, "calibration_windows": len(calib), "prompt_tokens": args.prompt_len,
+            "mean_kl": kl, "step_scales": scales}
+    if args.write_allocation:
+        (model / ALLOCATION_FILE).write_text(json.dumps(info, indent=1) + "\n")
+    return scales, info
+
+
 def round_trip(codec: Codec, bits: dict[str, list[np.ndarray]], n: int, rope, only_layer: int | None = None,
                only_kind: str | None = None):
     """Every layer as one chunk through the codec: (decoded planes, encoded bytes, enc s, dec s)."""
@@ -140,6 +176,8 @@ def parse_level(spec: str) -> tuple[str, Codec]:
     name, _, rest = spec.partition("=")
     parts = [float(x) for x in rest.split(":")]
     level = Level(parts[0], parts[1], *(int(x) for x in parts[2:4]), *parts[4:5])
+    if "flat" in name:
+        level = dataclasses.replace(level, head_step=True)
     if name.startswith("noguard"):
         level = dataclasses.replace(level, guard=False)
     return name, EntropyQuantCodec(name, 255, level)
@@ -247,7 +285,10 @@ def plot(rows: dict, path: Path, title: str) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     families: dict[str, list] = {}
     for name, r in rows.items():
-        families.setdefault(FAMILIES.get(name, "entropy-coded (qNe)"), []).append((r["ratio_vs_bf16"], r, name))
+        family = FAMILIES.get(name) or ("qNe, one step factor for all layers" if name.endswith("-uniform") else
+                                        "qNe in a calibrated basis (experiment)" if name.endswith("+klt") else
+                                        "entropy-coded (qNe)")
+        families.setdefault(family, []).append((r["ratio_vs_bf16"], r, name))
     for fam, pts in families.items():
         pts.sort(key=lambda p: p[0])
         ax.plot([p[0] for p in pts], [100 * p[1]["ppl_increase"] for p in pts], "o-", label=fam)
@@ -274,6 +315,15 @@ def main():
     ap.add_argument("--codecs", default=",".join(c for c in CODECS if c != "raw"))
     ap.add_argument("--level", action="append", default=[], help="extra level NAME=KF:VF[:RECENT[:FINE[:FINE_FACTOR]]]")
     ap.add_argument("--sensitivity", default=None, help="per-layer KL of this level (one layer at a time)")
+    ap.add_argument("--allocate", default=None, metavar="LEVEL",
+                    help="calibrate a per-layer bit allocation from LEVEL's sensitivity on windows between the "
+                         "evaluated ones and run the entropy-coded levels with it (the uniform ones as NAME-uniform)")
+    ap.add_argument("--write-allocation", action="store_true",
+                    help="with --allocate: write it to the model directory's kv_allocation.json (the core uses it)")
+    ap.add_argument("--no-allocation", action="store_true", help="ignore the model's kv_allocation.json")
+    ap.add_argument("--klt", action="store_true",
+                    help="experiment: add every entropy-coded level run in a per-head basis calibrated on windows "
+                         "between the evaluated ones (NAME+klt; bench/kv_klt.py)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-rope", action="store_true", help="do not give codecs the model's RoPE (keys coded rotated)")
     ap.add_argument("--name", default="kv_rd", help="result file name (bench/results/NAME.json, NAME.png)")
@@ -281,7 +331,7 @@ def main():
     torch.set_num_threads(1)
     model = Path(args.model)
     engine = LLMEngine.from_dir(model, args.dtype, "cpu", CacheConfig(num_blocks=1024, enable_prefix_caching=False))
-    args.rope = None if args.no_rope else model_rope(engine)
+    args.rope = None if args.no_rope else codec_rope(engine.config)
     ids = engine.tokenizer.encode(heldout_text(model))
     span = args.prompt_len + args.new_tokens
     if len(ids) < span:
@@ -293,6 +343,20 @@ def main():
         max_tokens=args.new_tokens, temperature=0, ignore_eos=True))]
     codecs = {name: CODECS[name] for name in args.codecs.split(",") if name}
     codecs.update(parse_level(spec) for spec in args.level)
+    extra = {}
+    calib = [ids[i * stride + stride // 2: i * stride + stride // 2 + span] for i in range(10)
+             if i * stride + stride // 2 + span <= len(ids)]
+    levels = {n: c for n, c in codecs.items() if isinstance(c, EntropyQuantCodec)}
+    if args.klt:
+        runs = [Run(engine, w[:args.prompt_len], args.new_tokens) for w in calib]
+        bases = kv_klt.calibrate([r.bits for r in runs], args.rope)
+        for r in runs:
+            r.close()
+        codecs.update({f"{n}+klt": kv_klt.KLTLevel(c, bases, args.rope) for n, c in levels.items()})
+    scales, extra["allocation"] = model_allocation(engine, model, calib, codecs, args)
+    if scales:      # the levels as the model's core runs them; the uniform ones beside them
+        codecs.update({f"{n}-uniform": c for n, c in levels.items()})
+        codecs.update({n: Allocated(c, scales) for n, c in levels.items()})
     result = evaluate(engine, windows, greedy, codecs, args)
     # Speed on long planes (the windows' KV end to end per layer: ≥ 1 MB each on a small model), as a
     # long prompt's per-layer chunk; per-call costs of short chunks are a separate matter.
@@ -311,7 +375,6 @@ def main():
         ok = [n for n, r in rows.items() if r["ratio_vs_bf16"] <= t["ratio_vs_bf16"]
               and r["ppl_increase"] <= t["ppl_increase"] and r["agreement"] >= t.get("agreement", 0)]
         reached[tname] = min(ok, key=lambda n: rows[n]["ratio_vs_bf16"]) if ok else None
-    extra = {}
     if args.sensitivity:
         extra["sensitivity"] = {"level": args.sensitivity, "mean_kl": sensitivity(
             engine, windows[:10], greedy[:10], codecs.get(args.sensitivity) or CODECS[args.sensitivity],

@@ -12,16 +12,20 @@ Rows:
   the tokens decoded from the uncompressed bf16 latent (`raw`; `raw` itself against the fp32 single-node
   run); fraction of identical tokens (up to the first difference per prompt) and of prompts identical
   throughout.
-Random weights (no trained MLA model is bundled): errors and ratios show the mechanics, not a trained
-model's statistics.
+- `channels`: per plane and layer, how unevenly the trained model's latent KV spreads over its channels
+  (RMS of the largest channel over the median channel's, channels above 4x the median, energy share of the
+  top 5% channels): which channels need care when quantizing.
+Bytes per token are measured on random-weight models of realistic shapes; codecs, channels and agreement on
+the trained `models/pystd-mla` (`--model`), over windows of its held-out text.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
-from common import emit, progress
+from common import ROOT, emit, progress
 
 import numpy as np
 import torch
@@ -98,6 +102,30 @@ def rel_err(bits: np.ndarray, decoded: np.ndarray) -> float:
     return float(((a - b).pow(2).mean() / a.pow(2).mean()).sqrt())
 
 
+def channel_stats(samples) -> dict:
+    """Per plane, per layer: max/median channel RMS over the windows' tokens, channels above 4x the median,
+    the share of the plane's energy in its top 5% channels; plus the plane's RMS."""
+    out = {}
+    for i, plane in enumerate(("latent", "rope")):
+        x = torch.cat([from_bits(s[i], "bfloat16").float() for s in samples], dim=1)[:, :, 0]   # [L, T, width]
+        rms = x.pow(2).mean(dim=1).sqrt()                                                      # [L, width]
+        med = rms.median(dim=1).values
+        energy = rms.pow(2)
+        top = max(1, round(0.05 * rms.shape[1]))
+        out[plane] = {"width": rms.shape[1], "rms": [round(v, 4) for v in x.pow(2).mean(dim=(1, 2)).sqrt().tolist()],
+                      "max_over_median_channel_rms": [round(v, 2) for v in (rms.max(dim=1).values / med).tolist()],
+                      "channels_over_4x_median": (rms > 4 * med[:, None]).sum(dim=1).tolist(),
+                      "top5pct_channel_energy_share": [round(v, 3) for v in
+                                                       (energy.topk(top, dim=1).values.sum(1) / energy.sum(1)).tolist()]}
+    return out
+
+
+def heldout_windows(engine: LLMEngine, model: Path, count: int, length: int) -> list[list[int]]:
+    ids = engine.tokenizer.encode((model / "heldout.txt").read_text())
+    stride = max(length, (len(ids) - length) // max(1, count))
+    return [ids[i * stride: i * stride + length] for i in range(count) if i * stride + length <= len(ids)]
+
+
 def codec_rows(samples, repeats: int) -> dict:
     rows = {}
     for name, codec in CODECS.items():
@@ -169,6 +197,7 @@ def agreement(core: LLMEngine, edge: LLMEngine, prompts, tokens: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(ROOT / "models" / "pystd-mla"))
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--length", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
@@ -176,29 +205,33 @@ def main():
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    mla_engine = random_engine(MLA, 512)
-    dense_engine = random_engine(DENSE, 512)
     measured = {name: e.pool.bytes // e.pool.num_slots // 2 for name, e in       # fp32 pools, bf16 on the wire
-                (("mla", mla_engine), ("dense_same_hidden", dense_engine))}
+                (("mla", random_engine(MLA, 64)), ("dense_same_hidden", random_engine(DENSE, 64)))}
     measured["ratio"] = round(measured["dense_same_hidden"] / measured["mla"], 2)
     per_token = {"real_shapes_bf16": real_shapes(), "measured_bf16": measured}
     progress(f"bytes per token: {per_token}")
-    g = torch.Generator().manual_seed(1)
+    model = Path(args.model)
+    cache = CacheConfig(block_size=16, num_blocks=512)
+    core = LLMEngine.from_dir(model, "fp32", "cpu", cache, EngineConfig(max_num_batched_tokens=4096))
     samples = []
-    for w in range(args.windows):
-        ids = torch.randint(2, 2048, (args.length,), generator=g).tolist()
-        prefill(mla_engine, f"w{w}", ids)
-        samples.append(planes_of(mla_engine, f"w{w}"))
-        mla_engine.release(f"w{w}")
+    for w, ids in enumerate(heldout_windows(core, model, args.windows, args.length)):
+        prefill(core, f"w{w}", ids)
+        samples.append(planes_of(core, f"w{w}"))
+        core.release(f"w{w}")
+    channels = channel_stats(samples)
+    progress(f"channels: {channels}")
     codecs = codec_rows(samples, args.repeats)
     progress(f"codecs: {codecs}")
-    edge = random_engine(MLA, 512)
-    prompts = [torch.randint(2, 2048, (n,), generator=g).tolist() for n in (17, 64, 130, 256, 400, 600)[:args.prompts]]
-    agree = agreement(mla_engine, edge, prompts, args.tokens)
+    edge = LLMEngine.from_dir(model, "fp32", "cpu", cache, EngineConfig(max_num_batched_tokens=4096))
+    lengths = (17, 64, 130, 256, 400, 600)[:args.prompts]
+    prompts = [w[:n] for w, n in zip(heldout_windows(core, model, len(lengths), 600), lengths)]
+    agree = agreement(core, edge, prompts, args.tokens)
     progress(f"agreement: {agree}")
     emit("mla", "kv_bytes_per_token_ratio_dense_over_mla", measured["ratio"], bytes_per_token=per_token,
-         codecs=codecs, agreement=agree, model={k: v for k, v in MLA.items() if k != "architectures"},
-         note="random-weight model; fp32 compute, latent sent as bf16; agreement vs the fp32 single-node run")
+         channels=channels, codecs=codecs, agreement=agree, model=model.name,
+         random_model={k: v for k, v in MLA.items() if k != "architectures"},
+         note="codecs, channels and agreement on the trained model (fp32 compute, latent sent as bf16); "
+              "bytes per token on random-weight models of the shapes in random_model")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,13 @@ instead of 32, 3 layers instead of 4, a code tokenizer of 1024 tokens instead of
 a prose one of 2048, and source code rather than documentation.
 
     .venv/bin/python bench/train_tiny.py --out models/pystd-llama   # ~13 min, 1 thread
+
+`--arch deepseek` trains `pystd-mla` instead, on the same corpus with pystd-llama's tokenizer (`--tokenizer`):
+a DeepSeek-V3 model of the same hidden size (256, 3 layers, 4 heads) with multi-head latent attention
+(kv_lora_rank 64, qk_rope_head_dim 16: 80 cached values per token per layer against pystd-llama's 256), one
+dense first layer and two MoE layers of 4 routed experts (2 per token, sigmoid routing) plus a shared one:
+
+    .venv/bin/python bench/train_tiny.py --arch deepseek --tokenizer models/pystd-llama --out models/pystd-mla
 """
 
 from __future__ import annotations
@@ -68,6 +75,18 @@ def encode_all(tok: Tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def make_deepseek(vocab: int):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    cfg = DeepseekV3Config(vocab_size=vocab, hidden_size=256, intermediate_size=640, moe_intermediate_size=256,
+                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                           n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+                           topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0, kv_lora_rank=64,
+                           q_lora_rank=96, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                           max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-5,
+                           tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=0)
+    return DeepseekV3ForCausalLM(cfg)
+
+
 def make_model(vocab: int):
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=640, num_hidden_layers=3,
@@ -99,6 +118,8 @@ def main():
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--arch", choices=["llama", "deepseek"], default="llama")
+    ap.add_argument("--tokenizer", help="a model directory whose tokenizer.json to reuse instead of training one")
     ap.add_argument("--max-minutes", type=float, default=13.0, help="stop early (and say so) past this")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -108,11 +129,12 @@ def main():
     train_texts, held_texts = corpus(root)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(train_texts, args.vocab)
+    tok = (Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json")) if args.tokenizer
+           else train_tokenizer(train_texts, args.vocab))
     data, held = encode_all(tok, train_texts), encode_all(tok, held_texts)
     print(f"corpus {root}: {len(train_texts)} files, {len(data)} tokens; held out {len(held_texts)} files, "
           f"{len(held)} tokens", file=sys.stderr)
-    model = make_model(tok.get_vocab_size())
+    model = (make_deepseek if args.arch == "deepseek" else make_model)(tok.get_vocab_size())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(0)
     t0, step = time.time(), 0
@@ -147,7 +169,8 @@ def main():
     (out / "heldout.txt").write_text("\n\n".join(held_texts)[:60000])
     params = sum(p.numel() for p in model.parameters())
     summary = {"params": params, "steps": step, "minutes": round(minutes, 1), "train_loss": round(train_loss, 3),
-               "heldout_loss": round(held_loss, 3), "train_tokens": len(data), "threads": args.threads}
+               "heldout_loss": round(held_loss, 3), "train_tokens": len(data), "threads": args.threads,
+               "arch": args.arch}
     (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))
 

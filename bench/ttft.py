@@ -15,6 +15,13 @@ ratio to (b). For (c) and (f) the first 64 tokens are also timed: the largest
 gap between consecutive tokens and the median inter-token time, and for (f)
 how many tokens the core decoded per request (its cost). Medians of
 `--repeats` runs. (a)-(e) use the old mode (`handover_tokens=0`).
+
+Sliding-window row (`sliding_window`, `--sliding-window-only` runs just it): the
+same random weights as a Mistral with full attention and with a 128-token
+sliding window, each behind its own core and an identical emulated link; a
+2k-token prompt, layer-wise lossless streaming: encoded KV bytes received per
+request and TTFT, sliding against full (the sliding core sends each layer's
+window only, docs/wire-format.md section 10).
 """
 
 from __future__ import annotations
@@ -173,19 +180,119 @@ async def run(args, model_dir: Path):
     return results
 
 
+async def sliding_window_row(args, tmp: Path, length: int = 2048, window: int = 128) -> dict:
+    """Encoded KV bytes per request and TTFT of a `length`-token prompt, full attention vs `window`."""
+    import json
+    import shutil
+    full, sliding = tmp / "mistral-full", tmp / "mistral-sliding"
+    write_model(full)
+    cfg = dict(CONFIG, architectures=["MistralForCausalLM"])
+    (full / "config.json").write_text(json.dumps(cfg))
+    shutil.copytree(full, sliding)
+    (sliding / "config.json").write_text(json.dumps(dict(cfg, sliding_window=window)))
+    secret_file = tmp / "sliding-secret"
+    secret_file.write_bytes(b"ttft-sliding")
+    cache = CacheConfig(num_blocks=(8192 + 256) // 16 * 2)
+    budget = EngineConfig(max_num_batched_tokens=1024, max_num_seqs=4)
+    gen = torch.Generator().manual_seed(2)
+    row = {}
+    for name, path in (("full", full), ("sliding", sliding)):
+        core, port, _ = start_core(str(secret_file), "--model", str(path), "--dtype", "bf16", "--max-batched-tokens",
+                                   str(budget.max_num_batched_tokens), "--kv-blocks", str(cache.num_blocks),
+                                   data_dir=str(tmp / f"core-{name}"))
+        relay = WanRelay(LinkSpec(delay_ms=args.delay_ms, bandwidth_mbit=args.mbit))
+        relay_port = await relay.start(("127.0.0.1", 0), ("127.0.0.1", port))
+        edge = EdgeEngine(EdgeConfig(str(path), cores=[("127.0.0.1", relay_port)], secret=b"ttft-sliding",
+                                     codecs=["lossless"], local_prefill_below=0, cache=cache, engine=budget,
+                                     transfer_timeout=300),
+                          engine=LLMEngine.from_dir(path, "bf16", "cpu", cache, budget))
+        await edge.start()
+        try:
+            times = []
+            for r in range(args.repeats):
+                prompt = torch.randint(5, 4000, (length,), generator=gen).tolist()
+                times.append(await measure(edge, prompt, f"sliding-{name}-{r}"))
+            wire = edge.metrics.registry.get_sample_value("edgecore:kv_bytes_received_total",
+                                                          {"codec": "lossless", "model_name": path.name})
+            row[name] = {"ttft_ms": round(statistics.median(times) * 1e3, 1),
+                         "kv_bytes_per_request": round(wire / args.repeats)}
+            progress(f"sliding-window row, {name}: {row[name]}")
+        finally:
+            await edge.stop()
+            await relay.stop()
+            core.stop()
+    row.update(prompt_tokens=length, window=window, codec="lossless",
+               bytes_sliding_over_full=round(row["sliding"]["kv_bytes_per_request"] / row["full"]["kv_bytes_per_request"], 4),
+               ttft_sliding_over_full=round(row["sliding"]["ttft_ms"] / row["full"]["ttft_ms"], 3))
+    return row
+
+
+MLA_CONFIG = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 4096, "hidden_size": 256,
+              "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "kv_lora_rank": 128, "q_lora_rank": None, "qk_rope_head_dim": 32, "qk_nope_head_dim": 96,
+              "v_head_dim": 128, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+              "n_group": 1, "topk_group": 1, "first_k_dense_replace": 4,           # every layer dense
+              "max_position_embeddings": 8192 + 64, "tie_word_embeddings": True, "rope_theta": 10000.0}
+
+
+def write_mla_model(path: Path) -> None:
+    """A random MLA checkpoint saved by transformers (bf16), weights of the dense model's scale."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{k: v for k, v in MLA_CONFIG.items() if k != "architectures"}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.02)
+    model.to(torch.bfloat16).save_pretrained(path)
+
+
+def wire_bytes_per_token(model_dir: Path) -> int:
+    """KV bytes per prompt token a raw (b) transfer carries: every layer's K and V, or latent and RoPE (bf16)."""
+    return ModelConfig.from_dir(model_dir).kv_bytes_per_token(2)
+
+
+def mla_against_dense(args, tmp: Path, dense_results: dict, dense_dir: Path) -> None:
+    """The MLA model through the same variants and link; both models' rows and KV bytes per token."""
+    mla_dir = tmp / "random-mla-8k"
+    progress("writing a random 8k-context MLA model of the same hidden size")
+    write_mla_model(mla_dir)
+    mla_results = asyncio.run(run(args, mla_dir))
+    rows = {str(n): {name: {"dense_ttft_ms": dense_results[n][name]["ttft_ms"], "mla_ttft_ms": r["ttft_ms"],
+                            "mla_over_dense": round(r["ttft_ms"] / dense_results[n][name]["ttft_ms"], 3)}
+                     for name, r in mla_results[n].items()} for n in mla_results}
+    dense_b, mla_b = wire_bytes_per_token(dense_dir), wire_bytes_per_token(mla_dir)
+    longest = rows[str(max(mla_results))]
+    emit("ttft_mla", "mla_over_dense_raw_ttft_at_longest", longest["b_raw_after_prefill"]["mla_over_dense"],
+         kv_bytes_per_token={"dense": dense_b, "mla": mla_b, "dense_over_mla": round(dense_b / mla_b, 2)},
+         link_mbit=args.mbit, delay_ms=args.delay_ms, results=rows, dense_model=CONFIG, mla_model=MLA_CONFIG,
+         dense_ratio_to_b={str(k): {n: v["ratio_to_b"] for n, v in r.items()} for k, r in dense_results.items()},
+         mla_ratio_to_b={str(k): {n: v["ratio_to_b"] for n, v in r.items()} for k, r in mla_results.items()})
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="512,2048,8192")
     ap.add_argument("--mbit", type=float, default=200)
     ap.add_argument("--delay-ms", type=float, default=20)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sliding-window-only", action="store_true", help="run only the sliding-window row "
+                    "(written to bench/results/ttft_sliding.json)")
+    ap.add_argument("--mla", action="store_true", help="also the MLA model; write ttft_mla.json only")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
+        sliding = None if args.mla else asyncio.run(sliding_window_row(args, Path(tmp)))
+        if args.sliding_window_only:
+            emit("ttft_sliding", "kv_bytes_sliding_over_full", sliding["bytes_sliding_over_full"], link_mbit=args.mbit,
+                 delay_ms=args.delay_ms, sliding_window=sliding, model=CONFIG)
+            return
         model_dir = Path(tmp) / "random-8k"
         progress("writing a random 8k-context model")
         write_model(model_dir)
         results = asyncio.run(run(args, model_dir))
+        if args.mla:
+            return mla_against_dense(args, Path(tmp), results, model_dir)
     longest = results[max(results)]
     emit("ttft", "stream_lossless_ratio_to_raw_at_longest", longest["c_stream_lossless"]["ratio_to_b"],
          targets={"c": 0.85, "d": 0.6, "e": "within 10% of the best fixed",
@@ -194,7 +301,8 @@ def main():
          handover_ratio_to_c_at_longest=round(longest["f_handover"]["ttft_ms"] / longest["c_stream_lossless"]["ttft_ms"], 3),
          note="shared 2-core machine under other jobs' load: absolute times are noisy, compare rows of one run",
          link_mbit=args.mbit,
-         delay_ms=args.delay_ms, results={str(k): v for k, v in results.items()}, model=CONFIG)
+         delay_ms=args.delay_ms, results={str(k): v for k, v in results.items()}, model=CONFIG,
+         sliding_window=sliding)
 
 
 if __name__ == "__main__":

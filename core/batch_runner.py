@@ -24,6 +24,7 @@ import time
 import uuid
 
 from edgecore.core.batch_store import BatchStore
+from edgecore.core.metrics import CoreMetrics
 from edgecore.shared.engine.handle import EngineHandle
 from edgecore.shared.openai.request import ApiError, check_model, parse_chat, parse_completion
 from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body
@@ -36,8 +37,10 @@ COMMIT_DELAY = 0.05
 
 
 class BatchRunner:
-    def __init__(self, handle: EngineHandle, store: BatchStore, model_name: str, max_inflight: int = 64):
+    def __init__(self, handle: EngineHandle, store: BatchStore, model_name: str, max_inflight: int = 64,
+                 metrics: CoreMetrics | None = None):
         self.handle = handle
+        self.metrics = metrics or CoreMetrics(model_name)
         self.store = store
         self.model_name = model_name
         self.max_inflight = max_inflight
@@ -190,6 +193,7 @@ class BatchRunner:
         slots = asyncio.Semaphore(self.max_inflight)
         tasks: set[asyncio.Task] = set()
         outcome = "done"
+        self.metrics.batch_queued.set(len(pending))
         for req in pending:
             await slots.acquire()
             if batch_id in self._cancelled or self.store.batch_row(batch_id)["cancelling_at"]:
@@ -198,6 +202,7 @@ class BatchRunner:
             if time.time() > row["expires_at"]:
                 outcome = "expired"
                 break
+            self.metrics.batch_queued.dec()
             task = asyncio.create_task(self._one(batch_id, req, parse, chat))
             tasks.add(task)
             task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
@@ -208,6 +213,7 @@ class BatchRunner:
                 for task in list(tasks):
                     task.cancel()
             await asyncio.wait(set(tasks), timeout=0.2)
+        self.metrics.batch_queued.set(0)
         return outcome
 
     async def _one(self, batch_id: str, req, parse, chat: bool) -> None:
@@ -223,7 +229,14 @@ class BatchRunner:
                                                   priority=BATCH_PRIORITY, collect=True):
                 results[i].add(out)
 
-        await asyncio.gather(*(choice(i) for i in range(len(parsed.params))))
+        self.metrics.batch_running.inc()
+        try:
+            await asyncio.gather(*(choice(i) for i in range(len(parsed.params))))
+        finally:
+            self.metrics.batch_running.dec()
+        self.metrics.batch_completed.inc()
+        self.metrics.batch_prompt_tokens.inc(sum(len(p) for p in parsed.prompts))
+        self.metrics.batch_generation_tokens.inc(sum(r.tokens for r in results))
         response = response_body(parsed, results, chat, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
                                  int(time.time()), self.model_name, self.texts)
         self._record(req["line"], "done", {

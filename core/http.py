@@ -61,7 +61,10 @@ def build_app(core) -> web.Application:
         return web.json_response({"ready": ok}, status=200 if ok else 503)
 
     async def metrics(_):
-        core.metrics.kv_usage.set(core.handle.stats().kv_cache_usage)
+        stats = core.handle.stats()
+        core.metrics.kv_usage.set(stats.kv_cache_usage)
+        core.metrics.running.set(stats.running)
+        core.metrics.waiting.set(stats.waiting)
         return web.Response(body=generate_latest(core.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 

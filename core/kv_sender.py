@@ -9,7 +9,9 @@ the pool as a `KVSlice` and queues it (`KVSend`) for the request's connection;
 transfer's codec and sends a KVChunk while the engine computes the next layer. Tokens the edge already
 holds (`skip_tokens`) and tokens served from the core's own prefix cache are
 handled the same way: everything in [skip_tokens, end of step) not yet sent
-is sent.
+is sent. A sliding-window or chunked layer sends only from the first token
+the edge's decode can still attend to (`needed_from`: the window or chunk of
+the prompt's end); earlier tokens of that layer never leave the core.
 
 A parallel core runs one streamer per rank that holds distinct KV: each
 covers its own layers (`layer_offset`) and KV heads (`head_start`), so every
@@ -28,8 +30,8 @@ from typing import Callable
 from edgecore.core.transfer import KVSend, Transfer, TransferState
 from edgecore.protocol.kv import SMALL_CHUNK_BYTES, encode_chunk
 from edgecore.protocol.transport import Peer, PeerError
-from edgecore.shared.kv.transfer import KVSlice
-from edgecore.shared.kv.wire import to_bits
+from edgecore.shared.kv.transfer import KVSlice, needed_from
+from edgecore.shared.kv.wire import codec_rope, to_bits
 
 
 class LayerStreamer:
@@ -45,6 +47,10 @@ class LayerStreamer:
         self.layer_offset = model.model.layer_ids[0]
         self.head_start = head_start
         self.forget_when_sent = forget_when_sent
+        self.config = model.config
+        self._needed: dict[int, list[int]] = {}      # prompt length → first token each layer needs
+        self.rope = codec_rope(model.config)    # the model's RoPE for the codecs; the edge derives the same
+        self.step_scales: dict = {}             # the model's bit allocation (codec_step_scales), encoder only
 
     def on_layer(self, layer: int, items) -> None:
         if not self.remote:             # nothing to ship (e.g. only batch work running)
@@ -55,10 +61,11 @@ class LayerStreamer:
             if req is None or req.cancelled or req.gather:
                 continue
             end = min(seq.num_computed_tokens + n, req.total_tokens)   # a decoding request's new tokens stay
-            if end > req.sent_until:
-                slots = pool.slots(seq.table.blocks, req.sent_until, end)
+            start = max(req.sent_until, self._first_needed(req.total_tokens, layer + self.layer_offset))
+            if end > start:
+                slots = pool.slots(seq.table.blocks, start, end)
                 k, v = pool.read(layer, slots)
-                item = KVSend(req, KVSlice(layer + self.layer_offset, req.sent_until, end, self.head_start,
+                item = KVSend(req, KVSlice(layer + self.layer_offset, start, end, self.head_start,
                                            k[None], v[None]))
                 if self.mode == "stream":
                     self.loop.call_soon_threadsafe(req.queue.put_nowait, item)
@@ -72,11 +79,21 @@ class LayerStreamer:
                         req.move(TransferState.SENT)
                         del self.remote[seq.request_id]
 
+    def _first_needed(self, total_tokens: int, layer: int) -> int:
+        needed = self._needed.get(total_tokens)
+        if needed is None:
+            if len(self._needed) > 256:
+                self._needed.clear()
+            needed = self._needed[total_tokens] = needed_from(self.config, total_tokens)
+        return needed[layer]
+
 
 async def send_queued(queue: asyncio.Queue, peer: Peer, encoder_pool, dtype_name: str,
-                      on_chunk: Callable[[Transfer, object], None] | None = None) -> None:
+                      on_chunk: Callable[[Transfer, object], None] | None = None,
+                      rope: tuple[float, ...] | None = None, step_scales: dict | None = None) -> None:
     """One connection's sender: encodes and sends queued `KVSend`s (and queued protocol messages) in order,
-    until the peer fails."""
+    until the peer fails. `rope`, `step_scales`: the model's RoPE and bit allocation for the codecs (the
+    `LayerStreamer`'s)."""
     loop = asyncio.get_running_loop()
     try:
         while True:
@@ -90,7 +107,8 @@ async def send_queued(queue: asyncio.Queue, peer: Peer, encoder_pool, dtype_name
             kb, vb = to_bits(piece.k), to_bits(piece.v)
             encode = partial(encode_chunk, req.request_id, kb, vb, layer_start=piece.layer,
                              token_start=piece.token_start, head_start=piece.head_start, dtype=dtype_name,
-                             codec=req.codec, total_tokens=req.total_tokens)
+                             codec=req.codec, total_tokens=req.total_tokens, rope=rope,
+                             step_scales=step_scales)
             # A small chunk costs less to encode here than to hand to a thread and back.
             data = encode() if kb.nbytes + vb.nbytes < SMALL_CHUNK_BYTES else \
                 await loop.run_in_executor(encoder_pool, encode)

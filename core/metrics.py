@@ -1,33 +1,56 @@
-"""Prometheus metrics of a core node (one registry per node, so tests can run several)."""
+"""Prometheus metrics of a core node (one registry per node, so tests can run several); a `model_name` label
+on every one (docs/metrics.md lists them).
+
+Life cycle: `CoreServer` builds one `CoreMetrics`; the prefill service counts requests, tokens and KV bytes
+as it serves edges, the batch runner its queued, running and completed requests and tokens, and a scrape
+refreshes the gauges from the engine's stats snapshot (`core/http.py`); the engine's cumulative counts are
+read from that snapshot by `EngineCollector` during the scrape.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from typing import Callable
+
+from prometheus_client import CollectorRegistry
+
+from edgecore.shared.metrics import EngineCollector, ModelMetrics
 
 
 class CoreMetrics:
-    def __init__(self):
+    def __init__(self, model_name: str = "model", stats: Callable[[], object] | None = None, block_size: int = 0):
         r = self.registry = CollectorRegistry()
-        self.prefill_requests = Counter("edgecore:core_prefill_requests", "Prefill requests received", ["outcome"],
-                                        registry=r)
-        self.prompt_tokens = Counter("edgecore:core_prompt_tokens", "Prompt tokens prefilled", registry=r)
-        self.cached_tokens = Counter("edgecore:core_prefix_cached_tokens", "Prompt tokens served from the core "
-                                     "prefix cache", registry=r)
-        self.kv_bytes_sent = Counter("edgecore:core_kv_bytes_sent", "Encoded KV bytes sent", ["codec"], registry=r)
-        self.kv_raw_bytes = Counter("edgecore:core_kv_raw_bytes", "KV bytes before encoding", ["codec"], registry=r)
-        self.kv_chunks = Counter("edgecore:core_kv_chunks_sent", "KV chunks sent", registry=r)
-        self.prefill_seconds = Histogram("edgecore:core_prefill_seconds", "Time from request to PrefillDone",
-                                         registry=r, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
-        self.connections = Gauge("edgecore:core_edge_connections", "Connected edges", registry=r)
-        self.leases = Gauge("edgecore:core_kv_leases", "Requests whose KV waits for an edge Ack", registry=r)
-        self.handover_requests = Counter("edgecore:core_handover_requests", "Remote requests the core decoded "
-                                         "for their edge until it took over", registry=r)
-        self.core_decoded_tokens = Counter("edgecore:core_handover_tokens", "Tokens decoded for edges before "
-                                           "their handover (first tokens not counted)", registry=r)
-        self.handovers = Counter("edgecore:core_handovers", "Handover messages that stopped a decoding request",
-                                 registry=r)
-        self.handover_refusals = Counter("edgecore:core_handover_refusals", "Requests for core decoding refused "
-                                         "under prefill pressure", registry=r)
-        self.kv_usage = Gauge("edgecore:kv_cache_usage_perc", "Fraction of KV blocks in use", registry=r)
-        self.request_errors = Counter("edgecore:request_errors", "Control-port HTTP requests answered with an "
-                                      "error", ["status"], registry=r)
+        m = ModelMetrics(r, model_name)
+        self.prefill_requests = m.counter("edgecore:core_prefill_requests", "Prefill requests received", "outcome")
+        self.prompt_tokens = m.counter("edgecore:core_prompt_tokens", "Prompt tokens prefilled")
+        self.cached_tokens = m.counter("edgecore:core_prefix_cached_tokens", "Prompt tokens served from the core "
+                                       "prefix cache")
+        self.kv_bytes_sent = m.counter("edgecore:core_kv_bytes_sent", "Encoded KV bytes sent", "codec")
+        self.kv_raw_bytes = m.counter("edgecore:core_kv_raw_bytes", "KV bytes before encoding", "codec")
+        self.kv_chunks = m.counter("edgecore:core_kv_chunks_sent", "KV chunks sent")
+        self.prefill_seconds = m.histogram("edgecore:core_prefill_seconds", "Time from request to PrefillDone",
+                                           buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+        self.connections = m.gauge("edgecore:core_edge_connections", "Connected edges")
+        self.leases = m.gauge("edgecore:core_kv_leases", "Requests whose KV waits for an edge Ack")
+        self.kv_usage = m.gauge("edgecore:kv_cache_usage_perc", "Fraction of KV blocks in use")
+        self.running = m.gauge("edgecore:num_requests_running", "Requests in the engine's batch (prefills and "
+                               "batch-API decodes)")
+        self.waiting = m.gauge("edgecore:num_requests_waiting", "Requests waiting for the engine")
+        self.request_errors = m.counter("edgecore:request_errors", "Control-port HTTP requests answered with an "
+                                        "error", "status")
+        self.batch_queued = m.gauge("edgecore:core_batch_requests_queued", "Batch-API requests of the running "
+                                    "batch not yet started")
+        self.batch_running = m.gauge("edgecore:core_batch_requests_running", "Batch-API requests in the engine")
+        self.batch_completed = m.counter("edgecore:core_batch_requests_completed", "Batch-API requests finished "
+                                         "(a response line written)")
+        self.batch_prompt_tokens = m.counter("edgecore:core_batch_prompt_tokens", "Prompt tokens of finished "
+                                             "batch-API requests")
+        self.batch_generation_tokens = m.counter("edgecore:core_batch_generation_tokens", "Tokens generated for "
+                                                 "finished batch-API requests")
+        self.handover_requests = m.counter("edgecore:core_handover_requests", "Remote requests the core decoded "
+                                           "for their edge until it took over")
+        self.core_decoded_tokens = m.counter("edgecore:core_handover_tokens", "Tokens decoded for edges before "
+                                             "their handover (first tokens not counted)")
+        self.handovers = m.counter("edgecore:core_handovers", "Handover messages that stopped a decoding request")
+        self.handover_refusals = m.counter("edgecore:core_handover_refusals", "Requests for core decoding refused "
+                                           "under prefill pressure")
+        r.register(EngineCollector(model_name, stats, block_size))

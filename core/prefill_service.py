@@ -45,7 +45,7 @@ from edgecore.shared.engine.handle import EngineHandle
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
-from edgecore.shared.kv.transfer import KVSlice, StreamRoute
+from edgecore.shared.kv.transfer import KVSlice, StreamRoute, cut_slice, needed_from
 
 log = logging.getLogger("edgecore.core")
 
@@ -172,7 +172,8 @@ class PrefillService:
             self.metrics.kv_chunks.inc()
             self.metrics.kv_bytes_sent.labels(req.codec).inc(len(data.payload))
             self.metrics.kv_raw_bytes.labels(req.codec).inc(data.chunk.raw_len)
-        await send_queued(session.queue, session.peer, self.encoder_pool, self.dtype_name, counted)
+        await send_queued(session.queue, session.peer, self.encoder_pool, self.dtype_name, counted,
+                          rope=self.streamer.rope, step_scales=self.streamer.step_scales)
 
     # ---- one remote request ------------------------------------------------
     def _refusal(self, session: Session, msg: m.PrefillRequest, codec: str | None) -> m.Error | None:
@@ -329,8 +330,9 @@ class PrefillService:
                              list(info.top) if info else [], req.total_tokens, first.num_cached_tokens,
                              req.timings(time.perf_counter()))
         if req.gather:
-            for piece in await self.handle.read_kv(req.internal_id, req.skip_tokens, req.total_tokens):
-                req.held.append(KVSend(req, piece))
+            starts = needed_from(self.handle.config, req.total_tokens)     # windowed layers: their window only
+            for whole in await self.handle.read_kv(req.internal_id, req.skip_tokens, req.total_tokens):
+                req.held.extend(KVSend(req, piece) for piece in cut_slice(whole, starts))
         for item in req.held:            # baseline mode, gathered KV: all of it after the last layer
             session.queue.put_nowait(item)
         req.held.clear()

@@ -171,12 +171,13 @@ def _start_streams(args, lay, model, pool, config, dtype):
     """This rank's KV stream server, or None when its heads replicate a lower TP rank's."""
     from edgecore.core.stream_server import StreamServer
     from edgecore.shared.fingerprint import model_fingerprint
-    from edgecore.shared.kv.wire import DTYPE_NAMES
+    from edgecore.shared.kv.wire import DTYPE_NAMES, codec_step_scales
     secret = bytes.fromhex(sys.stdin.readline().strip())
     if not owns_kv(lay.tp_rank, lay.tp, config.num_key_value_heads):
         return None
     server = StreamServer(pool, model, args.stream_host, secret, model_fingerprint(args.model, config),
                           [c for c in args.codecs.split(",") if c], DTYPE_NAMES[dtype],
                           kv_head_start(lay.tp_rank, lay.tp, config.num_key_value_heads), f"rank{args.rank}")
+    server.streamer.step_scales = codec_step_scales(args.model)
     server.start()
     return server

@@ -29,7 +29,7 @@ from edgecore.shared.config import CacheConfig, EngineConfig
 from edgecore.shared.engine.async_engine import AsyncEngine
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.fingerprint import model_fingerprint
-from edgecore.shared.kv.wire import DTYPE_NAMES
+from edgecore.shared.kv.wire import DTYPE_NAMES, codec_step_scales
 
 log = logging.getLogger("edgecore.core")
 
@@ -84,9 +84,10 @@ class CoreServer:
                                               config.cache, config.engine)
         # On a parallel core this streams rank 0's own layers and heads; the other ranks stream theirs.
         self.streamer = LayerStreamer(engine.pool, engine.model, None, "stream" if config.stream_layers else "hold")
+        self.streamer.step_scales = codec_step_scales(config.model_dir)
         self.handle = AsyncEngine(engine, on_layer=self.streamer.on_layer, threads=config.engine_threads)
         self.fingerprint = model_fingerprint(config.model_dir, self.handle.config)
-        self.metrics = CoreMetrics()
+        self.metrics = CoreMetrics(model_name(config.model_dir), self.handle.stats, self.handle.block_size)
         self.encoder_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edgecore-encode")
         self.prefill = PrefillService(self.handle, self.streamer, self.metrics, self.encoder_pool,
                                       DTYPE_NAMES[engine.dtype], config.lease_seconds, self.parallel,
@@ -147,7 +148,8 @@ class CoreServer:
         self.store = BatchStore(self.data_dir)
         self.contexts = Contexts(self.handle, self.store, self.config.control)
         await self.contexts.restore()
-        self.batches = BatchRunner(self.handle, self.store, model_name(c.model_dir), c.batch_inflight)
+        self.batches = BatchRunner(self.handle, self.store, model_name(c.model_dir), c.batch_inflight,
+                                   self.metrics)
         self.batches.start()
         self.http_extensions.append(BatchAPI(self.handle, self.store, self.batches, self.contexts,
                                              c.max_file_bytes).routes)

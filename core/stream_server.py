@@ -70,7 +70,8 @@ class StreamServer:
             return
         session = _Session(peer, asyncio.Queue())
         self.sessions[key] = session
-        sender = asyncio.create_task(send_queued(session.queue, peer, self.encoder_pool, self.dtype_name))
+        sender = asyncio.create_task(send_queued(session.queue, peer, self.encoder_pool, self.dtype_name,
+                                                 rope=self.streamer.rope, step_scales=self.streamer.step_scales))
         try:
             while True:
                 msg = await peer.recv()

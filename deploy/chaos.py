@@ -15,7 +15,6 @@ A failure replays from its seed: `run_trial(seed)` with the same seed draws the 
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import json
 import os
@@ -32,7 +31,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgecore.deploy.fault_relay import Fault, FaultRelay
+from edgecore.deploy.fault_relay import Fault, FaultRelay, RelayThread
 
 PREFILL_REQUEST, KV_CHUNK, PREFILL_DONE = 5, 6, 7     # protocol/messages.py tags worth aiming at
 FRAME_TYPES = {"up": [None, PREFILL_REQUEST], "down": [None, KV_CHUNK, KV_CHUNK, PREFILL_DONE]}
@@ -122,16 +121,15 @@ class ChaosCluster:
         self.secret = self.workdir / "cluster.secret"
         self.secret.write_text(secrets.token_hex(32))
         self.core_port, self.core_http, self.edge_http = _free_port(), _free_port(), _free_port()
-        self.loop = asyncio.new_event_loop()
         self.relay = FaultRelay(("127.0.0.1", self.core_port))
+        self.relay_thread = RelayThread(self.relay)
         self.core: _Process | None = None
         self.edge: _Process | None = None
         self.refs: dict[tuple[int, ...], str] = {}
 
     # ---- processes -----------------------------------------------------------------------
     def start(self) -> None:
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.relay_port = asyncio.run_coroutine_threadsafe(self.relay.start(("127.0.0.1", 0)), self.loop).result(10)
+        self.relay_port = self.relay_thread.start()
         self._start_core()
         self._start_edge()
 
@@ -153,8 +151,7 @@ class ChaosCluster:
         for proc in (self.edge, self.core):
             if proc:
                 proc.stop()
-        asyncio.run_coroutine_threadsafe(self.relay.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.relay_thread.stop()
         time.sleep(0.2)
         left = subprocess.run(["pgrep", "-g", ",".join(map(str, groups))], capture_output=True, text=True)
         return [int(p) for p in left.stdout.split() if _alive(int(p))] if groups else []
@@ -206,7 +203,16 @@ class ChaosCluster:
             futures = [pool.submit(self._complete, list(p)) for p in prompts]
             fired = self._process_fault(kind, rng) if kind != "network" else None
             answers = [f.result() for f in futures]
-        fired = fired if fired is not None else self.relay.fired
+        self._classify(result, prompts, answers, fired if fired is not None else self.relay.fired)
+        self.relay.arm(None)
+        self._recover(kind)
+        result.leaked = self._leaks()
+        return result
+
+    def _classify(self, result: TrialResult, prompts: list, answers: list[tuple[str | None, float]],
+                  fired: float | None) -> None:
+        """Count each answer as identical to single node, a clean error, or a silent difference, and
+        the time from the fault to the last answer."""
         for prompt, (text, done_at) in zip(prompts, answers):
             if text is None:
                 result.clean_errors += 1
@@ -216,10 +222,6 @@ class ChaosCluster:
                 result.silent_differences += 1
             if fired is not None:
                 result.detect_s = max(result.detect_s or 0.0, done_at - fired)
-        self.relay.arm(None)
-        self._recover(kind)
-        result.leaked = self._leaks()
-        return result
 
     def _process_fault(self, kind: str, rng: random.Random) -> float:
         time.sleep(rng.uniform(0.0, 0.3))

@@ -6,7 +6,11 @@ boundaries read from each frame's fixed header. `arm(fault)` schedules one `Faul
 connection that reaches the fault's frame (direction, frame type, n-th such frame) the relay drops,
 delays, duplicates, reorders, truncates, bit-flips (in the header or the payload) that frame, or
 closes the connection there (frames are counted from the arming); everything else passes unchanged. `fired` then holds when the fault
-happened, and later connections (reconnects) pass clean until the next `arm`.
+happened, and later connections (reconnects) pass clean until the next `arm`. A relay made with a
+`plan` instead asks it about every frame (direction, frame type, how many frames of that type this
+connection has carried that way, this one included, the frame's bytes) and applies the fault it returns,
+as often as it returns one; `log` and `frames` record what was done and seen. `RelayThread` runs a relay
+on its own event loop, for callers that drive real processes synchronously.
 
 The relay only parses the lengths of the original frames, so a flipped length reaches the receiver
 exactly as a corrupted frame would, and the relay keeps its own framing.
@@ -15,10 +19,13 @@ exactly as a corrupted frame would, and the relay keeps its own framing.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import random
+import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from edgecore.protocol.framing import FIXED_SIZE, PREFIX, TAG_SIZE
 
@@ -79,9 +86,15 @@ def flip(frame: bytes, start: int, end: int, bit: int, position: float | None = 
     return bytes(out)
 
 
+# plan(direction, frame type, count of such frames on this connection that way (from 1), frame) → a fault or None
+Plan = Callable[[str, int, int, bytes], "Fault | None"]
+
+
 class FaultRelay:
-    def __init__(self, target: tuple[str, int]):
-        self.target = target
+    def __init__(self, target: tuple[str, int], plan: Plan | None = None):
+        self.target, self.plan = target, plan
+        self.log: list[tuple[str, int, Fault]] = []            # (direction, frame type, fault) as applied
+        self.frames: collections.Counter = collections.Counter()   # (direction, frame type) → frames seen
         self.fault: Fault | None = None
         self.fired: float | None = None           # monotonic time the armed fault happened
         self.server: asyncio.AbstractServer | None = None
@@ -127,6 +140,7 @@ class _Connection:
     def __init__(self, relay: FaultRelay, client: asyncio.StreamWriter, server: asyncio.StreamWriter):
         self.relay, self.writers = relay, (client, server)
         self.counts = {"up": 0, "down": 0}
+        self.per_type: collections.Counter = collections.Counter()
         self.epoch = relay.epoch
         self.held: dict[str, bytes] = {}
 
@@ -145,7 +159,14 @@ class _Connection:
         with contextlib.suppress(Exception):
             writer.write_eof()
 
-    def _hit(self, direction: str, ftype: int) -> Fault | None:
+    def _hit(self, direction: str, ftype: int, frame: bytes) -> Fault | None:
+        self.relay.frames[direction, ftype] += 1
+        if self.relay.plan is not None:
+            self.per_type[direction, ftype] += 1
+            planned = self.relay.plan(direction, ftype, self.per_type[direction, ftype], frame)
+            if planned is not None:
+                self.relay.log.append((direction, ftype, planned))
+            return planned
         fault = self.relay.fault
         if fault is None or self.relay.fired is not None or fault.direction != direction:
             return None
@@ -162,7 +183,7 @@ class _Connection:
 
     async def _forward(self, writer, direction: str, ftype: int, payload_at: int, frame: bytes) -> bool:
         """Send one frame (with the armed fault if it hits); False closes the connection."""
-        fault = self._hit(direction, ftype)
+        fault = self._hit(direction, ftype, frame)
         out = [frame]
         if fault is not None:
             kind = fault.kind
@@ -193,3 +214,21 @@ class _Connection:
             writer.write(piece)
         await writer.drain()
         return True
+
+
+class RelayThread:
+    """A FaultRelay on its own event loop and thread: `start(listen)` → the port it listens on, `stop()`."""
+
+    def __init__(self, relay: FaultRelay):
+        self.relay = relay
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def start(self, listen: tuple[str, int] = ("127.0.0.1", 0)) -> int:
+        self.thread.start()
+        return asyncio.run_coroutine_threadsafe(self.relay.start(listen), self.loop).result(10)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.relay.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)

@@ -28,6 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(fp8, int8, int4) only when listed")
     p.add_argument("--adaptive", action="store_true", help="pick the codec per request from link bandwidth")
     p.add_argument("--ttft-target-ms", type=float, default=None)
+    p.add_argument("--kv-quality-budget", type=float, default=None, metavar="PPL",
+                   help="with --adaptive: the largest relative perplexity increase a codec may cost, read from the "
+                        "rate-distortion curve (default 0.01, i.e. 1%%; 0 allows only codecs measured lossless)")
+    p.add_argument("--kv-curve", default=None, metavar="FILE",
+                   help="with --adaptive: this model's rate-distortion curve, a bench/kv_rd.py result "
+                        "(default: the bundled model's, shipped in edge/codec_policy.py)")
     p.add_argument("--local-prefill-below", default="32", metavar="N|auto",
                    help="prompts (or uncached suffixes) shorter than N tokens prefill at the edge; 'auto' uses "
                         "the crossover measured from this edge's own and the cores' prefill times")
@@ -75,6 +81,7 @@ def run_edge(args: argparse.Namespace) -> int:
         if c not in CODECS:
             raise ConfigError(f"unknown codec '{c}' (known: {', '.join(CODECS)})")
     local_below = _local_prefill_below(args.local_prefill_below)
+    codec_policy(args)
     model_dir = args.model or default_model()
     limits = _check_limits(args)
     if args.engine_fd is not None:
@@ -176,10 +183,11 @@ def _edge_engine(args: argparse.Namespace, model_dir: str, codecs: list[str], lo
     config = EdgeConfig(model_dir=model_dir, cores=cores, core_dns=core_dns,
                         secret=read_secret(args.secret_file, required=bool(cores or core_dns)),
                         dtype=args.dtype, device=resolve_device(args.device), codecs=codecs,
-                        adaptive=args.adaptive, ttft_target_ms=args.ttft_target_ms,
+                        adaptive=args.adaptive, ttft_target_ms=args.ttft_target_ms, **codec_policy(args),
                         local_prefill_below=local_below, cache=CacheConfig(num_blocks=args.kv_blocks),
                         transfer_timeout=args.transfer_timeout, handover_tokens=max(0, args.handover_max_tokens),
-                        name=args.name, ssl=ssl, engine_threads=engine_threads)
+                        name=args.name, ssl=ssl, engine_threads=engine_threads,
+                        served_model_name=args.served_model_name or "")
     return EdgeEngine(config)
 
 
@@ -203,3 +211,17 @@ def _run_engine_process(args: argparse.Namespace, model_dir: str, codecs: list[s
         return asyncio.create_task(EngineServer(edge, sock).run())    # ends when the frontend goes away
 
     return run_service(start, edge.stop)
+
+
+def codec_policy(args: argparse.Namespace) -> dict:
+    """The adaptive codec choice's quality budget and curve from the flags (EdgeConfig fields)."""
+    from edgecore.edge.codec_policy import DEFAULT_QUALITY_BUDGET, load_curve
+    from edgecore.shared.errors import ConfigError
+    budget = DEFAULT_QUALITY_BUDGET if args.kv_quality_budget is None else args.kv_quality_budget
+    if not budget >= 0:           # NaN too
+        raise ConfigError(f"--kv-quality-budget must be a perplexity increase ≥ 0 (0.01 = 1%), not {budget}")
+    try:
+        curve = load_curve(args.kv_curve) if args.kv_curve else None
+    except ValueError as exc:
+        raise ConfigError(f"--kv-curve: {exc}") from None
+    return {"kv_quality_budget": budget, "kv_curve": curve}

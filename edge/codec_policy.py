@@ -8,6 +8,10 @@ max(raw/encode, ratio·raw/link, raw/decode). Among the codecs within the qualit
 increase on held-out text, from the curve), the smallest-bytes one whose estimate meets the TTFT target
 wins; when none meets it, the fastest within the budget; with no measured link yet, the first allowed.
 
+The edge's flags set the choice: `--adaptive`, `--ttft-target-ms`, `--kv-quality-budget` (the largest
+perplexity increase, 0.01 by default) and `--kv-curve` (a bench/kv_rd.py result for the served model,
+instead of the bundled model's curve); edge/cli.py turns them into EdgeConfig fields.
+
 The curve is data: `CURVE` below is bench/kv_rd.py's measurement on the bundled model (ratio vs bf16,
 perplexity increase, greedy agreement, encode and decode bytes/s per core); `load_curve` reads the JSON
 that bench/kv_rd.py writes for another model.
@@ -29,17 +33,18 @@ class CurvePoint:
     decode_bps: float
 
 
-# bench/kv_rd.py on pydoc-llama (30 × 256-token prompts, keys coded with RoPE removed; speeds in thread CPU
-# time on a shared 2-core machine under heavy load, so low): bench/results/kv_rd.json. raw: a copy.
+# bench/kv_rd.py on pydoc-llama (30 × 256-token prompts, keys coded with RoPE removed, the levels with the
+# model's kv_allocation.json; speeds in thread CPU time on long planes, on a shared 2-core machine under load,
+# so low): bench/results/kv_rd.json. raw: a copy.
 CURVE: dict[str, CurvePoint] = {
     "raw": CurvePoint(1.0, 0.0, 1.0, 20e9, 20e9),
-    "lossless": CurvePoint(0.6848, 0.0, 1.0, 202e6, 430e6),
-    "fp8": CurvePoint(0.5002, 0.00189, 0.9852, 101e6, 224e6),
-    "int8": CurvePoint(0.556, 0.00015, 0.9989, 157e6, 212e6),
-    "int4": CurvePoint(0.3825, 0.0031, 0.9825, 130e6, 160e6),
-    "q4e": CurvePoint(0.2407, -2e-05, 0.9836, 106e6, 225e6),
-    "q3e": CurvePoint(0.1976, 0.00237, 0.9677, 114e6, 208e6),
-    "q2e": CurvePoint(0.1689, 0.00284, 0.9577, 128e6, 189e6),
+    "lossless": CurvePoint(0.6848, 0.0, 1.0, 329e6, 897e6),
+    "fp8": CurvePoint(0.5002, 0.00189, 0.9852, 171e6, 453e6),
+    "int8": CurvePoint(0.556, 0.00015, 0.9989, 240e6, 352e6),
+    "int4": CurvePoint(0.3825, 0.0031, 0.9825, 235e6, 338e6),
+    "q4e": CurvePoint(0.2396, -0.00067, 0.9799, 172e6, 376e6),
+    "q3e": CurvePoint(0.1971, 0.00252, 0.9709, 174e6, 408e6),
+    "q2e": CurvePoint(0.1778, 0.00505, 0.9646, 180e6, 417e6),
 }
 DEFAULT_QUALITY_BUDGET = 0.01     # perplexity increase a request may pay for fewer bytes
 

@@ -5,8 +5,10 @@ which hands each output to a callback from the engine's dispatch, as the
 engine process does to forward them without a task switch per token):
 1. Placement: prefill locally when no core is healthy, when the prompt is
    short (below `local_prefill_below`, a measured crossover), or when the edge's
-   own prefix cache leaves only a short uncached suffix; otherwise pick a core
-   by RTT and load.
+   own prefix cache leaves only a short uncached suffix, or when the request
+   follows a grammar (the mask must choose every token, the first included,
+   so it never asks a core to sample or decode); otherwise pick a core by RTT
+   and load.
 2. Remote (`RemotePrefill`, edge/remote_prefill.py, around the sans-IO
    `KVReceiver`, edge/kv_receiver.py): reserve blocks for the prompt (the
    locally cached prefix is announced as `skip_tokens`), send a PrefillRequest
@@ -35,9 +37,10 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator, Callable
 
-from edgecore.edge.codec_policy import choose_codec
+from edgecore.edge.codec_policy import DEFAULT_QUALITY_BUDGET, choose_codec
 from edgecore.edge.core_client import CoreClient, CoreRouter
 from edgecore.edge.metrics import EdgeMetrics
 from edgecore.edge.placement import PrefillModel
@@ -66,6 +69,8 @@ class EdgeConfig:
     codecs: list[str] = field(default_factory=lambda: ["lossless"])   # allowed; lossy only if listed
     adaptive: bool = False
     ttft_target_ms: float | None = None
+    kv_quality_budget: float = DEFAULT_QUALITY_BUDGET   # adaptive: max perplexity increase (edge/codec_policy.py)
+    kv_curve: dict | None = None                        # adaptive: the model's curve (None: the bundled model's)
     local_prefill_below: int | None = 32   # None: measured crossover (fixed 32 until measured)
     transfer_timeout: float = 30.0
     max_core_attempts: int = 2
@@ -76,6 +81,7 @@ class EdgeConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     name: str = "edge"
     ssl: object = None
+    served_model_name: str = ""       # the `model_name` label of the metrics (default: the directory's name)
 
 
 class EdgeEngine:
@@ -85,7 +91,8 @@ class EdgeEngine:
                                               config.cache, config.engine)
         self.handle = AsyncEngine(engine, threads=config.engine_threads)   # all this node knows of the engine
         self.tokenizer = self.handle.tokenizer
-        self.metrics = EdgeMetrics()
+        self.metrics = EdgeMetrics(config.served_model_name or Path(config.model_dir).name, self.handle.stats,
+                                   self.handle.block_size)
         remote = bool(config.cores or config.core_dns)
         self.fingerprint = model_fingerprint(config.model_dir, self.handle.config) if remote else ""
         wire_codecs = sorted(set(config.codecs) | {"lossless", "raw"})
@@ -132,6 +139,8 @@ class EdgeEngine:
             return "local", "no_core" if self.router.clients else "no_core_configured", None
         if params.prompt_logprobs is not None:    # they come from this engine's prefill logits
             return "local", "prompt_logprobs", None
+        if params.guided is not None:     # a core would choose the first token without the grammar's mask
+            return "local", "guided", None
         threshold = self.config.local_prefill_below
         if threshold is None:             # the measured crossover: decided here, on the event loop
             cached = await self.handle.cached_prefix(prompt_ids)
@@ -150,7 +159,8 @@ class EdgeEngine:
         if not self.config.adaptive:
             return allowed[0]
         target = self.config.ttft_target_ms / 1000 if self.config.ttft_target_ms else None
-        return choose_codec(allowed, num_tokens * self.kv_bytes_per_token, client.bandwidth, target)
+        return choose_codec(allowed, num_tokens * self.kv_bytes_per_token, client.bandwidth, target,
+                            self.config.kv_quality_budget, self.config.kv_curve)
 
     # ---- the request -------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
@@ -218,13 +228,15 @@ class EdgeEngine:
         """Place the prefill and start the request: (the queue its outputs arrive in; the core that
         prefilled it or None)."""
         where, reason, queue = await self._placement(request_id, prompt_ids, params)
-        self.metrics.queue_time.observe(time.perf_counter() - progress.arrived)
+        progress.placed_at = time.perf_counter()
+        self.metrics.queue_time.observe(progress.placed_at - progress.arrived)
         core = None
         if where == "remote":
             queue, core = await self._remote_with_retries(request_id, prompt_ids, params)
             reason = "core_failed"
-        if queue is None:
+        if core is None:                  # placed here, or every core failed
             self.metrics.local_prefills.labels(reason).inc()
+        if queue is None:
             queue = await self.handle.add(request_id, prompt_ids, params)
         return queue, core
 

@@ -25,9 +25,9 @@ import subprocess
 import sys
 from typing import AsyncIterator, Callable, TypeVar
 
-from edgecore.edge.ipc import (Abort, CountError, Failed, FrameBuffer, Generate, GetMetrics, GetReadiness, GetStats,
-                               Hello, IpcError, Message, MetricsReply, Outputs, Prefetch, PrefetchReply, ReadinessReply,
-                               RequestFailed, StatsReply, encode)
+from edgecore.edge.ipc import (Abort, CallReply, CountError, Failed, FrameBuffer, Generate, GetMetrics, GetReadiness,
+                               GetStats, Hello, IpcError, Message, MetricsReply, Outputs, Prefetch, PrefetchReply,
+                               ReadinessReply, RequestFailed, StatsReply, encode)
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import EdgecoreError, EngineDead, RequestError
@@ -35,7 +35,6 @@ from edgecore.shared.tokenizer import Tokenizer
 
 log = logging.getLogger("edgecore.edge.engine_client")
 
-REPLIES = (StatsReply, MetricsReply, ReadinessReply, PrefetchReply, RequestFailed)
 R = TypeVar("R", StatsReply, MetricsReply, ReadinessReply, PrefetchReply)
 
 
@@ -203,7 +202,7 @@ class EngineClient:
                 queue = streams.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
-        elif isinstance(msg, REPLIES):
+        elif isinstance(msg, CallReply):
             fut = self._replies.get(msg.id)
             if fut is not None and not fut.done():
                 if isinstance(msg, RequestFailed):

@@ -28,9 +28,9 @@ import socket
 from functools import partial
 
 from edgecore.edge.engine import EdgeEngine
-from edgecore.edge.ipc import (Abort, CountError, Failed, FrameBuffer, Generate, GetMetrics, GetReadiness, GetStats,
-                               Hello, IpcError, Message, MetricsReply, Outputs, Prefetch, PrefetchReply, ReadinessReply,
-                               Reply, Request, RequestFailed, StatsReply, encode)
+from edgecore.edge.ipc import (Abort, Call, CountError, Failed, FrameBuffer, Generate, GetMetrics, GetReadiness,
+                               GetStats, Hello, IpcError, Message, MetricsReply, Outputs, PrefetchReply,
+                               ReadinessReply, Reply, Request, RequestFailed, StatsReply, encode)
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.errors import RequestError
 
@@ -43,7 +43,6 @@ log = logging.getLogger("edgecore.edge.engine_process")
 # bench/serve gained 4-6% (0.81-0.84 → 0.88-0.89 in runs side by side).
 SWITCH_INTERVAL_S = 50e-6
 
-REQUESTS = (GetStats, GetMetrics, GetReadiness, Prefetch)
 
 
 async def answer(edge: EdgeEngine, msg: Request) -> Reply:
@@ -97,7 +96,7 @@ class EngineServer:
                 self.edge.cancel(msg.request_id)
         elif isinstance(msg, CountError):            # fire and forget
             self.edge.count_error(msg.status)
-        elif isinstance(msg, REQUESTS):
+        elif isinstance(msg, Call):
             asyncio.create_task(self._answer(msg))
         else:
             raise IpcError(f"unexpected {type(msg).__name__} from the frontend")

@@ -8,8 +8,10 @@ handler reads the body (size-limited: 413), decodes JSON (400), validates
 fields (400/404), checks the request's sequences (prompts × n ≤
 `max_seqs_per_request`: 400) and capacity (sequences in flight ≤
 `max_concurrent`: 503) → one engine stream per choice (prompts × n), merged → either
-one JSON response, or SSE chunks as tokens decode (role first, deltas,
-finish_reason, optional usage chunk, `data: [DONE]`). A client that
+one JSON response, or SSE chunks as tokens decode (role first, deltas — with
+tools, text that may open a tool call is held and the calls sent as
+`tool_calls` deltas at the end — finish_reason, optional usage chunk,
+`data: [DONE]`). A client that
 disconnects cancels the handler, which aborts every choice and frees its KV
 at the edge and the core.
 """
@@ -33,6 +35,7 @@ from edgecore.shared.openai.extra_routes import add_edge_routes, model_card
 from edgecore.shared.openai.http import error_middleware, json_body
 from edgecore.shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
 from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body, usage
+from edgecore.shared.openai.tools import ToolStream
 
 log = logging.getLogger("edgecore.http")
 json_encode = msgspec.json.Encoder().encode
@@ -221,6 +224,7 @@ class EdgeHTTP:
                                                  "logprobs": None, "finish_reason": None}]})
         ntoks, cached = 0, {}
         offsets = [0] * count
+        tool_streams = [ToolStream() for _ in range(count)] if parsed.tools is not None else []
         try:
             async for i, out in outputs:
                 cached.setdefault(i // parsed.n, out.num_cached_tokens)
@@ -228,6 +232,10 @@ class EdgeHTTP:
                 if not out.new_text and not out.finished and not out.logprobs:
                     continue
                 reason = out.finish_reason if out.finished else None
+                if chat and tool_streams:
+                    for choice in self._tool_chunks(tool_streams[i], i, out, parsed):
+                        await resp.write(head + json_encode(choice) + b"]}\n\n")
+                    continue
                 if chat:
                     lp = self.texts.chat_logprobs(out.logprobs or []) if parsed.logprobs is not None else None
                     delta = {"content": out.new_text} if out.new_text or not out.finished else {}
@@ -240,13 +248,33 @@ class EdgeHTTP:
                 await resp.write(head + json_encode(choice) + b"]}\n\n")
             if parsed.include_usage:
                 await send({**base, "choices": [], "usage": usage(parsed, ntoks, sum(cached.values()))})
-        except ApiError as exc:
+        except ApiError as exc:       # the 200 is sent: the error goes in the stream, and is counted
+            self.edge.count_error(str(exc.status))
             await send(exc.body())
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    def _tool_chunks(self, stream: ToolStream, i: int, out, parsed: ParsedRequest) -> list[dict]:
+        """A chat choice with tools: content deltas (text that may open a call held back), and at the end
+        one delta per tool call (id, name, the whole arguments) and finish_reason "tool_calls"."""
+        lp = self.texts.chat_logprobs(out.logprobs or []) if parsed.logprobs is not None else None
+        text, calls = stream.push(out.new_text), []
+        if out.finished:
+            tail, calls = stream.finish()
+            text += tail
+        chunks = []
+        if text or lp:
+            chunks.append({"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": None})
+        for k, call in enumerate(calls):
+            chunks.append({"index": i, "delta": {"tool_calls": [{"index": k, **call}]}, "logprobs": None,
+                           "finish_reason": None})
+        if out.finished:
+            reason = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
+            chunks.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason})
+        return chunks
 
 
 async def start_http(http: EdgeHTTP, host: str, port: int):

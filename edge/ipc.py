@@ -4,13 +4,13 @@ The two processes share one stream socket (a socketpair made by the
 frontend). Each message is a frame: u32 LE length, then a msgpack-encoded
 tagged struct (msgspec; no pickle). They carry the `EdgeService` calls
 (edge/service.py), one typed message per call: the frontend sends `Generate`,
-`Abort`, `CountError`, and the requests `GetStats`, `GetMetrics`,
-`GetReadiness`, `Prefetch` (each with an id); the engine process answers with
+`Abort`, `CountError`, and the calls `GetStats`, `GetMetrics`,
+`GetReadiness`, `Prefetch` (each a `Call` with an id); the engine process answers with
 `Hello` once (when its model is loaded), `Outputs` (every output produced in
 one event-loop turn, for all requests together: one frame per engine step, not
-one per token), `Failed` (a request's stream broke), and per request its typed
-reply (`StatsReply`, `MetricsReply`, `ReadinessReply`, `PrefetchReply`) or
-`RequestFailed`.
+one per token), `Failed` (a request's stream broke), and per call its typed
+`CallReply` with the same id (`StatsReply`, `MetricsReply`, `ReadinessReply`,
+`PrefetchReply`) or `RequestFailed`.
 
 `FrameBuffer` is the sans-IO half: feed it bytes, take whole messages out.
 """
@@ -45,20 +45,29 @@ class CountError(msgspec.Struct, tag="count_error"):
     status: str
 
 
-class GetStats(msgspec.Struct, tag="get_stats"):
+class Call(msgspec.Struct):
+    """A frontend request that gets exactly one reply carrying the same `id` (a `CallReply`)."""
     id: int
 
 
-class GetMetrics(msgspec.Struct, tag="get_metrics"):
+class CallReply(msgspec.Struct):
+    """The engine process's answer to the `Call` with this `id`."""
     id: int
 
 
-class GetReadiness(msgspec.Struct, tag="get_readiness"):
-    id: int
+class GetStats(Call, tag="get_stats"):
+    pass
 
 
-class Prefetch(msgspec.Struct, tag="prefetch"):
-    id: int
+class GetMetrics(Call, tag="get_metrics"):
+    pass
+
+
+class GetReadiness(Call, tag="get_readiness"):
+    pass
+
+
+class Prefetch(Call, tag="prefetch"):
     prompt_ids: list[int]
 
 
@@ -81,31 +90,26 @@ class Failed(msgspec.Struct, tag="failed"):
     code: str | None = None
 
 
-class StatsReply(msgspec.Struct, tag="stats"):
-    id: int
+class StatsReply(CallReply, tag="stats"):
     stats: dict[str, Any]              # the /stats body (engine snapshot, cores, placement model)
 
 
-class MetricsReply(msgspec.Struct, tag="metrics"):
-    id: int
+class MetricsReply(CallReply, tag="metrics"):
     text: str                          # Prometheus exposition
 
 
-class ReadinessReply(msgspec.Struct, tag="readiness"):
-    id: int
+class ReadinessReply(CallReply, tag="readiness"):
     ready: bool
     cores_healthy: int
 
 
-class PrefetchReply(msgspec.Struct, tag="prefetched"):
-    id: int
+class PrefetchReply(CallReply, tag="prefetched"):
     tokens: int
     cached_tokens: int
     source: str                        # "local" or the core's address
 
 
-class RequestFailed(msgspec.Struct, tag="request_failed"):
-    id: int
+class RequestFailed(CallReply, tag="request_failed"):
     error: str
 
 

@@ -6,7 +6,10 @@ header that arrives, `on_chunk` checks it lies inside the request (layers,
 tokens [skip_tokens, total_tokens), KV heads) and overlaps nothing received
 before — a duplicate, an overlap or an out-of-range chunk fails the transfer —
 then records its coverage (layer × token range × head range; chunks may arrive
-in any order). `on_done` takes the core's PrefillDone: from a single sender
+in any order). A layer is covered when every KV head of every token it still
+needs has arrived: `needed_from[layer]` on (a sliding-window or chunked layer
+needs only the window or chunk the next decode steps can see; a full layer every
+token from `skip_tokens`); tokens before that may arrive too and count for nothing. `on_done` takes the core's PrefillDone: from a single sender
 every chunk precedes it, so the KV must then be complete; with direct streams
 (a parallel core's ranks each send their own layers and heads) chunks from
 other ranks may still follow it. The state goes RECEIVING → COMPLETE (PrefillDone
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Sequence
 
 from edgecore.protocol import messages as m
 
@@ -46,20 +50,25 @@ class _Box:
     head_start: int
     head_end: int
 
+    def clipped_area(self, token_start: int) -> int:
+        """Token × head cells at or after `token_start`."""
+        return max(0, self.token_end - max(self.token_start, token_start)) * (self.head_end - self.head_start)
+
     def overlaps(self, o: "_Box") -> bool:
         return (self.token_start < o.token_end and o.token_start < self.token_end
                 and self.head_start < o.head_end and o.head_start < self.head_end)
 
-    @property
-    def area(self) -> int:
-        return (self.token_end - self.token_start) * (self.head_end - self.head_start)
 
 
 class KVReceiver:
     def __init__(self, request_id: str, num_layers: int, num_kv_heads: int, total_tokens: int,
-                 skip_tokens: int = 0, direct: bool = False):
+                 skip_tokens: int = 0, direct: bool = False, needed_from: Sequence[int] | None = None):
+        """`needed_from`: per layer, the first token it needs (shared/kv/transfer.py `needed_from`); None:
+        every layer needs every token from `skip_tokens`."""
         if not 0 <= skip_tokens < total_tokens:
             raise ValueError(f"skip_tokens {skip_tokens} must be below the prompt length {total_tokens}")
+        if needed_from is not None and len(needed_from) != num_layers:
+            raise ValueError(f"needed_from has {len(needed_from)} layers, the model {num_layers}")
         self.request_id = request_id
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
         self.total_tokens, self.skip_tokens = total_tokens, skip_tokens
@@ -68,8 +77,9 @@ class KVReceiver:
         self.done: m.PrefillDone | None = None
         self.failure: str | None = None
         self._boxes: list[list[_Box]] = [[] for _ in range(num_layers)]
+        self._start = [min(max(skip_tokens, s), total_tokens) for s in (needed_from or [0] * num_layers)]
         self._covered = [0] * num_layers
-        self._missing_layers = num_layers
+        self._missing_layers = sum(1 for layer in range(num_layers) if self.needed(layer))
         self.encoded_bytes = self.raw_bytes = 0
         self._first_at: float | None = None
         self._last_at: float | None = None
@@ -77,8 +87,12 @@ class KVReceiver:
 
     @property
     def per_layer(self) -> int:
-        """Token × head cells each layer must receive."""
+        """Token × head cells a full-attention layer must receive."""
         return (self.total_tokens - self.skip_tokens) * self.num_kv_heads
+
+    def needed(self, layer: int) -> int:
+        """Token × head cells `layer` must receive (its window only, for a windowed layer)."""
+        return (self.total_tokens - self._start[layer]) * self.num_kv_heads
 
     @property
     def complete(self) -> bool:
@@ -103,9 +117,11 @@ class KVReceiver:
                           f"[{c.head_start}, {c.head_end}) twice")
         for layer in range(c.layer_start, c.layer_end):
             self._boxes[layer].append(box)
-            self._covered[layer] += box.area
-            if self._covered[layer] == self.per_layer:
-                self._missing_layers -= 1
+            area = box.clipped_area(self._start[layer])
+            if area:
+                self._covered[layer] += area
+                if self._covered[layer] == self.needed(layer):
+                    self._missing_layers -= 1
         self.encoded_bytes += encoded_bytes
         self.raw_bytes += c.raw_len
         self._last_at = now
@@ -120,7 +136,7 @@ class KVReceiver:
         self.done = done
         if not self.direct and not self.covered:      # one sender: all of its KV came first
             self.fail(f"incomplete KV at PrefillDone: token×heads per layer {self._covered}, expected "
-                      f"{self.per_layer}")
+                      f"{[self.needed(layer) for layer in range(self.num_layers)]}")
         self._maybe_complete()
 
     def fail(self, why: str) -> None:

@@ -1,40 +1,63 @@
-"""Prometheus metrics of an edge node, vLLM-style names under the `edgecore:` prefix."""
+"""Prometheus metrics of an edge node: vLLM-style names under the `edgecore:` prefix, a `model_name` label on
+every one (docs/metrics.md lists them).
+
+Life cycle: `EdgeEngine` builds one `EdgeMetrics` (its own registry); `Progress` (edge/progress.py) feeds the
+per-request histograms as outputs arrive, placement and transfers count themselves, and a scrape refreshes the
+gauges from the engine's stats snapshot (`EdgeEngine.get_metrics`); the engine's own cumulative counts
+(preemptions, prefix cache, tokens per step, cache configuration) are read from that snapshot by
+`EngineCollector` during the scrape.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from typing import Callable
+
+from prometheus_client import CollectorRegistry
+
+from edgecore.shared.metrics import EngineCollector, ModelMetrics
 
 LATENCY = (.005, .01, .02, .04, .06, .08, .1, .25, .5, .75, 1, 2.5, 5, 7.5, 10, 20, 40)
+TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+TPOT = (.001, .0025, .005, .01, .02, .04, .06, .08, .1, .15, .2, .3, .4, .5, .75, 1, 2.5)
 
 
 class EdgeMetrics:
-    def __init__(self):
+    def __init__(self, model_name: str = "model", stats: Callable[[], object] | None = None, block_size: int = 0):
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram("edgecore:time_to_first_token_seconds", "Time to first token", registry=r,
-                              buckets=LATENCY)
-        self.itl = Histogram("edgecore:inter_token_latency_seconds", "Time between output tokens", registry=r,
-                             buckets=(.001, .005, .01, .02, .04, .06, .08, .1, .25, .5, 1))
-        self.e2e = Histogram("edgecore:e2e_request_latency_seconds", "End-to-end request latency", registry=r,
-                             buckets=LATENCY)
-        self.queue_time = Histogram("edgecore:request_queue_time_seconds", "Time before the first scheduling "
-                                    "decision (placement)", registry=r, buckets=LATENCY)
-        self.prompt_tokens = Counter("edgecore:prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("edgecore:generation_tokens", "Tokens generated", registry=r)
-        self.cached_tokens = Counter("edgecore:prefix_cache_hit_tokens", "Prompt tokens from the edge prefix cache",
-                                     registry=r)
-        self.requests = Counter("edgecore:request_success", "Finished requests", ["finished_reason"], registry=r)
-        self.running = Gauge("edgecore:num_requests_running", "Requests in the decode batch", registry=r)
-        self.waiting = Gauge("edgecore:num_requests_waiting", "Requests waiting for the engine", registry=r)
-        self.kv_usage = Gauge("edgecore:kv_cache_usage_perc", "Fraction of KV blocks in use", registry=r)
-        self.kv_bytes = Counter("edgecore:kv_bytes_received", "Encoded KV bytes received", ["codec"], registry=r)
-        self.kv_raw_bytes = Counter("edgecore:kv_raw_bytes_received", "KV bytes after decoding", ["codec"],
-                                    registry=r)
-        self.compression = Gauge("edgecore:kv_compression_ratio", "Raw / encoded bytes of the last transfer",
-                                 ["codec"], registry=r)
-        self.transfer = Histogram("edgecore:kv_transfer_seconds", "PrefillRequest sent → PrefillDone", ["codec"],
-                                  registry=r, buckets=LATENCY)
-        self.failovers = Counter("edgecore:core_failovers", "Remote prefills retried elsewhere after a core failed",
-                                 registry=r)
-        self.local_prefills = Counter("edgecore:local_prefills", "Prefills done at the edge", ["reason"], registry=r)
-        self.remote_prefills = Counter("edgecore:remote_prefills", "Prefills done at a core", ["codec"], registry=r)
-        self.errors = Counter("edgecore:request_errors", "Requests answered with an error", ["status"], registry=r)
+        m = ModelMetrics(r, model_name)
+        self.ttft = m.histogram("edgecore:time_to_first_token_seconds", "Time to first token", buckets=LATENCY)
+        self.itl = m.histogram("edgecore:inter_token_latency_seconds", "Time between output tokens",
+                               buckets=(.001, .005, .01, .02, .04, .06, .08, .1, .25, .5, 1))
+        self.tpot = m.histogram("edgecore:time_per_output_token_seconds", "Per finished request: decode time / "
+                                "(output tokens - 1)", buckets=TPOT)
+        self.e2e = m.histogram("edgecore:e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY)
+        self.queue_time = m.histogram("edgecore:request_queue_time_seconds", "Time before the first scheduling "
+                                      "decision (placement)", buckets=LATENCY)
+        self.prefill_time = m.histogram("edgecore:request_prefill_time_seconds", "Placement decided → first token "
+                                        "(local or remote prefill, KV transfer included)", buckets=LATENCY)
+        self.decode_time = m.histogram("edgecore:request_decode_time_seconds", "First token → last token",
+                                       buckets=LATENCY)
+        self.request_prompt_tokens = m.histogram("edgecore:request_prompt_tokens", "Prompt tokens per request",
+                                                 buckets=TOKENS)
+        self.request_generation_tokens = m.histogram("edgecore:request_generation_tokens", "Output tokens per "
+                                                     "finished request", buckets=TOKENS)
+        self.prompt_tokens = m.counter("edgecore:prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = m.counter("edgecore:generation_tokens", "Tokens generated")
+        self.cached_tokens = m.counter("edgecore:prefix_cache_hit_tokens", "Prompt tokens from the edge prefix "
+                                       "cache, per request")
+        self.requests = m.counter("edgecore:request_success", "Finished requests", "finished_reason")
+        self.running = m.gauge("edgecore:num_requests_running", "Requests in the decode batch")
+        self.waiting = m.gauge("edgecore:num_requests_waiting", "Requests waiting for the engine")
+        self.kv_usage = m.gauge("edgecore:kv_cache_usage_perc", "Fraction of KV blocks in use")
+        self.kv_bytes = m.counter("edgecore:kv_bytes_received", "Encoded KV bytes received", "codec")
+        self.kv_raw_bytes = m.counter("edgecore:kv_raw_bytes_received", "KV bytes after decoding", "codec")
+        self.compression = m.gauge("edgecore:kv_compression_ratio", "Raw / encoded bytes of the last transfer",
+                                   "codec")
+        self.transfer = m.histogram("edgecore:kv_transfer_seconds", "PrefillRequest sent → PrefillDone", "codec",
+                                    buckets=LATENCY)
+        self.failovers = m.counter("edgecore:core_failovers", "Remote prefills retried elsewhere after a core "
+                                   "failed")
+        self.local_prefills = m.counter("edgecore:local_prefills", "Prefills done at the edge", "reason")
+        self.remote_prefills = m.counter("edgecore:remote_prefills", "Prefills done at a core", "codec")
+        self.errors = m.counter("edgecore:request_errors", "Requests answered with an error", "status")
+        r.register(EngineCollector(model_name, stats, block_size))

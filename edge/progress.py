@@ -2,8 +2,9 @@
 
 Life cycle: made when a request arrives at the `EdgeEngine` (it counts as
 active from then on), told which core prefilled it (if any), fed every output
-(`observe`: TTFT and the placement model's timing with the first, ITL after,
-end-to-end and the finish reason with the last), and closed once (`done`),
+(`observe`: TTFT, prefill time and the placement model's timing with the
+first, ITL after; end-to-end, decode time, time per output token, token
+counts and the finish reason with the last), and closed once (`done`),
 whether the request finished, failed or was cancelled.
 """
 
@@ -24,7 +25,7 @@ class Progress:
 
     def __init__(self, edge: "EdgeEngine", prompt_len: int):
         self.edge, self.prompt_len = edge, prompt_len
-        self.arrived = time.perf_counter()
+        self.arrived = self.placed_at = time.perf_counter()
         self.core: CoreClient | None = None
         self.first_at = self.last_at = None
         self.open = True
@@ -36,6 +37,7 @@ class Progress:
         if self.first_at is None:
             self.first_at = now
             metrics.ttft.observe(now - self.arrived)
+            metrics.prefill_time.observe(now - self.placed_at)
             metrics.cached_tokens.inc(out.num_cached_tokens)
             prefilled = self.prompt_len - out.num_cached_tokens
             if self.core is None:
@@ -49,6 +51,11 @@ class Progress:
         if out.finished:
             metrics.requests.labels(out.finish_reason).inc()
             metrics.e2e.observe(now - self.arrived)
+            metrics.decode_time.observe(now - self.first_at)
+            metrics.request_prompt_tokens.observe(self.prompt_len)
+            metrics.request_generation_tokens.observe(out.num_output_tokens)
+            if out.num_output_tokens > 1:
+                metrics.tpot.observe((now - self.first_at) / (out.num_output_tokens - 1))
 
     def done(self) -> None:
         if self.open:

@@ -46,8 +46,8 @@ from edgecore.protocol.transport import PeerError
 from edgecore.shared.engine.handle import EngineHandle, FirstToken
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
-from edgecore.shared.kv.transfer import KVSlice
-from edgecore.shared.kv.wire import from_bits
+from edgecore.shared.kv.transfer import KVSlice, needed_from
+from edgecore.shared.kv.wire import codec_rope, from_bits
 
 
 class RemotePrefillFailed(Exception):
@@ -78,7 +78,8 @@ class RemotePrefill:
         cfg = handle.config
         limit = min(self.core_decode, self.params.max_tokens - 1) if activate and client.peer.conn.handover else 0
         receiver = self.receiver = KVReceiver(rid, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                              len(self.prompt_ids), cached, direct=client.direct or limit > 0)
+                                              len(self.prompt_ids), cached, direct=client.direct or limit > 0,
+                                              needed_from=needed_from(cfg, len(self.prompt_ids)))
         started = time.perf_counter()
         try:
             if limit > 0:
@@ -193,9 +194,10 @@ class RemotePrefill:
         if isinstance(ev, KVData):
             c = ev.chunk
             receiver.on_chunk(c, len(ev.payload), time.perf_counter())
+            rope = codec_rope(self.handle.config)    # what the core's encoder took (core/kv_sender.py)
             # A small chunk costs less to decode here than to hand to a thread and back.
-            k, v = decode_chunk(ev) if c.raw_len < SMALL_CHUNK_BYTES else \
-                await loop.run_in_executor(self.decoder_pool, decode_chunk, ev)
+            k, v = decode_chunk(ev, rope) if c.raw_len < SMALL_CHUNK_BYTES else \
+                await loop.run_in_executor(self.decoder_pool, decode_chunk, ev, rope)
             self.handle.write_kv(self.request_id, KVSlice(c.layer_start, c.token_start, c.token_end,
                                                           c.head_start, from_bits(k, c.dtype),
                                                           from_bits(v, c.dtype)))

@@ -10,6 +10,11 @@ header and payload, and a frame that fails it never becomes a KVData
 The two planes share layers, tokens and heads; their widths may differ (the MLA latent layout:
 plane 0 the compressed KV, plane 1 the rotary key). `head_dim` is plane 0's width and `raw_len` the
 raw size of both planes, from which the receiver derives plane 1's width.
+
+Per-part precision of latent chunks (planes of different widths): the rope plane, a fifth of an MLA
+token's bytes, carries as much of a lossy codec's error into the next-token distribution as the whole
+latent plane (bench/kv_quality.py on models/pystd-mla), so `plane_codecs` codes it one step finer than the
+chunk's codec (`LATENT_ROPE_CODEC`). Both ends derive it from the chunk's codec name and plane widths.
 """
 
 from __future__ import annotations
@@ -25,21 +30,31 @@ from edgecore.protocol.events import KVData
 # thread and back, so callers do it in place.
 SMALL_CHUNK_BYTES = 128 * 1024
 
+LATENT_ROPE_CODEC = {"int4": "int8", "q4e": "int4", "q3e": "q4e", "q2e": "q3e"}
+
+
+def plane_codecs(codec: str, latent: bool) -> tuple[str, str]:
+    """The codecs of plane 0 and plane 1 of a chunk whose codec is `codec` (latent: an MLA chunk)."""
+    return codec, (LATENT_ROPE_CODEC.get(codec, codec) if latent else codec)
+
 
 def encode_chunk(request_id: str, k: np.ndarray, v: np.ndarray, *, layer_start: int, token_start: int,
                  head_start: int = 0, dtype: str, codec: str, total_tokens: int = 0,
-                 rope: tuple[float, ...] | None = None) -> KVData:
+                 rope: tuple[float, ...] | None = None, step_scales: dict | None = None) -> KVData:
     """k, v: raw bits [layers, tokens, heads, width] (uint16 for 16-bit dtypes, uint32 for float32); the
     widths may differ, nothing else (MLA's latent and RoPE planes). `rope`: the model's RoPE inverse
-    frequencies, when the decoding side passes them too (see codecs/equant.py)."""
+    frequencies, when the decoding side passes them too (see codecs/equant.py). `step_scales`: the model's bit
+    allocation for the encoder, {"k": per-layer step multipliers, "v": ...} (decoders need none)."""
     impl = get_codec(codec)
     layers, tokens, heads, dim = k.shape
     if v.shape[:3] != k.shape[:3]:
         raise CodecError(f"K/V planes differ in layers, tokens or heads: {k.shape} vs {v.shape}")
-    kinfo = PlaneInfo(dtype, k.shape, "k", token_start, total_tokens, layer_start, rope)
-    vinfo = PlaneInfo(dtype, v.shape, "v", token_start, total_tokens, layer_start)
+    scales = step_scales or {}
+    kinfo = PlaneInfo(dtype, k.shape, "k", token_start, total_tokens, layer_start, rope, tuple(scales.get("k", ())))
+    vinfo = PlaneInfo(dtype, v.shape, "v", token_start, total_tokens, layer_start,
+                      step_scales=tuple(scales.get("v", ())))
     ek = impl.encode(k, kinfo)
-    ev = impl.encode(v, vinfo)
+    ev = get_codec(plane_codecs(codec, v.shape[3] != dim)[1]).encode(v, vinfo)
     payload = memoryview(b"".join((ek, ev)))
     chunk = KVChunk(request_id, layer_start, layer_start + layers, token_start, token_start + tokens,
                     head_start, head_start + heads, dim, dtype, codec, len(ek), kinfo.raw_bytes + vinfo.raw_bytes,
@@ -62,8 +77,9 @@ def decode_chunk(data: KVData, rope: tuple[float, ...] | None = None) -> tuple[n
     payload = memoryview(data.payload)
     try:
         k = impl.decode(payload[:c.k_bytes], kinfo)
-        v = impl.decode(payload[c.k_bytes:], PlaneInfo(c.dtype, shape[:3] + (v_dim,), "v", c.token_start,
-                                                       c.total_tokens, c.layer_start))
+        v_impl = get_codec(plane_codecs(c.codec, v_dim != c.head_dim)[1])
+        v = v_impl.decode(payload[c.k_bytes:], PlaneInfo(c.dtype, shape[:3] + (v_dim,), "v", c.token_start,
+                                                         c.total_tokens, c.layer_start))
     except (ValueError, TypeError, IndexError) as exc:
         raise CodecError(f"KV chunk of request {c.request_id} does not decode: {exc}") from None
     return k, v

@@ -31,6 +31,9 @@ class PlaneInfo:
     # The model's RoPE inverse frequencies (head_dim/2 of them, rotate-half layout), when both ends know
     # them: codecs may then code keys with the rotation removed (see equant.py). None: not known.
     rope: tuple[float, ...] | None = None
+    # Encoder hint, the model's bit allocation: step multipliers of this plane's kind per model layer (layer i;
+    # 1.0 beyond). Steps travel in the payload, so decoders never need it (bench/kv_rd.py --allocate).
+    step_scales: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.dtype not in BITS_DTYPES:

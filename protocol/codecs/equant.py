@@ -48,20 +48,29 @@ heldout.txt, bf16), on this 2-core machine:
 * Pre-RoPE keys (measured on the same KV): at equal code rate, relative MSE
   halves (s=0.5: 0.0064 pre-RoPE at 2.5 bit/value against 0.012 post-RoPE in
   128-token groups at 3.3), and one group per chunk suffices.
-* Per-layer sensitivity (bench/kv_rd.py --sensitivity q2e: mean KL with one
-  layer's K or V coded): pydoc-llama k 0.00022 0.00046 0.00034 0.00062, v 0.00057
-  0.00032 0.00019 0.0004 (layers 0–3); pystd-llama k 0.00047 0.00017 0.00036,
-  v 0.00006 0.00002 0.00002. Keys need finer steps than values (the shipped
-  factors), but the layer order differs between the two models, so the shipped
-  levels use one factor per kind for every layer; `Level.key_layers` /
-  `value_layers` take a per-model allocation.
+* Per-layer sensitivity (bench/kv_rd.py --sensitivity: mean KL with one layer's
+  K or V coded at 0.75/0.85): pydoc-llama k 0.00022 0.00046 0.00034 0.00062, v
+  0.00057 0.00032 0.00019 0.0004 (layers 0–3); pystd-llama k 0.00047 0.00017
+  0.00036, v 0.00006 0.00002 0.00002. The layer order differs between models, so
+  the allocation is per model: `bench/kv_rd.py --allocate` sets step_i ∝ KL_i^-1/2
+  (equal KL shares, geometric mean 1) and writes the model's kv_allocation.json;
+  a core hands it to the encoder (`PlaneInfo.step_scales`). pystd-llama's values
+  get 1.1–2.8× coarser steps, its keys 0.4–0.8×; pydoc-llama's spread is small.
+* Coding gains not taken (measured on 256-token q2e codes): zstd-19 saves 1.5%
+  of the code bytes, lzma 0–10% (slow); per-channel order-0 entropy is above
+  zstd-1 (repeated rows). A calibrated per-head KLT (bench/kv_klt.py) predicts
+  0.5–1 bit/value for keys by the high-rate formula, but with per-channel steps
+  it buys nothing and with one step per head (`Level.head_step`) about 5–8% of
+  the bytes at equal KL: not enough to ship.
 
-Reached (bench/results/kv_rd*.json, 30 × 256-token prompts; ratio vs bf16 /
-perplexity increase / greedy agreement): pydoc-llama q4e 0.241 / −0.00% / 0.984,
-q3e 0.198 / +0.24% / 0.968, q2e 0.169 / +0.28% / 0.958; pystd-llama q4e 0.213 /
-+0.02% / 0.979, q3e 0.164 / −0.07% / 0.966, q2e 0.136 / +0.02% / 0.958. So a
-level ≤ 0.25× within +0.3% on both; ≤ 0.15× within +1% only on pystd-llama, and
-no level ≤ 0.15× keeps 97% greedy agreement on either.
+Reached (bench/results/kv_rd*.json, 30 × 256-token prompts, levels with the
+model's allocation; ratio vs bf16 / perplexity increase / greedy agreement):
+pydoc-llama q4e 0.240 / −0.07% / 0.980, q3e 0.197 / +0.25% / 0.971, q2e 0.178 /
++0.51% / 0.965; pystd-llama q4e 0.204 / +0.05% / 0.982, q3e 0.162 / +0.10% /
+0.974, q2e 0.146 / +0.00% / 0.975. So ≤ 0.25× within +0.3% on both (q4e); ≤ 0.15×
+within +1% and ≥ 97% agreement on pystd-llama (q2e), not on pydoc-llama, whose
+smallest level keeping 97% is q3e at 0.197 (no tested setting ≤ 0.15× kept more
+than 96%; perplexity differences under ~0.5% are within this bench's noise).
 
 Byte layout: header `HEADER` (version 1, kind 0 K / 1 V, flags (bit 0: params are
 float32; bit 1: keys coded with RoPE removed), 0, group, n_head, n_fine, n_tail,
@@ -73,7 +82,6 @@ centres [layers][groups][heads][dim] | steps (same shape) | zstd(codes).
 from __future__ import annotations
 
 import struct
-import threading
 import zlib
 from dataclasses import dataclass
 
@@ -82,6 +90,7 @@ import numpy as np
 from edgecore.protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, check_bits, from_float32, safe_inverse,
                                            zstd_compress, zstd_decompress)
 from edgecore.protocol.codecs.lossless import LosslessCodec
+from edgecore.protocol.codecs.rope import rotate
 from edgecore.protocol.errors import CodecError
 
 HEADER = struct.Struct("<BBBBIIIIIIII")
@@ -90,7 +99,6 @@ EXACT_HEAD = 4
 FLAG_F32, FLAG_UNROTATED = 1, 2
 _CRC = struct.Struct("<I")
 _lossless = LosslessCodec()
-_local = threading.local()         # per-thread RoPE table cache (codecs run in worker threads)
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,7 @@ class Level:
     group: int = 1024           # tokens per group
     rotated_key_group: int = 128    # tokens per group of keys coded with RoPE in (they drift with position)
     guard: bool = True          # step ≥ max deviation / 7.5: no value clipped
+    head_step: bool = False     # experiment: one step per head (factor × RMS of its channels' std), not per channel
     key_layers: tuple[float, ...] = ()      # per-layer multipliers of key_factor (layer i; 1.0 beyond)
     value_layers: tuple[float, ...] = ()
 
@@ -132,40 +141,6 @@ def _to_f32(bits: np.ndarray, dtype: str) -> np.ndarray:
     return bits.view(np.float32)
 
 
-def _cos_sin(rope: tuple[float, ...], start: int, n: int, inverse: bool) -> tuple[np.ndarray, np.ndarray]:
-    """cos and signed sin [n, 1, dim] float32 for positions start..start+n (float64 angles), so that a rotation
-    is x·cos + swap_halves(x)·sin. A few recent ones are cached: every layer of a chunk has the same positions."""
-    cache = getattr(_local, "rope", None)
-    if cache is None:
-        cache = _local.rope = {}
-    key = (rope, start, n, inverse)
-    hit = cache.get(key)
-    if hit is None:
-        ang = np.arange(start, start + n, dtype=np.float64)[:, None] * np.asarray(rope, dtype=np.float64)[None]
-        cos, sin = np.cos(ang), np.sin(ang)
-        sign = 1.0 if inverse else -1.0            # forward: (x1·c − x2·s, x2·c + x1·s)
-        hit = (np.concatenate([cos, cos], axis=1).astype(np.float32)[:, None],
-               np.concatenate([sign * sin, -sign * sin], axis=1).astype(np.float32)[:, None])
-        if len(cache) >= 16:
-            cache.pop(next(iter(cache)))
-        cache[key] = hit
-    return hit
-
-
-def rotate(x: np.ndarray, rope: tuple[float, ...], start: int, inverse: bool) -> np.ndarray:
-    """Apply (or undo, `inverse`) RoPE in the rotate-half layout to x [layers, tokens, heads, dim] float32
-    whose first token is at position `start`: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin)."""
-    half = x.shape[-1] // 2
-    if len(rope) != half:
-        raise CodecError(f"RoPE has {len(rope)} frequencies, head_dim {x.shape[-1]} needs {half}")
-    cos, sin = _cos_sin(rope, start, x.shape[1], inverse)
-    out = x * cos
-    swapped = np.concatenate([x[..., half:], x[..., :half]], axis=-1)
-    swapped *= sin
-    out += swapped
-    return out
-
-
 def _from_f32(x: np.ndarray, dtype: str) -> np.ndarray:
     """float32 → the plane's bits; bfloat16 rounds half away from zero (ties are not worth a pass in a lossy codec)."""
     if dtype != "bfloat16":
@@ -191,10 +166,12 @@ def unpack_nibbles(data, n: int) -> np.ndarray:
     return packed.view(np.uint8)[:n]
 
 
-def _params(x: np.ndarray, factor: np.ndarray, guard: bool) -> tuple[np.ndarray, np.ndarray]:
+def _params(x: np.ndarray, factor: np.ndarray, guard: bool, head_step: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """x [layers, n, heads, dim] float32 → centre, step [layers, 1, heads, dim] float32. With `guard`, the step
     is at least max|x − centre| / 7.5, so that no value is clipped (an outlier coarsens its own channel)."""
     centre, step = _mean_std(x, factor)
+    if head_step:       # equal absolute steps within a head: MSE-optimal for entropy-coded channels
+        step = np.broadcast_to(np.sqrt((step * step).mean(axis=-1, keepdims=True)), step.shape).copy()
     if guard:
         dev = np.maximum(x.max(axis=1, keepdims=True) - centre, centre - x.min(axis=1, keepdims=True))
         step = np.maximum(step, dev * np.float32(1 / 7.5))
@@ -233,7 +210,8 @@ class EntropyQuantCodec(Codec):
         lv = self.level
         base, scales = (lv.key_factor, lv.key_layers) if info.kind == "k" else (lv.value_factor, lv.value_layers)
         layers = np.arange(info.layer_start, info.layer_start + info.shape[0])
-        mult = np.array([scales[i] if i < len(scales) else 1.0 for i in layers], dtype=np.float32)
+        mult = np.array([(scales[i] if i < len(scales) else 1.0) *
+                         (info.step_scales[i] if i < len(info.step_scales) else 1.0) for i in layers], dtype=np.float32)
         return (base * mult).reshape(-1, 1, 1, 1)
 
     def encode(self, bits: np.ndarray, info: PlaneInfo) -> bytes:
@@ -253,7 +231,8 @@ class EntropyQuantCodec(Codec):
                 group = self.level.rotated_key_group
             factor = self._factors(info)
             spans = groups(b - a, c - b, group)
-            cs = [_params(x[:, s:e], factor * (self.level.fine_factor if s >= b - a else 1.0), self.level.guard)
+            cs = [_params(x[:, s:e], factor * (self.level.fine_factor if s >= b - a else 1.0), self.level.guard,
+                          self.level.head_step)
                   for s, e in spans]
             centre = np.concatenate([m for m, _ in cs], axis=1)
             step = np.concatenate([d for _, d in cs], axis=1)

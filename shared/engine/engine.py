@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
+from edgecore.shared.engine.grammar import Grammars
 from edgecore.shared.engine.handle import EngineStats
 from edgecore.shared.engine.model_runner import ModelRunner
 from edgecore.shared.engine.output import OutputState, RequestOutput
@@ -41,7 +42,8 @@ from edgecore.shared.engine.sequence import Sequence, Status
 from edgecore.shared.errors import RequestError
 from edgecore.shared.kv.block_manager import BlockManager, NoFreeBlocks
 from edgecore.shared.kv.pool import KVPool
-from edgecore.shared.kv.transfer import KVSlice, StreamRoute
+from edgecore.shared.kv.transfer import KVSlice, StreamRoute, needed_from
+from edgecore.shared.metrics import Buckets
 from edgecore.shared.models.loader import load_model, resolve_dtype
 from edgecore.shared.tokenizer import Tokenizer
 
@@ -71,6 +73,8 @@ class LLMEngine:
         self.eos_ids = config.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and
                                                  tokenizer.eos_token_id is not None else ())
         self._pending: list[RequestOutput] = []
+        self.grammars: Grammars | None = None     # built on the first request with a grammar
+        self.iteration_tokens = Buckets()          # tokens computed per step (a metric)
         self.kv_bytes_per_token = config.kv_bytes_per_token(self.pool.k[0].element_size())
 
     @classmethod
@@ -109,8 +113,17 @@ class LLMEngine:
             raise RequestError(f"the request needs {need} tokens of KV cache but the cache holds {capacity}",
                                param="prompt", code="context_length_exceeded")
         seq = Sequence(request_id, ids, params, prefill_only, priority)
+        if params.guided is not None:
+            seq.grammar = self._grammars().matcher(params.guided)
         self.requests[request_id] = OutputState(seq, self.tokenizer, self.eos_ids, self.max_model_len)
         return seq
+
+    def _grammars(self) -> Grammars:
+        if self.grammars is None:
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer, so it cannot follow a grammar", param="guided")
+            self.grammars = Grammars(self.tokenizer.backend.to_str(), self.config.vocab_size, tuple(self.eos_ids))
+        return self.grammars
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     prefill_only: bool = False, priority: int = 0) -> Sequence:
@@ -148,6 +161,7 @@ class LLMEngine:
         if not batch:
             return outputs
         samplers, result = self.runner.run(batch, on_layer)
+        self.iteration_tokens.observe(sum(n for _, n in batch.items))
         self.scheduler.complete(batch)
         for seq, _ in batch.items if self.releases_kv else ():    # KV no layer attends to any more
             if not seq.prefill_only and seq.num_computed_tokens >= seq.num_prompt_tokens:
@@ -269,6 +283,7 @@ class LLMEngine:
         state = self.requests[request_id]
         seq = state.seq
         seq.num_computed_tokens = seq.num_prompt_tokens
+        self._clear_unsent_kv(seq)
         self.block_manager.register_full_blocks(seq.table, seq.token_ids, seq.num_computed_tokens)
         out = state.push(first_token, logprob if seq.params.logprobs is not None else None, top)
         self._pending.append(out)
@@ -308,9 +323,25 @@ class LLMEngine:
             raise RequestError(f"cannot take over '{request_id}' with KV until {kv_until} after "
                                f"{seq.num_output_tokens} tokens", param="kv_until")
         seq.num_computed_tokens = kv_until
+        if kv_until == seq.num_prompt_tokens:         # the prompt's KV came from a core: windowed layers in part
+            self._clear_unsent_kv(seq)
         self.block_manager.register_full_blocks(seq.table, seq.token_ids, kv_until)
         seq.status = Status.RUNNING
         self.scheduler.running.append(seq)
+
+    def _clear_unsent_kv(self, seq: Sequence) -> None:
+        """Windowed layers received only the tokens their decode can still see (`needed_from`): zero the
+        rest (attention reads whole blocks, and a masked NaN from unwritten memory still poisons a softmax)
+        and keep the blocks holding them out of the prefix cache (some layer's KV there is missing)."""
+        lo, starts = seq.num_cached_tokens, needed_from(self.config, seq.num_prompt_tokens)
+        hi = max(starts)
+        if hi <= lo:
+            return
+        seq.table.uncached_before = hi
+        slots = self.pool.slots(seq.table.blocks, lo, hi)
+        for layer, start in enumerate(starts):
+            if start > lo:
+                self.pool.clear(layer, slots[:start - lo])
 
     # ---- stats ------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -329,4 +360,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=bm.hits,
             prefix_cache_query_tokens=bm.queries,
             preemptions=self.scheduler.num_preemptions,
+            iteration_tokens=tuple(self.iteration_tokens.counts),
+            iteration_tokens_sum=self.iteration_tokens.total,
+            prefix_caching=self.cache_config.enable_prefix_caching,
         )

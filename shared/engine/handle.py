@@ -43,6 +43,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     prefix_cache_hit_tokens: int = 0
     prefix_cache_query_tokens: int = 0
     preemptions: int = 0
+    iteration_tokens: tuple[int, ...] = ()   # tokens per step: count per bucket of shared/metrics.py (last: above)
+    iteration_tokens_sum: int = 0
+    prefix_caching: bool = True
 
     @property
     def load(self) -> int:
@@ -52,6 +55,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     def as_dict(self) -> dict:
         """The /stats form; `parked` is every request holding KV outside the batch."""
         out = msgspec.structs.asdict(self)
+        del out["iteration_tokens"]             # a histogram: /metrics has it
         out["parked"] = self.prefilled + self.awaiting_kv
         return out
 

@@ -9,10 +9,12 @@ this is the only place where sequences meet tensors.
 
 Attention forms: the model's config says which positions each layer sees
 (`ModelConfig.layer_attention`); besides the full-attention masks, `prepare`
-builds one mask per sliding-window or chunked form, only where it differs
-from full attention. Leading blocks that no layer can see any more may have
-been released (`BlockManager.release_before`, id -1): they are read as block
-0 and masked out.
+builds, per sliding-window or chunked form, the prefill masks (only where they
+differ from full attention) and the decode rows' window blocks (`DecodeWindow`:
+a windowed layer's decode reads only the blocks holding its window). Leading
+blocks that no layer can see any more may have been released
+(`BlockManager.release_before`, id -1): a full-attention read takes them as
+block 0, masked out; a windowed decode never reads them.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from edgecore.shared.engine.sequence import Sequence
 from edgecore.shared.env import cpu_pack_enabled
 from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.malloc import retain_freed_memory
-from edgecore.shared.models.attention import AttentionMetadata, PrefillChunk
+from edgecore.shared.models.attention import AttentionMetadata, DecodeWindow, PrefillChunk
 from edgecore.shared.models.layers import pack_for_cpu
 
 
@@ -100,15 +102,32 @@ class ModelRunner:
             if min(ctx) < longest:     # else every row attends to all `longest`
                 meta.decode_mask = (pos < ctx_t)[:, None, None, :]
             for form in self.forms:
-                first = first_visible(form, ctx_t - 1)
-                if first.max() > 0:
-                    meta.decode_masks[form] = ((pos < ctx_t) & (pos >= first))[:, None, None, :]
+                window = self._decode_window(form, table, ctx_t)
+                if window is not None:
+                    meta.decode_windows[form] = window
         offset = len(decode)
         for seq, n in prefill:
             meta.prefills.append(self._prefill_chunk(seq, n, offset))
             offset += n
         return ordered, torch.tensor(ids, dtype=torch.long, device=dev), \
             torch.tensor(positions, dtype=torch.long, device=dev), meta
+
+    def _decode_window(self, form: LayerAttention, table: torch.Tensor, ctx: torch.Tensor) -> DecodeWindow | None:
+        """The blocks each decode row (context lengths `ctx` [B, 1], blocks `table` [B, W]) reads under a
+        windowed `form`: from the block of its first visible position to its last. None when every row sees
+        its whole context."""
+        bs = self.block_size
+        first = first_visible(form, ctx - 1)                        # [B, 1]
+        if first.max() == 0:
+            return None
+        start = first // bs                                         # first block read by each row
+        width = int((-(-ctx // bs) - start).max())
+        cols = (start + torch.arange(width, device=table.device)).clamp_(max=table.shape[1] - 1)
+        blocks = table.gather(1, cols)                              # [B, width]
+        length = int((ctx - start * bs).max())
+        pos = start * bs + torch.arange(length, device=table.device)   # [B, length] positions read
+        seen = (pos >= first) & (pos < ctx)
+        return DecodeWindow(blocks, length, None if bool(seen.all()) else seen[:, None, None, :])
 
     def _prefill_chunk(self, seq: Sequence, n: int, offset: int) -> PrefillChunk:
         dev = self.device

@@ -2,8 +2,8 @@
 
 Life cycle: the engine creates one `OutputState` per request. For every
 sampled token it calls `push(token, logprob, top)`, which appends to the
-sequence, decides whether the request stops (stop token / EOS, stop string,
-max_tokens, context length), and returns the text that can be shown now.
+sequence, decides whether the request stops (stop token / EOS, a completed grammar,
+stop string, max_tokens, context length), and returns the text that can be shown now.
 Text that might still become the start of a stop string is held back until
 it cannot (or the request ends), so a streamed stop string never leaks. The
 first output carries the prompt logprobs when the request asked for them.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from edgecore.shared.engine.grammar import advance
 from edgecore.shared.engine.sequence import Sequence
 from edgecore.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -58,6 +59,10 @@ class OutputState:
         reason = None
         if token in self.stop_ids:
             reason = "stop"
+        elif seq.grammar is not None and advance(seq.grammar, token):
+            reason = "stop"           # the grammar is complete: nothing else may follow
+            if self.detok is not None:
+                self._append_text(self.detok.push(token) + self.detok.flush())
         elif self.detok is not None:
             delta = self.detok.push(token)
             if delta:

@@ -3,7 +3,7 @@
 Life cycle: per step, the engine passes the logits of the rows that sample
 (float32 [S, vocab]) and their sequences. Rows with penalties or biases get
 them first (`logits_processors.adjust`: tensor operations over those rows,
-vLLM semantics). Greedy rows then take the argmax; the others apply
+vLLM semantics), then rows with a grammar get its token mask (`grammar.py`). Greedy rows then take the argmax; the others apply
 temperature, top-k, top-p and min-p, then draw with the exponential-race trick
 (argmax of p / E, E ~ Exp(1)), where a seeded request draws E from a generator
 seeded by (seed, position): its tokens depend neither on what else is in the
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from edgecore.shared.engine.grammar import apply_masks
 from edgecore.shared.engine.logits_processors import adjust
 from edgecore.shared.engine.sequence import Sequence
 
@@ -84,6 +85,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     adjusted = [i for i, s in enumerate(seqs) if s.params.adjusts_logits]
     if adjusted:
         logits = adjust(logits, seqs, adjusted)
+    guided = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if guided:
+        logits = apply_masks(logits, [seqs[i].grammar for i in guided], guided)
     tokens = logits.argmax(-1)
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if rows:

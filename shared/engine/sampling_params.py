@@ -7,7 +7,8 @@ tokens, `repetition_penalty` to prompt and output tokens (divides positive
 logits, multiplies negative ones); `logit_bias` adds to token ids' logits; `logprobs`
 is how many top alternatives to return beside the chosen token's logprob (None:
 no logprobs); `prompt_logprobs` the same for each prompt token (None: none);
-`detokenize=False` returns token ids only (no text, so no stop strings either).
+`detokenize=False` returns token ids only (no text, so no stop strings either);
+`guided` constrains the output to a grammar (`grammar.py`).
 Validation is one msgspec conversion against `_Checked`: a bad value raises
 `RequestError` naming the field.
 """
@@ -15,7 +16,7 @@ Validation is one msgspec conversion against `_Checked`: a bad value raises
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -26,6 +27,15 @@ MAX_LOGPROBS = 20
 # What decides a request's first token: the fields a prefill on another node needs (protocol SamplingSpec).
 SPEC_FIELDS = ("temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty",
                "repetition_penalty", "logit_bias", "min_p")
+
+
+class GuidedSpec(msgspec.Struct, frozen=True):
+    """What a request's output must match (`grammar.py` compiles it): a JSON schema (as JSON text), any JSON
+    object, a regex, one of several strings (`value`: a JSON list) or a Lark grammar. `param` names the
+    request field it came from, for errors."""
+    kind: Literal["json_schema", "json_object", "regex", "choice", "lark"]
+    value: str = ""
+    param: str = "response_format"
 
 
 class _Checked(msgspec.Struct):
@@ -46,6 +56,7 @@ class _Checked(msgspec.Struct):
     logit_bias: dict[Annotated[int, Meta(ge=0)], Annotated[float, Meta(ge=-100, le=100)]] | None
     min_p: Annotated[float, Meta(ge=0, le=1)]
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None
+    guided: GuidedSpec | None
 
 
 @dataclass
@@ -67,6 +78,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_p: float = 0.0
     prompt_logprobs: int | None = None
+    guided: GuidedSpec | None = None       # structured output (grammar.py); such requests decode where they prefill
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -49,6 +49,7 @@ class Sequence:
         self.arrival = next(_arrival)
         self.finish_reason: str | None = None
         self.prompt_logprobs: list | None = None   # per prompt position, when asked for (prompt_logprobs.py)
+        self.grammar: Any = None        # the request's grammar matcher (grammar.py), when it has a `guided` spec
 
     @property
     def num_tokens(self) -> int:

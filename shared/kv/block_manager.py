@@ -15,6 +15,10 @@ so shared blocks are never written.
 Released prefixes: in a model whose every layer attends only to a window or a chunk, the leading
 blocks no layer can attend to any more are released while the sequence runs (`release_before`);
 their table entries become -1 (the runner reads them as block 0, masked out).
+
+Partly filled blocks: a sequence whose KV came from a core may lack the KV of windowed layers before
+their window (`BlockTable.uncached_before`); its blocks there keep their place in the hash chain but are
+never entered into the cache, so no later prompt can take them as a computed prefix.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class BlockTable:
     num_hashed: int = 0
     last_hash: int | None = None
     num_released: int = 0      # leading entries released (-1) because no layer attends to them
+    uncached_before: int = 0   # blocks holding positions before this are never cached (KV partly missing)
 
 
 class NoFreeBlocks(Exception):
@@ -158,7 +163,7 @@ class BlockManager:
             i = table.num_hashed
             h = block_hash(table.last_hash, token_ids[i * bs:(i + 1) * bs])
             block = self.blocks[table.blocks[i]]
-            if block.hash is None:
+            if block.hash is None and i * bs >= table.uncached_before:
                 block.hash = h
                 self.cached.setdefault(h, block.block_id)
             table.last_hash = h
@@ -171,6 +176,7 @@ class BlockManager:
         table.num_hashed = 0
         table.last_hash = None
         table.num_released = 0
+        table.uncached_before = 0
 
     def release_before(self, table: BlockTable, position: int) -> int:
         """Release the leading blocks that hold only positions before `position` (no layer attends to them

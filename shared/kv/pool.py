@@ -66,6 +66,11 @@ class KVPool:
             self.k[layer][slots, heads] = k.to(self.dtype)
             self.v[layer][slots, heads] = v.to(self.dtype)
 
+    def clear(self, layer: int, slots: torch.Tensor) -> None:
+        """Zero K and V of one layer at these slots (positions that were never written)."""
+        self.k[layer].index_fill_(0, slots, 0)
+        self.v[layer].index_fill_(0, slots, 0)
+
     @property
     def bytes(self) -> int:
         tensors = self.latent if self.layout.latent else self.k + self.v

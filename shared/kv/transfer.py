@@ -7,6 +7,11 @@ into a new `KVSlice` that the engine writes into its own pool. A `StreamRoute`
 is made by a parallel core's driver for a request whose edge holds a stream
 connection to every rank, travels once in a step plan, and tells each rank where
 its own layers and heads of that request go.
+
+Windowed layers (sliding-window, chunked): the edge's first decode query sits at
+the prompt's end, and no later query sees further back, so a windowed layer
+needs only the tokens from `needed_from(config, prompt_len)[layer]` on. The core
+cuts each layer's slice there (`cut_slice`); the edge counts coverage from there.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from dataclasses import dataclass
 
 import msgspec
 import torch
+
+from edgecore.shared.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +38,31 @@ class KVSlice:
     @property
     def num_layers(self) -> int:
         return self.k.shape[0]
+
+
+def needed_from(config: ModelConfig, position: int) -> list[int]:
+    """Per layer: the first token any query at `position` or later attends to (0 for a full-attention layer;
+    `position` itself for a chunked layer whose chunk starts there). KV before it need not travel."""
+    return [min(config.attention_of(layer).first_visible(position), position)
+            for layer in range(config.num_hidden_layers)]
+
+
+def cut_slice(piece: KVSlice, starts: list[int]) -> list[KVSlice]:
+    """`piece` without the tokens its layers need not send (`starts` from `needed_from`, by global layer):
+    one slice per run of layers with the same first token; nothing for layers that need none of it."""
+    out: list[KVSlice] = []
+    i, n = 0, piece.num_layers
+    while i < n:
+        lo = max(piece.token_start, starts[piece.layer + i])
+        j = i + 1
+        while j < n and max(piece.token_start, starts[piece.layer + j]) == lo:
+            j += 1
+        if lo < piece.token_end:
+            t = lo - piece.token_start
+            out.append(KVSlice(piece.layer + i, lo, piece.token_end, piece.head_start,
+                               piece.k[i:j, t:], piece.v[i:j, t:]))
+        i = j
+    return out
 
 
 class StreamRoute(msgspec.Struct, array_like=True, frozen=True):

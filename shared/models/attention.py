@@ -10,8 +10,10 @@ reads, masks), then every layer calls `paged_attention`, which
 4. calls `on_layer(layer_index)` so a KV sender can ship that layer at once.
 
 Attention forms: a layer says which positions it sees (`LayerAttention`: full, sliding window,
-chunked); the runner builds one mask per form present in the model (`decode_masks`,
-`PrefillChunk.masks`; absent where the form sees what full attention sees). Learned attention
+chunked); the runner builds one mask per form present in the model (`PrefillChunk.masks`; absent
+where the form sees what full attention sees). Decode rows of a windowed layer read only the blocks
+that hold their window (`DecodeWindow`: each row's block table from the block of its first visible
+position), so a decode step costs O(window) per sequence, not O(context). Learned attention
 sinks (gpt-oss) are one more logit per head that takes probability mass and contributes no value:
 an extra zero key/value column whose additive mask entry is the sink.
 
@@ -41,6 +43,15 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeWindow:
+    """What the decode rows of one windowed attention form read: row i's blocks from the one holding its first
+    visible position on; column j of row i is position (first block of row i) * block_size + j."""
+    blocks: torch.Tensor                # [B, W] cache blocks (padding: block 0, masked)
+    length: int                         # positions read per row (≤ W * block_size)
+    mask: torch.Tensor | None           # [B, 1, 1, length] True where attended; None: everything
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor          # [T] cache slot of each new token
     num_decode: int = 0                 # decode tokens at the front of the batch
@@ -48,7 +59,7 @@ class AttentionMetadata:
     block_size: int = 16
     decode_len: int = 0                        # longest decode context (L ≤ W * block_size)
     decode_mask: torch.Tensor | None = None   # [B, 1, 1, L] True where attended; None: everything
-    decode_masks: dict[LayerAttention, torch.Tensor] = field(default_factory=dict)   # other attention forms
+    decode_windows: dict[LayerAttention, DecodeWindow] = field(default_factory=dict)   # windowed forms
     prefills: list[PrefillChunk] = field(default_factory=list)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)  # per layer [slots, H, D] (MLA: latent, None)
     on_layer: Callable[[int], None] | None = None
@@ -103,12 +114,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         qd = q[:b].view(b, hq, 1, d) if gqa else q[:b].view(b, hkv, groups, d)
         # Gather whole blocks (contiguous runs of block_size slots), not single slots: far fewer,
         # larger copies. Attention reads the first L positions; a shorter sequence's tail is masked.
-        bs, length = meta.block_size, meta.decode_len
-        flat = meta.decode_blocks.view(-1)
-        width = flat.numel() * bs // b
+        # A windowed layer reads its rows' window blocks only (`DecodeWindow`).
+        window = meta.decode_windows.get(form)
+        blocks, length, mask = (meta.decode_blocks, meta.decode_len, meta.decode_mask) if window is None else \
+            (window.blocks, window.length, window.mask)
+        bs, flat = meta.block_size, blocks.view(-1)
+        width = blocks.shape[1] * bs
         kd = k_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, width, hkv, d)[:, :length].transpose(1, 2)
         vd = v_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, width, hkv, d)[:, :length].transpose(1, 2)
-        mask = meta.decode_masks.get(form, meta.decode_mask)
         if sinks is None:
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
         else:

@@ -11,20 +11,30 @@ Routing: the router scores experts (V3: sigmoid, plus `e_score_correction_bias` 
 only; V2: softmax), limits the choice to the `topk_group` best of `n_group` expert groups, takes the top
 `num_experts_per_tok`, optionally renormalises (`norm_topk_prob`) and scales by `routed_scaling_factor`;
 the shared experts run on every token.
+
+Loading: published fp8 checkpoints (`quantization_config`, block-scaled float8_e4m3fn linear weights) are
+dequantized tensor by tensor as they stream in (`fp8.py`); multi-token-prediction layers (`num_nextn_predict_layers`,
+stored as layers `num_hidden_layers`..) are not used for decoding and are skipped with one logged note.
 """
 
 from __future__ import annotations
+
+import logging
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.fp8 import dequantized
 from edgecore.shared.models.llama import MLP
 from edgecore.shared.models.mixtral import MixtralForCausalLM
 from edgecore.shared.models.mla import MLAttention, rope_cos_sin
 from edgecore.shared.models.mla_config import DeepseekConfig
 from edgecore.shared.models.moe import FusedExperts
+
+log = logging.getLogger("edgecore.models")
 
 
 class Router(nn.Module):
@@ -108,3 +118,24 @@ class DeepseekForCausalLM(MixtralForCausalLM):
 
     def num_experts(self) -> int:
         return self.config.mla.n_routed_experts
+
+    def load_weights(self, weights: Iterable[tuple[str, object]], threads: int = 0) -> set[str]:
+        weights = self._without_mtp(weights)
+        if self.config.mla.fp8_block is not None:
+            weights = dequantized(weights, self.config.mla.fp8_block)
+        return super().load_weights(weights, threads)
+
+    def _without_mtp(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+        """Every tensor but those of the multi-token-prediction layers (index >= num_hidden_layers)."""
+        layers, skipped = self.config.num_hidden_layers, set()
+        for name, source in weights:
+            if name.endswith("_scale_inv") and self.config.mla.fp8_block is None:
+                raise ValueError(f"tensor '{name}' scales fp8 weights, but config.json has no quantization_config")
+            parts = name.split(".", 3)
+            if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= layers:
+                skipped.add(int(parts[2]))
+                continue
+            yield name, source
+        if skipped:
+            log.info("skipped multi-token-prediction layer(s) %s of the checkpoint: not used for decoding",
+                     ", ".join(map(str, sorted(skipped))))

@@ -15,24 +15,20 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from edgecore.shared.config import RopeParams
 from edgecore.shared.errors import ConfigError
 
 Pos = Annotated[int, msgspec.Meta(gt=0)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class YarnRope(msgspec.Struct, frozen=True):
-    """RoPE of the rotary part (qk_rope_head_dim): plain, or YaRN with the DeepSeek mscale terms."""
-    rope_type: Literal["default", "yarn"] = "default"
-    rope_theta: Annotated[float, msgspec.Meta(gt=0)] = 10000.0
-    factor: Annotated[float, msgspec.Meta(gt=0)] | None = None
-    original_max_position_embeddings: Pos | None = None
-    beta_fast: float | None = None
-    beta_slow: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
+class Fp8Quantization(msgspec.Struct, frozen=True):
+    """`quantization_config` of the published fp8 checkpoints (DeepSeek-V3, Kimi K2): float8_e4m3fn linear
+    weights, each with a `weight_scale_inv` of one float32 per block of `weight_block_size`."""
+    quant_method: Literal["fp8"]
+    weight_block_size: Annotated[list[Pos], msgspec.Meta(min_length=2, max_length=2)]
+    fmt: Literal["e4m3"] = "e4m3"
+    activation_scheme: Literal["dynamic"] = "dynamic"
 
 
 class DeepseekConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -56,7 +52,8 @@ class DeepseekConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = False
     rope_interleave: bool = True
-    rope: YarnRope = YarnRope()
+    rope: RopeParams = RopeParams(rope_theta=10000.0)
+    fp8_block: tuple[int, int] | None = None     # block-scaled fp8 linear weights: the (rows, cols) of one scale
     version: Literal[2, 3] = 3
 
     @property
@@ -90,17 +87,22 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _rope(raw: dict, source: str) -> YarnRope:
+def _rope(raw: dict, source: str) -> RopeParams:
+    """The shared `RopeParams` from either config form, `rope_theta` always set; DeepSeek rotates its RoPE part
+    plainly or with YaRN only, so any other `rope_type` is an error naming the field."""
     params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else None
     scaling = raw.get("rope_scaling") if isinstance(raw.get("rope_scaling"), dict) else None
-    fields: dict[str, Any] = {"rope_theta": raw.get("rope_theta", 10000.0)}
+    fields: dict[str, Any] = {"rope_theta": raw.get("rope_theta") or 10000.0}
     for part in (params, scaling):          # the older `rope_scaling` form wins where both exist
         if part:
-            fields.update({k: v for k, v in part.items() if k in YarnRope.__struct_fields__})
+            fields.update({k: v for k, v in part.items() if k in RopeParams.__struct_fields__ and v is not None})
             if "type" in part and "rope_type" not in part:
                 fields["rope_type"] = part["type"]
+    if fields.get("rope_type", "default") not in ("default", "yarn"):
+        raise ConfigError(f"{source}: field 'rope_scaling.rope_type' = {fields['rope_type']!r}: DeepSeek models "
+                          "take 'default' or 'yarn'")
     try:
-        rope = msgspec.convert(fields, YarnRope)
+        rope = msgspec.convert(fields, RopeParams)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: field 'rope_scaling'/'rope_parameters': {exc}") from None
     if rope.rope_type == "yarn":
@@ -112,11 +114,21 @@ def _rope(raw: dict, source: str) -> YarnRope:
     return rope
 
 
+def _fp8_block(raw: dict, source: str) -> tuple[int, int] | None:
+    """The scale block of an fp8 checkpoint (None when the weights are not quantized)."""
+    quant = raw.get("quantization_config")
+    if not quant:
+        return None
+    try:
+        q = msgspec.convert(quant, Fp8Quantization)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: field 'quantization_config': {exc} (only block-scaled fp8 e4m3 weights "
+                          "with dynamic activations load)") from None
+    return q.weight_block_size[0], q.weight_block_size[1]
+
+
 def parse_deepseek(raw: dict, arch: str, source: str = "config.json") -> DeepseekConfig:
     """Validate the DeepSeek fields of a config.json; every bad value is a `ConfigError` naming it."""
-    if raw.get("quantization_config"):
-        raise ConfigError(f"{source}: field 'quantization_config' is set: quantized (fp8) DeepSeek checkpoints "
-                          "are not supported; convert the weights to bf16 first")
     version = 2 if arch == "DeepseekV2ForCausalLM" else 3
     fields = {k: v for k, v in raw.items() if k in DeepseekConfig.__struct_fields__ and v is not None}
     fields.pop("rope", None)
@@ -129,7 +141,7 @@ def parse_deepseek(raw: dict, arch: str, source: str = "config.json") -> Deepsee
         cfg = msgspec.convert(fields, DeepseekConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {exc}") from None
-    cfg = msgspec.structs.replace(cfg, rope=_rope(raw, source))
+    cfg = msgspec.structs.replace(cfg, rope=_rope(raw, source), fp8_block=_fp8_block(raw, source))
     if cfg.qk_rope_head_dim % 2:
         raise ConfigError(f"{source}: field 'qk_rope_head_dim' = {cfg.qk_rope_head_dim} must be even")
     if cfg.n_routed_experts is not None:

@@ -24,7 +24,7 @@ def yarn(inv_freq: torch.Tensor, dim: int, base: float, s) -> tuple[torch.Tensor
     """YaRN (transformers' `_compute_yarn_parameters`): interpolate low frequencies, keep high ones,
     a linear ramp between; cos/sin scaled by the attention factor. `s`: the scaling fields (factor,
     beta_fast/slow, original_max_position_embeddings, mscale, mscale_all_dim, attention_factor, truncate)
-    of a `RopeScaling` or of DeepSeek's `YarnRope`."""
+    of a `RopeScaling` or of the `RopeParams` DeepSeek keeps."""
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0

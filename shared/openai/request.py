@@ -2,8 +2,9 @@
 
 Life cycle: the HTTP handler passes the decoded JSON object; `parse_completion`
 or `parse_chat` converts it to its schema (`schemas.py`: every type and range
-checked there, unsupported parameters rejected), renders chat messages with
-the model's template, tokenizes, checks token ids, `logit_bias` keys and the
+checked there, unsupported parameters rejected; structured output read by
+`guided.py`), renders chat messages with
+the model's template (tools and tool messages through `tools.py`), tokenizes, checks token ids, `logit_bias` keys and the
 context length, and returns a `ParsedRequest`: a list of prompts (token ids) ×
 `n` generated choices (`best_of` of them for completions), each with its
 `SamplingParams`. Every problem raises `ApiError` with the HTTP status, OpenAI
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
 from edgecore.shared.openai.errors import ApiError
+from edgecore.shared.openai.guided import guided_spec
+from edgecore.shared.openai.tools import ToolSet, render_tool_calls, tool_set
 from edgecore.shared.openai.schemas import MAX_N, MAX_PROMPTS, ChatRequest, CompletionRequest, SamplingFields, decode_body
 from edgecore.shared.tokenizer import Tokenizer
 
@@ -36,6 +39,7 @@ class ParsedRequest:
     extra: dict = field(default_factory=dict)
     keep: int = 0                         # choices returned per prompt: the best `keep` of `n` (0: all n)
     prompt_logprobs: int | None = None    # top-N per prompt token (vLLM's prompt_logprobs, or echo+logprobs)
+    tools: ToolSet | None = None          # chat with tools: the output is split into content and tool calls
 
     @property
     def returned(self) -> int:
@@ -86,7 +90,13 @@ def _max_tokens(requested: int | None, default: int | None, prompts: list[list[i
 
 
 def _params(req: SamplingFields, prompts: list[list[int]], n: int, max_tokens: int, vocab: int,
-            logprobs: int | None, prompt_logprobs: int | None) -> list[SamplingParams]:
+            logprobs: int | None, prompt_logprobs: int | None, tools: ToolSet | None = None
+            ) -> list[SamplingParams]:
+    guided = guided_spec(req)
+    if tools is not None and tools.guided is not None:
+        if guided is not None:
+            raise _bad(f"'tool_choice' {tools.choice!r} cannot be combined with '{guided.param}'", "tool_choice")
+        guided = tools.guided
     stop = req.stop or []
     stop = [stop] if isinstance(stop, str) else [s for s in stop if s]
     top_p = 1.0 if req.top_p is None else (req.top_p or 1e-9)
@@ -103,7 +113,7 @@ def _params(req: SamplingFields, prompts: list[list[int]], n: int, max_tokens: i
                     logprobs=logprobs, presence_penalty=req.presence_penalty or 0.0,
                     frequency_penalty=req.frequency_penalty or 0.0,
                     repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                    logit_bias=bias, min_p=req.min_p or 0.0, prompt_logprobs=prompt_logprobs))
+                    logit_bias=bias, min_p=req.min_p or 0.0, prompt_logprobs=prompt_logprobs, guided=guided))
             except RequestError as exc:
                 raise _bad(str(exc), exc.param, "invalid_value") from None
     return params
@@ -167,9 +177,6 @@ def parse_completion(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len
 
 
 def render_message(msg, i: int) -> dict:
-    if msg.tool_calls is not None:
-        raise _bad("assistant 'tool_calls' are not supported by this server (no tools)",
-                   f"messages[{i}].tool_calls", "unsupported_parameter")
     content = msg.content if msg.content is not None else ""
     if isinstance(content, list):
         for j, part in enumerate(content):
@@ -177,14 +184,24 @@ def render_message(msg, i: int) -> dict:
                 raise _bad(f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}",
                            f"messages[{i}].content[{j}]", "unsupported_parameter")
         content = "".join(part.text for part in content)
-    return {"role": "system" if msg.role == "developer" else msg.role, "content": content}
+    out = {"role": "system" if msg.role == "developer" else msg.role, "content": content}
+    if msg.tool_calls is not None:
+        if msg.role != "assistant":
+            raise _bad("only assistant messages have 'tool_calls'", f"messages[{i}].tool_calls", "invalid_value")
+        out["tool_calls"] = render_tool_calls(msg.tool_calls, i)
+    if msg.role == "tool":
+        out["tool_call_id"] = msg.tool_call_id
+    if msg.name is not None:
+        out["name"] = msg.name
+    return out
 
 
 def parse_chat(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len: int) -> ParsedRequest:
     req: ChatRequest = decode_body(body, ChatRequest)
+    tools = tool_set(req, tokenizer.chat_template)
     rendered = [render_message(msg, i) for i, msg in enumerate(req.messages)]
     try:
-        ids = tokenizer.encode_chat(rendered, add_generation_prompt=True)
+        ids = tokenizer.encode_chat(rendered, add_generation_prompt=True, tools=tools.tools if tools else None)
     except RequestError as exc:
         raise _bad(str(exc), "messages", "invalid_value") from None
     logprobs = None
@@ -196,8 +213,8 @@ def parse_chat(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len: int)
     max_tokens = _max_tokens(requested, None, [ids], max_model_len, "messages")
     if req.prompt_logprobs is not None and req.stream:
         raise _bad("'prompt_logprobs' cannot be streamed by this server", "prompt_logprobs", "invalid_value")
-    params = _params(req, [ids], req.n, max_tokens, vocab, logprobs, req.prompt_logprobs)
+    params = _params(req, [ids], req.n, max_tokens, vocab, logprobs, req.prompt_logprobs, tools)
     stream, include_usage = _stream_opts(req)
     return ParsedRequest([ids], [""], params, req.n, stream, include_usage, logprobs,
                          extra={"prompt_logprobs": req.prompt_logprobs is not None},
-                         prompt_logprobs=req.prompt_logprobs)
+                         prompt_logprobs=req.prompt_logprobs, tools=tools)

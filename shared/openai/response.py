@@ -3,7 +3,8 @@
 Life cycle: a caller collects each choice's `RequestOutput`s into a
 `ChoiceResult` (`add`), then `response_body` picks the choices returned (all,
 or the best by cumulative logprob with `best_of`) and builds the JSON object
-OpenAI returns, logprobs (prompt logprobs with `echo`, vLLM's
+OpenAI returns (chat with tools: the text split into content and
+`tool_calls`, finish_reason "tool_calls"), logprobs (prompt logprobs with `echo`, vLLM's
 `prompt_logprobs`) and usage included. Token strings come from
 `TokenText`, a cached id → text map.
 """
@@ -15,6 +16,7 @@ from functools import lru_cache
 
 from edgecore.shared.engine.output import RequestOutput, TokenLogprob
 from edgecore.shared.openai.request import ParsedRequest
+from edgecore.shared.openai.tools import split_calls
 from edgecore.shared.tokenizer import Tokenizer
 
 
@@ -123,9 +125,16 @@ def response_body(parsed: ParsedRequest, results: list[ChoiceResult], chat: bool
     choices = []
     for i, (p, r) in enumerate(best_of(parsed, results)):
         if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": r.text},
+            message: dict = {"role": "assistant", "content": r.text}
+            reason = r.finish_reason
+            if parsed.tools is not None:
+                content, calls = split_calls(r.text)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    reason = "tool_calls" if reason == "stop" else reason
+            choices.append({"index": i, "message": message,
                             "logprobs": texts.chat_logprobs(r.logprobs) if parsed.logprobs is not None else None,
-                            "finish_reason": r.finish_reason})
+                            "finish_reason": reason})
         else:
             prefix = parsed.prompt_texts[p] if parsed.echo else ""
             logprobs = None

@@ -55,12 +55,13 @@ class SamplingFields(Struct, kw_only=True):
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    # Known but not implemented: any value other than the default is a 400 naming the field.
+    # Structured output (guided.py reads and checks them).
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # Known but not implemented: any value other than the default is a 400 naming the field.
     use_beam_search: Any = None
     min_tokens: Any = None
 
@@ -91,7 +92,7 @@ class ChatRequest(SamplingFields, kw_only=True):
     max_completion_tokens: Count | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    tools: Any = None
+    tools: Any = None                 # tools.py reads and checks these two
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
@@ -102,11 +103,9 @@ class ChatRequest(SamplingFields, kw_only=True):
 
 # field → values that mean "not used" (accepted); anything else is rejected with a 400.
 UNSUPPORTED: dict[str, tuple] = {
-    "response_format": (None, {"type": "text"}),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "use_beam_search": (None, False), "min_tokens": (None, 0),
     "suffix": (None, ""),
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
 }
 

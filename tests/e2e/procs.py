@@ -77,6 +77,13 @@ def start_edge(*extra: str, cores: list[int] = (), secret_file: str | None = Non
     return Node(args), http
 
 
+def metric(http: int, prefix: str) -> float:
+    """The sum of the samples on 127.0.0.1:http/metrics whose line starts with `prefix` (a metric name,
+    optionally with the first labels: every sample also carries `model_name`, so leave the `}` open)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
 def get_json(url: str, timeout: float = 10, headers: dict | None = None) -> dict:
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
         return json.loads(r.read())

@@ -12,7 +12,7 @@ import torch
 from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import MODEL_DIR, make_engine
 from tests.e2e.procs import post_json, start_core, start_edge
-from tests.e2e.test_disaggregated import metric
+from tests.e2e.procs import metric
 from tests.e2e.test_parallel import probe
 from tests.helpers import stepwise_logits
 from tests.shared.moe_checkpoints import build
@@ -52,7 +52,7 @@ def test_disaggregated_lossless_moe_equals_single_node(gpt_oss_dir, secret_file)
         prompts = token_prompts()
         ref = make_engine(gpt_oss_dir).generate(prompts, SamplingParams(max_tokens=24, temperature=0,
                                                                         ignore_eos=True))
-        counter = 'edgecore:remote_prefills_total{codec="lossless"}'
+        counter = 'edgecore:remote_prefills_total{codec="lossless"'
         before = metric(http, counter)
         for prompt, r in zip(prompts, ref):
             body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "logprobs": 1}

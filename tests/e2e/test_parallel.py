@@ -11,7 +11,7 @@ import torch
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.models.layers import weight_bytes
 from tests.conftest import make_engine
-from tests.e2e.procs import ROOT, get_json, post_json, start_core, start_edge, wait_for
+from tests.e2e.procs import ROOT, get_json, metric, post_json, start_core, start_edge, wait_for
 from tests.helpers import random_hf_checkpoint, stepwise_logits
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -60,12 +60,6 @@ def test_parallel_logits_and_tokens_match_one_process(tp, pp, which, model_dir, 
         assert all(r["parameter_bytes"] < 0.65 * full for r in ranks)
 
 
-def metric(http, name):
-    import urllib.request
-    text = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics").read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-
-
 @pytest.mark.parametrize("tp, pp, gather", [(2, 1, False), (1, 2, False), (2, 2, False), (1, 2, True)])
 def test_edge_decodes_kv_from_parallel_core(tp, pp, gather, secret_file, tokenizer, heldout):
     core, port, core_http = start_core(secret_file, "--tp", str(tp), "--pp", str(pp), *(["--gather-kv"] * gather))
@@ -83,9 +77,9 @@ def test_edge_decodes_kv_from_parallel_core(tp, pp, gather, secret_file, tokeniz
             outs = list(pool.map(lambda p: post_json(f"http://127.0.0.1:{http}/v1/completions", {
                 "prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True}), prompts))
         assert [o["choices"][0]["text"] for o in outs] == [r["text"] for r in ref]
-        assert metric(http, 'edgecore:remote_prefills_total{codec="lossless"}') == 3    # no fallback
-        received = metric(http, 'edgecore:kv_raw_bytes_received_total{codec="lossless"}')
-        from_rank0 = metric(core_http, 'edgecore:core_kv_raw_bytes_total{codec="lossless"}')
+        assert metric(http, 'edgecore:remote_prefills_total{codec="lossless"') == 3    # no fallback
+        received = metric(http, 'edgecore:kv_raw_bytes_received_total{codec="lossless"')
+        from_rank0 = metric(core_http, 'edgecore:core_kv_raw_bytes_total{codec="lossless"')
         assert received > 0
         # Rank 0 holds half the KV (2 KV heads over TP=2, 4 layers over PP=2), a quarter at TP=2×PP=2.
         assert from_rank0 == (received if gather else received / (tp * pp))

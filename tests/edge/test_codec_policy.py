@@ -60,3 +60,58 @@ def test_load_curve_from_bench_result(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a bench/kv_rd.py result"):
         load_curve(tmp_path / "bad.json")
+
+
+def edge_args(*argv):
+    from edgecore.deploy.cli import build_parser
+    return build_parser().parse_args(["edge", *argv])
+
+
+def test_quality_budget_flag_reaches_the_choice(tmp_path):
+    """`--kv-quality-budget` (and `--kv-curve`) become the EdgeConfig fields the adaptive choice reads."""
+    from types import SimpleNamespace
+
+    from edgecore.edge.cli import codec_policy
+    from edgecore.edge.engine import EdgeConfig, EdgeEngine
+    from edgecore.shared.errors import ConfigError
+
+    assert codec_policy(edge_args()) == {"kv_quality_budget": 0.01, "kv_curve": None}
+    tight = CURVE["q3e"].ppl_increase
+    assert codec_policy(edge_args("--kv-quality-budget", str(tight)))["kv_quality_budget"] == tight
+    for bad in ("-0.1", "nan"):
+        with pytest.raises(ConfigError, match="--kv-quality-budget"):
+            codec_policy(edge_args(f"--kv-quality-budget={bad}"))
+    with pytest.raises(ConfigError, match="--kv-curve"):
+        codec_policy(edge_args("--kv-curve", str(tmp_path / "missing.json")))
+
+    # Through the edge's per-request choice: a fast link and a loose TTFT target make bytes decide.
+    client = SimpleNamespace(peer=SimpleNamespace(conn=SimpleNamespace(peer_codecs=ALL)), bandwidth=1e9)
+
+    def chosen(*argv):
+        config = EdgeConfig(model_dir="unused", codecs=ALL, adaptive=True, ttft_target_ms=10_000,
+                            **codec_policy(edge_args(*argv)))
+        return EdgeEngine._codec(SimpleNamespace(config=config, kv_bytes_per_token=16384), client, 1000)
+
+    loose = chosen("--kv-quality-budget", "1")
+    assert loose == min(ALL, key=lambda c: CURVE[c].ratio)
+    strict = chosen("--kv-quality-budget", "0")
+    assert CURVE[strict].ppl_increase <= 0 and CURVE[strict].ratio > CURVE[loose].ratio
+    mid = chosen(f"--kv-quality-budget={tight}")
+    assert CURVE[mid].ppl_increase <= tight
+    assert mid == min((c for c in ALL if CURVE[c].ppl_increase <= tight), key=lambda c: CURVE[c].ratio)
+    # A model's own curve (bench/kv_rd.py --model) replaces the bundled one.
+    path = tmp_path / "kv_rd.json"
+    path.write_text(json.dumps({"codecs": {c: {"ratio_vs_bf16": 0.5 if c != "int8" else 0.05, "ppl_increase": 0.0,
+                                               "agreement": 1.0, "encode_MBps_per_core": 400,
+                                               "decode_MBps_per_core": 800} for c in ALL}}))
+    assert chosen("--kv-curve", str(path)) == "int8"
+
+
+def test_edge_cli_rejects_a_bad_budget_in_one_line():
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "edgecore.deploy.cli", "edge", "--kv-quality-budget=-1"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--kv-quality-budget" in lines[0], proc.stderr

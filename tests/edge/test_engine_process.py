@@ -86,7 +86,7 @@ async def test_streams_match_the_engine_and_calls_answer(link, golden):
     assert (await client.get_readiness()) == {"ready": True, "cores_healthy": 0}
     client.count_error("400")
     metrics = await client.get_metrics()
-    assert 'edgecore:request_errors_total{status="400"} 1.0' in metrics
+    assert 'edgecore:request_errors_total{model_name="pydoc-llama",status="400"} 1.0' in metrics
     ctx = await client.prefetch(golden["cases"][0]["prompt_ids"] * 3)
     assert ctx["source"] == "local" and ctx["cached_tokens"] > 0
 

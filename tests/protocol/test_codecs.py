@@ -263,15 +263,22 @@ def test_rotate_matches_the_model_rope():
     from edgecore.shared.config import ModelConfig
     from edgecore.shared.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
     from tests.conftest import MODEL_DIR
+    from edgecore.shared.kv.wire import codec_rope
     config = ModelConfig.from_dir(MODEL_DIR)
     inv_freq, _scale = rope_inv_freq(config)
-    rope = tuple(float(f) for f in inv_freq.double())
+    rope = codec_rope(config)        # what core and edge hand the codecs on the live path
+    assert rope == tuple(float(f) for f in inv_freq.double())
     x = torch.randn(300, 2, config.head_dim)
     cos, sin = rope_cos_sin(config, 400)
     ref = apply_rope(x, cos[100:400, None], sin[100:400, None])
     ours = rotate(x.numpy()[None], rope, 100, inverse=False)[0]
     assert np.allclose(ours, ref.numpy(), atol=1e-4)     # the model's angles are float32, ours float64
     assert np.allclose(rotate(ours[None], rope, 100, inverse=True)[0], x.numpy(), atol=1e-5)
+
+    # No rotate-half keys over the full head_dim: MLA's latent plane, Llama 4's adjacent pairs.
+    import dataclasses
+    assert codec_rope(dataclasses.replace(config, mla=object())) is None
+    assert codec_rope(dataclasses.replace(config, architecture="Llama4ForCausalLM")) is None
 
 
 @pytest.mark.parametrize("name", ENTROPY)
@@ -330,3 +337,50 @@ def test_entropy_levels_from_many_threads():
         info = PlaneInfo("bfloat16", bits.shape, "k", start, 0, 0, rope)
         assert np.array_equal(out, get_codec(ENTROPY[start % 3]).decode(data, info))
         assert np.abs(to_float32(out, "bfloat16") - to_float32(bits, "bfloat16")).mean() < 0.3
+
+
+@pytest.mark.parametrize("name", ENTROPY)
+def test_unknown_format_version_is_a_codec_error(name):
+    """A payload of another format version (a newer peer's) is refused, never decoded as this one."""
+    data = bytearray(_FUZZ_SEEDS[name])
+    data[0] = 2
+    with pytest.raises(CodecError, match="version 2"):
+        get_codec(name).decode(_recrc(bytes(data)), _FUZZ_INFO)
+
+
+def test_step_scales_steer_the_encoder_only():
+    """The model's bit allocation (per kind and layer step multipliers) changes what the encoder spends where;
+    the decoder needs none of it. Through encode_chunk, as a core passes it."""
+    from edgecore.protocol.kv import decode_chunk, encode_chunk
+    rng = np.random.default_rng(4)
+    k, v = random_plane(rng, "bfloat16", (2, 300, 2, 16)), random_plane(rng, "bfloat16", (2, 300, 2, 16))
+
+    def chunk(scales):
+        data = encode_chunk("r", k, v, layer_start=1, token_start=0, dtype="bfloat16", codec="q2e",
+                            total_tokens=300, step_scales=scales)
+        k2, v2 = decode_chunk(data)
+        errs = [np.abs(to_float32(a, "bfloat16") - to_float32(b, "bfloat16"))[i].mean()
+                for a, b in ((k2, k), (v2, v)) for i in range(2)]
+        return data.chunk.k_bytes, len(data.payload) - data.chunk.k_bytes, errs
+
+    k_bytes, v_bytes, errs = chunk(None)
+    # Model layer 1 = the chunk's first layer: its keys finer, layer 2's values coarser; the rest as before.
+    k2_bytes, v2_bytes, errs2 = chunk({"k": (1.0, 0.5), "v": (1.0, 1.0, 2.0)})
+    assert k2_bytes > k_bytes and v2_bytes < v_bytes
+    assert errs2[0] < 0.7 * errs[0] and errs2[1] == pytest.approx(errs[1])
+    assert errs2[2] == pytest.approx(errs[2]) and errs2[3] > 1.4 * errs[3]
+
+
+def test_model_allocation_file(tmp_path):
+    from edgecore.shared.errors import ConfigError
+    from edgecore.shared.kv.wire import ALLOCATION_FILE, codec_step_scales
+    from tests.conftest import MODEL_DIR
+    assert codec_step_scales(tmp_path) == {}
+    shipped = codec_step_scales(MODEL_DIR)       # the bundled model's, measured by bench/kv_rd.py --allocate
+    assert set(shipped) == {"k", "v"} and all(len(s) == 4 and all(0.25 <= x <= 4 for x in s) for s in shipped.values())
+    (tmp_path / ALLOCATION_FILE).write_text('{"step_scales": {"k": [1.0, 0.5], "v": [2]}}')
+    assert codec_step_scales(tmp_path) == {"k": (1.0, 0.5), "v": (2.0,)}
+    for bad in ('{"step_scales": {"q": [1]}}', '{"step_scales": {"k": [0]}}', '{"step_scales": []}', "{"):
+        (tmp_path / ALLOCATION_FILE).write_text(bad)
+        with pytest.raises(ConfigError, match=ALLOCATION_FILE):
+            codec_step_scales(tmp_path)

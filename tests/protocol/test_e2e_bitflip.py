@@ -9,41 +9,51 @@ import random
 import msgspec
 import pytest
 
+from edgecore.deploy.fault_relay import Fault, FaultRelay, RelayThread
 from edgecore.protocol.framing import FIXED_SIZE, TAG_SIZE
 from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine
 from tests.e2e.procs import get_json, post_json, start_core, start_edge, wait_for
-from tests.protocol.relay import RelayThread
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 PREFILL_DONE, KV_CHUNK = 7, 6
 
 
 def first_token_bit(frame: bytes) -> int:
-    """The lowest bit of PrefillDone.first_token in this frame."""
+    """The lowest bit of PrefillDone.first_token, counted from the start of the message header."""
     hlen = int.from_bytes(frame[8:12], "little")
     fields = msgspec.msgpack.decode(frame[FIXED_SIZE:FIXED_SIZE + hlen])
-    offset = FIXED_SIZE + 2 + len(msgspec.msgpack.encode(fields[1]))      # array, tag, request id
+    offset = 2 + len(msgspec.msgpack.encode(fields[1]))      # array, tag, request id
     return (offset + len(msgspec.msgpack.encode(fields[2])) - 1) * 8
 
 
 class Faults:
-    """Corrupts every other PrefillDone (alternating first_token and a random header bit) and every
-    fifth KV chunk's payload (the relay skips a flip right after another)."""
+    """The relay's plan: corrupts every other PrefillDone (alternating first_token and a random bit of its
+    message header) and every fifth KV chunk's payload near its end. It never corrupts two frames in a
+    row in one direction: that is indistinguishable from a drop or reorder, and by design fails the
+    connection (docs/wire-format.md §4)."""
 
     def __init__(self):
         self.rng = random.Random(23)
+        self.last_flipped = False
 
     def __call__(self, direction, ftype, n, frame):
-        if direction != "s2c":
+        if direction != "down":
             return None
+        fault = self._choose(ftype, n, frame)
+        if fault is not None and self.last_flipped:
+            fault = None
+        self.last_flipped = fault is not None
+        return fault
+
+    def _choose(self, ftype, n, frame):
+        hlen = int.from_bytes(frame[8:12], "little")
         if ftype == PREFILL_DONE and n % 2 == 1:
-            hlen = int.from_bytes(frame[8:12], "little")
-            if n % 4 == 1:
-                return first_token_bit(frame)
-            return self.rng.randrange(FIXED_SIZE * 8, (FIXED_SIZE + hlen) * 8)
+            bit = first_token_bit(frame) if n % 4 == 1 else self.rng.randrange(hlen * 8)
+            return Fault("flip_message", "down", ftype, 0, bit)
         if ftype == KV_CHUNK and n % 5 == 0:
-            return self.rng.randrange((len(frame) - TAG_SIZE - 64) * 8, (len(frame) - TAG_SIZE) * 8)
+            payload = len(frame) - TAG_SIZE - FIXED_SIZE - hlen
+            return Fault("flip_payload", "down", ftype, 0, self.rng.randrange((payload - 64) * 8, payload * 8))
         return None
 
 
@@ -57,8 +67,9 @@ def secret_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def faulty_cluster(secret_file):
     core, port, core_http = start_core(secret_file)
-    relay = RelayThread(port, Faults())
-    edge, http = start_edge("--local-prefill-below", "0", cores=[relay.port], secret_file=secret_file)
+    relay = RelayThread(FaultRelay(("127.0.0.1", port), plan=Faults()))
+    relay_port = relay.start()
+    edge, http = start_edge("--local-prefill-below", "0", cores=[relay_port], secret_file=secret_file)
     yield {"core_http": core_http, "http": http, "relay": relay.relay, "edge": edge}
     edge.stop()
     relay.stop()
@@ -79,7 +90,7 @@ def test_bit_flips_on_the_wire_never_change_an_answer(faulty_cluster, tokenizer,
         outs = list(pool.map(complete, prompts))
     for p, r, o in zip(prompts, ref, outs):
         assert o["choices"][0]["text"] == r["text"], f"prompt of {len(p)} tokens"
-    flipped = faulty_cluster["relay"].flipped
+    flipped = faulty_cluster["relay"].log
     # The flips were exercised: PrefillDone's first token at least (a request that failed over to a local
     # prefill sends no second PrefillDone, so how many more depends on timing) and a KV payload.
     assert any(t == PREFILL_DONE for _, t, _ in flipped) and any(t == KV_CHUNK for _, t, _ in flipped)

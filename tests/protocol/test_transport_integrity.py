@@ -7,6 +7,7 @@ import asyncio
 import msgspec
 import pytest
 
+from edgecore.deploy.fault_relay import Fault, FaultRelay
 from edgecore.protocol import messages as m
 from edgecore.protocol import transport
 from edgecore.protocol.errors import ErrorCode
@@ -14,24 +15,28 @@ from edgecore.protocol.framing import FIXED_SIZE, HANDSHAKE_LIMITS, LEGACY_VERSI
 from edgecore.protocol.state import KVData
 from edgecore.protocol.transport import connect
 from tests.protocol.pairs import CODECS, FP, SECRET
-from tests.protocol.relay import FrameRelay
 from tests.protocol.test_transport import FAST, start
 
 pytestmark = pytest.mark.timeout(30)
-HEADER_BIT = (FIXED_SIZE + 3) * 8 + 1      # a bit inside the msgpack header of a frame
+HEADER_BIT = 3 * 8 + 1      # a bit inside the msgpack header of a frame
 
 
-async def through_relay(corrupt, handler=None):
+def flip_header_of(direction: str, frame_type: int, nth: int):
+    """A relay plan that flips HEADER_BIT of the nth frame of frame_type going direction, nothing else."""
+    fault = Fault("flip_message", direction, frame_type, 0, HEADER_BIT)
+    return lambda d, ftype, n, _: fault if (d, ftype, n) == (direction, frame_type, nth) else None
+
+
+async def through_relay(plan, handler=None):
     server, port = await start(handler) if handler else await start()
-    relay = FrameRelay(port, corrupt)
-    relay_port = await relay.start()
+    relay = FaultRelay(("127.0.0.1", port), plan=plan)
+    relay_port = await relay.start(("127.0.0.1", 0))
     peer = await connect("127.0.0.1", relay_port, secret=SECRET, fingerprint=FP, codecs=CODECS, timeouts=FAST)
     return server, relay, peer
 
 
 async def test_flipped_prefill_done_fails_only_that_request():
-    server, relay, peer = await through_relay(
-        lambda d, ftype, n, _: HEADER_BIT if (d, ftype, n) == ("s2c", 7, 1) else None)
+    server, relay, peer = await through_relay(flip_header_of("down", 7, 1))
     async with server:
         await peer.send(m.PrefillRequest("r1", [1, 2, 3]))
         assert isinstance(await peer.recv(), KVData)
@@ -41,14 +46,13 @@ async def test_flipped_prefill_done_fails_only_that_request():
         assert isinstance(await peer.recv(), KVData)
         done = await peer.recv()
         assert isinstance(done, m.PrefillDone) and done.request_id == "r2" and done.first_token == 7
-        assert relay.flipped == [("s2c", 7, HEADER_BIT)]
+        assert [(d, t) for d, t, _ in relay.log] == [("down", 7)]
         await peer.close()
         await relay.stop()
 
 
 async def test_flipped_prefill_request_is_reported_to_the_edge():
-    server, relay, peer = await through_relay(
-        lambda d, ftype, n, _: HEADER_BIT if (d, ftype, n) == ("c2s", 5, 1) else None)
+    server, relay, peer = await through_relay(flip_header_of("up", 5, 1))
     async with server:
         await peer.send(m.PrefillRequest("r1", [1, 2, 3]))
         err = await peer.recv()
@@ -67,13 +71,12 @@ async def test_flipped_ack_is_sent_again():
             msg = await peer.recv()
             if isinstance(msg, m.Ack):
                 acks.append(msg.request_id)
-    server, relay, peer = await through_relay(
-        lambda d, ftype, n, _: HEADER_BIT if (d, ftype, n) == ("c2s", 8, 1) else None, records_acks)
+    server, relay, peer = await through_relay(flip_header_of("up", 8, 1), records_acks)
     async with server:
         await peer.send(m.Ack("r1"))
         with pytest.raises(asyncio.TimeoutError):       # the edge's reader resends when the Reject arrives
             await asyncio.wait_for(peer.recv(), 0.5)
-        assert acks == ["r1"] and relay.frames["c2s", 8] == 2
+        assert acks == ["r1"] and relay.frames["up", 8] == 2
         await peer.close()
         await relay.stop()
 

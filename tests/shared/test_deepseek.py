@@ -98,10 +98,13 @@ def test_config_errors_name_the_field(tmp_path):
         ({"qk_rope_head_dim": 7}, "qk_rope_head_dim"),
         ({"n_group": 3}, "n_group"),
         ({"topk_group": 9}, "topk_group"),
-        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),      # no weight_block_size
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
          "original_max_position_embeddings"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, "rope"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.rope_type"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.rope_type"),
     ]
     for change, field in cases:
         with pytest.raises(ConfigError, match=field):
@@ -144,5 +147,7 @@ def test_published_deepseek_v3_and_kimi_k2_configs_parse():
                                     "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
                                 "rope_theta": 50000.0})
     assert k2.mla.n_routed_experts == 384 and k2.kv_bytes_per_token(2) == 70272
+    fp8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert ModelConfig.from_dict({**v3, "quantization_config": fp8}).mla.fp8_block == (128, 128)
     with pytest.raises(ConfigError, match="quantization_config"):
-        ModelConfig.from_dict({**v3, "quantization_config": {"quant_method": "fp8"}})
+        ModelConfig.from_dict({**v3, "quantization_config": {**fp8, "activation_scheme": "static"}})

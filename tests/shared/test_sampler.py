@@ -86,3 +86,26 @@ def test_sampling_spec_carries_every_first_token_field():
     old = m.decoder.decode(m.encoder.encode(m.PrefillRequest("r", [1], m.SamplingSpec(0.5, 1.0, -1, 9))))
     plain = SamplingParams.from_spec(old.sampling, max_tokens=1)     # a peer that sends only the first fields
     assert plain.logit_bias is None and not plain.adjusts_logits and plain.seed == 9
+
+
+def test_adjust_state_follows_tokens_appended_between_steps():
+    """The per-request counts are kept across steps: tokens appended one by one (as decoding does) or several
+    at once (a first token from a core, then decoding) give what a fresh computation gives; a finished
+    sequence's row is reused without leaking its counts."""
+    g = torch.Generator().manual_seed(1)
+    vocab = 40
+    kw = dict(repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=0.3)
+    live = [seq([1, 2, 3], [], **kw), seq([4, 5], [6], **kw)]
+    for step, tokens in enumerate([[7, 8], [7, 9, 9], [1, 10], [7]]):
+        logits = torch.randn(2, vocab, generator=g) * 3
+        out = adjust(logits, live, [0, 1])
+        for i in range(2):
+            torch.testing.assert_close(out[i], reference(logits[i], live[i]))
+        live[0].token_ids.append(tokens[0])
+        live[1].token_ids += tokens[1:]
+    del live
+    fresh = [seq([11], [12], **kw) for _ in range(3)]        # may take the rows just freed
+    logits = torch.randn(3, vocab, generator=g) * 3
+    out = adjust(logits, fresh, [0, 1, 2])
+    for i in range(3):
+        torch.testing.assert_close(out[i], reference(logits[i], fresh[i]))

@@ -1,0 +1,111 @@
+"""Structured output: a request's grammar as a token mask per step (llguidance).
+
+Life cycle: the HTTP layer turns `response_format` / `guided_*` into a
+`GuidedSpec` (kind + text) on the request's `SamplingParams` and checks it
+with `check` (a bad schema or regex is a 400 naming the parameter). When the
+engine creates the sequence, `Grammars.matcher` compiles it for the engine's
+tokenizer (compiled grammars are cached by spec) and the matcher lives on the
+sequence. Each step the sampler calls `apply_masks` for the rows that have a
+matcher: one int32 bitmask [rows, vocab/32] is filled (one row per matcher)
+and applied to those rows' logits in one tensor operation. After a token is
+chosen, `advance` feeds it to the matcher; a matcher that accepts no more
+tokens (the grammar is complete) ends the request with finish_reason "stop".
+
+Why llguidance (measured on this 2-core CPU with the bundled model's 2048-token
+vocabulary, a nested JSON schema, per-token mask: llguidance ~24 µs median,
+xgrammar 0.1.25 ~10-16 µs): both cost far less than a decode step here, and
+llguidance builds its tokenizer straight from `tokenizer.json` with no other
+dependency, where xgrammar needs `transformers` (and triton, pydantic, ninja)
+at run time. JSON is compiled without flexible whitespace, so the model
+cannot loop forever on blanks inside the grammar.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from edgecore.shared.engine.sampling_params import GuidedSpec
+from edgecore.shared.errors import RequestError
+
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def _llg():
+    import llguidance   # imported on first use: nodes that never see a grammar never load it
+    return llguidance
+
+
+def _lark_literal(text: str) -> str:
+    return json.dumps(text)      # Lark string literals take JSON's escapes
+
+
+@lru_cache(maxsize=256)
+def grammar_text(spec: GuidedSpec) -> str:
+    """The llguidance grammar of `spec` (not yet checked)."""
+    matcher = _llg().LLMatcher
+    if spec.kind == "json_schema":
+        return matcher.grammar_from_json_schema(spec.value, defaults=_JSON_OPTIONS)
+    if spec.kind == "json_object":
+        return matcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+    if spec.kind == "regex":
+        return matcher.grammar_from_regex(spec.value)
+    if spec.kind == "choice":
+        choices = json.loads(spec.value)
+        return matcher.grammar_from_lark("start: " + " | ".join(_lark_literal(c) for c in choices))
+    return matcher.grammar_from_lark(spec.value)
+
+
+def check(spec: GuidedSpec) -> None:
+    """Raise `RequestError` naming `spec.param` when the grammar cannot be compiled."""
+    try:
+        error = _llg().LLMatcher.validate_grammar(grammar_text(spec))
+    except (ValueError, TypeError) as exc:
+        error = str(exc)
+    if error:
+        raise RequestError(f"'{spec.param}' cannot be used as a grammar: {error}", param=spec.param)
+
+
+class Grammars:
+    """An engine's grammar compiler: its tokenizer as llguidance sees it, matchers per request."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]):
+        self.vocab_size = vocab_size
+        self.tokenizer = _llg().LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids))
+
+    def matcher(self, spec: GuidedSpec) -> Any:
+        matcher = _llg().LLMatcher(self.tokenizer, grammar_text(spec), log_level=0)
+        if matcher.is_error():
+            raise RequestError(f"'{spec.param}' cannot be used as a grammar: {matcher.get_error()}",
+                               param=spec.param)
+        return matcher
+
+
+@lru_cache(maxsize=8)
+def _shifts(device: str) -> torch.Tensor:
+    return torch.arange(32, dtype=torch.int32, device=device)
+
+
+def apply_masks(logits: torch.Tensor, matchers: list, rows: list[int]) -> torch.Tensor:
+    """`logits` [S, vocab] with every token that `matchers[j]` forbids set to -inf in row `rows[j]`."""
+    vocab = logits.shape[-1]
+    words = (vocab + 31) // 32
+    bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
+    for j, matcher in enumerate(matchers):
+        row = bitmask[j]
+        matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
+    bitmask = bitmask.to(logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> _shifts(str(logits.device))) & 1).view(len(rows), -1)[:, :vocab]
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(allowed == 0, float("-inf"))
+    return out
+
+
+def advance(matcher, token: int) -> bool:
+    """Feed the chosen token to the matcher; True when the grammar is complete (or broken) and the request
+    should stop."""
+    matcher.consume_token(token)
+    return matcher.is_stopped()

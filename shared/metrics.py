@@ -1,0 +1,106 @@
+"""Prometheus plumbing shared by the edge and core metrics: a `model_name` label on every metric, and the
+engine's own counters read from its published stats at scrape time.
+
+Life cycle: a node builds its metrics object once (`edge/metrics.py`,
+`core/metrics.py`) with a `ModelMetrics` for its registry and served model
+name; `counter` / `gauge` / `histogram` return metrics already bound to that
+`model_name` (with further labels, `.labels(...)` takes only those). The
+node installs `EngineCollector` with a function that returns the engine's
+latest `EngineStats` snapshot; on every scrape it turns the engine's
+cumulative counts (preemptions, prefix-cache queries and hits, tokens per
+step) and cache configuration into metric families, so nothing is copied or
+kept in step with the engine. `Buckets` is the engine-side, tensor-free
+histogram those counts come from.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+# vLLM's buckets for tokens per engine step.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class Buckets:
+    """A cumulative histogram kept by the engine thread (plain ints): `counts[i]` observations ≤ `bounds[i]`
+    (non-cumulative per bucket; the last entry counts those above every bound)."""
+
+    def __init__(self, bounds: tuple[int, ...] = ITERATION_TOKEN_BUCKETS):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0
+
+    def observe(self, value: int) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+
+class _Bound:
+    """A labelled metric whose `model_name` is fixed: `.labels(*rest)` names only the other labels."""
+
+    def __init__(self, metric, model: str):
+        self.metric, self.model = metric, model
+
+    def labels(self, *values: str):
+        return self.metric.labels(*values, self.model)
+
+
+class ModelMetrics:
+    """Metric constructors for one registry, each metric labelled with the served model's name."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        self.registry, self.model = registry, model_name
+
+    def _make(self, cls, name: str, doc: str, labels: tuple[str, ...], **kw):
+        # (the exposition sorts label names: `{codec="x",model_name=...}`, `{model_name=...,status="400"}`)
+        metric = cls(name, doc, [*labels, "model_name"], registry=self.registry, **kw)
+        return _Bound(metric, self.model) if labels else metric.labels(self.model)
+
+    def counter(self, name: str, doc: str, *labels: str):
+        return self._make(Counter, name, doc, labels)
+
+    def gauge(self, name: str, doc: str, *labels: str):
+        return self._make(Gauge, name, doc, labels)
+
+    def histogram(self, name: str, doc: str, *labels: str, buckets):
+        return self._make(Histogram, name, doc, labels, buckets=buckets)
+
+
+class EngineCollector:
+    """The engine's cumulative counts and cache configuration, from its stats snapshot, at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], object] | None = None, block_size: int = 0):
+        self.model, self.stats, self.block_size = model_name, stats, block_size
+
+    def describe(self):
+        return []          # families are built per scrape; nothing to check at registration
+
+    def collect(self):
+        from edgecore.shared.engine.handle import EngineStats     # no engine import for nodes that never scrape
+        s = self.stats() if self.stats is not None else EngineStats()
+        m = [self.model]
+        preempt = CounterMetricFamily("edgecore:num_preemptions", "Requests preempted (KV dropped, recomputed "
+                                      "later) by the engine", labels=["model_name"])
+        preempt.add_metric(m, s.preemptions)
+        queries = CounterMetricFamily("edgecore:prefix_cache_queries", "Prompt tokens looked up in the engine's "
+                                      "prefix cache", labels=["model_name"])
+        queries.add_metric(m, s.prefix_cache_query_tokens)
+        hits = CounterMetricFamily("edgecore:prefix_cache_hits", "Prompt tokens found in the engine's prefix "
+                                   "cache (hit rate: hits / queries)", labels=["model_name"])
+        hits.add_metric(m, s.prefix_cache_hit_tokens)
+        steps = HistogramMetricFamily("edgecore:iteration_tokens", "Tokens computed per engine step (prefill "
+                                      "chunks and decode rows)", labels=["model_name"])
+        counts = list(s.iteration_tokens) or [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        cumulative, running = [], 0
+        for bound, count in zip([*(str(float(b)) for b in ITERATION_TOKEN_BUCKETS), "+Inf"], counts):
+            running += count
+            cumulative.append((bound, running))
+        steps.add_metric(m, cumulative, s.iteration_tokens_sum)
+        info = GaugeMetricFamily("edgecore:cache_config_info", "KV cache configuration (value 1; the labels)",
+                                 labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "model_name"])
+        info.add_metric([str(self.block_size), str(s.blocks_total), str(s.prefix_caching).lower(), self.model], 1)
+        return [preempt, queries, hits, steps, info]

@@ -1,0 +1,87 @@
+"""Structured-output request fields → one `GuidedSpec` (or none).
+
+Life cycle: `request.py` calls `guided_spec(req)` after the body has been
+decoded. OpenAI's `response_format` (`text`, `json_object`, `json_schema`
+with its `schema`) and vLLM's extras (`guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar` in Lark syntax) are read here; at most one
+may be given. The grammar is checked at once (`grammar.check`), so a bad
+schema or regex is a 400 naming the field, never a failure inside the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from edgecore.shared.engine import grammar
+from edgecore.shared.engine.sampling_params import GuidedSpec
+from edgecore.shared.errors import RequestError
+from edgecore.shared.openai.errors import ApiError
+
+_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _bad(message: str, param: str) -> ApiError:
+    return ApiError(400, message, param, "invalid_value")
+
+
+def _schema_text(value: Any, param: str) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise _bad(f"'{param}' is not valid JSON: {exc}", param) from None
+    if not isinstance(value, dict):
+        raise _bad(f"'{param}' must be a JSON schema (an object)", param)
+    return json.dumps(value)
+
+
+def _response_format(value: Any) -> GuidedSpec | None:
+    param = "response_format"
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise _bad("'response_format' must be an object with a 'type'", param)
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GuidedSpec("json_object", "", param)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise _bad("'response_format.json_schema' must be an object with a 'schema'",
+                       "response_format.json_schema")
+        return GuidedSpec("json_schema", _schema_text(spec["schema"], "response_format.json_schema.schema"),
+                          "response_format.json_schema.schema")
+    raise _bad(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+               "response_format.type")
+
+
+def _extra(name: str, value: Any) -> GuidedSpec:
+    if name == "guided_json":
+        return GuidedSpec("json_schema", _schema_text(value, name), name)
+    if name == "guided_choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise _bad("'guided_choice' must be a non-empty list of non-empty strings", name)
+        return GuidedSpec("choice", json.dumps(value), name)
+    if not isinstance(value, str) or not value:
+        raise _bad(f"'{name}' must be a non-empty string", name)
+    return GuidedSpec("regex" if name == "guided_regex" else "lark", value, name)
+
+
+def guided_spec(req) -> GuidedSpec | None:
+    """The request's grammar, checked; None when it asks for none."""
+    given = [name for name in _EXTRAS if getattr(req, name, None) is not None]
+    spec = None
+    if req.response_format is not None:
+        spec = _response_format(req.response_format)
+    if len(given) + (spec is not None) > 1:
+        names = given + (["response_format"] if spec is not None else [])
+        raise _bad(f"at most one of {', '.join(names)} may be given", names[-1])
+    if given:
+        spec = _extra(given[0], getattr(req, given[0]))
+    if spec is not None:
+        try:
+            grammar.check(spec)
+        except RequestError as exc:
+            raise _bad(str(exc), spec.param) from None
+    return spec
