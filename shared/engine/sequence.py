@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import Any
 
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.kv.block_manager import BlockTable
