@@ -5,11 +5,10 @@ Per family, one core and one lossless edge (module-scoped, one family's processe
 - core → edge disaggregated, lossless: completions identical to a single-node engine (the windowed
   families' cores send only each layer's window; every prefill ran on the core);
 - the core's Files + Batches API: a small batch gives the single-node completions.
-A lossy codec (int8) on the two windowed families (their cut slices are what int8 groups and keeps exact):
-the first tokens agree with single node. `--tp 2` / `--pp 2` logits within 1e-5 of one process (fp32),
-greedy tokens equal, split by what each layout exercises per family: TP on Qwen3 (per-head q/k norm on
-sharded heads), Mixtral (sharded experts) and Llama 4 (shared expert, top-1 sigmoid routing); PP on
-Qwen3-MoE (dense/sparse layers by global layer index) and Llama 4 (chunked / NoPE layers by index).
+A lossy codec (int8) on every family (on the windowed ones, their cut slices are what int8 groups and keeps
+exact): the first tokens agree with single node. `--tp 2` and `--pp 2` on every family: logits within 1e-5
+of one process (fp32), greedy tokens equal (TP: per-head q/k norm on sharded heads, sharded experts, the
+shared expert and top-1 sigmoid routing; PP: dense/sparse and chunked/NoPE layers by global layer index).
 An edge behind a parallel core gets exactly each layer's window: Llama 4 from a `--pp 2` core (each stage
 streams and cuts its own layers) and Mixtral from a `--tp 2 --gather-kv` core (rank 0 cuts what it gathers).
 """
@@ -27,8 +26,7 @@ import torch
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.kv.transfer import needed_from
 from tests.conftest import MODEL_DIR, make_engine
-from tests.e2e.procs import post_json, start_core, start_edge
-from tests.e2e.procs import metric
+from tests.e2e.procs import metric, post_json, start_core, start_edge
 from tests.e2e.test_parallel import probe
 from tests.helpers import stepwise_logits
 from tests.shared import moe_checkpoints
@@ -112,8 +110,6 @@ def test_batch_api_equals_single_node(family):
 
 
 def test_int8_agrees_on_the_first_tokens(family, secret_file):
-    if family["name"] not in WINDOWED:
-        pytest.skip("int8 is run on the windowed families (the full-attention path: test_disaggregated.py)")
     path = family["path"]
     edge, http = start_edge("--local-prefill-below", "0", "--codec", "int8", "--engine-in-process",
                             "--model", str(path), cores=[family["core_port"]], secret_file=secret_file)
@@ -126,8 +122,7 @@ def test_int8_agrees_on_the_first_tokens(family, secret_file):
         edge.stop()
 
 
-@pytest.mark.parametrize("name, tp, pp", [("qwen3", 2, 1), ("mixtral-sliding", 2, 1), ("llama4", 2, 1),
-                                          ("qwen3_moe", 1, 2), ("llama4", 1, 2)])
+@pytest.mark.parametrize("name, tp, pp", [(name, tp, pp) for name in FAMILIES for tp, pp in ((2, 1), (1, 2))])
 def test_parallel_logits_equal_one_process(name, tp, pp, tmp_path_factory, tmp_path):
     path = checkpoint(tmp_path_factory, name)
     ids = torch.randint(2, 257, (40,), generator=torch.Generator().manual_seed(5)).tolist()
