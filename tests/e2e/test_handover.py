@@ -5,7 +5,10 @@ by the core's bound over a slow link (deploy/wan_relay.py), a core killed mid-st
 import asyncio
 import concurrent.futures
 import json
+import os
+import signal
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -168,28 +171,42 @@ def test_core_killed_at_token_k_still_identical(secret_file, tokenizer, heldout,
 
 
 def test_client_disconnect_stops_the_core_at_once(secret_file, tokenizer, heldout):
+    # The bundled model decodes a token in a few milliseconds, faster than a disconnect travels (frontend →
+    # engine process → Cancel through the relay) on a loaded machine. So the core is paused (SIGSTOP) as
+    # soon as the client has its first token, the client drops, the edge closes its side (its Cancel now
+    # waits in the core's socket), and only then the core resumes: it must stop on that Cancel, far
+    # before the bound of 300 tokens it would otherwise decode.
     core, port, core_http = start_core(secret_file, "--handover-max-tokens", "300")
     relay = Relay(SLOW, port)
     edge, http = start_edge("--local-prefill-below", "0", "--handover-max-tokens", "300", cores=[relay.port],
                             secret_file=secret_file)
+    paused = False
     try:
         prompt = tokenizer.encode(heldout)[5000:5600]      # + 400 tokens: the model's 1024
 
         async def read_then_drop():
+            nonlocal paused
             import aiohttp
             async with aiohttp.ClientSession() as s:
                 resp = await s.post(f"http://127.0.0.1:{http}/v1/completions",
                                     json={"prompt": prompt, "max_tokens": 400, "stream": True, "ignore_eos": True})
                 assert resp.status == 200
                 await resp.content.readline()      # the first token is in: the core decodes
-                assert stats(core_http)["decoding"] == 1
+                os.killpg(core.proc.pid, signal.SIGSTOP)
+                paused = True
                 resp.close()
 
         asyncio.run(asyncio.wait_for(read_then_drop(), 60))
-        core_stats = wait_for(lambda: (s := stats(core_http))["decoding"] == 0 and s, 5)
+        assert wait_for(lambda: (s := stats(http))["blocks_used"] == 0 and s["handover"]["receiving"] == 0)
+        time.sleep(0.3)                            # the Cancel crosses the relay into the core's socket
+        os.killpg(core.proc.pid, signal.SIGCONT)
+        paused = False
+        core_stats = wait_for(lambda: (s := stats(core_http))["decoding"] == 0 and s, 10)
         assert core_stats and core_stats["handover"]["decoded_tokens"] < 200   # stopped long before its bound
         books_closed(http, core_http)
     finally:
+        if paused:
+            os.killpg(core.proc.pid, signal.SIGCONT)
         edge.stop()
         relay.close()
         core.stop()
