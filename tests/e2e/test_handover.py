@@ -172,10 +172,11 @@ def test_core_killed_at_token_k_still_identical(secret_file, tokenizer, heldout,
 
 def test_client_disconnect_stops_the_core_at_once(secret_file, tokenizer, heldout):
     # The bundled model decodes a token in a few milliseconds, faster than a disconnect travels (frontend →
-    # engine process → Cancel through the relay) on a loaded machine. So the core is paused (SIGSTOP) as
-    # soon as the client has its first token, the client drops, the edge closes its side (its Cancel now
-    # waits in the core's socket), and only then the core resumes: it must stop on that Cancel, far
-    # before the bound of 300 tokens it would otherwise decode.
+    # engine process → Cancel through the relay) on a loaded machine, and faster than the first tokens
+    # reach the client. So the core is paused (SIGSTOP) as soon as its stats show it decoding for the edge,
+    # the client drops, the edge closes its side (its Cancel now waits in the core's socket), and only
+    # then the core resumes: it must stop on that Cancel, far before the bound of 300 tokens it would
+    # otherwise decode.
     core, port, core_http = start_core(secret_file, "--handover-max-tokens", "300")
     relay = Relay(SLOW, port)
     edge, http = start_edge("--local-prefill-below", "0", "--handover-max-tokens", "300", cores=[relay.port],
@@ -184,19 +185,27 @@ def test_client_disconnect_stops_the_core_at_once(secret_file, tokenizer, heldou
     try:
         prompt = tokenizer.encode(heldout)[5000:5600]      # + 400 tokens: the model's 1024
 
-        async def read_then_drop():
+        async def drop_while_the_core_decodes():
             nonlocal paused
             import aiohttp
             async with aiohttp.ClientSession() as s:
-                resp = await s.post(f"http://127.0.0.1:{http}/v1/completions",
-                                    json={"prompt": prompt, "max_tokens": 400, "stream": True, "ignore_eos": True})
-                assert resp.status == 200
-                await resp.content.readline()      # the first token is in: the core decodes
+                async def stream():
+                    async with s.post(f"http://127.0.0.1:{http}/v1/completions",
+                                      json={"prompt": prompt, "max_tokens": 400, "stream": True,
+                                            "ignore_eos": True}) as resp:
+                        assert resp.status == 200
+                        async for _ in resp.content:
+                            pass
+                request = asyncio.create_task(stream())
+                while not (await asyncio.to_thread(stats, core_http))["decoding"]:
+                    assert not request.done(), request.result()
+                    await asyncio.sleep(0.005)
                 os.killpg(core.proc.pid, signal.SIGSTOP)
                 paused = True
-                resp.close()
+                request.cancel()                   # the client goes away mid-stream
+                await asyncio.gather(request, return_exceptions=True)
 
-        asyncio.run(asyncio.wait_for(read_then_drop(), 60))
+        asyncio.run(asyncio.wait_for(drop_while_the_core_decodes(), 60))
         assert wait_for(lambda: (s := stats(http))["blocks_used"] == 0 and s["handover"]["receiving"] == 0)
         time.sleep(0.3)                            # the Cancel crosses the relay into the core's socket
         os.killpg(core.proc.pid, signal.SIGCONT)
