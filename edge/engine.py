@@ -54,6 +54,7 @@ from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.kv.wire import codec_rope
 
 log = logging.getLogger("edgecore.edge")
 
@@ -102,6 +103,7 @@ class EdgeEngine:
                               timeouts=config.timeouts, ssl=config.ssl, name=config.name)
         self.router = CoreRouter([client(h, p) for h, p in config.cores], dns=config.core_dns, make_client=client)
         self.decoder_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edgecore-decode")
+        self.codec_rope = codec_rope(self.handle.config)     # what a core's encoder gives the codecs too
         self.kv_bytes_per_token = self.handle.kv_bytes_per_token
         self.active = 0
         self.pinned: list[list[int]] = []      # prefetched contexts' blocks
@@ -281,7 +283,8 @@ class EdgeEngine:
         """Prefill at `client` and receive the KV; with `activate`, the request then decodes here and this
         returns the queue its outputs arrive in."""
         prefill = RemotePrefill(self.handle, client, request_id, prompt_ids, params, self.config.transfer_timeout,
-                                self.decoder_pool, self.metrics, self.config.handover_tokens, self.handover_counts)
+                                self.decoder_pool, self.metrics, self.config.handover_tokens, self.handover_counts,
+                                self.codec_rope)
         queue = await prefill.run(self._codec, activate)
         if prefill.follow is not None:
             self._follows[request_id] = prefill.follow

@@ -47,7 +47,7 @@ from edgecore.shared.engine.handle import EngineHandle, FirstToken
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
 from edgecore.shared.kv.transfer import KVSlice, needed_from
-from edgecore.shared.kv.wire import codec_rope, from_bits
+from edgecore.shared.kv.wire import from_bits
 
 
 class RemotePrefillFailed(Exception):
@@ -57,13 +57,15 @@ class RemotePrefillFailed(Exception):
 class RemotePrefill:
     def __init__(self, handle: EngineHandle, client: CoreClient, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, timeout: float, decoder_pool: Executor, metrics: EdgeMetrics,
-                 core_decode: int = 0, counts: dict | None = None):
+                 core_decode: int = 0, counts: dict | None = None, rope: tuple[float, ...] | None = None):
         """`core_decode`: tokens after the first the core may decode before the edge takes over (0: the old
-        mode); `counts`: the edge's handover counters (stats)."""
+        mode); `counts`: the edge's handover counters (stats); `rope`: the model's RoPE for the codecs, what
+        the core's encoder took (`codec_rope`, derived once per edge)."""
         self.handle, self.client = handle, client
         self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
         self.timeout, self.decoder_pool, self.metrics = timeout, decoder_pool, metrics
         self.core_decode, self.counts = core_decode, counts if counts is not None else {}
+        self.rope = rope
         self.receiver: KVReceiver | None = None
         self.decode: CoreDecode | None = None
         self.follow: asyncio.Task | None = None   # decode handover: the rest of the transfer, after run()
@@ -194,10 +196,9 @@ class RemotePrefill:
         if isinstance(ev, KVData):
             c = ev.chunk
             receiver.on_chunk(c, len(ev.payload), time.perf_counter())
-            rope = codec_rope(self.handle.config)    # what the core's encoder took (core/kv_sender.py)
             # A small chunk costs less to decode here than to hand to a thread and back.
-            k, v = decode_chunk(ev, rope) if c.raw_len < SMALL_CHUNK_BYTES else \
-                await loop.run_in_executor(self.decoder_pool, decode_chunk, ev, rope)
+            k, v = decode_chunk(ev, self.rope) if c.raw_len < SMALL_CHUNK_BYTES else \
+                await loop.run_in_executor(self.decoder_pool, decode_chunk, ev, self.rope)
             self.handle.write_kv(self.request_id, KVSlice(c.layer_start, c.token_start, c.token_end,
                                                           c.head_start, from_bits(k, c.dtype),
                                                           from_bits(v, c.dtype)))
