@@ -48,7 +48,6 @@ class LayerStreamer:
         self.head_start = head_start
         self.forget_when_sent = forget_when_sent
         self.config = model.config
-        self._needed: dict[int, list[int]] = {}      # prompt length → first token each layer needs
         self.rope = codec_rope(model.config)    # the model's RoPE for the codecs; the edge derives the same
         self.step_scales: dict = {}             # the model's bit allocation (codec_step_scales), encoder only
 
@@ -61,7 +60,9 @@ class LayerStreamer:
             if req is None or req.cancelled or req.gather:
                 continue
             end = min(seq.num_computed_tokens + n, req.total_tokens)   # a decoding request's new tokens stay
-            start = max(req.sent_until, self._first_needed(req.total_tokens, layer + self.layer_offset))
+            if req.needed is None:
+                req.needed = needed_from(self.config, req.total_tokens)
+            start = max(req.sent_until, req.needed[layer + self.layer_offset])
             if end > start:
                 slots = pool.slots(seq.table.blocks, start, end)
                 k, v = pool.read(layer, slots)
@@ -79,13 +80,6 @@ class LayerStreamer:
                         req.move(TransferState.SENT)
                         del self.remote[seq.request_id]
 
-    def _first_needed(self, total_tokens: int, layer: int) -> int:
-        needed = self._needed.get(total_tokens)
-        if needed is None:
-            if len(self._needed) > 256:
-                self._needed.clear()
-            needed = self._needed[total_tokens] = needed_from(self.config, total_tokens)
-        return needed[layer]
 
 
 async def send_queued(queue: asyncio.Queue, peer: Peer, encoder_pool, dtype_name: str,

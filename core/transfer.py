@@ -67,6 +67,7 @@ class Transfer:
     gather: bool = False               # parallel core, edge not attached to every rank: rank 0 gathers the KV
     state: TransferState = TransferState.PREFILLING
     sent_until: int = 0                # tokens fully queued (all layers); engine thread only
+    needed: list[int] | None = None    # per global layer, the first token the edge needs (`needed_from`); engine thread
     received_at: float = field(default_factory=time.perf_counter)
     first_chunk_sent_at: float | None = None
     last_layer_at: float | None = None
