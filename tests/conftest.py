@@ -55,6 +55,16 @@ def engine():
     return make_engine()
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Tiny matmuls: one thread (other test modules may have raised the count; on a busy 2-core machine
+    two threads' barriers make these 10x slower). Modules opt in with `usefixtures("one_torch_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 try:   # deterministic property tests: the same examples on every run
     from hypothesis import settings as _hsettings
     _hsettings.register_profile("edgecore", derandomize=True, deadline=None, print_blob=True)

@@ -25,16 +25,9 @@ from tests.conftest import make_engine
 from tests.shared.moe_checkpoints import build
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 FAMILIES = ["mixtral-sliding", "gpt_oss", "llama4"]
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

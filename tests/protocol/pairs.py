@@ -47,6 +47,18 @@ def deliver(data: bytes, conn, splits=None):
     return events
 
 
+def split_sizes(mode: str, n: int, rng, largest: int = 40) -> list[int]:
+    """Piece sizes for feeding n bytes: "whole" (one piece), "bytewise" (one byte each) or "random" (1..largest)."""
+    if mode == "whole":
+        return [n]
+    if mode == "bytewise":
+        return [1] * n
+    out: list[int] = []
+    while sum(out) < n:
+        out.append(rng.randint(1, largest))
+    return out
+
+
 def handshake(client, server):
     [hello] = deliver(client.send_bytes(client.hello()), server)
     [welcome] = deliver(server.send_bytes(server.welcome()), client)

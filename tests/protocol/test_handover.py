@@ -10,23 +10,12 @@ from edgecore.protocol import messages as m
 from edgecore.protocol.errors import LocalProtocolError, RemoteProtocolError
 from edgecore.protocol.handover import CoreDecode, HandoverError, Phase
 from edgecore.protocol.state import State
-from tests.protocol.pairs import deliver, forge, handshake, new_pair
+from tests.protocol.pairs import deliver, forge, handshake, new_pair, split_sizes
 
 V3_CLIENT = [m.PrefillRequest("r", [1, 2, 3], m.SamplingSpec(seed=3), ["lossless"], 0, 0, core_decode=30),
              m.Handover("r", 7)]
 V3_SERVER = [m.Token("r", 1, 42), m.Token("r", 2, 9, -0.25, [(9, -0.25), (4, -1.5)]),
              m.DecodeStop("r", 3, "bound")]
-
-
-def splits(mode, n, rng):
-    if mode == "whole":
-        return [n]
-    if mode == "bytewise":
-        return [1] * n
-    out = []
-    while sum(out) < n:
-        out.append(rng.randint(1, 17))
-    return out
 
 
 @pytest.mark.parametrize("mode", ["whole", "bytewise", "random"])
@@ -38,7 +27,7 @@ def test_handover_messages_round_trip_in_any_split(mode):
     for sender, receiver, msgs in ((client, server, V3_CLIENT), (server, client, V3_SERVER)):
         for msg in msgs:
             data = sender.send_bytes(msg)
-            assert deliver(data, receiver, splits(mode, len(data), rng)) == [msg]
+            assert deliver(data, receiver, split_sizes(mode, len(data), rng, 17)) == [msg]
     assert client.state is State.READY and server.state is State.READY
 
 

@@ -11,7 +11,7 @@ from edgecore.protocol.framing import FIXED_SIZE, Limits, pack_fixed
 from edgecore.protocol.kv import decode_chunk
 from edgecore.protocol.state import BadFrame, KVData, State
 from tests.protocol.pairs import (READY_CLIENT_MSGS, deliver, forge, handshake, new_pair, ready_server_msgs,
-                                  sample_kv)
+                                  sample_kv, split_sizes)
 
 
 def same(a, b):
@@ -25,19 +25,9 @@ def test_every_message_round_trips_in_any_split(mode):
     client, server = new_pair()
     rng = random.Random(7)
 
-    def splits(n):
-        if mode == "whole":
-            return [n]
-        if mode == "bytewise":
-            return [1] * n
-        out = []
-        while sum(out) < n:
-            out.append(rng.randint(1, 40))
-        return out
-
     def move(sender, receiver, msg):
         data = sender.send_bytes(msg)
-        events = deliver(data, receiver, splits(len(data)))
+        events = deliver(data, receiver, split_sizes(mode, len(data), rng))
         assert len(events) == 1 and same(events[0], msg)
         return events[0]
 

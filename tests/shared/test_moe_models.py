@@ -12,17 +12,8 @@ from tests.helpers import stepwise_logits
 from tests.shared.moe_checkpoints import ARCHS, build, reference, to_mxfp4_checkpoint
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny matmuls: one thread (other test modules may have raised the count; on a busy 2-core machine
-    two threads' barriers make these 10x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def prompts(n: int = 3) -> list[list[int]]:

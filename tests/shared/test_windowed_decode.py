@@ -11,14 +11,7 @@ from tests.conftest import make_engine
 from tests.shared.moe_checkpoints import build
 
 pytest.importorskip("transformers")
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
