@@ -91,9 +91,12 @@ class RemotePrefill:
             await self._receive(receiver, codec, cached)
             done = receiver.done
             if activate and done is not None:          # COMPLETE: PrefillDone is in
-                await handle.activate(rid, FirstToken(
-                    done.first_token, done.logprob if self.params.logprobs is not None else None,
-                    [(int(t), float(p)) for t, p in done.top_logprobs]))
+                try:
+                    await handle.activate(rid, FirstToken(
+                        done.first_token, done.logprob if self.params.logprobs is not None else None,
+                        [(int(t), float(p)) for t, p in done.top_logprobs]))
+                except RequestError as exc:      # the core's token is not one of ours: fail over
+                    receiver.fail(str(exc))
         except BaseException as exc:
             receiver.abandon(str(exc) or type(exc).__name__)
             handle.close_stream(rid)
@@ -167,10 +170,14 @@ class RemotePrefill:
         c["core_tokens"] = c.get("core_tokens", 0) + core_tokens
         c["last_core_tokens"] = core_tokens
 
-    async def _push(self, token: int, logprob: float, top) -> None:
+    async def _push(self, receiver: KVReceiver, token: int, logprob: float, top) -> None:
         first = FirstToken(token, logprob if self.params.logprobs is not None else None,
                            [(int(t), float(p)) for t, p in top])
-        if await self.handle.push_token(self.request_id, first):
+        try:
+            finished = await self.handle.push_token(self.request_id, first)
+        except RequestError as exc:      # the core's token is not one of ours: the transfer failed
+            receiver.fail(str(exc))
+        if finished:
             self.decode.finish()         # it ended before the handover: it never moves
 
     async def _on_event(self, receiver: KVReceiver, ev) -> None:
@@ -179,7 +186,7 @@ class RemotePrefill:
             if decode is None:
                 receiver.fail("a Token for a request that did not ask the core to decode")
             if decode.on_token(ev):
-                await self._push(ev.token_id, ev.logprob, ev.top_logprobs)
+                await self._push(receiver, ev.token_id, ev.logprob, ev.top_logprobs)
         elif isinstance(ev, m.DecodeStop):
             if decode is None:
                 receiver.fail("a DecodeStop for a request that did not ask the core to decode")
@@ -187,7 +194,7 @@ class RemotePrefill:
         elif isinstance(ev, m.PrefillDone) and decode is not None:
             receiver.on_done(ev)
             decode.on_first(ev)
-            await self._push(ev.first_token, ev.logprob, ev.top_logprobs)
+            await self._push(receiver, ev.first_token, ev.logprob, ev.top_logprobs)
         else:
             await self._on_kv_event(receiver, ev)
 

@@ -278,8 +278,17 @@ class LLMEngine:
         for i in range(piece.num_layers):
             self.pool.write(piece.layer + i, slots, piece.k[i], piece.v[i], piece.head_start)
 
+    def _check_remote_token(self, token: int, top) -> None:
+        """A token sampled by another node (a core) must be one of this model's ids before anything uses it:
+        an id outside the vocabulary would fail the next step's embedding for the whole batch."""
+        vocab = self.config.vocab_size
+        if not 0 <= token < vocab or any(not 0 <= t < vocab for t, _ in (top or ())):
+            raise RequestError(f"a token from the prefill node is outside the vocabulary [0, {vocab})",
+                               param="token")
+
     def activate(self, request_id: str, first_token: int, logprob: float | None = None, top=None) -> None:
         """The request's KV is complete: record its first token and join the decode batch."""
+        self._check_remote_token(first_token, top)
         state = self.requests[request_id]
         seq = state.seq
         seq.num_computed_tokens = seq.num_prompt_tokens
@@ -303,6 +312,7 @@ class LLMEngine:
         state = self.requests.get(request_id)
         if state is None or state.seq.status is not Status.AWAITING_KV:
             raise RequestError(f"request '{request_id}' is not waiting for its KV", param="request_id")
+        self._check_remote_token(token, top)
         seq = state.seq
         out = state.push(token, logprob if seq.params.logprobs is not None else None, top)
         self._pending.append(out)

@@ -79,3 +79,23 @@ def test_take_over_checks_its_arguments(tokenizer):
     assert eng.get("r").status is Status.RUNNING
     with pytest.raises(RequestError, match="not waiting"):
         eng.push_token("r", 3)
+
+
+@pytest.mark.parametrize("bad", [{"token": 2048}, {"token": -1}, {"token": 5, "top": [(5, -0.1), (10**9, -2.0)]}],
+                         ids=["past-vocab", "negative", "top-logprob-id"])
+def test_a_token_id_outside_the_vocabulary_from_a_core_is_refused_and_changes_nothing(tokenizer, bad):
+    eng = make_engine()
+    assert eng.config.vocab_size == 2048
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = tokenizer.encode("def f(x):")
+    ref = make_engine().generate([prompt], params)[0]["token_ids"]
+    eng.reserve("r", prompt, params)
+    for entry in (eng.push_token, eng.activate):
+        with pytest.raises(RequestError, match="outside the vocabulary") as exc:
+            entry("r", bad["token"], None, bad.get("top"))
+        assert exc.value.param == "token"
+        assert eng.requests["r"].seq.status is Status.AWAITING_KV and eng.requests["r"].seq.num_output_tokens == 0
+    for piece in prefill_kv(prompt, params):     # the request still completes normally afterwards
+        eng.write_kv("r", piece)
+    eng.activate("r", ref[0])
+    assert [t for o in run(eng) for t in o.new_token_ids] == ref
