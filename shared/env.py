@@ -49,10 +49,17 @@ def resolve_device(requested: str | None) -> str:
 
 
 def apply_threads() -> None:
+    """EDGECORE_THREADS as torch's intra-op thread count, without importing torch: a process that never
+    needs it (the edge's HTTP frontend) must not pay its memory. Before torch is imported, OMP_NUM_THREADS
+    is what torch reads its count from."""
     value = os.environ.get("EDGECORE_THREADS")
     if value:
-        import torch
-        torch.set_num_threads(int(value))
+        import sys
+        threads = str(max(1, int(value)))
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(int(threads))
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
 
 
 def reserve_threads_for_engine() -> int:

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from edgecore.shared.engine.sampling_params import GuidedSpec
 from edgecore.shared.errors import RequestError
+
+if TYPE_CHECKING:      # the edge's HTTP process imports this module (through output.py) and never torch
+    import torch
 
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
@@ -86,11 +87,13 @@ class Grammars:
 
 @lru_cache(maxsize=8)
 def _shifts(device: str) -> torch.Tensor:
+    import torch
     return torch.arange(32, dtype=torch.int32, device=device)
 
 
 def apply_masks(logits: torch.Tensor, matchers: list, rows: list[int]) -> torch.Tensor:
     """`logits` [S, vocab] with every token that `matchers[j]` forbids set to -inf in row `rows[j]`."""
+    import torch
     vocab = logits.shape[-1]
     words = (vocab + 31) // 32
     bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
