@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from edgecore.shared.cli import add_model_args
+from edgecore.shared.cli import add_kv_cache_args, add_model_args
 from edgecore.shared.http_server import add_limit_args
 
 
@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lease", type=float, default=30.0, help="seconds a finished prefill's KV waits for the "
                    "edge's Ack (default 30)")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill token budget per step")
-    p.add_argument("--kv-blocks", type=int, default=4096, help="KV cache blocks of 16 tokens")
+    add_kv_cache_args(p)
     p.add_argument("--tls-cert", default=None)
     p.add_argument("--tls-key", default=None)
     p.add_argument("--tls-ca", default=None, help="CA to verify edge certificates (enables mutual TLS)")
@@ -66,7 +66,9 @@ def run_core(args: argparse.Namespace) -> int:
     from edgecore.core.transfer import HandoverLimits
     from edgecore.shared.http_server import limits_from_args
     from edgecore.protocol.transport import tls_context
-    from edgecore.shared.config import CacheConfig, EngineConfig
+    from edgecore.shared.cli import kv_cache_config
+    from edgecore.shared.config import EngineConfig, ModelConfig
+    from edgecore.shared.models.loader import resolve_dtype
     from edgecore.shared.env import default_model, reserve_threads_for_engine, resolve_device
     from edgecore.shared.secrets import parse_hostport, read_api_keys, read_secret
     from edgecore.shared.service import run_service, setup_logging
@@ -79,12 +81,14 @@ def run_core(args: argparse.Namespace) -> int:
     control = ControlPort(limits_from_args(args), _push_edges(args.push_edge),
                           read_api_keys(args.push_api_key_file)[0] if args.push_api_key_file else None)
     engine_threads = reserve_threads_for_engine()
+    model_dir, device = args.model or default_model(), resolve_device(args.device)
+    cache = kv_cache_config(args, ModelConfig.from_dir(model_dir), resolve_dtype(args.dtype, device).itemsize,
+                            tp=args.tp)
     ssl = tls_context(True, args.tls_cert, args.tls_key, args.tls_ca, args.tls_ca is not None) \
         if args.tls_cert else None
-    config = CoreConfig(model_dir=args.model or default_model(), secret=read_secret(args.secret_file), host=host,
+    config = CoreConfig(model_dir=model_dir, secret=read_secret(args.secret_file), host=host,
                         port=port, http_host=http_host, http_port=http_port, dtype=args.dtype,
-                        device=resolve_device(args.device), lease_seconds=args.lease,
-                        cache=CacheConfig(num_blocks=args.kv_blocks),
+                        device=device, lease_seconds=args.lease, cache=cache,
                         engine=EngineConfig(max_num_batched_tokens=args.max_batched_tokens),
                         name=args.name, ssl=ssl, data_dir=args.data_dir,
                         api_keys=api_keys, control=control,

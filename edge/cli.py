@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from edgecore.shared.cli import add_model_args
+from edgecore.shared.cli import add_kv_cache_args, add_model_args
 from edgecore.shared.http_server import add_limit_args
 
 
@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="decode handover: tokens after the first a core may decode and stream while the KV "
                         "travels, before this edge takes over (0: wait for the KV, the old mode)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="request body limit")
-    p.add_argument("--kv-blocks", type=int, default=4096, help="KV cache blocks of 16 tokens")
+    add_kv_cache_args(p)
     p.add_argument("--model-from", default=None, metavar="CORE_URL",
                    help="fetch the packed model from a core's control port (e.g. http://core:7101), "
                         "resuming and verifying, then serve it")
@@ -153,6 +153,12 @@ def _check_limits(args: argparse.Namespace):
     from edgecore.shared.http_server import limits_from_args
     if args.max_seqs_per_request < 1 or args.max_concurrent < 1:
         raise ConfigError("--max-seqs-per-request and --max-concurrent must be at least 1")
+    if args.kv_blocks is None:
+        from edgecore.shared.kv.budget import parse_size
+        try:
+            parse_size(args.kv_cache_memory)
+        except ValueError as exc:
+            raise ConfigError(f"--kv-cache-memory: {exc}") from None
     if args.max_seqs_per_request > args.max_concurrent:
         raise ConfigError(f"--max-seqs-per-request ({args.max_seqs_per_request}) must not exceed --max-concurrent "
                           f"({args.max_concurrent}), or such a request could never run")
@@ -172,19 +178,23 @@ def _local_prefill_below(value: str) -> int | None:
 def _edge_engine(args: argparse.Namespace, model_dir: str, codecs: list[str], local_below: int | None):
     from edgecore.edge.engine import EdgeConfig, EdgeEngine
     from edgecore.protocol.transport import tls_context
-    from edgecore.shared.config import CacheConfig
+    from edgecore.shared.cli import kv_cache_config
+    from edgecore.shared.config import ModelConfig
     from edgecore.shared.env import reserve_threads_for_engine, resolve_device
+    from edgecore.shared.models.loader import resolve_dtype
     from edgecore.shared.secrets import parse_hostport, read_secret
 
     engine_threads = reserve_threads_for_engine()
+    device = resolve_device(args.device)
+    cache = kv_cache_config(args, ModelConfig.from_dir(model_dir), resolve_dtype(args.dtype, device).itemsize)
     cores = [parse_hostport(c) for c in args.core]
     core_dns = [parse_hostport(c) for c in args.core_dns]
     ssl = tls_context(False, args.tls_cert, args.tls_key, args.tls_ca) if args.tls_ca else None
     config = EdgeConfig(model_dir=model_dir, cores=cores, core_dns=core_dns,
                         secret=read_secret(args.secret_file, required=bool(cores or core_dns)),
-                        dtype=args.dtype, device=resolve_device(args.device), codecs=codecs,
+                        dtype=args.dtype, device=device, codecs=codecs,
                         adaptive=args.adaptive, ttft_target_ms=args.ttft_target_ms, **codec_policy(args),
-                        local_prefill_below=local_below, cache=CacheConfig(num_blocks=args.kv_blocks),
+                        local_prefill_below=local_below, cache=cache,
                         transfer_timeout=args.transfer_timeout, handover_tokens=max(0, args.handover_max_tokens),
                         name=args.name, ssl=ssl, engine_threads=engine_threads,
                         served_model_name=args.served_model_name or "")

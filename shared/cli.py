@@ -16,6 +16,37 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
+def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
+    from edgecore.shared.kv.budget import DEFAULT_KV_CACHE_MEMORY
+    p.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY, metavar="SIZE",
+                   help="memory for the KV cache, e.g. 512MiB or 4GiB: the pool holds as many 16-token blocks as "
+                        f"fit (default {DEFAULT_KV_CACHE_MEMORY}); on CPU it becomes resident only as it fills")
+    p.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                   help="KV cache blocks of 16 tokens, instead of sizing the cache from --kv-cache-memory")
+
+
+def kv_cache_config(args: argparse.Namespace, config, value_bytes: int, tp: int = 1):
+    """The CacheConfig from --kv-blocks or --kv-cache-memory, logged as the start-up line that says what a
+    deployment gets; a size that holds no block is a ConfigError."""
+    import logging
+
+    from edgecore.shared.config import CacheConfig
+    from edgecore.shared.errors import ConfigError
+    from edgecore.shared.kv.budget import describe, kv_blocks, parse_size
+    block_size = CacheConfig.block_size
+    try:
+        if args.kv_blocks is not None:
+            if args.kv_blocks < 1:
+                raise ValueError(f"--kv-blocks must be at least 1, not {args.kv_blocks}")
+            blocks = args.kv_blocks
+        else:
+            blocks = kv_blocks(config, value_bytes, block_size, parse_size(args.kv_cache_memory), tp)
+    except ValueError as exc:
+        raise ConfigError(f"--kv-cache-memory: {exc}" if args.kv_blocks is None else str(exc)) from None
+    logging.getLogger("edgecore.kv").info(describe(config, value_bytes, block_size, blocks, tp))
+    return CacheConfig(num_blocks=blocks)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt in this process",
                        description="Load a model and stream a completion of --prompt to stdout.")

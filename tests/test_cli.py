@@ -23,6 +23,9 @@ def test_generate_streams_the_golden_continuation(golden):
     (["generate", "--prompt", "x " * 1200], "context length"),
     (["generate", "--prompt", "x", "--temperature", "-3"], "temperature"),
     (["generate", "--prompt", "x", "--device", "tpu-ish"], "unknown device"),
+    (["edge", "--kv-cache-memory", "lots"], "--kv-cache-memory: 'lots' is not a size"),
+    (["core", "--kv-cache-memory", "100B", "--secret-file", "/dev/null"], "holds no block"),
+    (["core", "--kv-blocks", "0", "--secret-file", "/dev/null"], "--kv-blocks must be at least 1"),
 ])
 def test_user_errors_are_one_line_and_non_zero(args, needle):
     r = run(*args)

@@ -7,9 +7,17 @@ for per-head layouts one K and one V tensor per layer, shaped
 `k` and `v` are views of (a flat slot index = block_id * block_size + offset). Attention writes and reads through slots;
 `read`/`write` move one sequence's K/V for a range of layers and tokens in and
 out (used by the KV sender and receiver of disaggregated serving).
+
+Memory: on CPU each tensor is an anonymous memory map, zero-filled by the kernel page by page on first
+touch, so the pool's resident size grows with the blocks actually used rather than its capacity
+(`--kv-cache-memory` is a ceiling). Zeros matter: attention reads whole blocks, and a masked NaN from
+unwritten memory would still poison a softmax.
 """
 
 from __future__ import annotations
+
+import math
+import mmap
 
 import torch
 
@@ -26,13 +34,13 @@ class KVPool:
         layers = num_layers if num_layers is not None else config.num_hidden_layers
         if layout.latent:
             shape = (self.num_slots, 1, layout.k_dim + layout.v_dim)
-            self.latent = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+            self.latent = [_zeros(shape, dtype, device) for _ in range(layers)]
             self.k = [t[..., :layout.k_dim] for t in self.latent]
             self.v = [t[..., layout.k_dim:] for t in self.latent]
         else:
             shape = (self.num_slots, layout.heads, layout.k_dim)
-            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+            self.k = [_zeros(shape, dtype, device) for _ in range(layers)]
+            self.v = [_zeros(shape, dtype, device) for _ in range(layers)]
         self.dtype, self.device = dtype, device
 
     @property
@@ -75,3 +83,15 @@ class KVPool:
     def bytes(self) -> int:
         tensors = self.latent if self.layout.latent else self.k + self.v
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A zero tensor; on CPU backed by an anonymous memory map, resident only where touched."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = math.prod(shape) * dtype.itemsize
+    if size == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor keeps the map alive; the map is unmapped when the last view of it goes.
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(memory, dtype=dtype).view(shape)

@@ -70,3 +70,33 @@ def test_engine_in_process_still_serves():
         assert "engine_pid" not in get_json(f"http://127.0.0.1:{port}/stats")
     finally:
         edge.stop()
+
+
+def mapped_libraries(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def test_the_frontend_never_loads_torch_and_the_engine_says_what_kv_it_holds():
+    """The HTTP process stays small: it serves plain, sampled, streamed and structured-output requests without
+    torch ever mapped into it (all tensor work is in the engine process). The engine's start-up log states
+    the KV cache that --kv-cache-memory gave it."""
+    edge, port = start_edge("--kv-cache-memory", "64MiB")
+    try:
+        engine_pid = get_json(f"http://127.0.0.1:{port}/stats")["engine_pid"]
+        base = f"http://127.0.0.1:{port}/v1"
+        post_json(f"{base}/completions", {"model": "pydoc-llama", "prompt": "import os", "max_tokens": 4})
+        post_json(f"{base}/chat/completions", {
+            "model": "pydoc-llama", "messages": [{"role": "user", "content": "a name"}], "max_tokens": 24,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+                "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}})
+        post_json(f"{base}/completions", {"model": "pydoc-llama", "prompt": "def f(x):", "max_tokens": 8,
+                                          "logprobs": 2, "stop": ["\n\n"], "seed": 3, "temperature": 0.8})
+        open_stream(port).close()
+        assert "libtorch" in mapped_libraries(engine_pid)          # the check can see torch where it is
+        assert "libtorch" not in mapped_libraries(edge.proc.pid)
+        # 64 MiB at 2,048 bytes per token (4 layers x 2 x 2 heads x 32 x 4 bytes, fp32) = 2,048 blocks of 16
+        assert "KV cache: 2048 blocks of 16 tokens = 32,768 tokens, 64.0 MiB" in edge.logs()
+        assert get_json(f"http://127.0.0.1:{port}/stats")["blocks_total"] == 2048
+    finally:
+        edge.stop()
