@@ -14,7 +14,9 @@ seven above 100k) with per-thread arenas.
 
 Life cycle: `load_model` and `ModelRunner` call `retain_freed_memory()` when they run on CPU; the settings are
 process-wide and last until exit. A process's resident memory then stays near its peak instead of
-shrinking between steps. No-op off glibc or with EDGECORE_CPU_MALLOC=0.
+shrinking between steps, until the engine has been idle a moment: then `return_free_memory()` hands the
+heap's free pages back to the kernel (a burst's activations do not stay resident while nothing runs).
+No-op off glibc or with EDGECORE_CPU_MALLOC=0.
 """
 
 from __future__ import annotations
@@ -43,12 +45,27 @@ def retain_freed_memory() -> bool:
     return _applied
 
 
-def _mallopt(param: int, value: int) -> bool:
+def return_free_memory() -> None:
+    """Give the heap's free pages back to the kernel (glibc's malloc_trim), if the settings are in effect."""
+    libc = _libc() if _applied else None
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+        trim(0)
+
+
+def _libc():
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
+        return None
+
+
+def _mallopt(param: int, value: int) -> bool:
+    libc = _libc()
+    if libc is None:
         return False
     mallopt = getattr(libc, "mallopt", None)     # glibc; musl has none
     if mallopt is None:

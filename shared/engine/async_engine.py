@@ -29,8 +29,10 @@ from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import EngineDead
 from edgecore.shared.kv.transfer import KVSlice, StreamRoute
+from edgecore.shared.malloc import return_free_memory
 
 log = logging.getLogger("edgecore.engine")
+IDLE_TRIM_S = 1.0      # idle seconds after work before the heap's free pages are returned
 
 
 class AsyncEngine:
@@ -259,11 +261,14 @@ class AsyncEngine:
         if self.threads:
             import torch
             torch.set_num_threads(self.threads)
+        trimmed = True
         try:
             while True:
                 with self._wake:
                     while not self._commands and not engine.has_unfinished() and not self._stopping:
-                        self._wake.wait()
+                        if not self._wake.wait(None if trimmed else IDLE_TRIM_S) and not trimmed:
+                            return_free_memory()      # idle a while: a burst's heap pages go back
+                            trimmed = True
                     if self._stopping:
                         return
                     commands = list(self._commands)
@@ -274,6 +279,7 @@ class AsyncEngine:
                     if replies:
                         self.loop.call_soon_threadsafe(_deliver, replies)
                 if engine.has_unfinished():
+                    trimmed = False
                     outputs = self._hold_collected(engine.step(self.on_layer))
                     self._stats = engine.stats()      # one reference swap: readers see a whole snapshot
                     if outputs:

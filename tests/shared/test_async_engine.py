@@ -84,3 +84,25 @@ async def test_add_if_uncached_below_adds_only_short_uncached_rests():
         assert outs[-1].finished and outs[-1].num_cached_tokens == 32
     finally:
         aengine.stop()
+
+
+async def test_the_heap_is_trimmed_once_after_work_when_the_engine_idles(monkeypatch):
+    from edgecore.shared.engine import async_engine
+    trims = []
+    monkeypatch.setattr(async_engine, "IDLE_TRIM_S", 0.2)
+    monkeypatch.setattr(async_engine, "return_free_memory", lambda: trims.append(1))
+    aengine = AsyncEngine(make_engine())
+    aengine.start()
+    try:
+        await asyncio.sleep(0.5)
+        assert trims == []                      # nothing ran yet: nothing to give back
+        async for _ in aengine.generate("a", list(range(3, 40)), SamplingParams(max_tokens=4)):
+            pass
+        await asyncio.sleep(0.8)
+        assert trims == [1]                     # once, not every timeout while idle
+        async for _ in aengine.generate("b", list(range(3, 40)), SamplingParams(max_tokens=4)):
+            pass
+        await asyncio.sleep(0.8)
+        assert trims == [1, 1]
+    finally:
+        aengine.stop()

@@ -46,3 +46,26 @@ def test_repeated_prefill_reuses_heap_pages():
     applied, default = later_step_faults("0")
     assert applied == "False"
     assert default > 5 * max(tuned, 100)
+
+
+TRIM_PROBE = """
+import torch
+from edgecore.shared.malloc import retain_freed_memory, return_free_memory
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) // 1024
+print(retain_freed_memory())
+burst = [torch.ones(2 << 20) for _ in range(40)]      # 40 x 8 MiB from the heap (under the mmap threshold)
+del burst
+kept = rss_mib()
+return_free_memory()
+print(kept - rss_mib())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a glibc setting")
+def test_an_idle_engine_can_give_a_burst_back():
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out[0] == "True"
+    assert int(out[1]) > 200          # of the burst's 320 MiB kept after it, most goes back
