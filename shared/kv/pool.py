@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 import mmap
 
+import sys
+
 import torch
 
 from edgecore.shared.config import CacheConfig, ModelConfig
@@ -84,6 +86,9 @@ class KVPool:
         tensors = self.latent if self.layout.latent else self.k + self.v
         return sum(t.numel() * t.element_size() for t in tensors)
 
+# No swap reserved for the whole capacity up front (Python < 3.12 lacks the constant; Linux's value).
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
     """A zero tensor; on CPU backed by an anonymous memory map, resident only where touched."""
@@ -93,5 +98,5 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Ten
     if size == 0:
         return torch.zeros(shape, dtype=dtype)
     # The tensor keeps the map alive; the map is unmapped when the last view of it goes.
-    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
     return torch.frombuffer(memory, dtype=dtype).view(shape)
