@@ -4,8 +4,9 @@ Life cycle of a block: free → allocated to one or more sequences (ref_count �
 → once full and computed, registered in the prefix cache under the chained
 hash of its tokens → released (ref_count 0): a hashed block waits in an LRU of
 evictable cached blocks (a later request with the same prefix takes it back),
-an unhashed one returns to the free list. Allocation takes free blocks first,
-then evicts the least recently released cached block.
+an unhashed one returns to the front of the free list. Allocation takes free blocks first (the most
+recently freed first, so a pool mapped lazily stays resident only up to its high-water mark), then
+evicts the least recently released cached block.
 
 Chained hash: hash(block i) = H(hash(block i-1) ‖ tokens of block i), so a hit
 on block i means the whole prefix up to it matches. Only full blocks are ever
@@ -200,9 +201,9 @@ class BlockManager:
             if block.ref_count == 0:
                 if block.hash is not None and self.cached.get(block.hash) == bid:
                     self.evictable[bid] = None
-                else:
+                else:       # reused first: its pages are resident and warm (the pool maps memory lazily)
                     block.hash = None
-                    self.free.append(bid)
+                    self.free.appendleft(bid)
 
     def pin(self, block_ids: list[int]) -> None:
         """Take an extra reference (pinned contexts, transfers in flight)."""

@@ -116,3 +116,17 @@ def test_release_before_keeps_unregistered_blocks_with_caching():
     assert bm.release_before(table, 16) == 2           # block 2 is not registered yet: kept
     assert table.blocks[2] >= 0 and len(bm.evictable) == 2
     assert bm.match_prefix(tokens + [99]) == first_two  # released but cached: a later prefix reuses them
+
+
+def test_freed_blocks_are_reused_before_untouched_ones():
+    """The pool maps its memory lazily: churn must not wander over the whole capacity."""
+    bm = BlockManager(num_blocks=1000, block_size=4, enable_prefix_caching=False)
+    seen = set()
+    for i in range(50):                     # requests of 1-3 blocks come and go, two alive at a time
+        a, b = BlockTable(), BlockTable()
+        bm.allocate_prompt(a, list(range(i % 9 + 1)), 2)
+        bm.allocate_prompt(b, list(range(5)), 4)
+        seen.update(a.blocks + b.blocks)
+        bm.free_table(a)
+        bm.free_table(b)
+    assert max(seen) < 6                    # the high-water mark of blocks alive at once, not 1000
