@@ -10,7 +10,9 @@ hash maps to `gpt-2`); then alternates the engines over `--rounds` rounds:
 - prefill: one 512-token prompt (`S_PP` against the engine's prompt tokens/s);
 - HTTP: `--clients` streaming clients, one connection per request for both servers (llama-server
   closes it after each stream), the same prompts; tokens/s, TTFT and ITL percentiles, peak RSS of
-  each server's process tree (sampled every 50 ms).
+  each server's process tree (sampled every 50 ms); for edgecore also of the HTTP frontend and the engine
+  process apart, and the engine's own memory from its /stats: weights, the KV pool's resident part (blocks
+  ever used; the pool maps its capacity lazily) and everything else (the interpreter, torch, activations).
 Both use `--threads` threads (2) and float32. Ratios are edgecore ÷ llama.cpp, medians over rounds.
 """
 
@@ -155,14 +157,21 @@ def engine_batched(engine, prompt_ids: list[int], npp: int, ntg: int, npl: list[
 
 
 # ---- HTTP ----------------------------------------------------------------------------------
+def rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 def tree_rss(pid: int) -> int:
     """Resident bytes of a process and all its descendants."""
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
+        total += rss(p)
         try:
-            with open(f"/proc/{p}/statm") as f:
-                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
             with open(f"/proc/{p}/task/{p}/children") as f:
                 todo += [int(c) for c in f.read().split()]
         except OSError:
@@ -170,12 +179,15 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-async def http_load(port: int, prompts, clients: int, duration: float, max_tokens: int, pid: int) -> dict:
+async def http_load(port: int, prompts, clients: int, duration: float, max_tokens: int, pid: int,
+                    parts: dict[str, int]) -> dict:
+    """`parts`: processes whose own peak RSS is reported too (name → pid)."""
     import asyncio
     import random
 
     import aiohttp
     ttft, itl, errors, tokens, peak = [], [], 0, 0, 0
+    part_peak = dict.fromkeys(parts, 0)
     stop_at = time.perf_counter() + duration
     rng = random.Random(0)
 
@@ -205,13 +217,21 @@ async def http_load(port: int, prompts, clients: int, duration: float, max_token
         nonlocal peak
         while time.perf_counter() < stop_at + 1:
             peak = max(peak, tree_rss(pid))
+            for name, part in parts.items():
+                part_peak[name] = max(part_peak[name], rss(part))
             await asyncio.sleep(0.05)
 
     t = time.perf_counter()
     await asyncio.gather(sample(), *(worker() for _ in range(clients)))
     elapsed = time.perf_counter() - t - 1
     return {"tokens_per_s": tokens / elapsed, "errors": errors, "peak_rss_mb": peak / 2**20,
+            **{f"peak_rss_{name}_mb": v / 2**20 for name, v in part_peak.items()},
             "ttft_ms": _pcts(ttft), "itl_ms": _pcts(itl)}
+
+
+def _rounded(d: dict) -> dict:
+    return {k: round(v, 1) if isinstance(v, float) else _rounded(v) if isinstance(v, dict) else v
+            for k, v in d.items()}
 
 
 def _pcts(values) -> dict:
@@ -230,6 +250,10 @@ def _wait_http(port: int, path: str, timeout: float = 120) -> None:
         except OSError:
             time.sleep(0.2)
     raise SystemExit(f"server on port {port} did not become ready")
+
+
+def _stats(port: int) -> dict:
+    return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=10).read())
 
 
 def serve_round(server: str, bin_dir: Path, gguf: Path, prompts, args) -> dict:
@@ -251,8 +275,20 @@ def serve_round(server: str, bin_dir: Path, gguf: Path, prompts, args) -> dict:
     try:
         _wait_http(port, ready)
         idle = tree_rss(proc.pid) / 2**20
-        result = asyncio.run(http_load(port, prompts, args.clients, args.duration, args.max_tokens, proc.pid))
+        parts = {}
+        if server == "edgecore":
+            parts = {"frontend": proc.pid, "engine": _stats(port)["engine_pid"]}
+        result = asyncio.run(http_load(port, prompts, args.clients, args.duration, args.max_tokens, proc.pid,
+                                       parts))
         result["idle_rss_mb"] = idle
+        if server == "edgecore":       # the engine's own memory: weights, the KV pool's resident part, the rest
+            stats = _stats(port)
+            weights = stats["weights_bytes"] / 2**20
+            kv = stats["blocks_touched"] * stats["kv_block_bytes"] / 2**20
+            result["engine_memory_mb"] = {
+                "weights": weights, "kv_pool_resident": kv,
+                "kv_pool_capacity": stats["blocks_total"] * stats["kv_block_bytes"] / 2**20,
+                "everything_else": result["peak_rss_engine_mb"] - weights - kv}
         return result
     finally:
         os.killpg(proc.pid, 15)
@@ -311,8 +347,7 @@ def main() -> None:
                 rounds[server].append(serve_round(server, bin_dir, ggufs["bundled"], prompts, args))
         med = {s: max(v, key=lambda x: x["tokens_per_s"]) if len(v) < 3 else sorted(v, key=lambda x: x["tokens_per_s"])[1]
                for s, v in rounds.items()}
-        report["http"] = {**{s: {k: (round(v, 1) if isinstance(v, float) else v) for k, v in m.items()}
-                             for s, m in med.items()},
+        report["http"] = {**{s: _rounded(m) for s, m in med.items()},
                           "tokens_per_s_ratio": round(med["edgecore"]["tokens_per_s"] / med["llama.cpp"]["tokens_per_s"], 3),
                           "peak_rss_ratio": round(med["edgecore"]["peak_rss_mb"] / med["llama.cpp"]["peak_rss_mb"], 3)}
     if "bundled" in report:

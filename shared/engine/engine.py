@@ -44,6 +44,7 @@ from edgecore.shared.kv.block_manager import BlockManager, NoFreeBlocks
 from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.kv.transfer import KVSlice, StreamRoute, needed_from
 from edgecore.shared.metrics import Buckets
+from edgecore.shared.models.layers import weight_bytes
 from edgecore.shared.models.loader import load_model, resolve_dtype
 from edgecore.shared.tokenizer import Tokenizer
 
@@ -76,6 +77,8 @@ class LLMEngine:
         self.grammars: Grammars | None = None     # built on the first request with a grammar
         self.iteration_tokens = Buckets()          # tokens computed per step (a metric)
         self.kv_bytes_per_token = config.kv_bytes_per_token(self.pool.k[0].element_size())
+        self.kv_block_bytes = self.pool.block_bytes
+        self.weights_bytes = weight_bytes(model)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, dtype="auto", device: str = "cpu",
@@ -373,4 +376,7 @@ class LLMEngine:
             iteration_tokens=tuple(self.iteration_tokens.counts),
             iteration_tokens_sum=self.iteration_tokens.total,
             prefix_caching=self.cache_config.enable_prefix_caching,
+            blocks_touched=bm.touched,
+            kv_block_bytes=self.kv_block_bytes,
+            weights_bytes=self.weights_bytes,
         )

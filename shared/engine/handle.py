@@ -46,6 +46,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     iteration_tokens: tuple[int, ...] = ()   # tokens per step: count per bucket of shared/metrics.py (last: above)
     iteration_tokens_sum: int = 0
     prefix_caching: bool = True
+    blocks_touched: int = 0     # blocks ever used: the KV pool's resident part on CPU (it maps memory lazily)
+    kv_block_bytes: int = 0     # bytes of one block (all layers, K and V)
+    weights_bytes: int = 0
 
     @property
     def load(self) -> int:

@@ -76,6 +76,7 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()   # hashed blocks with ref 0, LRU first
         self.cached: dict[int, int] = {}                          # hash → block id
         self.caching = enable_prefix_caching
+        self.touched = 0       # blocks ever handed out: the untouched ones are never resident (ids in order)
         self.hits = 0          # prompt tokens served from the cache (counter)
         self.queries = 0       # prompt tokens looked up (counter)
 
@@ -96,6 +97,7 @@ class BlockManager:
     def _take(self) -> int:
         if self.free:
             bid = self.free.popleft()
+            self.touched = max(self.touched, bid + 1)
         elif self.evictable:
             bid, _ = self.evictable.popitem(last=False)
             old = self.blocks[bid]

@@ -44,6 +44,8 @@ class KVPool:
             self.k = [_zeros(shape, dtype, device) for _ in range(layers)]
             self.v = [_zeros(shape, dtype, device) for _ in range(layers)]
         self.dtype, self.device = dtype, device
+        self.block_bytes = self.block_size * sum(t[0].numel() * t.element_size()
+                                                 for t in (self.latent if layout.latent else self.k + self.v))
 
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:

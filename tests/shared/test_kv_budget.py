@@ -51,3 +51,15 @@ def test_a_cpu_pool_is_zero_and_resident_only_where_written():
     assert torch.equal(got_k[4:20], k) and torch.equal(got_v[4:20], -k)
     assert got_k[:4].abs().sum() == 0 and got_k[20:].abs().sum() == 0
     assert all(float(t[-16:].abs().sum()) == 0 for t in pool.k + pool.v)     # the far end reads as zeros
+
+
+def test_the_engine_reports_its_memory_parts():
+    from edgecore.shared.engine.sampling_params import SamplingParams
+    from tests.conftest import make_engine
+    engine = make_engine()
+    stats = engine.stats()
+    assert stats.weights_bytes >= sum(p.numel() * 4 for p in engine.model.parameters()) > 0
+    assert stats.kv_block_bytes == 16 * 2048 and stats.blocks_touched == 0
+    for _ in range(3):                      # the same 40-token request again and again: 3 blocks, reused
+        engine.generate([list(range(3, 40))], SamplingParams(max_tokens=5))
+    assert engine.stats().blocks_touched == 3
