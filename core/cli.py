@@ -61,6 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_core(args: argparse.Namespace) -> int:
+    import logging
+
     from edgecore.core.http import ControlPort, check_control_port, protection
     from edgecore.core.server import CoreConfig, CoreServer
     from edgecore.core.transfer import HandoverLimits
@@ -82,7 +84,10 @@ def run_core(args: argparse.Namespace) -> int:
                           read_api_keys(args.push_api_key_file)[0] if args.push_api_key_file else None)
     engine_threads = reserve_threads_for_engine()
     model_dir, device = args.model or default_model(), resolve_device(args.device)
-    cache = kv_cache_config(args, ModelConfig.from_dir(model_dir), resolve_dtype(args.dtype, device).itemsize,
+    pp_split = [int(x) for x in args.pp_split.split(",")] if args.pp_split else None
+    if args.tp * args.pp != 1:
+        _check_parallel(model_dir, pp_split, args)         # one line before anything else is said or started
+    cache, kv_line = kv_cache_config(args, ModelConfig.from_dir(model_dir), resolve_dtype(args.dtype, device).itemsize,
                             tp=args.tp)
     ssl = tls_context(True, args.tls_cert, args.tls_key, args.tls_ca, args.tls_ca is not None) \
         if args.tls_cert else None
@@ -93,32 +98,31 @@ def run_core(args: argparse.Namespace) -> int:
                         name=args.name, ssl=ssl, data_dir=args.data_dir,
                         api_keys=api_keys, control=control,
                         max_file_bytes=int(args.max_file_mb * 1024 * 1024), tp=args.tp, pp=args.pp,
-                        pp_split=[int(x) for x in args.pp_split.split(",")] if args.pp_split else None,
+                        pp_split=pp_split,
                         pp_micro_batches=args.pp_micro_batches, gather_kv=args.gather_kv,
                         stream_layers=not args.kv_after_prefill, engine_threads=engine_threads,
                         rendezvous=args.rendezvous,
                         handover=HandoverLimits(args.handover_max_tokens, args.handover_max_seconds,
                                                 args.handover_refuse_waiting))
-    if args.tp * args.pp != 1:
-        _check_parallel(config, args)         # one line before any rank starts
     core = CoreServer(config)
 
     async def start():
         await core.start()
+        logging.getLogger("edgecore.kv").info(kv_line)
         print(f"edgecore core '{args.name}' ready: protocol {host}:{core.port}, "
               f"http http://{http_host}:{core.http_port} ({protection(http_host, api_keys)})", flush=True)
 
     return run_service(start, core.stop)
 
 
-def _check_parallel(config, args: argparse.Namespace) -> None:
+def _check_parallel(model_dir: str, pp_split: list[int] | None, args: argparse.Namespace) -> None:
     from edgecore.shared.config import ModelConfig
     from edgecore.shared.errors import ConfigError
     from edgecore.shared.parallel import check_parallel
     from edgecore.shared.secrets import parse_hostport
     parse_hostport(args.rendezvous)
     try:
-        check_parallel(ModelConfig.from_dir(config.model_dir), args.tp, args.pp, config.pp_split)
+        check_parallel(ModelConfig.from_dir(model_dir), args.tp, args.pp, pp_split)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

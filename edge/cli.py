@@ -176,6 +176,8 @@ def _local_prefill_below(value: str) -> int | None:
 
 
 def _edge_engine(args: argparse.Namespace, model_dir: str, codecs: list[str], local_below: int | None):
+    import logging
+
     from edgecore.edge.engine import EdgeConfig, EdgeEngine
     from edgecore.protocol.transport import tls_context
     from edgecore.shared.cli import kv_cache_config
@@ -186,7 +188,8 @@ def _edge_engine(args: argparse.Namespace, model_dir: str, codecs: list[str], lo
 
     engine_threads = reserve_threads_for_engine()
     device = resolve_device(args.device)
-    cache = kv_cache_config(args, ModelConfig.from_dir(model_dir), resolve_dtype(args.dtype, device).itemsize)
+    cache, kv_line = kv_cache_config(args, ModelConfig.from_dir(model_dir), resolve_dtype(args.dtype, device).itemsize)
+    logging.getLogger("edgecore.kv").info(kv_line)
     cores = [parse_hostport(c) for c in args.core]
     core_dns = [parse_hostport(c) for c in args.core_dns]
     ssl = tls_context(False, args.tls_cert, args.tls_key, args.tls_ca) if args.tls_ca else None

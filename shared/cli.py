@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from edgecore.shared.env import default_model, resolve_device
 
@@ -25,11 +26,9 @@ def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache blocks of 16 tokens, instead of sizing the cache from --kv-cache-memory")
 
 
-def kv_cache_config(args: argparse.Namespace, config, value_bytes: int, tp: int = 1):
-    """The CacheConfig from --kv-blocks or --kv-cache-memory, logged as the start-up line that says what a
-    deployment gets; a size that holds no block is a ConfigError."""
-    import logging
-
+def kv_cache_config(args: argparse.Namespace, config, value_bytes: int, tp: int = 1) -> tuple[Any, str]:
+    """The CacheConfig from --kv-blocks or --kv-cache-memory, and the start-up line that says what a deployment
+    gets (for the log, once the node starts); a size that holds no block is a ConfigError."""
     from edgecore.shared.config import CacheConfig
     from edgecore.shared.errors import ConfigError
     from edgecore.shared.kv.budget import describe, kv_blocks, parse_size
@@ -43,8 +42,7 @@ def kv_cache_config(args: argparse.Namespace, config, value_bytes: int, tp: int 
             blocks = kv_blocks(config, value_bytes, block_size, parse_size(args.kv_cache_memory), tp)
     except ValueError as exc:
         raise ConfigError(f"--kv-cache-memory: {exc}" if args.kv_blocks is None else str(exc)) from None
-    logging.getLogger("edgecore.kv").info(describe(config, value_bytes, block_size, blocks, tp))
-    return CacheConfig(num_blocks=blocks)
+    return CacheConfig(num_blocks=blocks), describe(config, value_bytes, block_size, blocks, tp)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
