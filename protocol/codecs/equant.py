@@ -18,7 +18,7 @@ Scheme (per plane [layers, tokens, heads, dim]):
   keys with RoPE in, whose channels drift with position; the fine span forms
   its own groups). For each layer, group, head and channel: centre = mean,
   step = factor × standard deviation (factor per kind and layer, from the
-  level) but at least max|x − centre| / 7.5, so nothing is clipped; both
+  level) but at least max|x − centre| / 7.49, so nothing is clipped; both
   stored as float16.
   code = clip(round((x − centre) / step), −8, 7): a 4-bit signed code whose
   entropy, not its width, sets the rate.
@@ -87,8 +87,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgecore.protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, check_bits, from_float32, safe_inverse,
-                                           zstd_compress, zstd_decompress)
+from edgecore.protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, bits_to_f32, check_bits, safe_inverse,
+                                           scratch, store_f32, zstd_compress, zstd_decompress)
+from edgecore.protocol.codecs.columns import column_mean_std, column_reduce
 from edgecore.protocol.codecs.lossless import LosslessCodec
 from edgecore.protocol.codecs.rope import rotate
 from edgecore.protocol.errors import CodecError
@@ -97,6 +98,11 @@ HEADER = struct.Struct("<BBBBIIIIIIII")
 VERSION = 1
 EXACT_HEAD = 4
 FLAG_F32, FLAG_UNROTATED = 1, 2
+# The guard's step covers max|x − centre| / GUARD: under 7.5 by more than a float16 rounding of the step
+# (2^-11), so every code (x − centre)/step + 8.5 stays below 16 without a clip; and the clip is kept where
+# |centre/step| ≥ _NO_CLIP, whose float32 cancellation could exceed that margin.
+GUARD = 7.49
+_NO_CLIP = 4096.0
 _CRC = struct.Struct("<I")
 _lossless = LosslessCodec()
 
@@ -111,7 +117,7 @@ class Level:
     fine_factor: float = 0.25
     group: int = 1024           # tokens per group
     rotated_key_group: int = 128    # tokens per group of keys coded with RoPE in (they drift with position)
-    guard: bool = True          # step ≥ max deviation / 7.5: no value clipped
+    guard: bool = True          # step ≥ max deviation / GUARD: no value clipped
     head_step: bool = False     # experiment: one step per head (factor × RMS of its channels' std), not per channel
     key_layers: tuple[float, ...] = ()      # per-layer multipliers of key_factor (layer i; 1.0 beyond)
     value_layers: tuple[float, ...] = ()
@@ -133,70 +139,64 @@ def groups(n_main: int, n_fine: int, group: int) -> list[tuple[int, int]]:
     return out + [(n_main + s, n_main + min(s + group, n_fine)) for s in range(0, n_fine, group)]
 
 
-def _to_f32(bits: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":
-        return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
-    if dtype == "float16":
-        return bits.view(np.float16).astype(np.float32)
-    return bits.view(np.float32)
-
-
-def _from_f32(x: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 → the plane's bits; bfloat16 rounds half away from zero (ties are not worth a pass in a lossy codec)."""
-    if dtype != "bfloat16":
-        return from_float32(x, dtype)
-    u = x.view(np.uint32)
-    u += 0x8000
-    return np.right_shift(u, 16, dtype=np.uint32).astype(np.uint16)
-
-
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:
-    """uint8 codes < 16 → two per byte, the first in the low nibble (an odd count is padded with code 8)."""
+    """uint8 codes < 16 → two per byte, the first in the low nibble (an odd count is padded with code 8).
+    Returns a per-thread scratch array, valid until this thread's next call."""
     if codes.size % 2:
         codes = np.append(codes, np.uint8(8))
     pairs = codes.view(np.uint16)            # little-endian: first code in the low byte
-    return (pairs | (pairs >> 4)).astype(np.uint8)
+    tmp = scratch("pack", pairs.shape, np.uint16)
+    np.right_shift(pairs, 4, out=tmp)
+    tmp |= pairs
+    out = scratch("packed", pairs.shape, np.uint8)
+    np.copyto(out, tmp, casting="unsafe")
+    return out
 
 
 def unpack_nibbles(data, n: int) -> np.ndarray:
-    """Inverse of pack_nibbles: the first n codes."""
-    packed = np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
-    packed |= packed << 4
+    """Inverse of pack_nibbles: the first n codes (a per-thread scratch array, valid until the next call)."""
+    src = np.frombuffer(data, dtype=np.uint8)
+    packed, tmp = scratch("unpack", src.shape, np.uint16), scratch("unpack_t", src.shape, np.uint16)
+    np.copyto(packed, src)
+    np.left_shift(packed, 4, out=tmp)
+    packed |= tmp
     packed &= 0x0F0F
     return packed.view(np.uint8)[:n]
 
 
 def _params(x: np.ndarray, factor: np.ndarray, guard: bool, head_step: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """x [layers, n, heads, dim] float32 → centre, step [layers, 1, heads, dim] float32. With `guard`, the step
-    is at least max|x − centre| / 7.5, so that no value is clipped (an outlier coarsens its own channel)."""
-    centre, step = _mean_std(x, factor)
+    """x [layers, n, heads, dim] float32 → centre, step [layers, 1, heads, dim] float32; the centre is rounded to
+    float16 where it fits (as it travels). With `guard`, the step is at least max|x − centre| / GUARD, so that no
+    value is clipped (an outlier coarsens its own channel)."""
+    layers, n, heads, dim = x.shape
+    rows = x.reshape(layers, n, heads * dim)
+    centre, std = column_mean_std(rows)
+    with np.errstate(over="ignore"):
+        c16 = centre.astype(np.float16)
+    if np.isfinite(c16).all():
+        centre = c16.astype(np.float32)
+    step = std * factor.reshape(-1, 1)
+    shape = (layers, 1, heads, dim)
     if head_step:       # equal absolute steps within a head: MSE-optimal for entropy-coded channels
-        step = np.broadcast_to(np.sqrt((step * step).mean(axis=-1, keepdims=True)), step.shape).copy()
+        step = step.reshape(shape)
+        step = np.broadcast_to(np.sqrt((step * step).mean(axis=-1, keepdims=True)), shape).reshape(layers, -1)
     if guard:
-        dev = np.maximum(x.max(axis=1, keepdims=True) - centre, centre - x.min(axis=1, keepdims=True))
-        step = np.maximum(step, dev * np.float32(1 / 7.5))
-    return centre, step
+        dev = np.maximum(column_reduce(np.maximum, rows) - centre, centre - column_reduce(np.minimum, rows))
+        step = np.maximum(step, dev * np.float32(1 / GUARD))
+    return centre.reshape(shape), np.ascontiguousarray(step, dtype=np.float32).reshape(shape)
 
 
-def _mean_std(x: np.ndarray, factor: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    centre = x.mean(axis=1, keepdims=True)
-    with np.errstate(over="ignore", invalid="ignore"):
-        sq = np.einsum("ltHd,ltHd->lHd", x, x)[:, None] / x.shape[1]
-        var = sq - centre * centre
-    if not np.isfinite(var).all():      # |x| beyond ~1e19: float32 squares overflow, redo in float64
-        x64 = x.astype(np.float64)
-        var = x64.var(axis=1, keepdims=True)
-        return centre, (np.sqrt(var) * factor).astype(np.float32)
-    return centre, np.sqrt(np.maximum(var, 0.0)) * factor
-
-
-def _encode_group(x: np.ndarray, centre: np.ndarray, step: np.ndarray, out: np.ndarray) -> None:
-    """Codes + 8 (0..15) of x into out (uint8, same shape)."""
+def _encode_group(x: np.ndarray, centre: np.ndarray, step: np.ndarray, out: np.ndarray, guarded: bool) -> None:
+    """Codes + 8 (0..15) of x into out (uint8, same shape); x (scratch) is clobbered. `guarded`: the step
+    covers every deviation from this (float16-exact) centre, so the clip is skipped when float32 rounding
+    cannot push a code out of 0..15 (|centre / step| small: no cancellation)."""
     inv = safe_inverse(step)
-    y = x * inv
-    y += (8.5 - centre * inv)
-    np.clip(y, 0.0, 15.5, out=y)
-    np.copyto(out, y, casting="unsafe")     # truncation of y ≥ 0: round half up
+    off = 8.5 - centre * inv
+    x *= inv
+    x += off
+    if not guarded or not np.abs(off).max() < _NO_CLIP:
+        np.clip(x, 0.0, 15.5, out=x)
+    np.copyto(out, x, casting="unsafe")     # truncation of x ≥ 0: round half up
 
 
 class EntropyQuantCodec(Codec):
@@ -223,9 +223,9 @@ class EntropyQuantCodec(Codec):
         group = self.level.group
         params, codes_z, flags = b"", b"", 0
         if c > a:
-            x = _to_f32(bits[:, a:c], info.dtype)
+            x = bits_to_f32(bits[:, a:c], info.dtype, scratch("eq_x", (layers, c - a, heads, dim), np.float32))
             if info.kind == "k" and info.rope is not None and dim % 2 == 0:
-                x = rotate(x, info.rope, info.token_start + a, inverse=True)
+                x = rotate(x, info.rope, info.token_start + a, inverse=True, out=scratch("eq_r", x.shape, np.float32))
                 flags |= FLAG_UNROTATED
             elif info.kind == "k":
                 group = self.level.rotated_key_group
@@ -244,9 +244,10 @@ class EntropyQuantCodec(Codec):
             else:
                 flags |= FLAG_F32
                 params = centre.tobytes() + step.tobytes()
-            codes = np.empty(x.shape, dtype=np.uint8)
+            codes = scratch("eq_codes", x.shape, np.uint8)
+            guarded = self.level.guard and not flags & FLAG_F32
             for g, (s, e) in enumerate(spans):
-                _encode_group(x[:, s:e], centre[:, g:g + 1], step[:, g:g + 1], codes[:, s:e])
+                _encode_group(x[:, s:e], centre[:, g:g + 1], step[:, g:g + 1], codes[:, s:e], guarded)
             codes_z = zstd_compress(pack_nibbles(codes.reshape(-1)))
         body = b"".join((exact_bytes, params, codes_z))
         head = HEADER.pack(VERSION, 0 if info.kind == "k" else 1, flags, 0, group, a, c - b, tokens - c,
@@ -285,8 +286,8 @@ class EntropyQuantCodec(Codec):
             x = self._dequantize(view[pos:], flags, groups(tq - n_fine, n_fine, group), (layers, tq, heads, dim),
                                  p_len)
             if rope is not None:
-                x = rotate(x, rope, info.token_start + n_head, inverse=False)
-            out[:, n_head:tokens - n_tail] = _from_f32(x, info.dtype)
+                x = rotate(x, rope, info.token_start + n_head, inverse=False, out=scratch("eq_r", x.shape, np.float32))
+            store_f32(x, info.dtype, out[:, n_head:tokens - n_tail])
         elif p_len or c_len:
             raise CodecError(f"{self.name} plane has codes but no quantized tokens")
         return out
@@ -302,9 +303,10 @@ class EntropyQuantCodec(Codec):
         params = np.frombuffer(view[:p_len], dtype=pdtype).astype(np.float32).reshape(2, layers, ng, heads, dim)
         n = layers * tq * heads * dim
         codes = unpack_nibbles(zstd_decompress(view[p_len:], (n + 1) // 2), n).reshape(shape)
-        x = np.empty(shape, dtype=np.float32)
+        x = scratch("eq_x", shape, np.float32)
+        np.copyto(x, codes)
         for g, (s, e) in enumerate(spans):
             centre, step = params[0, :, g:g + 1], params[1, :, g:g + 1]
-            np.multiply(codes[:, s:e], step, out=x[:, s:e])
+            x[:, s:e] *= step
             x[:, s:e] += centre - 8.0 * step
         return x
