@@ -15,6 +15,8 @@ every value with the one half a row ahead (51 µs for max over 1864 × 32 values
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from edgecore.protocol.codecs.base import scratch
@@ -37,11 +39,18 @@ def column_reduce(op: np.ufunc, rows: np.ndarray) -> np.ndarray:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _weights(n: int) -> np.ndarray:
+    w = np.full(n, 1.0 / n, dtype=np.float32)
+    w.flags.writeable = False
+    return w
+
+
 def column_mean_std(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Mean and (population) standard deviation over axis 1 of rows [layers, n, width] float32 → two
     [layers, width] float32 arrays. Squares that overflow float32 (|x| beyond ~1e19) are redone in float64."""
     layers, n, width = rows.shape
-    ones = np.full(n, 1.0 / n, dtype=np.float32)
+    ones = _weights(n)
     mean = np.matmul(ones, rows)
     with np.errstate(over="ignore", invalid="ignore"):
         sq = np.square(rows, out=scratch("col_sq", rows.shape, np.float32))

@@ -103,6 +103,7 @@ FLAG_F32, FLAG_UNROTATED = 1, 2
 # |centre/step| ≥ _NO_CLIP, whose float32 cancellation could exceed that margin.
 GUARD = 7.49
 _NO_CLIP = 4096.0
+_FEW = 64           # tokens of a group up to which plain numpy reductions beat columns.py's (call overhead)
 _CRC = struct.Struct("<I")
 _lossless = LosslessCodec()
 
@@ -170,7 +171,13 @@ def _params(x: np.ndarray, factor: np.ndarray, guard: bool, head_step: bool = Fa
     value is clipped (an outlier coarsens its own channel)."""
     layers, n, heads, dim = x.shape
     rows = x.reshape(layers, n, heads * dim)
-    centre, std = column_mean_std(rows)
+    if n <= _FEW:           # the fine span: numpy's reductions, fewer calls
+        with np.errstate(over="ignore", invalid="ignore"):
+            centre, std = rows.mean(axis=1), rows.std(axis=1, dtype=np.float64).astype(np.float32)
+        mx, mn = (rows.max(axis=1), rows.min(axis=1)) if guard else (None, None)
+    else:
+        centre, std = column_mean_std(rows)
+        mx, mn = (column_reduce(np.maximum, rows), column_reduce(np.minimum, rows)) if guard else (None, None)
     with np.errstate(over="ignore"):
         c16 = centre.astype(np.float16)
     if np.isfinite(c16).all():
@@ -181,22 +188,27 @@ def _params(x: np.ndarray, factor: np.ndarray, guard: bool, head_step: bool = Fa
         step = step.reshape(shape)
         step = np.broadcast_to(np.sqrt((step * step).mean(axis=-1, keepdims=True)), shape).reshape(layers, -1)
     if guard:
-        dev = np.maximum(column_reduce(np.maximum, rows) - centre, centre - column_reduce(np.minimum, rows))
+        dev = np.maximum(mx - centre, centre - mn)
         step = np.maximum(step, dev * np.float32(1 / GUARD))
     return centre.reshape(shape), np.ascontiguousarray(step, dtype=np.float32).reshape(shape)
 
 
-def _encode_group(x: np.ndarray, centre: np.ndarray, step: np.ndarray, out: np.ndarray, guarded: bool) -> None:
-    """Codes + 8 (0..15) of x into out (uint8, same shape); x (scratch) is clobbered. `guarded`: the step
-    covers every deviation from this (float16-exact) centre, so the clip is skipped when float32 rounding
+def _quantize(x: np.ndarray, spans, centre: np.ndarray, step: np.ndarray, guarded: bool) -> np.ndarray:
+    """Codes + 8 (0..15) of x [layers, tq, heads, dim] (scratch, clobbered) with group g's centre/step
+    [layers, g, heads, dim] over tokens spans[g] → a scratch uint8 array of x's shape. `guarded`: every step
+    covers every deviation from its (float16-exact) centre, so the clip is skipped where float32 rounding
     cannot push a code out of 0..15 (|centre / step| small: no cancellation)."""
     inv = safe_inverse(step)
     off = 8.5 - centre * inv
-    x *= inv
-    x += off
+    for g, (s, e) in enumerate(spans):
+        block = x[:, s:e]
+        block *= inv[:, g:g + 1]
+        block += off[:, g:g + 1]
     if not guarded or not np.abs(off).max() < _NO_CLIP:
         np.clip(x, 0.0, 15.5, out=x)
-    np.copyto(out, x, casting="unsafe")     # truncation of x ≥ 0: round half up
+    codes = scratch("eq_codes", x.shape, np.uint8)
+    np.copyto(codes, x, casting="unsafe")     # truncation of x ≥ 0: round half up
+    return codes
 
 
 class EntropyQuantCodec(Codec):
@@ -244,10 +256,7 @@ class EntropyQuantCodec(Codec):
             else:
                 flags |= FLAG_F32
                 params = centre.tobytes() + step.tobytes()
-            codes = scratch("eq_codes", x.shape, np.uint8)
-            guarded = self.level.guard and not flags & FLAG_F32
-            for g, (s, e) in enumerate(spans):
-                _encode_group(x[:, s:e], centre[:, g:g + 1], step[:, g:g + 1], codes[:, s:e], guarded)
+            codes = _quantize(x, spans, centre, step, self.level.guard and not flags & FLAG_F32)
             codes_z = zstd_compress(pack_nibbles(codes.reshape(-1)))
         body = b"".join((exact_bytes, params, codes_z))
         head = HEADER.pack(VERSION, 0 if info.kind == "k" else 1, flags, 0, group, a, c - b, tokens - c,
