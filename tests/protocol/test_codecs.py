@@ -215,8 +215,8 @@ def test_column_and_row_reductions_match_numpy():
 
 @pytest.mark.parametrize("name", ENTROPY)
 def test_biased_channel_keeps_its_codes_in_range(name):
-    """A channel far from zero with a tiny spread (|centre / step| in the thousands) must not wrap its codes
-    (the unclipped fast path is only taken where float32 cancellation cannot push them out of 0..15)."""
+    """A channel far from zero with a tiny spread (|centre / step| in the thousands, where float32 cancellation
+    can push a code past 0..15) decodes close: codes never wrap."""
     rng = np.random.default_rng(6)
     x = rng.standard_normal((1, 300, 2, 16)).astype(np.float32)
     x[..., 3] = 3000.0 + rng.standard_normal((1, 300, 2)) * 0.01
