@@ -65,12 +65,17 @@ heldout.txt, bf16), on this 2-core machine:
 
 Reached (bench/results/kv_rd*.json, 30 × 256-token prompts, levels with the
 model's allocation; ratio vs bf16 / perplexity increase / greedy agreement):
-pydoc-llama q4e 0.240 / −0.07% / 0.980, q3e 0.197 / +0.25% / 0.971, q2e 0.178 /
-+0.51% / 0.965; pystd-llama q4e 0.204 / +0.05% / 0.982, q3e 0.162 / +0.10% /
+pydoc-llama q4e 0.240 / −0.09% / 0.979, q3e 0.197 / +0.24% / 0.972, q2e 0.178 /
++0.50% / 0.965; pystd-llama q4e 0.204 / +0.05% / 0.982, q3e 0.162 / +0.10% /
 0.974, q2e 0.146 / +0.00% / 0.975. So ≤ 0.25× within +0.3% on both (q4e); ≤ 0.15×
 within +1% and ≥ 97% agreement on pystd-llama (q2e), not on pydoc-llama, whose
 smallest level keeping 97% is q3e at 0.197 (no tested setting ≤ 0.15× kept more
 than 96%; perplexity differences under ~0.5% are within this bench's noise).
+Where pydoc-llama's q2e bytes go (bench/kv_codec.py `breakdown`, share of bf16
+bytes at 256 / 1000 tokens): codes 0.151 / 0.131 (2.46 / 2.11 bit per quantized
+value), centres + steps 0.016 / 0.004, exact sinks 0.012 / 0.003, headers 0.001 /
+0.0003. Side information is a tenth of the bytes at 256 tokens: 0.15× needs
+cheaper codes at equal quality, not cheaper headers.
 
 Byte layout: header `HEADER` (version 1, kind 0 K / 1 V, flags (bit 0: params are
 float32; bit 1: keys coded with RoPE removed), 0, group, n_head, n_fine, n_tail,
