@@ -8,8 +8,10 @@ model's RoPE given, as on the live path (shared/kv/wire.py `codec_rope`);
 the model's bit allocation is not (it moves bytes between layers, not speed).
 
 The machine is shared, so every speed also comes as a ratio to baselines
-measured in the same run on the same bytes: a memcpy and lz4 (frame, default
-level) compress / decompress. With `--before REF`, the codecs of git revision
+measured in the same run on the same bytes: a memcpy, lz4 (frame, default
+level) compress / decompress, and `quantize_floor`, the passes every q*e encode
+makes whatever its statistics (widen, multiply-add, clip, cast, pack, zstd-1):
+a bound on what numpy on this machine allows. With `--before REF`, the codecs of git revision
 REF (protocol/ at REF, imported under another package name) are measured
 interleaved with today's, plane by plane, so before/after share the machine's
 load.
@@ -98,9 +100,24 @@ def codecs_at(ref: str) -> dict:
     return importlib.import_module(f"{name}.protocol.codecs").CODECS
 
 
+def quantize_floor(bits: np.ndarray) -> bytes:
+    """The least a q*e encoder does to a plane, with no statistics and no RoPE: widen bf16 to float32, one
+    per-channel multiply and add, clip, cast to codes, pack nibbles, zstd-1 (a speed floor, not a codec)."""
+    from edgecore.protocol.codecs.base import bits_to_f32, scratch, zstd_compress
+    from edgecore.protocol.codecs.equant import pack_nibbles
+    x = bits_to_f32(bits, "bfloat16", scratch("floor_x", bits.shape, np.float32))
+    x *= np.float32(3.0)
+    x += np.full(bits.shape[2:], 8.5, dtype=np.float32)
+    np.clip(x, 0.0, 15.5, out=x)
+    codes = scratch("floor_codes", bits.shape, np.uint8)
+    np.copyto(codes, x, casting="unsafe")
+    return zstd_compress(pack_nibbles(codes.reshape(-1)))
+
+
 def baselines(planes, repeats: int) -> dict:
     raw = sum(p.nbytes for _, _, p, _ in planes)
-    best = {"memcpy": float("inf"), "lz4_compress": float("inf"), "lz4_decompress": float("inf")}
+    best = {"memcpy": float("inf"), "lz4_compress": float("inf"), "lz4_decompress": float("inf"),
+            "quantize_floor": float("inf")}
     for _ in range(repeats):
         spent = dict.fromkeys(best, 0.0)
         for _, _, bits, _ in planes:
@@ -114,6 +131,9 @@ def baselines(planes, repeats: int) -> dict:
             t = time.thread_time()
             lz4.frame.decompress(z)
             spent["lz4_decompress"] += time.thread_time() - t
+            t = time.thread_time()
+            quantize_floor(bits)
+            spent["quantize_floor"] += time.thread_time() - t
         best = {k: min(best[k], spent[k]) for k in best}
     return {k: round(raw / max(v, 1e-9) / 1e6) for k, v in best.items()}
 
@@ -253,6 +273,7 @@ def main():
             row["encode_vs_lz4_compress"] = round(row["encode_MBps_per_core"] / base["lz4_compress"], 3)
             row["decode_vs_lz4_decompress"] = round(row["decode_MBps_per_core"] / base["lz4_decompress"], 3)
             row["encode_vs_memcpy"] = round(row["encode_MBps_per_core"] / base["memcpy"], 4)
+            row["encode_vs_quantize_floor"] = round(row["encode_MBps_per_core"] / base["quantize_floor"], 3)
             row["decode_vs_memcpy"] = round(row["decode_MBps_per_core"] / base["memcpy"], 4)
             row["target"] = TARGETS.get(name)
     sliding = None
