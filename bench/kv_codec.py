@@ -8,8 +8,10 @@ model's RoPE given, as on the live path (shared/kv/wire.py `codec_rope`);
 the model's bit allocation is not (it moves bytes between layers, not speed).
 
 The machine is shared, so every speed also comes as a ratio to baselines
-measured in the same run on the same bytes: a memcpy and lz4 (frame, default
-level) compress / decompress. With `--before REF`, the codecs of git revision
+measured in the same run on the same bytes: a memcpy, lz4 (frame, default
+level) compress / decompress, and `quantize_floor`, the passes every q*e encode
+makes whatever its statistics (widen, multiply-add, clip, cast, pack, zstd-1):
+a bound on what numpy on this machine allows. With `--before REF`, the codecs of git revision
 REF (protocol/ at REF, imported under another package name) are measured
 interleaved with today's, plane by plane, so before/after share the machine's
 load.
@@ -18,6 +20,11 @@ Sliding-window row (`sliding_window`): one 2k-token prompt through the bundled
 model as is (full attention) and through the same weights with a 128-token
 sliding window; bytes each codec puts on the wire when each layer sends only
 what the edge can still attend to (docs/wire-format.md section 10).
+
+Byte breakdown (`breakdown`, `--breakdown 256,1000`): for each entropy-coded level at each prompt
+length (whole prompts as one chunk per layer, as bench/kv_rd.py codes them), the share of bf16 bytes
+spent on headers + CRC, exact (sink/recent) tokens, centres + steps, and codes, with the codes' bits
+per quantized value.
 
 `--model models/pystd-mla` measures the trained MLA model's latent KV instead (planes "latent" and
 "rope" in the K and V places, as on the wire; the rope plane coded one step finer, `plane_codecs`) and
@@ -93,9 +100,24 @@ def codecs_at(ref: str) -> dict:
     return importlib.import_module(f"{name}.protocol.codecs").CODECS
 
 
+def quantize_floor(bits: np.ndarray) -> bytes:
+    """The least a q*e encoder does to a plane, with no statistics and no RoPE: widen bf16 to float32, one
+    per-channel multiply and add, clip, cast to codes, pack nibbles, zstd-1 (a speed floor, not a codec)."""
+    from edgecore.protocol.codecs.base import bits_to_f32, scratch, zstd_compress
+    from edgecore.protocol.codecs.equant import pack_nibbles
+    x = bits_to_f32(bits, "bfloat16", scratch("floor_x", bits.shape, np.float32))
+    x *= np.float32(3.0)
+    x += np.full(bits.shape[2:], 8.5, dtype=np.float32)
+    np.clip(x, 0.0, 15.5, out=x)
+    codes = scratch("floor_codes", bits.shape, np.uint8)
+    np.copyto(codes, x, casting="unsafe")
+    return zstd_compress(pack_nibbles(codes.reshape(-1)))
+
+
 def baselines(planes, repeats: int) -> dict:
     raw = sum(p.nbytes for _, _, p, _ in planes)
-    best = {"memcpy": float("inf"), "lz4_compress": float("inf"), "lz4_decompress": float("inf")}
+    best = {"memcpy": float("inf"), "lz4_compress": float("inf"), "lz4_decompress": float("inf"),
+            "quantize_floor": float("inf")}
     for _ in range(repeats):
         spent = dict.fromkeys(best, 0.0)
         for _, _, bits, _ in planes:
@@ -109,6 +131,9 @@ def baselines(planes, repeats: int) -> dict:
             t = time.thread_time()
             lz4.frame.decompress(z)
             spent["lz4_decompress"] += time.thread_time() - t
+            t = time.thread_time()
+            quantize_floor(bits)
+            spent["quantize_floor"] += time.thread_time() - t
         best = {k: min(best[k], spent[k]) for k in best}
     return {k: round(raw / max(v, 1e-9) / 1e6) for k, v in best.items()}
 
@@ -146,6 +171,32 @@ def measure(sets: dict[str, dict], planes, rope, repeats: int, mla: bool = False
                                  "decode_MBps_per_core": round(raw / dec / 1e6)}
         progress(f"{name}: " + "  ".join(f"{label} {rows[label][name]}" for label in sets))
     return rows
+
+
+def breakdown(lengths: list[int], model: Path) -> dict:
+    """{length: {level: byte shares}} of the entropy-coded levels on real KV (see the module doc)."""
+    from edgecore.protocol.codecs.equant import HEADER, EntropyQuantCodec
+    out = {}
+    for length in lengths:
+        planes, rope = real_planes(max(2, 4096 // length), length, model)
+        raw = sum(p.nbytes for _, _, p, _ in planes)
+        rows = {}
+        for name, codec in CODECS.items():
+            if not isinstance(codec, EntropyQuantCodec):
+                continue
+            acc, quantized = {"header": 0, "exact": 0, "params": 0, "codes": 0}, 0
+            for kind, layer, bits, total in planes:
+                info = PlaneInfo("bfloat16", bits.shape, kind, 0, total, layer, rope if kind == "k" else None)
+                head = HEADER.unpack_from(bytes(codec.encode(bits, info)))
+                for key, size in zip(acc, (HEADER.size, *head[8:11])):
+                    acc[key] += size
+                quantized += bits.size // bits.shape[1] * (bits.shape[1] - head[5] - head[7])
+            rows[name] = {"ratio_vs_bf16": round(sum(acc.values()) / raw, 4),
+                          **{f"{k}_vs_bf16": round(v / raw, 4) for k, v in acc.items()},
+                          "code_bits_per_quantized_value": round(8 * acc["codes"] / max(quantized, 1), 3)}
+        out[str(length)] = rows
+        progress(f"breakdown at {length} tokens: {rows}")
+    return out
 
 
 def _info_maker(plane_info):
@@ -199,6 +250,7 @@ def main():
     ap.add_argument("--before", metavar="REF", help="also measure the codecs of this git revision, interleaved")
     ap.add_argument("--no-rope", action="store_true", help="code keys rotated (no RoPE given to the codecs)")
     ap.add_argument("--model", default=str(ROOT / "models" / "pydoc-llama"))
+    ap.add_argument("--breakdown", default="256,1000", help="prompt lengths of the byte breakdown ('' for none)")
     args = ap.parse_args()
     mla = json.loads((Path(args.model) / "config.json").read_text()).get("kv_lora_rank") is not None
     torch.set_num_threads(1)
@@ -220,8 +272,12 @@ def main():
         for name, row in label_rows.items():
             row["encode_vs_lz4_compress"] = round(row["encode_MBps_per_core"] / base["lz4_compress"], 3)
             row["decode_vs_lz4_decompress"] = round(row["decode_MBps_per_core"] / base["lz4_decompress"], 3)
+            row["encode_vs_memcpy"] = round(row["encode_MBps_per_core"] / base["memcpy"], 4)
+            row["encode_vs_quantize_floor"] = round(row["encode_MBps_per_core"] / base["quantize_floor"], 3)
+            row["decode_vs_memcpy"] = round(row["decode_MBps_per_core"] / base["memcpy"], 4)
             row["target"] = TARGETS.get(name)
     sliding = None
+    shares = breakdown([int(n) for n in args.breakdown.split(",") if n], Path(args.model)) if not mla else None
     if not mla:
         progress("sliding-window row: 2k-token prompt, window 128 vs full attention")
         sliding = sliding_window_row()
@@ -229,7 +285,8 @@ def main():
     emit("kv_codec_mla" if mla else "kv_codec", "lossless_ratio_vs_bf16", rows["now"]["lossless"]["ratio_vs_bf16"], codecs=rows["now"],
          before={"ref": args.before, "codecs": rows["before"]} if args.before else None,
          baselines_MBps_per_core=base, rope_given=rope is not None, kv_megabytes=round(raw / 1e6, 2),
-         window_tokens=args.length, timing="thread CPU time, best of repeats", sliding_window=sliding)
+         window_tokens=args.length, timing="thread CPU time, best of repeats", sliding_window=sliding,
+         breakdown=shares)
 
 
 if __name__ == "__main__":

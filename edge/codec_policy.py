@@ -38,13 +38,13 @@ class CurvePoint:
 # so low): bench/results/kv_rd.json. raw: a copy.
 CURVE: dict[str, CurvePoint] = {
     "raw": CurvePoint(1.0, 0.0, 1.0, 20e9, 20e9),
-    "lossless": CurvePoint(0.6848, 0.0, 1.0, 329e6, 897e6),
-    "fp8": CurvePoint(0.5002, 0.00189, 0.9852, 171e6, 453e6),
-    "int8": CurvePoint(0.556, 0.00015, 0.9989, 240e6, 352e6),
-    "int4": CurvePoint(0.3825, 0.0031, 0.9825, 235e6, 338e6),
-    "q4e": CurvePoint(0.2396, -0.00067, 0.9799, 172e6, 376e6),
-    "q3e": CurvePoint(0.1971, 0.00252, 0.9709, 174e6, 408e6),
-    "q2e": CurvePoint(0.1778, 0.00505, 0.9646, 180e6, 417e6),
+    "lossless": CurvePoint(0.6848, 0.0, 1.0, 313e6, 899e6),
+    "fp8": CurvePoint(0.5002, 0.00189, 0.9852, 196e6, 519e6),
+    "int8": CurvePoint(0.556, 0.00015, 0.9989, 257e6, 507e6),
+    "int4": CurvePoint(0.3825, 0.0031, 0.9825, 338e6, 684e6),
+    "q4e": CurvePoint(0.2396, -0.0009, 0.9788, 173e6, 366e6),
+    "q3e": CurvePoint(0.1971, 0.00239, 0.972, 209e6, 441e6),
+    "q2e": CurvePoint(0.1778, 0.00496, 0.9646, 152e6, 342e6),
 }
 DEFAULT_QUALITY_BUDGET = 0.01     # perplexity increase a request may pay for fewer bytes
 

@@ -83,6 +83,30 @@ def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
     return values.view(np.uint32).copy()
 
 
+def bits_to_f32(bits: np.ndarray, dtype: str, out: np.ndarray) -> np.ndarray:
+    """to_float32 into `out` (float32, bits' shape; a scratch array, say): bfloat16 widens in place, then one
+    shift, with no temporary."""
+    if dtype == "bfloat16":
+        wide = out.view(np.uint32)
+        np.copyto(wide, bits, casting="unsafe")
+        wide <<= 16
+    else:
+        np.copyto(out, bits.view(np.float16 if dtype == "float16" else np.float32))
+    return out
+
+
+def store_f32(x: np.ndarray, dtype: str, dst: np.ndarray) -> None:
+    """Lossy codecs' from_float32 into `dst` (a view of the output plane); x (float32, a scratch array) is
+    clobbered. bfloat16 rounds half away from zero (ties are not worth a pass in a lossy codec)."""
+    if dtype != "bfloat16":
+        dst[...] = from_float32(x, dtype)
+        return
+    u = x.view(np.uint32)
+    u += 0x8000
+    u >>= 16
+    np.copyto(dst, u, casting="unsafe")
+
+
 def safe_inverse(step: np.ndarray) -> np.ndarray:
     """1/step in float32; 0 where step is 0 or so small (subnormal) that 1/step overflows: those groups
     code every value as the centre (or min), off by at most their tiny range."""
@@ -93,6 +117,24 @@ def safe_inverse(step: np.ndarray) -> np.ndarray:
 
 
 _local = threading.local()
+
+
+def scratch(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A per-thread work array of `shape` and `dtype`, reused by every call that asks for `name` on this thread
+    (contents undefined). Codec temporaries live here: a fresh 100 KB+ numpy array is a fresh mmap whose page
+    faults cost more than the arithmetic on it (measured: q*e decode spent half its time in the kernel). A
+    caller must not return a scratch array, nor hold it past its own call."""
+    dtype = np.dtype(dtype)
+    n = 1
+    for s in shape:
+        n *= int(s)
+    bufs = getattr(_local, "scratch", None)
+    if bufs is None:
+        bufs = _local.scratch = {}
+    buf = bufs.get(name)
+    if buf is None or buf.nbytes < n * dtype.itemsize:
+        buf = bufs[name] = np.empty(max(n * dtype.itemsize, 1 << 16), dtype=np.uint8)
+    return buf[:n * dtype.itemsize].view(dtype).reshape(shape)
 
 
 def zstd_compress(data, level: int = 1) -> bytes:

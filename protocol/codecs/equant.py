@@ -65,12 +65,17 @@ heldout.txt, bf16), on this 2-core machine:
 
 Reached (bench/results/kv_rd*.json, 30 × 256-token prompts, levels with the
 model's allocation; ratio vs bf16 / perplexity increase / greedy agreement):
-pydoc-llama q4e 0.240 / −0.07% / 0.980, q3e 0.197 / +0.25% / 0.971, q2e 0.178 /
-+0.51% / 0.965; pystd-llama q4e 0.204 / +0.05% / 0.982, q3e 0.162 / +0.10% /
+pydoc-llama q4e 0.240 / −0.09% / 0.979, q3e 0.197 / +0.24% / 0.972, q2e 0.178 /
++0.50% / 0.965; pystd-llama q4e 0.204 / +0.05% / 0.982, q3e 0.162 / +0.10% /
 0.974, q2e 0.146 / +0.00% / 0.975. So ≤ 0.25× within +0.3% on both (q4e); ≤ 0.15×
 within +1% and ≥ 97% agreement on pystd-llama (q2e), not on pydoc-llama, whose
 smallest level keeping 97% is q3e at 0.197 (no tested setting ≤ 0.15× kept more
 than 96%; perplexity differences under ~0.5% are within this bench's noise).
+Where pydoc-llama's q2e bytes go (bench/kv_codec.py `breakdown`, share of bf16
+bytes at 256 / 1000 tokens): codes 0.151 / 0.131 (2.46 / 2.11 bit per quantized
+value), centres + steps 0.016 / 0.004, exact sinks 0.012 / 0.003, headers 0.001 /
+0.0003. Side information is a tenth of the bytes at 256 tokens: 0.15× needs
+cheaper codes at equal quality, not cheaper headers.
 
 Byte layout: header `HEADER` (version 1, kind 0 K / 1 V, flags (bit 0: params are
 float32; bit 1: keys coded with RoPE removed), 0, group, n_head, n_fine, n_tail,
@@ -87,8 +92,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgecore.protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, check_bits, from_float32, safe_inverse,
-                                           zstd_compress, zstd_decompress)
+from edgecore.protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, bits_to_f32, check_bits, safe_inverse,
+                                           scratch, store_f32, zstd_compress, zstd_decompress)
+from edgecore.protocol.codecs.columns import column_mean_std, column_reduce
 from edgecore.protocol.codecs.lossless import LosslessCodec
 from edgecore.protocol.codecs.rope import rotate
 from edgecore.protocol.errors import CodecError
@@ -97,6 +103,13 @@ HEADER = struct.Struct("<BBBBIIIIIIII")
 VERSION = 1
 EXACT_HEAD = 4
 FLAG_F32, FLAG_UNROTATED = 1, 2
+# The guard: step ≥ max|x − centre| / GUARD. It sets the step of every channel with a heavy tail (most, at
+# 256+ tokens), and quality is sharply sensitive to it (bench/kv_rd.py, pydoc-llama, mean KL of q4e / q3e /
+# q2e: 7.49 → 0.00103 / 0.00205 / 0.00310, 7.5 → 0.00098 / 0.00183 / 0.00276, 7.51 → 0.00094 / 0.00174 /
+# 0.00263, 8 → 0.0011 / 0.0021 / 0.0032, 9 → 0.0022 / 0.0044 / 0.0065, at equal bytes within 1%): clipping
+# outliers costs far more than it saves. At 7.5 the extreme value lands on the clip edge, so codes are clipped.
+GUARD = 7.5
+_FEW = 64           # tokens of a group up to which plain numpy reductions beat columns.py's (call overhead)
 _CRC = struct.Struct("<I")
 _lossless = LosslessCodec()
 
@@ -111,7 +124,7 @@ class Level:
     fine_factor: float = 0.25
     group: int = 1024           # tokens per group
     rotated_key_group: int = 128    # tokens per group of keys coded with RoPE in (they drift with position)
-    guard: bool = True          # step ≥ max deviation / 7.5: no value clipped
+    guard: bool = True          # step ≥ max deviation / GUARD: no value clipped
     head_step: bool = False     # experiment: one step per head (factor × RMS of its channels' std), not per channel
     key_layers: tuple[float, ...] = ()      # per-layer multipliers of key_factor (layer i; 1.0 beyond)
     value_layers: tuple[float, ...] = ()
@@ -133,70 +146,72 @@ def groups(n_main: int, n_fine: int, group: int) -> list[tuple[int, int]]:
     return out + [(n_main + s, n_main + min(s + group, n_fine)) for s in range(0, n_fine, group)]
 
 
-def _to_f32(bits: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":
-        return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
-    if dtype == "float16":
-        return bits.view(np.float16).astype(np.float32)
-    return bits.view(np.float32)
-
-
-def _from_f32(x: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 → the plane's bits; bfloat16 rounds half away from zero (ties are not worth a pass in a lossy codec)."""
-    if dtype != "bfloat16":
-        return from_float32(x, dtype)
-    u = x.view(np.uint32)
-    u += 0x8000
-    return np.right_shift(u, 16, dtype=np.uint32).astype(np.uint16)
-
-
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:
-    """uint8 codes < 16 → two per byte, the first in the low nibble (an odd count is padded with code 8)."""
+    """uint8 codes < 16 → two per byte, the first in the low nibble (an odd count is padded with code 8).
+    Returns a per-thread scratch array, valid until this thread's next call."""
     if codes.size % 2:
         codes = np.append(codes, np.uint8(8))
     pairs = codes.view(np.uint16)            # little-endian: first code in the low byte
-    return (pairs | (pairs >> 4)).astype(np.uint8)
+    tmp = scratch("pack", pairs.shape, np.uint16)
+    np.right_shift(pairs, 4, out=tmp)
+    tmp |= pairs
+    out = scratch("packed", pairs.shape, np.uint8)
+    np.copyto(out, tmp, casting="unsafe")
+    return out
 
 
 def unpack_nibbles(data, n: int) -> np.ndarray:
-    """Inverse of pack_nibbles: the first n codes."""
-    packed = np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
-    packed |= packed << 4
+    """Inverse of pack_nibbles: the first n codes (a per-thread scratch array, valid until the next call)."""
+    src = np.frombuffer(data, dtype=np.uint8)
+    packed, tmp = scratch("unpack", src.shape, np.uint16), scratch("unpack_t", src.shape, np.uint16)
+    np.copyto(packed, src)
+    np.left_shift(packed, 4, out=tmp)
+    packed |= tmp
     packed &= 0x0F0F
     return packed.view(np.uint8)[:n]
 
 
 def _params(x: np.ndarray, factor: np.ndarray, guard: bool, head_step: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """x [layers, n, heads, dim] float32 → centre, step [layers, 1, heads, dim] float32. With `guard`, the step
-    is at least max|x − centre| / 7.5, so that no value is clipped (an outlier coarsens its own channel)."""
-    centre, step = _mean_std(x, factor)
+    """x [layers, n, heads, dim] float32 → centre, step [layers, 1, heads, dim] float32; the centre is rounded to
+    float16 where it fits (as it travels). With `guard`, the step is at least max|x − centre| / GUARD, so that no
+    value is clipped (an outlier coarsens its own channel)."""
+    layers, n, heads, dim = x.shape
+    rows = x.reshape(layers, n, heads * dim)
+    if n <= _FEW:           # the fine span: numpy's reductions, fewer calls
+        with np.errstate(over="ignore", invalid="ignore"):
+            centre, std = rows.mean(axis=1), rows.std(axis=1, dtype=np.float64).astype(np.float32)
+        mx, mn = (rows.max(axis=1), rows.min(axis=1)) if guard else (None, None)
+    else:
+        centre, std = column_mean_std(rows)
+        mx, mn = (column_reduce(np.maximum, rows), column_reduce(np.minimum, rows)) if guard else (None, None)
+    with np.errstate(over="ignore"):
+        c16 = centre.astype(np.float16)
+    if np.isfinite(c16).all():
+        centre = c16.astype(np.float32)
+    step = std * factor.reshape(-1, 1)
+    shape = (layers, 1, heads, dim)
     if head_step:       # equal absolute steps within a head: MSE-optimal for entropy-coded channels
-        step = np.broadcast_to(np.sqrt((step * step).mean(axis=-1, keepdims=True)), step.shape).copy()
+        step = step.reshape(shape)
+        step = np.broadcast_to(np.sqrt((step * step).mean(axis=-1, keepdims=True)), shape).reshape(layers, -1)
     if guard:
-        dev = np.maximum(x.max(axis=1, keepdims=True) - centre, centre - x.min(axis=1, keepdims=True))
-        step = np.maximum(step, dev * np.float32(1 / 7.5))
-    return centre, step
+        dev = np.maximum(mx - centre, centre - mn)
+        step = np.maximum(step, dev * np.float32(1 / GUARD))
+    return centre.reshape(shape), np.ascontiguousarray(step, dtype=np.float32).reshape(shape)
 
 
-def _mean_std(x: np.ndarray, factor: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    centre = x.mean(axis=1, keepdims=True)
-    with np.errstate(over="ignore", invalid="ignore"):
-        sq = np.einsum("ltHd,ltHd->lHd", x, x)[:, None] / x.shape[1]
-        var = sq - centre * centre
-    if not np.isfinite(var).all():      # |x| beyond ~1e19: float32 squares overflow, redo in float64
-        x64 = x.astype(np.float64)
-        var = x64.var(axis=1, keepdims=True)
-        return centre, (np.sqrt(var) * factor).astype(np.float32)
-    return centre, np.sqrt(np.maximum(var, 0.0)) * factor
-
-
-def _encode_group(x: np.ndarray, centre: np.ndarray, step: np.ndarray, out: np.ndarray) -> None:
-    """Codes + 8 (0..15) of x into out (uint8, same shape)."""
+def _quantize(x: np.ndarray, spans, centre: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Codes + 8 (0..15) of x [layers, tq, heads, dim] (scratch, clobbered) with group g's centre/step
+    [layers, g, heads, dim] over tokens spans[g] → a scratch uint8 array of x's shape."""
     inv = safe_inverse(step)
-    y = x * inv
-    y += (8.5 - centre * inv)
-    np.clip(y, 0.0, 15.5, out=y)
-    np.copyto(out, y, casting="unsafe")     # truncation of y ≥ 0: round half up
+    off = 8.5 - centre * inv
+    for g, (s, e) in enumerate(spans):
+        block = x[:, s:e]
+        block *= inv[:, g:g + 1]
+        block += off[:, g:g + 1]
+    np.clip(x, 0.0, 15.5, out=x)
+    codes = scratch("eq_codes", x.shape, np.uint8)
+    np.copyto(codes, x, casting="unsafe")     # truncation of x ≥ 0: round half up
+    return codes
 
 
 class EntropyQuantCodec(Codec):
@@ -223,9 +238,9 @@ class EntropyQuantCodec(Codec):
         group = self.level.group
         params, codes_z, flags = b"", b"", 0
         if c > a:
-            x = _to_f32(bits[:, a:c], info.dtype)
+            x = bits_to_f32(bits[:, a:c], info.dtype, scratch("eq_x", (layers, c - a, heads, dim), np.float32))
             if info.kind == "k" and info.rope is not None and dim % 2 == 0:
-                x = rotate(x, info.rope, info.token_start + a, inverse=True)
+                x = rotate(x, info.rope, info.token_start + a, inverse=True, out=scratch("eq_r", x.shape, np.float32))
                 flags |= FLAG_UNROTATED
             elif info.kind == "k":
                 group = self.level.rotated_key_group
@@ -244,9 +259,7 @@ class EntropyQuantCodec(Codec):
             else:
                 flags |= FLAG_F32
                 params = centre.tobytes() + step.tobytes()
-            codes = np.empty(x.shape, dtype=np.uint8)
-            for g, (s, e) in enumerate(spans):
-                _encode_group(x[:, s:e], centre[:, g:g + 1], step[:, g:g + 1], codes[:, s:e])
+            codes = _quantize(x, spans, centre, step)
             codes_z = zstd_compress(pack_nibbles(codes.reshape(-1)))
         body = b"".join((exact_bytes, params, codes_z))
         head = HEADER.pack(VERSION, 0 if info.kind == "k" else 1, flags, 0, group, a, c - b, tokens - c,
@@ -285,8 +298,8 @@ class EntropyQuantCodec(Codec):
             x = self._dequantize(view[pos:], flags, groups(tq - n_fine, n_fine, group), (layers, tq, heads, dim),
                                  p_len)
             if rope is not None:
-                x = rotate(x, rope, info.token_start + n_head, inverse=False)
-            out[:, n_head:tokens - n_tail] = _from_f32(x, info.dtype)
+                x = rotate(x, rope, info.token_start + n_head, inverse=False, out=scratch("eq_r", x.shape, np.float32))
+            store_f32(x, info.dtype, out[:, n_head:tokens - n_tail])
         elif p_len or c_len:
             raise CodecError(f"{self.name} plane has codes but no quantized tokens")
         return out
@@ -302,9 +315,10 @@ class EntropyQuantCodec(Codec):
         params = np.frombuffer(view[:p_len], dtype=pdtype).astype(np.float32).reshape(2, layers, ng, heads, dim)
         n = layers * tq * heads * dim
         codes = unpack_nibbles(zstd_decompress(view[p_len:], (n + 1) // 2), n).reshape(shape)
-        x = np.empty(shape, dtype=np.float32)
+        x = scratch("eq_x", shape, np.float32)
+        np.copyto(x, codes)
         for g, (s, e) in enumerate(spans):
             centre, step = params[0, :, g:g + 1], params[1, :, g:g + 1]
-            np.multiply(codes[:, s:e], step, out=x[:, s:e])
+            x[:, s:e] *= step
             x[:, s:e] += centre - 8.0 * step
         return x

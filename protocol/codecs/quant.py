@@ -19,8 +19,10 @@ import struct
 
 import numpy as np
 
-from edgecore.protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, check_bits, from_float32, safe_inverse,
-                                           to_float32, zstd_compress, zstd_decompress)
+from edgecore.protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, bits_to_f32, check_bits, safe_inverse,
+                                           scratch, store_f32, zstd_compress, zstd_decompress)
+from edgecore.protocol.codecs.columns import column_reduce, row_reduce
+from edgecore.protocol.codecs.equant import pack_nibbles, unpack_nibbles
 from edgecore.protocol.codecs.lossless import LosslessCodec
 from edgecore.protocol.errors import CodecError
 
@@ -35,12 +37,6 @@ def exact_span(info: PlaneInfo) -> tuple[int, int]:
     total = info.total_tokens or (info.token_start + tokens)
     a = min(tokens, max(0, EXACT_HEAD - info.token_start))
     return a, min(tokens, max(a, total - EXACT_RECENT - info.token_start))
-
-
-def _to_f32(bits: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":                 # one pass: widen and shift together
-        return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
-    return to_float32(bits, dtype)
 
 
 def exact_mask(info: PlaneInfo) -> np.ndarray:
@@ -58,32 +54,61 @@ class QuantCodec(Codec):
         self.levels = (1 << bits) - 1
         self.key_group, self.value_group = key_group, value_group
 
-    def _groups(self, x: np.ndarray, kind: str):
-        """Reshape so that axis -1... group members share min/scale; returns (grouped, restore)."""
-        layers, tokens, heads, dim = x.shape
+    def _group(self, kind: str, tq: int, dim: int) -> int:
         if kind == "k":
-            g = self.key_group
-            ng = -(-tokens // g)
-            if ng * g != tokens:
-                x = np.concatenate([x, np.repeat(x[:, -1:], ng * g - tokens, axis=1)], axis=1)
-            return x.reshape(layers, ng, g, heads, dim), 2, g
-        g = self.value_group if dim % self.value_group == 0 else dim
-        return x.reshape(layers, tokens, heads, dim // g, g), 4, g
+            return self.key_group
+        return self.value_group if dim % self.value_group == 0 else dim
+
+    def _min_max(self, x: np.ndarray, kind: str, group: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per-group min and max of x [layers, tq, heads, dim] → params shaped as they travel: keys
+        [layers, ng, 1, heads, dim] (the last group's padding repeats its last token: no effect on min/max),
+        values [layers, tq, heads, dim // group, 1]."""
+        layers, tq, heads, dim = x.shape
+        if kind != "k":
+            rows, shape = x.reshape(-1, group), (layers, tq, heads, dim // group, 1)
+            return row_reduce(np.minimum, rows).reshape(shape), row_reduce(np.maximum, rows).reshape(shape)
+        full, rest = divmod(tq, group)
+        width = heads * dim
+        mins, maxs = [], []
+        if full:
+            rows = x[:, :full * group].reshape(layers * full, group, width)
+            mins.append(column_reduce(np.minimum, rows).reshape(layers, full, width))
+            maxs.append(column_reduce(np.maximum, rows).reshape(layers, full, width))
+        if rest:
+            rows = x[:, full * group:].reshape(layers, rest, width)
+            mins.append(column_reduce(np.minimum, rows)[:, None])
+            maxs.append(column_reduce(np.maximum, rows)[:, None])
+        shape = (layers, full + (rest > 0), 1, heads, dim)
+        return (np.concatenate(mins, axis=1).reshape(shape), np.concatenate(maxs, axis=1).reshape(shape))
+
+    def _blocks(self, x: np.ndarray, kind: str, group: int):
+        """(block of x, index into the params' group axis) pairs that broadcast against params[:, index]."""
+        layers, tq, heads, dim = x.shape
+        if kind != "k":
+            return [(x.reshape(layers, tq, heads, dim // group, group), slice(None))]
+        full, rest = divmod(tq, group)
+        out = []
+        if full:
+            out.append((x[:, :full * group].reshape(layers, full, group, heads, dim), slice(0, full)))
+        if rest:
+            out.append((x[:, full * group:][:, None], slice(full, full + 1)))
+        return out
 
     def encode(self, bits: np.ndarray, info: PlaneInfo) -> bytes:
         check_bits(bits, info)
         a, b = exact_span(info)          # exact tokens are [0, a) and [b, tokens): slices, not a mask
         exact = bits[:, :a] if b == info.shape[1] else np.concatenate([bits[:, :a], bits[:, b:]], axis=1)
         exact_bytes = _lossless.encode(exact, PlaneInfo(info.dtype, exact.shape)) if exact.size else b""
-        quant = bits[:, a:b]
         params = codes_z = b""
         param_f32, group, packed_len = 0, 0, 0
-        if quant.size:
-            x = _to_f32(quant, info.dtype)
-            grouped, axis, group = self._groups(x, info.kind)
-            mn = grouped.min(axis=axis, keepdims=True)
-            scale = (grouped.max(axis=axis, keepdims=True) - mn) / self.levels
-            mn16, sc16 = mn.astype(np.float16), scale.astype(np.float16)
+        if b > a:
+            layers, _, heads, dim = info.shape
+            x = bits_to_f32(bits[:, a:b], info.dtype, scratch("q_x", (layers, b - a, heads, dim), np.float32))
+            group = self._group(info.kind, b - a, dim)
+            mn, mx = self._min_max(x, info.kind, group)
+            scale = (mx - mn) / self.levels
+            with np.errstate(over="ignore"):
+                mn16, sc16 = mn.astype(np.float16), scale.astype(np.float16)
             if np.isfinite(mn16).all() and np.isfinite(sc16).all() and not ((sc16 == 0) & (scale > 0)).any():
                 mn, scale = mn16.astype(np.float32), sc16.astype(np.float32)
                 params = mn16.tobytes() + sc16.tobytes()
@@ -91,20 +116,17 @@ class QuantCodec(Codec):
                 param_f32 = 1
                 params = mn.astype(np.float32).tobytes() + scale.astype(np.float32).tobytes()
             inv = safe_inverse(scale)
-            y = grouped * inv                       # code = floor((x − min)/scale + 0.5), clipped
-            y += 0.5 - mn * inv
-            np.clip(y, 0, self.levels + 0.5, out=y)
-            codes = y.astype(np.uint8)
-            if info.kind == "k" and codes.shape[1] * codes.shape[2] != quant.shape[1]:
-                codes = codes.reshape(codes.shape[0], -1, *codes.shape[3:])[:, :quant.shape[1]]
-            codes = codes.reshape(-1)
-            if self.bits == 4:
-                if codes.size % 2:
-                    codes = np.append(codes, np.uint8(0))
-                codes = codes[0::2] | (codes[1::2] << 4)
+            off = 0.5 - mn * inv
+            for block, g in self._blocks(x, info.kind, group):   # code = floor((x − min)/scale + 0.5), clipped
+                block *= inv[:, g]
+                block += off[:, g]
+            np.clip(x, 0, self.levels + 0.5, out=x)
+            codes = scratch("q_codes", x.shape, np.uint8)
+            np.copyto(codes, x, casting="unsafe")
+            codes = codes.reshape(-1) if self.bits == 8 else pack_nibbles(codes.reshape(-1))
             packed_len = codes.size
             codes_z = zstd_compress(codes)
-        header = HEADER.pack(self.bits, 0 if info.kind == "k" else 1, param_f32, 0, group, exact.shape[1],
+        header = HEADER.pack(self.bits, 0 if info.kind == "k" else 1, param_f32, 0, group, a + info.shape[1] - b,
                              len(exact_bytes), len(params), len(codes_z), packed_len)
         return b"".join((header, exact_bytes, params, codes_z))
 
@@ -116,46 +138,42 @@ class QuantCodec(Codec):
         if nbits != self.bits or HEADER.size + e_len + p_len + c_len != len(view):
             raise CodecError(f"{self.name} plane header does not match its length")
         layers, tokens, heads, dim = info.shape
-        mask = exact_mask(info)
-        if int(mask.sum()) != n_exact:
-            raise CodecError(f"{self.name} plane holds {n_exact} exact tokens, expected {int(mask.sum())}")
+        a, b = exact_span(info)
+        if a + tokens - b != n_exact:
+            raise CodecError(f"{self.name} plane holds {n_exact} exact tokens, expected {a + tokens - b}")
         out = np.empty(info.shape, dtype=BITS_DTYPES[info.dtype])
         pos = HEADER.size
         if n_exact:
-            out[:, mask] = _lossless.decode(view[pos:pos + e_len], PlaneInfo(info.dtype, (layers, n_exact, heads, dim)))
+            exact = _lossless.decode(view[pos:pos + e_len], PlaneInfo(info.dtype, (layers, n_exact, heads, dim)))
+            out[:, :a], out[:, b:] = exact[:, :a], exact[:, a:]
         pos += e_len
-        tq = tokens - n_exact
-        if tq:
-            pdtype = np.float32 if param_f32 else np.float16
-            if kind == 0:
-                ng = -(-tq // group)
-                pshape, gshape = (layers, ng, 1, heads, dim), (layers, ng, group, heads, dim)
-            else:
-                pshape, gshape = (layers, tq, heads, dim // group, 1), (layers, tq, heads, dim // group, group)
-            count = int(np.prod(pshape))
-            if p_len != 2 * count * np.dtype(pdtype).itemsize:
-                raise CodecError(f"{self.name} plane parameters have the wrong size")
-            params = np.frombuffer(view[pos:pos + p_len], dtype=pdtype)
-            mn = params[:count].reshape(pshape).astype(np.float32)
-            scale = params[count:].reshape(pshape).astype(np.float32)
-            pos += p_len
-            n_codes = layers * tq * heads * dim if kind == 1 else int(np.prod(gshape))
-            packed = np.frombuffer(zstd_decompress(view[pos:pos + c_len], packed_len), dtype=np.uint8)
-            codes: np.ndarray
-            if self.bits == 4:
-                codes = np.empty(packed.size * 2, dtype=np.uint8)
-                codes[0::2], codes[1::2] = packed & 0xF, packed >> 4
-            else:
-                codes = packed
-            if kind == 0:
-                real = layers * tq * heads * dim
-                codes = codes[:real].reshape(layers, tq, heads, dim)
-                pad = gshape[1] * group - tq
-                if pad:
-                    codes = np.concatenate([codes, np.zeros((layers, pad, heads, dim), np.uint8)], axis=1)
-                x = mn + codes.reshape(gshape) * scale
-                x = x.reshape(layers, -1, heads, dim)[:, :tq]
-            else:
-                x = (mn + codes[:n_codes].reshape(gshape) * scale).reshape(layers, tq, heads, dim)
-            out[:, ~mask] = from_float32(x, info.dtype)
+        if b > a:
+            x = self._dequantize(view[pos:], kind, param_f32, group, (layers, b - a, heads, dim), p_len, packed_len)
+            store_f32(x, info.dtype, out[:, a:b])
         return out
+
+    def _dequantize(self, view, kind, param_f32, group, shape, p_len, packed_len) -> np.ndarray:
+        layers, tq, heads, dim = shape
+        if group == 0 or (kind == 1 and dim % group):
+            raise CodecError(f"{self.name} plane has group {group}, which does not divide its head_dim {dim}")
+        pdtype = np.float32 if param_f32 else np.float16
+        if kind == 0:
+            pshape = (layers, -(-tq // group), 1, heads, dim)
+        else:
+            pshape = (layers, tq, heads, dim // group, 1)
+        count = int(np.prod(pshape))
+        if p_len != 2 * count * np.dtype(pdtype).itemsize:
+            raise CodecError(f"{self.name} plane parameters have the wrong size")
+        params = np.frombuffer(view[:p_len], dtype=pdtype).astype(np.float32)
+        mn, scale = params[:count].reshape(pshape), params[count:].reshape(pshape)
+        n = layers * tq * heads * dim
+        if packed_len != (n if self.bits == 8 else (n + 1) // 2):
+            raise CodecError(f"{self.name} plane holds {packed_len} code bytes, expected {n} codes")
+        packed = zstd_decompress(view[p_len:], packed_len)
+        codes = np.frombuffer(packed, dtype=np.uint8) if self.bits == 8 else unpack_nibbles(packed, n)
+        x = scratch("q_x", shape, np.float32)
+        np.copyto(x, codes[:n].reshape(shape))
+        for block, g in self._blocks(x, "k" if kind == 0 else "v", group):
+            block *= scale[:, g]
+            block += mn[:, g]
+        return x
