@@ -175,6 +175,26 @@ def test_finished_on_core_is_counted(secret_file, tokenizer, heldout):
         core.stop()
 
 
+def test_parallel_core_decodes_until_the_handover(secret_file, tokenizer, heldout):
+    """A TP=2 core behind the slow link: its rank 0 streams 5 tokens after the first while both ranks' KV
+    travels (rank 1's on its own stream connection), the edge takes over at position 6; identical output."""
+    core, port, core_http = start_core(secret_file, "--tp", "2", "--handover-max-tokens", "5")
+    relay = Relay(SLOW, port)
+    edge, http = start_edge("--local-prefill-below", "0", cores=[relay.port], secret_file=secret_file)
+    try:
+        prompt = tokenizer.encode(heldout)[1500:2400]
+        ref = make_engine().generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+        assert complete(http, prompt, 30)["choices"][0]["text"] == ref["text"]
+        assert stats(http)["handover"]["last_core_tokens"] == 6
+        assert stats(core_http)["handover"]["decoded_tokens"] == 5
+        assert value(scrape(http), "edgecore:handover_requests_total", outcome="taken_over") == 1
+        books_closed(http, core_http)
+    finally:
+        edge.stop()
+        relay.close()
+        core.stop()
+
+
 def stream_tokens(http, prompt, max_tokens, on_token):
     """Stream a completion; `on_token(i)` after the i-th chunk with text. Returns the whole text."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
