@@ -213,7 +213,8 @@ def main():
             write_model(model_dir)
             rec = recompute(args, model_dir)
     slowest = core and core[min(core, key=lambda k: float(k.split("_")[0]))]
-    emit("handover", "prefill_throughput_on_over_off_slowest_link", slowest and slowest["prefill_throughput_on_over_off"],
+    emit("handover", "prefill_throughput_on_over_off_slowest_link",
+         slowest and slowest["prefill_throughput_on_over_off"],
          core_cost=core, recompute=rec,
          note="shared 2-core CPU machine under other jobs' load: compare numbers of one run, not across runs")
 

@@ -17,7 +17,8 @@ a disconnect frees it.
 
 Decode handover (version-3 edges that ask with `core_decode`; on a parallel core
 too: rank 0 samples and sends the tokens, the other ranks' direct streams stop
-at the prompt's last token as for any request): the request runs as an ordinary one; PrefillDone and then each decoded
+at the prompt's last token as for any request): the request runs as an ordinary
+one; PrefillDone and then each decoded
 token (a Token frame) go ahead of queued KV (`SessionQueue.put_urgent`), until
 the edge's Handover, Cancel, the `HandoverLimits` bound (tokens, seconds) or the
 request's end, each answered with DecodeStop. A core with `refuse_waiting` or more
