@@ -15,13 +15,15 @@ LEASED: PrefillDone with the first token queued behind the last chunk; the KV
 is held until the edge's Ack (RELEASED), or Cancel / the lease running out /
 a disconnect frees it.
 
-Decode handover (version-3 edges that ask with `core_decode`, on a single-process
-core): the request runs as an ordinary one; PrefillDone and then each decoded
+Decode handover (version-3 edges that ask with `core_decode`; on a parallel core
+too: rank 0 samples and sends the tokens, the other ranks' direct streams stop
+at the prompt's last token as for any request): the request runs as an ordinary
+one; PrefillDone and then each decoded
 token (a Token frame) go ahead of queued KV (`SessionQueue.put_urgent`), until
 the edge's Handover, Cancel, the `HandoverLimits` bound (tokens, seconds) or the
 request's end, each answered with DecodeStop. A core with `refuse_waiting` or more
 requests waiting refuses (DecodeStop "refused" right after PrefillDone: the edge
-waits for the KV as in the old mode); a parallel core always does.
+waits for the KV as in the old mode).
 """
 
 from __future__ import annotations
@@ -228,8 +230,8 @@ class PrefillService:
     # ---- decode handover --------------------------------------------------------------
     def _decode_limit(self, msg: m.PrefillRequest) -> tuple[int, str]:
         """(tokens after the first this core decodes for the request, why none when 0): "refused" under
-        prefill pressure or on a parallel core, "bound" when the limits or the context leave none."""
-        if msg.core_decode <= 0 or self.parallel:
+        prefill pressure, "bound" when the limits or the context leave none."""
+        if msg.core_decode <= 0:
             return 0, "refused"
         if self.handle.stats().waiting >= self.limits.refuse_waiting:
             return 0, "refused"

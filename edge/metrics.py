@@ -2,7 +2,8 @@
 every one (docs/metrics.md lists them).
 
 Life cycle: `EdgeEngine` builds one `EdgeMetrics` (its own registry); `Progress` (edge/progress.py) feeds the
-per-request histograms as outputs arrive, placement and transfers count themselves, and a scrape refreshes the
+per-request histograms as outputs arrive, placement and transfers count themselves (a decode
+handover its outcome, `HANDOVER_OUTCOMES`, and the core's tokens), and a scrape refreshes the
 gauges from the engine's stats snapshot (`EdgeEngine.get_metrics`); the engine's own cumulative counts
 (preemptions, prefix cache, tokens per step, cache configuration) are read from that snapshot by
 `EngineCollector` during the scrape.
@@ -18,6 +19,7 @@ from edgecore.shared.metrics import EngineCollector, ModelMetrics
 
 LATENCY = (.005, .01, .02, .04, .06, .08, .1, .25, .5, .75, 1, 2.5, 5, 7.5, 10, 20, 40)
 TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+HANDOVER_OUTCOMES = ("taken_over", "finished_on_core", "refused", "core_failed")
 TPOT = (.001, .0025, .005, .01, .02, .04, .06, .08, .1, .15, .2, .3, .4, .5, .75, 1, 2.5)
 
 
@@ -60,4 +62,12 @@ class EdgeMetrics:
         self.local_prefills = m.counter("edgecore:local_prefills", "Prefills done at the edge", "reason")
         self.remote_prefills = m.counter("edgecore:remote_prefills", "Prefills done at a core", "codec")
         self.errors = m.counter("edgecore:request_errors", "Requests answered with an error", "status")
+        self.handover_requests = m.counter("edgecore:handover_requests", "Remote requests that asked their core to "
+                                           "decode until the KV is here, by outcome", "outcome")
+        for outcome in HANDOVER_OUTCOMES:     # every outcome exposed from the start, at 0
+            self.handover_requests.labels(outcome)
+        self.handover_core_tokens = m.histogram("edgecore:handover_core_tokens", "Output tokens a core streamed "
+                                                "(its first included) before the edge took over", buckets=TOKENS)
+        self.handover_tokens = m.counter("edgecore:handover_tokens_received", "Tokens after the first received "
+                                         "from cores decoding for this edge and sent to clients")
         r.register(EngineCollector(model_name, stats, block_size))

@@ -21,16 +21,19 @@ queue as soon as the first token is pushed into the reserved request
 task (`follow`) goes on: each Token is pushed in position order, KV chunks are
 written as before; once the KV is complete the edge sends Handover(position)
 and `take_over` joins the request to the batch (the tokens the core decoded are
-recomputed here as one short chunk), then Ack. A request that finishes before
+recomputed here as one short chunk); the core's DecodeStop (its answer, or an
+earlier refusal) is awaited for the metrics, then Ack. A request that finishes before
 that never moves (Cancel). If the transfer fails after the first token (core
 died, Error, timeout) the edge keeps the tokens it has and computes the rest
 itself from its own cached prefix (`take_over(cached)`), Cancel at the core; a
-cancelled `follow` (client gone) sends Cancel at once.
+cancelled `follow` (client gone) sends Cancel at once. Each handover ends with
+one outcome counted (edge/metrics.py `HANDOVER_OUTCOMES`, and /stats).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import Executor
 
@@ -48,6 +51,9 @@ from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
 from edgecore.shared.kv.transfer import KVSlice, needed_from
 from edgecore.shared.kv.wire import from_bits
+
+
+STOP_WAIT_SECONDS = 2.0     # how long a takeover waits for the core's DecodeStop (its reason is counted)
 
 
 class RemotePrefillFailed(Exception):
@@ -139,11 +145,13 @@ class RemotePrefill:
                 await self._on_event(receiver, await asyncio.wait_for(self.events.get(), self.timeout))
             if decode.phase is Phase.FINISHED:
                 receiver.abandon("the request finished before the handover")
-                self._tally(decode.core_tokens, "finished_before")
+                self._tally(decode.core_tokens, "finished_before", "finished_on_core")
             else:
                 await self.client.send(decode.handover())
                 await self.handle.take_over(rid, len(self.prompt_ids))
-                self._tally(decode.core_tokens, "handovers")
+                await self._stop_reason(decode)
+                self._tally(decode.core_tokens, "handovers",
+                            "refused" if decode.stop_reason == "refused" else "taken_over")
         except asyncio.CancelledError:
             receiver.abandon("the request was cancelled")
             await self._close(receiver)
@@ -157,18 +165,36 @@ class RemotePrefill:
                 decode.finish()
                 try:                    # the tokens the client has are kept; the rest is computed here
                     await self.handle.take_over(rid, cached)
-                    self._tally(decode.core_tokens, "recovered")
+                    self._tally(decode.core_tokens, "recovered", "core_failed")
                 except RequestError:    # the request ended (aborted) meanwhile
                     pass
             return
         await self._close(receiver)
         self._count(codec, receiver, time.perf_counter() - started)
 
-    def _tally(self, core_tokens: int, outcome: str) -> None:
+    async def _stop_reason(self, decode: CoreDecode) -> None:
+        """After the takeover, for the metrics only: the core's DecodeStop says whether it had refused to decode
+        (sent right after PrefillDone, it may come after a small prompt's KV) or answers the Handover."""
+        with contextlib.suppress(asyncio.TimeoutError, ProtocolError):
+            async with asyncio.timeout(STOP_WAIT_SECONDS):
+                while decode.stop_reason is None:
+                    ev = await self.events.get()
+                    if isinstance(ev, m.DecodeStop):
+                        decode.on_stop(ev)
+                    elif not isinstance(ev, m.Token):     # an error or a lost link: no answer is coming
+                        return
+
+    def _tally(self, core_tokens: int, key: str, outcome: str) -> None:
+        """Count a handover's end: `key` in the /stats tallies ("handovers" counts every Handover sent, a
+        refused one too, which also counts as "refused"), `outcome` in the metrics (HANDOVER_OUTCOMES)."""
         c = self.counts
-        c[outcome] = c.get(outcome, 0) + 1
+        for k in (key, "refused") if outcome == "refused" else (key,):
+            c[k] = c.get(k, 0) + 1
         c["core_tokens"] = c.get("core_tokens", 0) + core_tokens
         c["last_core_tokens"] = core_tokens
+        self.metrics.handover_requests.labels(outcome).inc()
+        if outcome == "taken_over":
+            self.metrics.handover_core_tokens.observe(core_tokens)
 
     async def _push(self, receiver: KVReceiver, token: int, logprob: float, top) -> None:
         first = FirstToken(token, logprob if self.params.logprobs is not None else None,
@@ -187,6 +213,7 @@ class RemotePrefill:
                 receiver.fail("a Token for a request that did not ask the core to decode")
             if decode.on_token(ev):
                 await self._push(receiver, ev.token_id, ev.logprob, ev.top_logprobs)
+                self.metrics.handover_tokens.inc()
         elif isinstance(ev, m.DecodeStop):
             if decode is None:
                 receiver.fail("a DecodeStop for a request that did not ask the core to decode")

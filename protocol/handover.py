@@ -86,7 +86,8 @@ class CoreDecode:
             self.phase, self.stop_reason = Phase.STOPPED, stop.reason
         elif self.phase in (Phase.FIRST, Phase.STOPPED, Phase.FAILED):
             self.fail(f"DecodeStop in phase {self.phase.value}")
-        # HANDED_OVER / FINISHED: the core's answer to Handover or Cancel; nothing to do
+        elif self.stop_reason is None:   # HANDED_OVER / FINISHED: the core's answer to Handover or Cancel, or a
+            self.stop_reason = stop.reason    # stop sent before it ("refused" right after PrefillDone): noted
 
     def handover(self) -> m.Handover:
         """The edge holds the prompt's KV and takes over at `next_position`."""

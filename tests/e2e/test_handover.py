@@ -18,6 +18,7 @@ from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine
 from tests.e2e.procs import get_json, post_json, start_core, start_edge, wait_for
 from tests.e2e.test_disaggregated import prompts_5_to_900
+from tests.e2e.test_metrics_doc import scrape, value
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -112,13 +113,81 @@ def test_handover_points_over_a_slow_link(secret_file, tokenizer, heldout, core_
     try:
         prompts = [tokenizer.encode(heldout)[1000 + 50 * i: 1900 + 50 * i] for i in range(2)]
         ref = make_engine().generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-        for p, r in zip(prompts, ref):
+        for i, (p, r) in enumerate(zip(prompts, ref)):
             before = stats(core_http)["handover"]["decoded_tokens"]
             out = complete(http, p, 40)
             assert out["choices"][0]["text"] == r["text"]
             s = stats(http)["handover"]
             assert s["last_core_tokens"] == core_tokens, s
             assert stats(core_http)["handover"]["decoded_tokens"] - before == core_tokens - 1
+            metrics = scrape(http)         # the edge's metrics: every request taken over at `core_tokens`
+            assert value(metrics, "edgecore:handover_requests_total", outcome="taken_over") == i + 1
+            assert value(metrics, "edgecore:handover_requests_total") == i + 1
+            assert value(metrics, "edgecore:handover_core_tokens_count") == i + 1
+            assert value(metrics, "edgecore:handover_core_tokens_sum") == (i + 1) * core_tokens
+            assert value(metrics, "edgecore:handover_tokens_received_total") == (i + 1) * (core_tokens - 1)
+        books_closed(http, core_http)
+    finally:
+        edge.stop()
+        relay.close()
+        core.stop()
+
+
+def test_refused_is_counted(secret_file, tokenizer, heldout):
+    """A core that refuses to decode (`--handover-refuse-waiting 0`: always under pressure) sends only the
+    first token and the KV: counted at the edge and at the core."""
+    refusing, port, core_http = start_core(secret_file, "--handover-refuse-waiting", "0")
+    edge, http = start_edge("--local-prefill-below", "0", cores=[port], secret_file=secret_file)
+    try:
+        prompt = tokenizer.encode(heldout)[2000:2300]
+        ref = make_engine().generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+        assert complete(http, prompt, 12)["choices"][0]["text"] == ref["text"]
+        metrics = scrape(http)
+        assert value(metrics, "edgecore:handover_requests_total", outcome="refused") == 1
+        assert value(metrics, "edgecore:handover_requests_total") == 1
+        assert value(metrics, "edgecore:handover_tokens_received_total") == 0
+        assert value(scrape(core_http), "edgecore:core_handover_refusals_total") == 1
+        books_closed(http, core_http)
+    finally:
+        edge.stop()
+        refusing.stop()
+
+
+def test_finished_on_core_is_counted(secret_file, tokenizer, heldout):
+    """A request that ends on tokens the core streamed (max_tokens 3; the KV takes seconds over the slow
+    link) never moves: counted as finished on the core, its two streamed tokens as received."""
+    core, port, core_http = start_core(secret_file)
+    relay = Relay(SLOW, port)
+    edge, http = start_edge("--local-prefill-below", "0", cores=[relay.port], secret_file=secret_file)
+    try:
+        prompt = tokenizer.encode(heldout)[3000:3900]
+        ref = make_engine().generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+        assert complete(http, prompt, 3)["choices"][0]["text"] == ref["text"]
+        metrics = scrape(http)
+        assert value(metrics, "edgecore:handover_requests_total", outcome="finished_on_core") == 1
+        assert value(metrics, "edgecore:handover_requests_total") == 1
+        assert value(metrics, "edgecore:handover_tokens_received_total") == 2
+        assert value(metrics, "edgecore:handover_core_tokens_count") == 0       # it was never taken over
+        books_closed(http, core_http)
+    finally:
+        edge.stop()
+        relay.close()
+        core.stop()
+
+
+def test_parallel_core_decodes_until_the_handover(secret_file, tokenizer, heldout):
+    """A TP=2 core behind the slow link: its rank 0 streams 5 tokens after the first while both ranks' KV
+    travels (rank 1's on its own stream connection), the edge takes over at position 6; identical output."""
+    core, port, core_http = start_core(secret_file, "--tp", "2", "--handover-max-tokens", "5")
+    relay = Relay(SLOW, port)
+    edge, http = start_edge("--local-prefill-below", "0", cores=[relay.port], secret_file=secret_file)
+    try:
+        prompt = tokenizer.encode(heldout)[1500:2400]
+        ref = make_engine().generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+        assert complete(http, prompt, 30)["choices"][0]["text"] == ref["text"]
+        assert stats(http)["handover"]["last_core_tokens"] == 6
+        assert stats(core_http)["handover"]["decoded_tokens"] == 5
+        assert value(scrape(http), "edgecore:handover_requests_total", outcome="taken_over") == 1
         books_closed(http, core_http)
     finally:
         edge.stop()
@@ -163,6 +232,10 @@ def test_core_killed_at_token_k_still_identical(secret_file, tokenizer, heldout,
         assert stream_tokens(http, prompt, 60, maybe_kill) == ref["text"]
         s = stats(http)["handover"]
         assert s.get("recovered", 0) == 1 and s.get("handovers", 0) == 0, s
+        metrics = scrape(http)
+        assert value(metrics, "edgecore:handover_requests_total", outcome="core_failed") == 1
+        assert value(metrics, "edgecore:handover_requests_total") == 1
+        assert value(metrics, "edgecore:core_failovers_total") == 1
         books_closed(http)
     finally:
         edge.stop()

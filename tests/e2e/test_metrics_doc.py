@@ -95,6 +95,7 @@ def test_doc_and_exposition_name_the_same_metrics(nodes):
     assert value(edge, "edgecore:local_prefills_total", reason="short") == 1
     assert value(edge, "edgecore:local_prefills_total", reason="guided") == 1
     assert value(edge, "edgecore:remote_prefills_total") == 1
+    assert value(edge, "edgecore:handover_requests_total") == 1       # the remote one asked the core to decode
     assert value(edge, "edgecore:request_errors_total", status="400") == 1
     assert value(edge, "edgecore:request_generation_tokens_count") == 3
     assert value(edge, "edgecore:time_per_output_token_seconds_count") == 2      # not the one-token answer
