@@ -71,13 +71,13 @@ class QuantCodec(Codec):
         width = heads * dim
         mins, maxs = [], []
         if full:
-            rows = x[:, :full * group].reshape(layers * full, group, width)
-            mins.append(column_reduce(np.minimum, rows).reshape(layers, full, width))
-            maxs.append(column_reduce(np.maximum, rows).reshape(layers, full, width))
+            whole: np.ndarray = x[:, :full * group].reshape(layers * full, group, width)
+            mins.append(column_reduce(np.minimum, whole).reshape(layers, full, width))
+            maxs.append(column_reduce(np.maximum, whole).reshape(layers, full, width))
         if rest:
-            rows = x[:, full * group:].reshape(layers, rest, width)
-            mins.append(column_reduce(np.minimum, rows)[:, None])
-            maxs.append(column_reduce(np.maximum, rows)[:, None])
+            tail: np.ndarray = x[:, full * group:].reshape(layers, rest, width)
+            mins.append(column_reduce(np.minimum, tail)[:, None])
+            maxs.append(column_reduce(np.maximum, tail)[:, None])
         shape = (layers, full + (rest > 0), 1, heads, dim)
         return (np.concatenate(mins, axis=1).reshape(shape), np.concatenate(maxs, axis=1).reshape(shape))
 
