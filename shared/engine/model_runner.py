@@ -15,6 +15,12 @@ a windowed layer's decode reads only the blocks holding its window). Leading
 blocks that no layer can see any more may have been released
 (`BlockManager.release_before`, id -1): a full-attention read takes them as
 block 0, masked out; a windowed decode never reads them.
+
+Threads: a step of fewer than `SINGLE_THREAD_BELOW` tokens (batch-1 and small-batch decode) runs on one
+thread, then the caller's count is restored. None of its ops has enough work to split, while every
+OpenMP region pays a fork and a barrier: on a 2-core machine the best batch-1 and batch-4 steps take
+the same time on one thread as on two, and on a busy one two threads make the typical step 2-5x slower
+(the barrier waits for a descheduled worker).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.malloc import retain_freed_memory
 from edgecore.shared.models.attention import AttentionMetadata, DecodeWindow, PrefillChunk
 from edgecore.shared.models.layers import pack_for_cpu
+
+SINGLE_THREAD_BELOW = 8     # tokens: smaller steps run on one thread (0: never)
 
 
 def sampling_rows(ordered) -> tuple[list[int], list[Sequence]]:
@@ -181,6 +189,18 @@ class ModelRunner:
         runs after each layer has written its K/V."""
         hook = (lambda layer: on_layer(layer, batch.items)) if on_layer is not None else None
         ordered, ids, positions, meta = self.prepare(batch.items, hook)
+        threads = torch.get_num_threads()
+        small = threads > 1 and ids.shape[0] < SINGLE_THREAD_BELOW
+        if small:
+            torch.set_num_threads(1)
+        try:
+            return self._compute(ordered, ids, positions, meta)
+        finally:
+            if small:
+                torch.set_num_threads(threads)
+
+    def _compute(self, ordered, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                 ) -> tuple[list[Sequence], SampleResult | None]:
         hidden = self.model(ids, positions, meta)
         if prompt_logprobs.wanted(ordered):
             prompt_logprobs.record(self.model, hidden, ordered)

@@ -1,7 +1,8 @@
 """The cheap decode step's shortcuts give what the general path gives: a single decode row whose blocks are
 consecutive reads its K/V as views of the cache (no gather), and only such a row; a packed linear layer
 keeps a plain copy of a small weight for few-row inputs and uses the packed one from `PACKED_FROM_ROWS`
-rows on, while a large weight is held once (packed only)."""
+rows on, while a large weight is held once (packed only); a step of few tokens runs on one thread and restores
+the caller's thread count."""
 
 import pytest
 import torch
@@ -76,3 +77,22 @@ def test_packed_linear_picks_its_weight_by_rows(pack_sizes, keep_bytes):
         x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
         with torch.inference_mode():
             torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_small_steps_run_on_one_thread_and_restore_the_count(monkeypatch):
+    from edgecore.shared.engine import model_runner
+    from edgecore.shared.engine.sampling_params import SamplingParams
+    engine = make_engine()
+    seen = []
+    forward = engine.runner.model.forward
+
+    def recording(ids, *args, **kwargs):
+        seen.append((ids.shape[0], torch.get_num_threads()))
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner.model, "forward", recording)
+    torch.set_num_threads(2)
+    engine.generate([list(range(5, 5 + model_runner.SINGLE_THREAD_BELOW))],
+                    SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert torch.get_num_threads() == 2
+    assert seen == [(model_runner.SINGLE_THREAD_BELOW, 2), (1, 1), (1, 1)]
