@@ -11,13 +11,15 @@ row-parallel layers split the input dimension and all-reduce their output, so a
 column→row pair (QKV→O, gate_up→down) costs one all-reduce.
 
 On CPU, once weights are loaded, `pack_for_cpu(model)` reorders every linear
-weight into oneDNN's blocked layout: from about 16 rows on, matmuls run up to
-2x faster that way than through the default GEMM path, but one to a few rows
+weight into oneDNN's blocked layout: with tens of rows, matmuls run up to 2x
+faster that way than through the default GEMM path, but one to a few rows
 (batch-1 and small-batch decode) pay 25-50 us per call for oneDNN's setup
-where plain `F.linear` takes 5-40 us on the bundled model's shapes. So a small
-weight (up to `KEEP_PLAIN_BYTES`) keeps its plain copy too and `matmul` picks
-by row count (`PACKED_FROM_ROWS`); a larger one keeps the packed layout only
-(weights are never held twice for big models). `weight_bytes(model)` counts
+where plain `F.linear` takes 5-40 us on the bundled model's shapes (whole
+decode steps of the bundled model: 0.35-0.6 ms faster at batch 1-4, equal at
+8-12, on one thread). So a small float32 weight (up to `KEEP_PLAIN_BYTES`)
+keeps its plain copy too and `matmul` picks by row count (`PACKED_FROM_ROWS`);
+a larger one, or a bf16 one, keeps the packed layout only (weights are never
+held twice for big models). `weight_bytes(model)` counts
 packed weights too.
 """
 
@@ -46,7 +48,7 @@ def _shape(source) -> tuple[int, ...]:
 
 
 KEEP_PLAIN_BYTES = 4 << 20    # a packed weight up to this size keeps its plain copy for few-row matmuls
-PACKED_FROM_ROWS = 16         # rows from which the packed weight is faster (measured on 2 cores, fp32)
+PACKED_FROM_ROWS = 8          # rows from which the packed weight is used again (measured on 2 cores, fp32)
 
 
 class _Matmul(nn.Module):
@@ -66,9 +68,9 @@ class _Matmul(nn.Module):
         w = self.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
         self.packed_bytes = w.numel() * w.element_size()
-        if keep_plain or self.packed_bytes <= KEEP_PLAIN_BYTES:
-            self.plain_below = PACKED_FROM_ROWS
-        else:     # an empty placeholder keeps dtype and device visible
+        if w.dtype == torch.float32 and (keep_plain or self.packed_bytes <= KEEP_PLAIN_BYTES):
+            self.plain_below = PACKED_FROM_ROWS     # measured for float32 only: bf16 stays on oneDNN
+        elif not keep_plain:     # an empty placeholder keeps dtype and device visible
             self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
 
 

@@ -79,6 +79,15 @@ def test_packed_linear_picks_its_weight_by_rows(pack_sizes, keep_bytes):
             torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="needs oneDNN with bf16")
+def test_a_small_bf16_weight_stays_packed_only():
+    lin = layers.ColumnParallelLinear(64, 96).to(torch.bfloat16)
+    lin.weight.data.normal_()
+    lin.pack()
+    assert lin.weight.numel() == 0 and lin.plain_below == 0
+
+
 def test_small_steps_run_on_one_thread_and_restore_the_count(monkeypatch):
     from edgecore.shared.engine import model_runner
     from edgecore.shared.engine.sampling_params import SamplingParams
