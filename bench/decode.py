@@ -15,7 +15,9 @@ second and per CPU second of the process (the steadier one on a machine shared w
 `--breakdown`: where a decode step of the bundled model goes at one batch size (torch profiler,
 operator self time grouped into matmuls, attention, KV gather/write and other operators; the rest
 of the step's wall time, `between_ops`, is Python, dispatch and the profiler's own cost, which
-makes a profiled step 10-20% slower than a plain one).
+makes a profiled step 10-20% slower than a plain one), then unprofiled steps timed one by one (median
+and minimum: on a machine shared with other jobs the minimum is the steadier figure). `--threads N` sets
+torch's thread count first (default: torch's own).
 """
 
 from __future__ import annotations
@@ -168,7 +170,7 @@ def bench_breakdown(batch: int, dtype_name: str, steps: int = 30) -> dict:
     engine = LLMEngine.from_dir(MODEL, dtype_name, "cpu", CacheConfig(num_blocks=4096),
                                 EngineConfig(max_num_batched_tokens=4096, max_num_seqs=256))
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=steps + 40, temperature=0, ignore_eos=True, detokenize=False)
+    params = SamplingParams(max_tokens=2 * steps + 40, temperature=0, ignore_eos=True, detokenize=False)
     for i, prompt in enumerate(torch.randint(3, 2048, (batch, 128), generator=gen).tolist()):
         engine.add_request(str(i), prompt, params)
     for _ in range(10):                           # prefill, then a few decode steps
@@ -178,6 +180,11 @@ def bench_breakdown(batch: int, dtype_name: str, steps: int = 30) -> dict:
         for _ in range(steps):
             engine.step()
         wall = (time.perf_counter() - t) / steps
+    plain = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        plain.append(time.perf_counter() - t)
     groups = dict.fromkeys([*OP_GROUPS, "other_ops"], 0.0)
     for event in prof.key_averages():
         name = event.key.split("::")[-1]
@@ -185,8 +192,11 @@ def bench_breakdown(batch: int, dtype_name: str, steps: int = 30) -> dict:
         groups[group] += event.self_cpu_time_total / 1e6 / steps
     groups["between_ops"] = max(0.0, wall - sum(groups.values()))
     progress(f"batch {batch} {dtype_name}: step {wall * 1e3:.2f} ms (under the profiler): " +
-             ", ".join(f"{g} {v * 1e3:.2f} ms" for g, v in groups.items()))
-    return {"batch": batch, "dtype": dtype_name, "step_ms_profiled": round(wall * 1e3, 3),
+             ", ".join(f"{g} {v * 1e3:.2f} ms" for g, v in groups.items()) +
+             f"; unprofiled median {statistics.median(plain) * 1e3:.2f} ms, min {min(plain) * 1e3:.2f} ms")
+    return {"batch": batch, "dtype": dtype_name, "threads": torch.get_num_threads(),
+            "step_ms_profiled": round(wall * 1e3, 3),
+            "step_ms_median": round(statistics.median(plain) * 1e3, 3), "step_ms_min": round(min(plain) * 1e3, 3),
             "ms_per_step": {g: round(v * 1e3, 3) for g, v in groups.items()},
             "share": {g: round(v / wall, 3) for g, v in groups.items()}}
 
@@ -204,9 +214,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--arch", choices=["llama", "moe"], default="llama",
                     help="moe: a random ~200 MB Mixtral-shaped model and its MoE layer (bench/decode_moe.py)")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
     ap.add_argument("--dtype", choices=sorted(DTYPES),
                     help="synthetic: the weights' dtype (bf16); bundled: one dtype only (else fp32 and bf16)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.penalties:
         rows = bench_penalties([int(b) for b in args.batches.split(",")], args.prompt_len, args.new_tokens,
                                args.repeats)

@@ -15,6 +15,13 @@ a windowed layer's decode reads only the blocks holding its window). Leading
 blocks that no layer can see any more may have been released
 (`BlockManager.release_before`, id -1): a full-attention read takes them as
 block 0, masked out; a windowed decode never reads them.
+
+Threads: a step of fewer than `SINGLE_THREAD_BELOW` tokens (batch-1 and small-batch decode) runs on one
+thread, then the caller's count is restored. None of its ops has enough work to split, while every
+OpenMP region pays a fork and a barrier: on a 2-core machine the best batch-1 and batch-4 steps take
+the same time on one thread as on two, and on a busy one two threads make the typical step 2-5x slower
+(the barrier waits for a descheduled worker); at batch 8 and 16 the best step was 2.5x faster on one
+thread in the same run (6.6 against 16.3 ms, 8.5 against 21.9 ms, other jobs running).
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.malloc import retain_freed_memory
 from edgecore.shared.models.attention import AttentionMetadata, DecodeWindow, PrefillChunk
 from edgecore.shared.models.layers import pack_for_cpu
+
+SINGLE_THREAD_BELOW = 16    # tokens: smaller steps run on one thread (0: never)
 
 
 def sampling_rows(ordered) -> tuple[list[int], list[Sequence]]:
@@ -81,36 +90,51 @@ class ModelRunner:
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start:start + n])
             blocks = seq.table.blocks
+            if n == 1:                 # a decode row: no inner loop
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+                continue
             for p in range(start, start + n):
                 positions.append(p)
                 slots.append(blocks[p // bs] * bs + p % bs)
-        dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-                                 kv_caches=self.pool.layers, on_layer=on_layer)
+        dev, t = self.device, len(ids)
+        flat = torch.tensor(ids + positions + slots, dtype=torch.long, device=dev)   # one tensor, three views
+        meta = AttentionMetadata(slot_mapping=flat[2 * t:], kv_caches=self.pool.layers, on_layer=on_layer)
         if decode:
-            ctx = [s.num_computed_tokens + 1 for s, _ in decode]
-            longest = max(ctx)
-            width = -(-longest // bs)
-            table = torch.tensor([s.table.blocks[:width] + [0] * (width - len(s.table.blocks[:width]))
-                                  for s, _ in decode], dtype=torch.long, device=dev).clamp_(min=0)
-            meta.num_decode = len(decode)
-            meta.decode_blocks = table
-            meta.block_size = bs
-            meta.decode_len = longest
-            pos = torch.arange(longest, device=dev).unsqueeze(0)
-            ctx_t = torch.tensor(ctx, device=dev).unsqueeze(1)
-            if min(ctx) < longest:     # else every row attends to all `longest`
-                meta.decode_mask = (pos < ctx_t)[:, None, None, :]
-            for form in self.forms:
-                window = self._decode_window(form, table, ctx_t)
-                if window is not None:
-                    meta.decode_windows[form] = window
+            self._decode_meta(meta, [s for s, _ in decode])
         offset = len(decode)
         for seq, n in prefill:
             meta.prefills.append(self._prefill_chunk(seq, n, offset))
             offset += n
-        return ordered, torch.tensor(ids, dtype=torch.long, device=dev), \
-            torch.tensor(positions, dtype=torch.long, device=dev), meta
+        return ordered, flat[:t], flat[t:2 * t], meta
+
+    def _decode_meta(self, meta: AttentionMetadata, seqs: list[Sequence]) -> None:
+        """The decode rows' block table, context length, padding mask and window blocks; for a single row
+        whose blocks are consecutive, the first slot of that run (`decode_span`: attention reads a view)."""
+        bs = self.block_size
+        ctx = [s.num_computed_tokens + 1 for s in seqs]
+        longest = max(ctx)
+        width = -(-longest // bs)
+        rows = [s.table.blocks[:width] for s in seqs]
+        table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long,
+                             device=self.device).clamp_(min=0)
+        meta.num_decode = len(seqs)
+        meta.decode_blocks = table
+        meta.block_size = bs
+        meta.decode_len = longest
+        if len(rows) == 1 and len(rows[0]) == width and rows[0][0] >= 0 \
+                and rows[0] == list(range(rows[0][0], rows[0][0] + width)):
+            meta.decode_span = rows[0][0] * bs
+        if min(ctx) == longest and not self.forms:
+            return                     # every row attends to all `longest` positions
+        ctx_t = torch.tensor(ctx, device=self.device).unsqueeze(1)
+        if min(ctx) < longest:
+            pos = torch.arange(longest, device=self.device).unsqueeze(0)
+            meta.decode_mask = (pos < ctx_t)[:, None, None, :]
+        for form in self.forms:
+            window = self._decode_window(form, table, ctx_t)
+            if window is not None:
+                meta.decode_windows[form] = window
 
     def _decode_window(self, form: LayerAttention, table: torch.Tensor, ctx: torch.Tensor) -> DecodeWindow | None:
         """The blocks each decode row (context lengths `ctx` [B, 1], blocks `table` [B, W]) reads under a
@@ -166,11 +190,24 @@ class ModelRunner:
         runs after each layer has written its K/V."""
         hook = (lambda layer: on_layer(layer, batch.items)) if on_layer is not None else None
         ordered, ids, positions, meta = self.prepare(batch.items, hook)
+        threads = torch.get_num_threads()
+        small = threads > 1 and ids.shape[0] < SINGLE_THREAD_BELOW
+        if small:
+            torch.set_num_threads(1)
+        try:
+            return self._compute(ordered, ids, positions, meta)
+        finally:
+            if small:
+                torch.set_num_threads(threads)
+
+    def _compute(self, ordered, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                 ) -> tuple[list[Sequence], SampleResult | None]:
         hidden = self.model(ids, positions, meta)
         if prompt_logprobs.wanted(ordered):
             prompt_logprobs.record(self.model, hidden, ordered)
         rows, samplers = sampling_rows(ordered)
         if not samplers:
             return [], None
-        logits = self.model.compute_logits(hidden[rows])
+        # A pure decode step samples every row: no copy of `hidden`.
+        logits = self.model.compute_logits(hidden if len(rows) == hidden.shape[0] else hidden[rows])
         return samplers, sample(logits, samplers)

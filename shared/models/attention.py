@@ -59,6 +59,7 @@ class AttentionMetadata:
     block_size: int = 16
     decode_len: int = 0                        # longest decode context (L ≤ W * block_size)
     decode_mask: torch.Tensor | None = None   # [B, 1, 1, L] True where attended; None: everything
+    decode_span: int | None = None      # one decode row whose blocks are consecutive: its first cache slot
     decode_windows: dict[LayerAttention, DecodeWindow] = field(default_factory=dict)   # windowed forms
     prefills: list[PrefillChunk] = field(default_factory=list)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)  # per layer [slots, H, D] (MLA: latent, None)
@@ -118,10 +119,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         window = meta.decode_windows.get(form)
         blocks, length, mask = (meta.decode_blocks, meta.decode_len, meta.decode_mask) if window is None else \
             (window.blocks, window.length, window.mask)
-        bs, flat = meta.block_size, blocks.view(-1)
-        width = blocks.shape[1] * bs
-        kd = k_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, width, hkv, d)[:, :length].transpose(1, 2)
-        vd = v_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, width, hkv, d)[:, :length].transpose(1, 2)
+        if window is None and meta.decode_span is not None:     # one row, consecutive blocks: views, no copy
+            start = meta.decode_span
+            kd = k_cache[start:start + length].unsqueeze(0).transpose(1, 2)
+            vd = v_cache[start:start + length].unsqueeze(0).transpose(1, 2)
+        else:
+            bs, flat = meta.block_size, blocks.view(-1)
+            width = blocks.shape[1] * bs
+            kd = k_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, width, hkv, d)[:, :length].transpose(1, 2)
+            vd = v_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, width, hkv, d)[:, :length].transpose(1, 2)
         if sinks is None:
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
         else:

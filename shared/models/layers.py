@@ -11,9 +11,16 @@ row-parallel layers split the input dimension and all-reduce their output, so a
 column→row pair (QKV→O, gate_up→down) costs one all-reduce.
 
 On CPU, once weights are loaded, `pack_for_cpu(model)` reorders every linear
-weight into oneDNN's blocked layout and drops the plain copy: small-batch
-matmuls run 2-3x faster that way than through the default GEMM path.
-`weight_bytes(model)` counts packed weights too.
+weight into oneDNN's blocked layout: with tens of rows, matmuls run up to 2x
+faster that way than through the default GEMM path, but one to a few rows
+(batch-1 and small-batch decode) pay 25-50 us per call for oneDNN's setup
+where plain `F.linear` takes 5-40 us on the bundled model's shapes (whole
+decode steps of the bundled model: 0.35-0.6 ms faster at batch 1-4, equal at
+8-12, on one thread). So a small float32 weight (up to `KEEP_PLAIN_BYTES`)
+keeps its plain copy too and `matmul` picks by row count (`PACKED_FROM_ROWS`);
+a larger one, or a bf16 one, keeps the packed layout only (weights are never
+held twice for big models). `weight_bytes(model)` counts
+packed weights too.
 """
 
 from __future__ import annotations
@@ -40,14 +47,20 @@ def _shape(source) -> tuple[int, ...]:
     return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
 
 
+KEEP_PLAIN_BYTES = 4 << 20    # a packed weight up to this size keeps its plain copy for few-row matmuls
+PACKED_FROM_ROWS = 8          # rows from which the packed weight is used again (measured on 2 cores, fp32)
+
+
 class _Matmul(nn.Module):
-    """The x @ W^T (+ b) of a linear layer: plain, or through a oneDNN-packed weight after `pack()`."""
+    """The x @ W^T (+ b) of a linear layer: plain, or through a oneDNN-packed weight after `pack()` (for
+    inputs of `PACKED_FROM_ROWS` rows or more when the plain copy was kept)."""
 
     packed: torch.Tensor | None = None
     packed_bytes = 0
+    plain_below = 0      # rows under which the plain weight is used although packed (0: packed only)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed is None:
+        if self.packed is None or x.numel() < self.plain_below * x.shape[-1]:
             return F.linear(x, self.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
@@ -55,15 +68,17 @@ class _Matmul(nn.Module):
         w = self.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
         self.packed_bytes = w.numel() * w.element_size()
-        if not keep_plain:     # an empty placeholder keeps dtype and device visible
+        if w.dtype == torch.float32 and (keep_plain or self.packed_bytes <= KEEP_PLAIN_BYTES):
+            self.plain_below = PACKED_FROM_ROWS     # measured for float32 only: bf16 stays on oneDNN
+        elif not keep_plain:     # an empty placeholder keeps dtype and device visible
             self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
 
 
 def pack_for_cpu(model: nn.Module) -> int:
     """Pack every linear weight of a CPU model for oneDNN (fp32/bf16); returns how many were packed.
 
-    Call after the weights are loaded: the plain copies are released, so a packed model can no
-    longer load weights. A no-op on other devices, dtypes, or builds without oneDNN; bf16 weights
+    Call after the weights are loaded: the plain copies of large weights are released, so a packed
+    model can no longer load weights. A no-op on other devices, dtypes, or builds without oneDNN; bf16 weights
     stay plain on CPUs without oneDNN's bf16 support (e.g. AVX2-only)."""
     if not torch.backends.mkldnn.is_available():
         return 0

@@ -1,0 +1,107 @@
+"""The cheap decode step's shortcuts give what the general path gives: a single decode row whose blocks are
+consecutive reads its K/V as views of the cache (no gather), and only such a row; a packed linear layer
+keeps a plain copy of a small weight for few-row inputs and uses the packed one from `PACKED_FROM_ROWS`
+rows on, while a large weight is held once (packed only); a step of few tokens runs on one thread and restores
+the caller's thread count."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from edgecore.shared.engine.step_plan import PlanItem
+from edgecore.shared.models import layers
+from edgecore.shared.models.attention import AttentionMetadata, paged_attention
+from tests.conftest import make_engine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _decode_meta(caches, blocks: list[int], ctx: int, bs: int, span: bool) -> AttentionMetadata:
+    meta = AttentionMetadata(slot_mapping=torch.tensor([blocks[(ctx - 1) // bs] * bs + (ctx - 1) % bs]),
+                             kv_caches=caches, num_decode=1, decode_blocks=torch.tensor([blocks]),
+                             block_size=bs, decode_len=ctx)
+    meta.decode_span = blocks[0] * bs if span else None
+    return meta
+
+
+@pytest.mark.parametrize("ctx", [1, 7, 16, 37])
+def test_a_consecutive_row_reads_views_with_the_gathered_result(ctx):
+    gen = torch.Generator().manual_seed(ctx)
+    bs, hq, hkv, d = 4, 6, 2, 8
+    blocks = list(range(5, 5 + -(-ctx // bs)))
+    outs = []
+    for span in (False, True):
+        caches = [(torch.randn(64 * bs, hkv, d, generator=torch.Generator().manual_seed(1)),
+                   torch.randn(64 * bs, hkv, d, generator=torch.Generator().manual_seed(2)))]
+        q, k, v = (torch.randn(1, h, d, generator=gen) for h in (hq, hkv, hkv))
+        gen.manual_seed(ctx)
+        outs.append(paged_attention(q, k, v, 0, _decode_meta(caches, blocks, ctx, bs, span), d ** -0.5))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+    assert not torch.equal(outs[0], torch.zeros_like(outs[0]))
+
+
+def test_the_runner_takes_views_only_for_one_consecutive_row():
+    runner = make_engine(block_size=4).runner
+    bs = runner.block_size
+
+    def span(*rows):
+        items = [(PlanItem(ctx - 1, 1, ctx, [3], blocks), 1) for ctx, blocks in rows]
+        return runner.prepare(items)[3].decode_span
+
+    assert span((10, [7, 8, 9])) == 7 * bs
+    assert span((10, [7, 9, 8])) is None                    # not consecutive
+    assert span((10, [-1, 8, 9])) is None                   # a released leading block
+    assert span((10, [7, 8, 9]), (6, [1, 2])) is None       # two rows: gathered
+    assert span((8, [7, 8, 20])) == 7 * bs                  # only the blocks the context covers count
+
+
+@pytest.fixture
+def pack_sizes(monkeypatch):
+    def set_limit(nbytes):
+        monkeypatch.setattr(layers, "KEEP_PLAIN_BYTES", nbytes)
+    return set_limit
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+@pytest.mark.parametrize("keep_bytes", [1 << 20, 0])
+def test_packed_linear_picks_its_weight_by_rows(pack_sizes, keep_bytes):
+    pack_sizes(keep_bytes)
+    lin = layers.ColumnParallelLinear(64, 96)
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(0))
+    lin.weight.data.copy_(w)
+    lin.pack()
+    assert lin.packed is not None
+    assert lin.weight.numel() == (w.numel() if keep_bytes else 0)        # a large weight is held once
+    assert lin.plain_below == (layers.PACKED_FROM_ROWS if keep_bytes else 0)
+    for rows in (1, 3, layers.PACKED_FROM_ROWS - 1, layers.PACKED_FROM_ROWS, 40):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        with torch.inference_mode():
+            torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="needs oneDNN with bf16")
+def test_a_small_bf16_weight_stays_packed_only():
+    lin = layers.ColumnParallelLinear(64, 96).to(torch.bfloat16)
+    lin.weight.data.normal_()
+    lin.pack()
+    assert lin.weight.numel() == 0 and lin.plain_below == 0
+
+
+def test_small_steps_run_on_one_thread_and_restore_the_count(monkeypatch):
+    from edgecore.shared.engine import model_runner
+    from edgecore.shared.engine.sampling_params import SamplingParams
+    engine = make_engine()
+    seen = []
+    forward = engine.runner.model.forward
+
+    def recording(ids, *args, **kwargs):
+        seen.append((ids.shape[0], torch.get_num_threads()))
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner.model, "forward", recording)
+    torch.set_num_threads(2)
+    engine.generate([list(range(5, 5 + model_runner.SINGLE_THREAD_BELOW))],
+                    SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert torch.get_num_threads() == 2
+    assert seen == [(model_runner.SINGLE_THREAD_BELOW, 2), (1, 1), (1, 1)]
