@@ -21,7 +21,9 @@ thread, then the caller's count is restored. None of its ops has enough work to 
 OpenMP region pays a fork and a barrier: on a 2-core machine the best batch-1 and batch-4 steps take
 the same time on one thread as on two, and on a busy one two threads make the typical step 2-5x slower
 (the barrier waits for a descheduled worker); at batch 8 and 16 the best step was 2.5x faster on one
-thread in the same run (6.6 against 16.3 ms, 8.5 against 21.9 ms, other jobs running).
+thread in the same run (6.6 against 16.3 ms, 8.5 against 21.9 ms, other jobs running). Only for small
+models (`SINGLE_THREAD_MAX_WEIGHTS`): a step of a large one is matmuls over megabytes of weights, which
+split well over threads even at one token.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ from edgecore.shared.env import cpu_pack_enabled
 from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.malloc import retain_freed_memory
 from edgecore.shared.models.attention import AttentionMetadata, DecodeWindow, PrefillChunk
-from edgecore.shared.models.layers import pack_for_cpu
+from edgecore.shared.models.layers import pack_for_cpu, weight_bytes
 
-SINGLE_THREAD_BELOW = 16    # tokens: smaller steps run on one thread (0: never)
+SINGLE_THREAD_BELOW = 16    # tokens: smaller steps run on one thread (0: never) ...
+SINGLE_THREAD_MAX_WEIGHTS = 64 << 20    # ... of a model with at most these weight bytes (a larger model's
+                                        # matmuls at batch 1 read enough memory for two threads to pay)
 
 
 def sampling_rows(ordered) -> tuple[list[int], list[Sequence]]:
@@ -77,6 +81,7 @@ class ModelRunner:
             retain_freed_memory()      # activations reuse heap pages instead of faulting in new ones
             if cpu_pack_enabled():
                 pack_for_cpu(model)    # weights are final from here on
+        self.single_thread_below = SINGLE_THREAD_BELOW if weight_bytes(model) <= SINGLE_THREAD_MAX_WEIGHTS else 0
 
     def prepare(self, items: list[tuple[Sequence, int]], on_layer: Callable[[int], None] | None = None):
         bs = self.block_size
@@ -191,7 +196,7 @@ class ModelRunner:
         hook = (lambda layer: on_layer(layer, batch.items)) if on_layer is not None else None
         ordered, ids, positions, meta = self.prepare(batch.items, hook)
         threads = torch.get_num_threads()
-        small = threads > 1 and ids.shape[0] < SINGLE_THREAD_BELOW
+        small = threads > 1 and ids.shape[0] < self.single_thread_below
         if small:
             torch.set_num_threads(1)
         try:
