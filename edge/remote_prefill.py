@@ -146,9 +146,12 @@ class RemotePrefill:
             if decode.phase is Phase.FINISHED:
                 receiver.abandon("the request finished before the handover")
                 self._tally(decode.core_tokens, "finished_before", "finished_on_core")
+                self._count(codec, receiver, time.perf_counter() - started)
             else:
                 await self.client.send(decode.handover())
                 await self.handle.take_over(rid, len(self.prompt_ids))
+                # Counted before the wait for the core's stop below, which the client's reply may outlast.
+                self._count(codec, receiver, time.perf_counter() - started)
                 await self._stop_reason(decode)
                 self._tally(decode.core_tokens, "handovers",
                             "refused" if decode.stop_reason == "refused" else "taken_over")
@@ -170,7 +173,6 @@ class RemotePrefill:
                     pass
             return
         await self._close(receiver)
-        self._count(codec, receiver, time.perf_counter() - started)
 
     async def _stop_reason(self, decode: CoreDecode) -> None:
         """After the takeover, for the metrics only: the core's DecodeStop says whether it had refused to decode
