@@ -133,18 +133,23 @@ def test_handover_points_over_a_slow_link(secret_file, tokenizer, heldout, core_
         core.stop()
 
 
+def one_counted_request(http, prompt, max_tokens) -> dict:
+    """One greedy request through the edge, equal to single node; the edge's metrics once its handover outcome
+    is counted (that waits for the core's stop, which a short reply may outlast)."""
+    ref = make_engine().generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
+    assert complete(http, prompt, max_tokens)["choices"][0]["text"] == ref["text"]
+    assert wait_for(lambda: value(scrape(http), "edgecore:handover_requests_total") == 1)
+    return scrape(http)
+
+
 def test_refused_is_counted(secret_file, tokenizer, heldout):
     """A core that refuses to decode (`--handover-refuse-waiting 0`: always under pressure) sends only the
     first token and the KV: counted at the edge and at the core."""
     refusing, port, core_http = start_core(secret_file, "--handover-refuse-waiting", "0")
     edge, http = start_edge("--local-prefill-below", "0", cores=[port], secret_file=secret_file)
     try:
-        prompt = tokenizer.encode(heldout)[2000:2300]
-        ref = make_engine().generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
-        assert complete(http, prompt, 12)["choices"][0]["text"] == ref["text"]
-        metrics = scrape(http)
+        metrics = one_counted_request(http, tokenizer.encode(heldout)[2000:2300], 12)
         assert value(metrics, "edgecore:handover_requests_total", outcome="refused") == 1
-        assert value(metrics, "edgecore:handover_requests_total") == 1
         assert value(metrics, "edgecore:handover_tokens_received_total") == 0
         assert value(scrape(core_http), "edgecore:core_handover_refusals_total") == 1
         books_closed(http, core_http)
@@ -160,12 +165,8 @@ def test_finished_on_core_is_counted(secret_file, tokenizer, heldout):
     relay = Relay(SLOW, port)
     edge, http = start_edge("--local-prefill-below", "0", cores=[relay.port], secret_file=secret_file)
     try:
-        prompt = tokenizer.encode(heldout)[3000:3900]
-        ref = make_engine().generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
-        assert complete(http, prompt, 3)["choices"][0]["text"] == ref["text"]
-        metrics = scrape(http)
+        metrics = one_counted_request(http, tokenizer.encode(heldout)[3000:3900], 3)
         assert value(metrics, "edgecore:handover_requests_total", outcome="finished_on_core") == 1
-        assert value(metrics, "edgecore:handover_requests_total") == 1
         assert value(metrics, "edgecore:handover_tokens_received_total") == 2
         assert value(metrics, "edgecore:handover_core_tokens_count") == 0       # it was never taken over
         books_closed(http, core_http)
