@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from edgecore.shared.cli import add_kv_cache_args, add_model_args
+from edgecore.shared.cli import add_kv_cache_args, add_model_args, kv_cache_memory
 from edgecore.shared.http_server import add_limit_args
 
 
@@ -153,12 +153,7 @@ def _check_limits(args: argparse.Namespace):
     from edgecore.shared.http_server import limits_from_args
     if args.max_seqs_per_request < 1 or args.max_concurrent < 1:
         raise ConfigError("--max-seqs-per-request and --max-concurrent must be at least 1")
-    if args.kv_blocks is None:
-        from edgecore.shared.kv.budget import parse_size
-        try:
-            parse_size(args.kv_cache_memory)
-        except ValueError as exc:
-            raise ConfigError(f"--kv-cache-memory: {exc}") from None
+    kv_cache_memory(args)                 # a bad size fails here, before the engine process starts
     if args.max_seqs_per_request > args.max_concurrent:
         raise ConfigError(f"--max-seqs-per-request ({args.max_seqs_per_request}) must not exceed --max-concurrent "
                           f"({args.max_concurrent}), or such a request could never run")

@@ -26,22 +26,36 @@ def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache blocks of 16 tokens, instead of sizing the cache from --kv-cache-memory")
 
 
+def kv_cache_memory(args: argparse.Namespace) -> int | None:
+    """--kv-cache-memory in bytes, or None when --kv-blocks sets the size; either flag checked (ConfigError),
+    so a node's front process can refuse a bad value before it starts anything."""
+    from edgecore.shared.errors import ConfigError
+    from edgecore.shared.kv.budget import parse_size
+    if args.kv_blocks is not None:
+        if args.kv_blocks < 1:
+            raise ConfigError(f"--kv-blocks must be at least 1, not {args.kv_blocks}")
+        return None
+    try:
+        return parse_size(args.kv_cache_memory)
+    except ValueError as exc:
+        raise ConfigError(f"--kv-cache-memory: {exc}") from None
+
+
 def kv_cache_config(args: argparse.Namespace, config, value_bytes: int, tp: int = 1) -> tuple[Any, str]:
     """The CacheConfig from --kv-blocks or --kv-cache-memory, and the start-up line that says what a deployment
     gets (for the log, once the node starts); a size that holds no block is a ConfigError."""
     from edgecore.shared.config import CacheConfig
     from edgecore.shared.errors import ConfigError
-    from edgecore.shared.kv.budget import describe, kv_blocks, parse_size
+    from edgecore.shared.kv.budget import describe, kv_blocks
     block_size = CacheConfig.block_size
-    try:
-        if args.kv_blocks is not None:
-            if args.kv_blocks < 1:
-                raise ValueError(f"--kv-blocks must be at least 1, not {args.kv_blocks}")
-            blocks = args.kv_blocks
-        else:
-            blocks = kv_blocks(config, value_bytes, block_size, parse_size(args.kv_cache_memory), tp)
-    except ValueError as exc:
-        raise ConfigError(f"--kv-cache-memory: {exc}" if args.kv_blocks is None else str(exc)) from None
+    memory = kv_cache_memory(args)
+    if memory is None:
+        blocks = args.kv_blocks
+    else:
+        try:
+            blocks = kv_blocks(config, value_bytes, block_size, memory, tp)
+        except ValueError as exc:
+            raise ConfigError(f"--kv-cache-memory: {exc}") from None
     return CacheConfig(num_blocks=blocks), describe(config, value_bytes, block_size, blocks, tp)
 
 

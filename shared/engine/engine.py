@@ -77,7 +77,6 @@ class LLMEngine:
         self.grammars: Grammars | None = None     # built on the first request with a grammar
         self.iteration_tokens = Buckets()          # tokens computed per step (a metric)
         self.kv_bytes_per_token = config.kv_bytes_per_token(self.pool.k[0].element_size())
-        self.kv_block_bytes = self.pool.block_bytes
         self.weights_bytes = weight_bytes(model)
 
     @classmethod
@@ -377,6 +376,6 @@ class LLMEngine:
             iteration_tokens_sum=self.iteration_tokens.total,
             prefix_caching=self.cache_config.enable_prefix_caching,
             blocks_touched=bm.touched,
-            kv_block_bytes=self.kv_block_bytes,
+            kv_block_bytes=self.pool.block_bytes,
             weights_bytes=self.weights_bytes,
         )

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import mmap
-
 import sys
 
 import torch
@@ -44,8 +43,7 @@ class KVPool:
             self.k = [_zeros(shape, dtype, device) for _ in range(layers)]
             self.v = [_zeros(shape, dtype, device) for _ in range(layers)]
         self.dtype, self.device = dtype, device
-        self.block_bytes = self.block_size * sum(t[0].numel() * t.element_size()
-                                                 for t in (self.latent if layout.latent else self.k + self.v))
+        self.block_bytes = self.bytes // cache.num_blocks if cache.num_blocks else 0
 
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -87,6 +85,7 @@ class KVPool:
     def bytes(self) -> int:
         tensors = self.latent if self.layout.latent else self.k + self.v
         return sum(t.numel() * t.element_size() for t in tensors)
+
 
 # No swap reserved for the whole capacity up front (Python < 3.12 lacks the constant; Linux's value).
 _NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)

@@ -1,5 +1,7 @@
 """KV cache sizing from a memory budget, and a pool that becomes resident only as it is used."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -32,6 +34,17 @@ def test_blocks_from_the_model_dtype_and_ranks():
     with pytest.raises(ValueError, match="holds no block"):
         kv_blocks(config, 4, 16, 16 * 2048 - 1)
     assert "2048 blocks of 16 tokens = 32,768 tokens, 64.0 MiB" in describe(config, 4, 16, 2048)
+
+
+@pytest.mark.parametrize("model", ["pydoc-llama", "pystd-mla"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_budget_counts_what_the_pool_allocates(model, dtype):
+    """Per-head K/V and MLA's latent: a block as the budget counts it is a block as the pool holds it."""
+    config = ModelConfig.from_dir(Path(__file__).resolve().parents[2] / "models" / model)
+    pool = KVPool(config, CacheConfig(num_blocks=4), dtype, "cpu")
+    assert pool.block_bytes == 16 * bytes_per_token(config, dtype.itemsize) == pool.bytes // 4
+    if config.mla is not None:          # one latent per token, never split over tensor-parallel ranks
+        assert bytes_per_token(config, 2, tp=2) == bytes_per_token(config, 2)
 
 
 def resident_kib() -> int:
