@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import kv_klt
+from kv_alloc import Allocated, allocation, channel_scales, channel_weights
 from common import RESULTS, ROOT, emit, progress
 
 import numpy as np
@@ -106,44 +107,27 @@ class Run:
         self.engine.block_manager.free_table(self.seq.table)
 
 
-class Allocated(Codec):
-    """A level with the model's bit allocation: per (kind, layer) step multipliers given to the encoder."""
-
-    def __init__(self, codec: Codec, scales: dict[str, tuple[float, ...]]):
-        self.codec, self.scales = codec, scales
-        self.name, self.codec_id, self.lossless = codec.name, codec.codec_id, False
-
-    def encode(self, bits, info):
-        return self.codec.encode(bits, dataclasses.replace(info, step_scales=self.scales[info.kind]))
-
-    def decode(self, data, info):
-        return self.codec.decode(data, info)
-
-
-def allocation(kl: dict[str, float], layers: int, bound: float = 4.0) -> dict[str, tuple[float, ...]]:
-    """Step multipliers that equalise each (kind, layer)'s share of the KL (KL_i ∝ a_i·step_i², so step_i ∝
-    a_i^-1/2), normalised to a geometric mean of 1 (about the uniform level's rate) and kept within
-    [1/bound, bound]."""
-    a = {key: max(v, 1e-9) for key, v in kl.items()}
-    gm = math.exp(sum(math.log(v) for v in a.values()) / len(a))
-    m = {key: min(bound, max(1 / bound, math.sqrt(gm / v))) for key, v in a.items()}
-    return {kind: tuple(round(m[f"{kind}{i}"], 3) for i in range(layers)) for kind in "kv"}
-
-
-def model_allocation(engine, model: Path, calib, codecs, args) -> tuple[dict, dict | None]:
-    """The per-layer bit allocation the model's core uses (its kv_allocation.json), or with --allocate LEVEL
-    one calibrated now on `calib` windows (written to the model directory with --write-allocation)."""
+def model_allocation(engine, model: Path, calib, codecs, channels, args) -> tuple[dict, dict | None]:
+    """The bit allocation the model's core uses (its kv_allocation.json), or with --allocate LEVEL one
+    calibrated now on `calib` windows, per layer, on top of `channels` (per-channel scales, the first
+    --channels setting's; written to the model directory with --write-allocation)."""
     if not args.allocate:
         scales = {} if args.no_allocation else codec_step_scales(model)
         return scales, {"source": str(model / ALLOCATION_FILE), "step_scales": scales} if scales else None
     greedy = [r["token_ids"] for r in engine.generate([w[:args.prompt_len] for w in calib], SamplingParams(
         max_tokens=args.new_tokens, temperature=0, ignore_eos=True))]
-    kl = sensitivity(engine, calib, greedy, codecs.get(args.allocate) or CODECS[args.allocate],
+    level = codecs.get(args.allocate) or CODECS[args.allocate]
+    kl = sensitivity(engine, calib, greedy, Allocated(level, channels[1]) if channels else level,
                      engine.config.num_hidden_layers, args)
     scales = allocation(kl, engine.config.num_hidden_layers)
     progress(f"allocation from {args.allocate}: {scales}")
     info = {"level": args.allocate, "calibration_windows": len(calib), "prompt_tokens": args.prompt_len,
             "mean_kl": kl, "step_scales": scales}
+    if channels:
+        (a, b), ch = channels
+        info.update(channel_exponents={"a": a, "b": b},
+                    channel_scales={kind: [list(row) for row in ch[f"{kind}_channels"]] for kind in "kv"})
+        scales = {**scales, **ch}
     if args.write_allocation:
         (model / ALLOCATION_FILE).write_text(json.dumps(info, indent=1) + "\n")
     return scales, info
@@ -285,7 +269,8 @@ def plot(rows: dict, path: Path, title: str) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     families: dict[str, list] = {}
     for name, r in rows.items():
-        family = FAMILIES.get(name) or ("qNe, one step factor for all layers" if name.endswith("-uniform") else
+        family = FAMILIES.get(name) or (f"qNe, channel steps ∝ std^a·w^-b, a:b = {name.split('@')[1]}"
+                                        if "@" in name else "qNe, one step factor for all layers" if name.endswith("-uniform") else
                                         "qNe in a calibrated basis (experiment)" if name.endswith("+klt") else
                                         "entropy-coded (qNe)")
         families.setdefault(family, []).append((r["ratio_vs_bf16"], r, name))
@@ -320,6 +305,9 @@ def main():
                          "evaluated ones and run the entropy-coded levels with it (the uniform ones as NAME-uniform)")
     ap.add_argument("--write-allocation", action="store_true",
                     help="with --allocate: write it to the model directory's kv_allocation.json (the core uses it)")
+    ap.add_argument("--channels", action="append", default=[], metavar="A:B",
+                    help="per-channel steps ∝ std^A · weight^-B (bench/kv_alloc.py), calibrated on the --allocate "
+                         "windows: the levels run as NAME@A:B (with --allocate: the first setting is allocated)")
     ap.add_argument("--no-allocation", action="store_true", help="ignore the model's kv_allocation.json")
     ap.add_argument("--klt", action="store_true",
                     help="experiment: add every entropy-coded level run in a per-head basis calibrated on windows "
@@ -353,10 +341,21 @@ def main():
         for r in runs:
             r.close()
         codecs.update({f"{n}+klt": kv_klt.KLTLevel(c, bases, args.rope) for n, c in levels.items()})
-    scales, extra["allocation"] = model_allocation(engine, model, calib, codecs, args)
+    settings = [tuple(float(x) for x in spec.split(":")) for spec in args.channels]
+    per_channel = []
+    if settings:
+        weights, stds = channel_weights(engine, lambda w: Run(engine, w[:args.prompt_len], args.new_tokens),
+                                        calib, args.rope)
+        per_channel = [((a, b), channel_scales(weights, stds, a, b)) for a, b in settings]
+    scales, extra["allocation"] = model_allocation(engine, model, calib, codecs,
+                                                   per_channel[0] if per_channel else None, args)
     if scales:      # the levels as the model's core runs them; the uniform ones beside them
         codecs.update({f"{n}-uniform": c for n, c in levels.items()})
         codecs.update({n: Allocated(c, scales) for n, c in levels.items()})
+    for (a, b), ch in per_channel[1 if args.allocate else 0:]:     # other settings: the file's layer scales
+        layer = {kind: scales.get(kind, ()) for kind in "kv"}
+        codecs.update({f"{n}@{a:g}:{b:g}": Allocated(c, {**layer, **ch}, f"{n}@{a:g}:{b:g}")
+                       for n, c in levels.items()})
     result = evaluate(engine, windows, greedy, codecs, args)
     # Speed on long planes (the windows' KV end to end per layer: ≥ 1 MB each on a small model), as a
     # long prompt's per-layer chunk; per-call costs of short chunks are a separate matter.

@@ -34,6 +34,10 @@ class PlaneInfo:
     # Encoder hint, the model's bit allocation: step multipliers of this plane's kind per model layer (layer i;
     # 1.0 beyond). Steps travel in the payload, so decoders never need it (bench/kv_rd.py --allocate).
     step_scales: tuple[float, ...] = ()
+    # Encoder hint, the model's per-channel importance: for model layer i, step multipliers of this plane's
+    # heads × head_dim channels (flat, heads of the plane only), from reverse water-filling on the channel's
+    # weight in the attention output (bench/kv_importance.py). () or a layer beyond the tuple: 1.0.
+    channel_scales: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self):
         if self.dtype not in BITS_DTYPES:

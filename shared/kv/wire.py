@@ -5,7 +5,8 @@ bfloat16/float16 travel as uint16 bits, float32 as uint32 bits, in
 those of the model's `KVLayout` (shared/kv/layout.py): K and V per head, or, for MLA, the
 latent (kv_lora_rank wide) and the rope key (qk_rope_head_dim wide) of one shared "head".
 `codec_rope` gives the RoPE frequencies both ends hand the codecs (keys coded with RoPE removed);
-`codec_step_scales` the core's per-layer bit allocation, from the model directory's `kv_allocation.json`.
+`codec_step_scales` the core's bit allocation (per layer, and per channel where calibrated), from the model
+directory's `kv_allocation.json`.
 """
 
 from __future__ import annotations
@@ -53,12 +54,15 @@ ALLOCATION_FILE = "kv_allocation.json"
 
 class _Allocation(msgspec.Struct):
     step_scales: dict[str, list[float]]
+    channel_scales: dict[str, list[list[float]]] = {}
 
 
-def codec_step_scales(model_dir) -> dict[str, tuple[float, ...]]:
-    """The model's KV bit allocation for the encoder: {"k": step multiplier per layer, "v": ...}, from
-    `kv_allocation.json` in the model directory (written by bench/kv_rd.py --allocate LEVEL --write-allocation);
-    {} when there is none. Decoders need none of it: steps travel in the payload."""
+def codec_step_scales(model_dir) -> dict[str, tuple]:
+    """The model's KV bit allocation for the encoder: {"k": step multiplier per layer, "v": ...} and, where the
+    file has per-channel scales, {"k_channels": per layer a tuple of kv_heads × head_dim multipliers,
+    "v_channels": ...}; from `kv_allocation.json` in the model directory (written by bench/kv_rd.py --allocate
+    LEVEL [--channels A:B] --write-allocation); {} when there is none. Decoders need none of it: steps travel in
+    the payload."""
     path = Path(model_dir) / ALLOCATION_FILE
     if not path.is_file():
         return {}
@@ -71,4 +75,11 @@ def codec_step_scales(model_dir) -> dict[str, tuple[float, ...]]:
     bad = [k for k, v in alloc.step_scales.items() if k not in ("k", "v") or not all(0 < x < 1e3 for x in v)]
     if bad:
         raise ConfigError(f"{path}: step_scales needs kinds 'k'/'v' with multipliers in (0, 1000), not {bad}")
-    return {k: tuple(float(x) for x in v) for k, v in alloc.step_scales.items()}
+    out: dict[str, tuple] = {k: tuple(float(x) for x in v) for k, v in alloc.step_scales.items()}
+    for kind, layers in alloc.channel_scales.items():
+        widths = {len(row) for row in layers}
+        if kind not in ("k", "v") or len(widths) > 1 or not all(0 < x < 1e3 for row in layers for x in row):
+            raise ConfigError(f"{path}: channel_scales needs kinds 'k'/'v', each a list of equally long per-layer "
+                              f"lists of multipliers in (0, 1000); '{kind}' is not")
+        out[f"{kind}_channels"] = tuple(tuple(float(x) for x in row) for row in layers)
+    return out

@@ -415,10 +415,55 @@ def test_model_allocation_file(tmp_path):
     from tests.conftest import MODEL_DIR
     assert codec_step_scales(tmp_path) == {}
     shipped = codec_step_scales(MODEL_DIR)       # the bundled model's, measured by bench/kv_rd.py --allocate
-    assert set(shipped) == {"k", "v"} and all(len(s) == 4 and all(0.25 <= x <= 4 for x in s) for s in shipped.values())
+    assert {"k", "v"} <= set(shipped) and all(len(shipped[kind]) == 4 and all(0.25 <= x <= 4 for x in shipped[kind])
+                                              for kind in "kv")
     (tmp_path / ALLOCATION_FILE).write_text('{"step_scales": {"k": [1.0, 0.5], "v": [2]}}')
     assert codec_step_scales(tmp_path) == {"k": (1.0, 0.5), "v": (2.0,)}
     for bad in ('{"step_scales": {"q": [1]}}', '{"step_scales": {"k": [0]}}', '{"step_scales": []}', "{"):
         (tmp_path / ALLOCATION_FILE).write_text(bad)
+        with pytest.raises(ConfigError, match=ALLOCATION_FILE):
+            codec_step_scales(tmp_path)
+
+
+def test_channel_scales_steer_the_encoder_only():
+    """Per-channel importance scales (kv_allocation.json's channel_scales) reach the encoder through
+    encode_chunk, sliced to the chunk's heads; the decoder needs none of them; scales of 1.0 change no byte."""
+    from edgecore.protocol.kv import decode_chunk, encode_chunk
+    rng = np.random.default_rng(5)
+    shape = (1, 300, 2, 16)
+    k, v = random_plane(rng, "bfloat16", shape), random_plane(rng, "bfloat16", shape)
+    layer = {"k": (1.0,), "v": (1.0,)}
+
+    def chunk(channels, head_start=0):
+        data = encode_chunk("r", k, v, layer_start=0, token_start=0, head_start=head_start, dtype="bfloat16",
+                            codec="q2e", total_tokens=300, step_scales={**layer, **channels})
+        k2, v2 = decode_chunk(data)
+        err = [np.abs(to_float32(a, "bfloat16") - to_float32(b, "bfloat16"))[0, 4:].mean(axis=0)
+               for a, b in ((k2, k), (v2, v))]
+        return bytes(data.payload), err
+
+    plain, err = chunk({})
+    ones, _ = chunk({"k_channels": ((1.0,) * 96,), "v_channels": ((1.0,) * 96,)})
+    assert ones == plain
+    # The model has 6 KV heads; the chunk holds heads 2-3: head 2 channel 0's values twice as fine, head 3
+    # channel 5's keys four times as coarse (its guard, max deviation / 7.5, sets a floor on fine steps only).
+    vc, kc = [1.0] * 96, [1.0] * 96
+    vc[2 * 16] = 0.5
+    kc[3 * 16 + 5] = 4.0
+    _, err2 = chunk({"k_channels": (tuple(kc),), "v_channels": (tuple(vc),)}, head_start=2)
+    assert err2[1][0, 0] < 0.8 * err[1][0, 0] and err2[0][1, 5] > 2 * err[0][1, 5]
+    assert np.allclose(np.delete(err2[1].reshape(-1), 0), np.delete(err[1].reshape(-1), 0))
+    with pytest.raises(CodecError, match="channel scales"):
+        chunk({"k_channels": ((1.0,) * 20,)})
+
+
+def test_model_allocation_file_channels(tmp_path):
+    from edgecore.shared.errors import ConfigError
+    from edgecore.shared.kv.wire import ALLOCATION_FILE, codec_step_scales
+    (tmp_path / ALLOCATION_FILE).write_text(
+        '{"step_scales": {"k": [1.0], "v": [2]}, "channel_scales": {"k": [[0.5, 2.0], [1, 1]]}}')
+    assert codec_step_scales(tmp_path) == {"k": (1.0,), "v": (2.0,), "k_channels": ((0.5, 2.0), (1.0, 1.0))}
+    for bad in ('{"q": [[1]]}', '{"k": [[0]]}', '{"k": [[1, 1], [1]]}', '{"k": [1]}'):
+        (tmp_path / ALLOCATION_FILE).write_text(f'{{"step_scales": {{"k": [1]}}, "channel_scales": {bad}}}')
         with pytest.raises(ConfigError, match=ALLOCATION_FILE):
             codec_step_scales(tmp_path)
