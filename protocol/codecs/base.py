@@ -121,13 +121,22 @@ def safe_inverse(step: np.ndarray) -> np.ndarray:
 
 
 _local = threading.local()
+_VIEWS = 256       # cached scratch views per thread (shapes vary with chunk sizes)
 
 
 def scratch(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
     """A per-thread work array of `shape` and `dtype`, reused by every call that asks for `name` on this thread
     (contents undefined). Codec temporaries live here: a fresh 100 KB+ numpy array is a fresh mmap whose page
     faults cost more than the arithmetic on it (measured: q*e decode spent half its time in the kernel). A
-    caller must not return a scratch array, nor hold it past its own call."""
+    caller must not return a scratch array, nor hold it past its own call. The view of each (name, shape,
+    dtype) is kept too: building it is several numpy calls, and an encode asks for a dozen."""
+    views = getattr(_local, "views", None)
+    if views is None:
+        views = _local.views = {}
+    key = (name, shape, dtype)
+    view = views.get(key)
+    if view is not None:
+        return view
     dtype = np.dtype(dtype)
     n = 1
     for s in shape:
@@ -138,7 +147,13 @@ def scratch(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
     buf = bufs.get(name)
     if buf is None or buf.nbytes < n * dtype.itemsize:
         buf = bufs[name] = np.empty(max(n * dtype.itemsize, 1 << 16), dtype=np.uint8)
-    return buf[:n * dtype.itemsize].view(dtype).reshape(shape)
+        for old in [k for k in views if k[0] == name]:      # views of the old buffer
+            del views[old]
+    view = buf[:n * dtype.itemsize].view(dtype).reshape(shape)
+    if len(views) >= _VIEWS:
+        views.clear()
+    views[key] = view
+    return view
 
 
 def zstd_compress(data, level: int = 1) -> bytes:
