@@ -21,7 +21,7 @@ LEVELS = {
     "q2e": Level(key_factor=0.65, value_factor=0.75, fine=16),
 }
 CODECS: dict[str, Codec] = {c.name: c for c in (
-    RawCodec(), LosslessCodec(), Fp8Codec(), QuantCodec(8, "int8", 3), QuantCodec(4, "int4", 4),
+    RawCodec(), LosslessCodec(), Fp8Codec(), QuantCodec(8, "int8", 3, zstd_level=-1), QuantCodec(4, "int4", 4),
     *(EntropyQuantCodec(name, 5 + i, level) for i, (name, level) in enumerate(LEVELS.items())))}
 LOSSLESS = tuple(name for name, c in CODECS.items() if c.lossless)
 

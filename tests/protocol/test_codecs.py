@@ -467,3 +467,19 @@ def test_model_allocation_file_channels(tmp_path):
         (tmp_path / ALLOCATION_FILE).write_text(f'{{"step_scales": {{"k": [1]}}, "channel_scales": {bad}}}')
         with pytest.raises(ConfigError, match=ALLOCATION_FILE):
             codec_step_scales(tmp_path)
+
+
+def test_int8_zstd_level_is_the_encoders_choice(real_kv):
+    """int8 compresses its codes at zstd's fast level; a frame of another level (an older core's, level 1)
+    decodes to the same values, and the fast frames are at most a few percent larger."""
+    from edgecore.protocol.codecs.quant import QuantCodec
+    dtype, k, v = real_kv
+    older, codec = QuantCodec(8, "int8", 3, zstd_level=1), get_codec("int8")
+    sizes = [0, 0]
+    for kind, plane in (("k", k), ("v", v)):
+        info = PlaneInfo(dtype, plane.shape, kind, 0, plane.shape[1], 0)
+        slow, fast = older.encode(plane, info), codec.encode(plane, info)
+        sizes[0] += len(slow)
+        sizes[1] += len(fast)
+        assert np.array_equal(codec.decode(slow, info), older.decode(fast, info))
+    assert sizes[0] < sizes[1] < 1.05 * sizes[0]
