@@ -18,7 +18,8 @@ The model computes in float32 by default and the KV is rounded to bf16 before an
 (and for the reference), so the curve isolates the codec's error; `--dtype bf16` runs the
 model in bf16. Writes one JSON line, bench/results/NAME.json and NAME.png (matplotlib,
 the `bench` extra). `--sensitivity LEVEL` adds per-layer KL with only one layer (K or V)
-coded at that level — the measurement behind per-layer bit allocation.
+coded at that level — the measurement behind per-layer bit allocation; `--channels A:B`, per-channel steps
+(bench/kv_alloc.py; rows NAME-layers: the model's allocation without its channel scales).
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def model_allocation(engine, model: Path, calib, codecs, channels, args) -> tupl
     --channels setting's; written to the model directory with --write-allocation)."""
     if not args.allocate:
         scales = {} if args.no_allocation else codec_step_scales(model)
-        return scales, {"source": str(model / ALLOCATION_FILE), "step_scales": scales} if scales else None
+        return scales, {"source": str(model / ALLOCATION_FILE), "step_scales": {k: scales[k] for k in "kv" if k in scales},
+                        "channel_scales": any(k.endswith("_channels") for k in scales)} if scales else None
     greedy = [r["token_ids"] for r in engine.generate([w[:args.prompt_len] for w in calib], SamplingParams(
         max_tokens=args.new_tokens, temperature=0, ignore_eos=True))]
     level = codecs.get(args.allocate) or CODECS[args.allocate]
@@ -271,6 +273,7 @@ def plot(rows: dict, path: Path, title: str) -> bool:
     for name, r in rows.items():
         family = FAMILIES.get(name) or (f"qNe, channel steps ∝ std^a·w^-b, a:b = {name.split('@')[1]}"
                                         if "@" in name else "qNe, one step factor for all layers" if name.endswith("-uniform") else
+                                        "qNe, per-layer allocation only" if name.endswith("-layers") else
                                         "qNe in a calibrated basis (experiment)" if name.endswith("+klt") else
                                         "entropy-coded (qNe)")
         families.setdefault(family, []).append((r["ratio_vs_bf16"], r, name))
@@ -351,6 +354,9 @@ def main():
                                                    per_channel[0] if per_channel else None, args)
     if scales:      # the levels as the model's core runs them; the uniform ones beside them
         codecs.update({f"{n}-uniform": c for n, c in levels.items()})
+        if "k_channels" in scales or "v_channels" in scales:     # and with the per-layer multipliers only
+            layer_only = {kind: scales.get(kind, ()) for kind in "kv"}
+            codecs.update({f"{n}-layers": Allocated(c, layer_only, f"{n}-layers") for n, c in levels.items()})
         codecs.update({n: Allocated(c, scales) for n, c in levels.items()})
     for (a, b), ch in per_channel[1 if args.allocate else 0:]:     # other settings: the file's layer scales
         layer = {kind: scales.get(kind, ()) for kind in "kv"}

@@ -34,17 +34,17 @@ class CurvePoint:
 
 
 # bench/kv_rd.py on pydoc-llama (30 × 256-token prompts, keys coded with RoPE removed, the levels with the
-# model's kv_allocation.json; speeds in thread CPU time on long planes, on a shared 2-core machine under load,
-# so low): bench/results/kv_rd.json. raw: a copy.
+# model's kv_allocation.json, per layer and per channel; speeds in thread CPU time on long planes, on a shared
+# 2-core machine under load, so low): bench/results/kv_rd.json. raw: a copy.
 CURVE: dict[str, CurvePoint] = {
     "raw": CurvePoint(1.0, 0.0, 1.0, 20e9, 20e9),
-    "lossless": CurvePoint(0.6848, 0.0, 1.0, 313e6, 899e6),
-    "fp8": CurvePoint(0.5002, 0.00189, 0.9852, 196e6, 519e6),
-    "int8": CurvePoint(0.556, 0.00015, 0.9989, 257e6, 507e6),
-    "int4": CurvePoint(0.3825, 0.0031, 0.9825, 338e6, 684e6),
-    "q4e": CurvePoint(0.2396, -0.0009, 0.9788, 173e6, 366e6),
-    "q3e": CurvePoint(0.1971, 0.00239, 0.972, 209e6, 441e6),
-    "q2e": CurvePoint(0.1778, 0.00496, 0.9646, 152e6, 342e6),
+    "lossless": CurvePoint(0.6848, 0.0, 1.0, 243e6, 677e6),
+    "fp8": CurvePoint(0.5002, 0.00189, 0.9852, 143e6, 387e6),
+    "int8": CurvePoint(0.5635, 0.00015, 0.9989, 278e6, 604e6),
+    "int4": CurvePoint(0.3825, 0.0031, 0.9825, 249e6, 483e6),
+    "q4e": CurvePoint(0.2398, -0.00065, 0.9804, 165e6, 362e6),
+    "q3e": CurvePoint(0.1985, 0.00159, 0.9741, 164e6, 362e6),
+    "q2e": CurvePoint(0.1802, 0.0037, 0.9593, 164e6, 364e6),
 }
 DEFAULT_QUALITY_BUDGET = 0.01     # perplexity increase a request may pay for fewer bytes
 

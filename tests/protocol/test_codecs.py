@@ -483,3 +483,62 @@ def test_int8_zstd_level_is_the_encoders_choice(real_kv):
         sizes[1] += len(fast)
         assert np.array_equal(codec.decode(slow, info), older.decode(fast, info))
     assert sizes[0] < sizes[1] < 1.05 * sizes[0]
+
+
+def test_channel_weights_match_transformers(heldout):
+    """bench/kv_alloc.py's calibration against transformers on the same windows: value weights are o_proj's
+    column norms summed over each KV head's query heads; key weights E[q_c² + q_partner²] of the pre-RoPE
+    queries (q_proj's output) summed likewise; key stds those of k_proj's output (the RoPE undone)."""
+    import sys
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import MODEL_DIR, ROOT
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from kv_alloc import channel_scales, channel_weights
+        from kv_rd import Run
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    from edgecore.shared.kv.wire import codec_rope
+    engine = make_engine(dtype="fp32")
+    ids = engine.tokenizer.encode(heldout)
+    windows = [ids[:96], ids[500:596]]
+    rope = codec_rope(engine.config)
+    weights, stds = channel_weights(engine, lambda w: Run(engine, w, 1), windows, rope)
+
+    ref = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+    cfg = ref.config
+    heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    group, half = heads // kv_heads, d // 2
+    q_sq, k_out = {}, {}
+    hooks = []
+    for i, layer in enumerate(ref.model.layers):
+        attn = layer.self_attn
+        hooks.append(attn.q_proj.register_forward_hook(
+            lambda m, a, out, i=i: q_sq.__setitem__(i, q_sq.get(i, 0) + out[0].double().square().sum(0))))
+        hooks.append(attn.k_proj.register_forward_hook(
+            lambda m, a, out, i=i: k_out.setdefault(i, []).append(out[0].double())))
+    with torch.no_grad():
+        for w in windows:
+            ref(torch.tensor([w]))
+    for h in hooks:
+        h.remove()
+    count = sum(len(w) for w in windows)
+    for i, layer in enumerate(ref.model.layers):
+        eq = (q_sq[i] / count).reshape(kv_heads, group, d).sum(1).numpy()
+        w_k = eq + np.roll(eq, half, axis=-1)
+        w_v = layer.self_attn.o_proj.weight.detach().double().square().sum(0).reshape(kv_heads, group, d).sum(1).numpy()
+        std_k = torch.cat(k_out[i]).std(0, unbiased=False).reshape(kv_heads, d).numpy()
+        assert np.allclose(weights["k"][i], w_k, rtol=1e-3), i
+        assert np.allclose(weights["v"][i], w_v, rtol=1e-6), i
+        assert np.allclose(stds["k"][i], std_k, rtol=0.02, atol=1e-3), i     # ours: bf16-rounded keys
+    scales = channel_scales(weights, stds, 0.0, 0.5)
+    for kind in "kv":
+        m = np.array(scales[f"{kind}_channels"])
+        assert m.shape == (cfg.num_hidden_layers, kv_heads * d) and (m >= 0.25).all() and (m <= 4).all()
+        assert np.allclose(np.log(m).mean(axis=1), 0, atol=0.05)   # geometric mean 1 per layer (clipping aside)
+        # inside the bounds, step = factor · std · m ∝ w^-1/2: w·(std·m)² is constant within a layer
+        wm = weights[kind].reshape(len(m), -1) * (stds[kind].reshape(len(m), -1) * m) ** 2
+        inside = (m > 0.26) & (m < 3.9)
+        for row, ok in zip(wm, inside):
+            assert np.allclose(row[ok], row[ok][0], rtol=2e-3)
