@@ -85,8 +85,8 @@ agreement on pystd-llama (q2e, 0.142 / 97.8%), not on pydoc-llama, whose smalles
 keeping 97% is q3e at 0.199 (no tested setting ≤ 0.16× kept more than 96.4%: factors
 1.0/1.1 0.155 / 94.6%, 0.9/0.95 with 32 fine tokens at half the step 0.163 / 96.4%, 0.9/1.0
 without fine tokens 0.141 / 94.6%; coarser steps for tokens far from the end, i.e. 32–128 fine
-tokens at 0.5–0.6 of a coarser step, 0.146–0.160 / 94.0–95.6%; perplexity differences under ~0.5% are within this
-bench's noise). Agreement tracks KL: fp8 0.00049 → 98.5%, q4e 0.00094 → 98.0%, q3e
+tokens at 0.5–0.6 of a coarser step, 0.146–0.160 / 94.0–95.6%; perplexity differences under
+~0.5% are within this bench's noise). Agreement tracks KL: fp8 0.00049 → 98.5%, q4e 0.00094 → 98.0%, q3e
 0.0016 → 97.4%, q2e 0.0026 → 96%; 97% at 0.15× would need about 0.002 there, 2.5× below
 the 0.005 these settings reach — about 0.7 bit per quantized value.
 Where pydoc-llama's q2e bytes go (bench/kv_codec.py `breakdown`, share of bf16
