@@ -5,8 +5,11 @@ as transformers' own projections say."""
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from edgecore.protocol.codecs import to_float32
+from edgecore.protocol.codecs import LEVELS, PlaneInfo, from_float32, get_codec, to_float32
+from edgecore.protocol.codecs.equant import groups, token_spans
 from edgecore.protocol.errors import CodecError
 from tests.conftest import make_engine
 from tests.protocol.test_codecs import random_plane
@@ -152,3 +155,35 @@ def test_channel_weights_match_transformers(heldout):
         inside = (m > 0.26) & (m < 3.9)
         for row, ok in zip(wm, inside):
             assert np.allclose(row[ok], row[ok][0], rtol=2e-3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), level=st.sampled_from(list(LEVELS)), kind=st.sampled_from("kv"),
+       tokens=st.integers(5, 300), layers=st.integers(1, 3))
+def test_channel_scaled_steps_bound_every_error(seed, level, kind, tokens, layers):
+    """Whatever the channel scales (0.25-4), a quantized value is off by at most half its step, the step being
+    max(factor · scale · std, max deviation / 7.5) of its group (+ float16 parameters and bf16 output rounding):
+    scales move error between channels, they never clip."""
+    rng = np.random.default_rng(seed)
+    heads, dim = 2, 8
+    x = (rng.standard_normal((layers, tokens, heads, dim)) * rng.uniform(0.01, 5, (1, 1, heads, dim))
+         + rng.standard_normal((1, 1, heads, dim))).astype(np.float32)
+    bits = from_float32(x, "bfloat16")
+    x = to_float32(bits, "bfloat16").astype(np.float64)
+    scales = rng.uniform(0.25, 4, (layers, heads * dim))
+    info = PlaneInfo("bfloat16", bits.shape, kind, 0, tokens, 0,
+                     channel_scales=tuple(tuple(float(v) for v in row) for row in scales))
+    codec = get_codec(level)
+    got = to_float32(codec.decode(codec.encode(bits, info), info), "bfloat16").astype(np.float64)
+    lv = LEVELS[level]
+    a, b, c = token_spans(info, lv)
+    assert np.array_equal(got[:, :a], x[:, :a]) and np.array_equal(got[:, c:], x[:, c:])     # exact tokens
+    base = lv.key_factor if kind == "k" else lv.value_factor
+    for s, e in groups(b - a, c - b, lv.group if kind == "v" else lv.rotated_key_group):   # no RoPE given
+        span = x[:, a + s:a + e].reshape(layers, e - s, -1)
+        factor = base * (lv.fine_factor if s >= b - a else 1.0) * scales
+        centre = span.mean(axis=1, keepdims=True)
+        dev = np.abs(span - centre).max(axis=1)
+        step = np.maximum(factor * span.std(axis=1), dev / 7.5)
+        err = np.abs(got[:, a + s:a + e].reshape(span.shape) - span)
+        assert (err <= 0.5 * step[:, None] * 1.01 + 2 ** -8 * np.abs(span) + 1e-6).all()
