@@ -21,6 +21,9 @@ model as is (full attention) and through the same weights with a 128-token
 sliding window; bytes each codec puts on the wire when each layer sends only
 what the edge can still attend to (docs/wire-format.md section 10).
 
+Wide heads (`wide_heads`): encode / decode speeds on synthetic planes of a larger model's shape (8 KV
+heads × 128, `--length` tokens), where per-call costs weigh less than on the bundled model's 2 × 32.
+
 Byte breakdown (`breakdown`, `--breakdown 256,1000`): for each entropy-coded level at each prompt
 length (whole prompts as one chunk per layer, as bench/kv_rd.py codes them), the share of bf16 bytes
 spent on headers + CRC, exact (sink/recent) tokens, centres + steps, and codes, with the codes' bits
@@ -242,6 +245,20 @@ def sliding_window_row(length: int = 2048, window: int = 128) -> dict:
                               "sliding_over_full": round(r["sliding"] / r["full"], 4)} for name, r in encoded.items()}}
 
 
+def wide_planes(tokens: int = 1000, heads: int = 8, dim: int = 128, layers: int = 2, seed: int = 0):
+    """Synthetic bf16 planes of a larger model's KV shape (8 KV heads × 128, as Llama-3-8B), Gaussian per
+    channel with its own scale and offset, and that model's RoPE: per-call costs weigh less here than on
+    the bundled model's 2 × 32 heads. Speeds only: the bytes of synthetic KV say nothing."""
+    rng = np.random.default_rng(seed)
+    planes = []
+    for layer in range(layers):
+        for kind in "kv":
+            x = (rng.standard_normal((1, tokens, heads, dim)) * rng.gamma(2.0, 0.5, (1, 1, heads, dim))
+                 + rng.standard_normal((1, 1, heads, dim))).astype(np.float32)
+            planes.append((kind, layer, (x.view(np.uint32) >> 16).astype(np.uint16), tokens))
+    return planes, tuple(float(f) for f in 1.0 / 500000.0 ** (np.arange(dim // 2) / (dim // 2)))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--windows", type=int, default=9)
@@ -250,6 +267,7 @@ def main():
     ap.add_argument("--before", metavar="REF", help="also measure the codecs of this git revision, interleaved")
     ap.add_argument("--no-rope", action="store_true", help="code keys rotated (no RoPE given to the codecs)")
     ap.add_argument("--model", default=str(ROOT / "models" / "pydoc-llama"))
+    ap.add_argument("--no-wide", dest="wide", action="store_false", help="skip the synthetic 8 × 128-head speed rows")
     ap.add_argument("--breakdown", default="256,1000", help="prompt lengths of the byte breakdown ('' for none)")
     args = ap.parse_args()
     mla = json.loads((Path(args.model) / "config.json").read_text()).get("kv_lora_rank") is not None
@@ -276,6 +294,13 @@ def main():
             row["encode_vs_quantize_floor"] = round(row["encode_MBps_per_core"] / base["quantize_floor"], 3)
             row["decode_vs_memcpy"] = round(row["decode_MBps_per_core"] / base["memcpy"], 4)
             row["target"] = TARGETS.get(name)
+    wide = None
+    if not mla and args.wide:
+        progress("wide-head rows: synthetic 8 × 128 planes")
+        w_planes, w_rope = wide_planes(args.length)
+        wide = {"shape": list(w_planes[0][2].shape), "note": "synthetic KV: speeds only",
+                **{label: {n: {k: v for k, v in r.items() if k != "ratio_vs_bf16"} for n, r in label_rows.items()}
+                   for label, label_rows in measure(sets, w_planes, w_rope, args.repeats).items()}}
     sliding = None
     shares = breakdown([int(n) for n in args.breakdown.split(",") if n], Path(args.model)) if not mla else None
     if not mla:
@@ -286,7 +311,7 @@ def main():
          before={"ref": args.before, "codecs": rows["before"]} if args.before else None,
          baselines_MBps_per_core=base, rope_given=rope is not None, kv_megabytes=round(raw / 1e6, 2),
          window_tokens=args.length, timing="thread CPU time, best of repeats", sliding_window=sliding,
-         breakdown=shares)
+         breakdown=shares, wide_heads=wide)
 
 
 if __name__ == "__main__":

@@ -95,17 +95,19 @@ value), centres + steps 0.016 / 0.004, exact sinks 0.012 / 0.003, headers 0.001 
 0.0003. Side information is a tenth of the bytes at 256 tokens: 0.15× needs
 cheaper codes at equal quality, not cheaper headers.
 Speed (bench/results/kv_codec.json: 9 × 1000-token windows, per core, interleaved with the
-revision before the last speed work): encode q4e 166, q3e 182, q2e 161 MB/s (before 165 / 179 /
-158), decode 350–380 — encode stays under the 300 MB/s goal. Where a 1000-token key plane's q4e
-encode goes (~600 µs): statistics ~200 (mean/std 53, max/min 46, the fine span's numpy
-reductions and the parameters' float16 rounding ~100), quantize 96, zstd 75, RoPE undo 51,
-exact sinks 37, widening 29, packing 16, and ~100 of per-call overhead on small arrays. Tried
-and dropped: the rotation blocked to stay in L2 (slower, 84 → 133 µs); zstd settings faster
-than level 1 (window/hash logs 15/10: 5% more code bytes for 11% less zstd time; level −1 halves
-it for 36% more bytes). Per-call costs weigh less at a larger model's shapes: synthetic planes of
-8 heads × 128 (2 MB of bf16 at 1000 tokens, one layer; measured ad hoc, not a bench) encode at q4e K 254 /
-V 375, q2e K 226 / V 398 MB/s and decode at K ~300 / V ~600 (256 tokens: K 290–305, V 325–480); keys
-stay under 300: undoing RoPE reads three plane-sized float32 tables, which at 4 MB planes fall out of
+revision before the last speed work, on a loaded machine): encode q4e 166, q3e 119, q2e 117 MB/s
+(before 169 / 116 / 116; another run 166 / 182 / 161), decode 256–367 — encode stays under the
+300 MB/s goal, decode mostly over it. Where a 1000-token key plane's q4e encode goes (~600 µs):
+statistics ~200 (mean/std 53, max/min 46, the fine span's numpy reductions and the parameters'
+float16 rounding ~100), quantize 96, zstd 75, RoPE undo 51, exact sinks 37, widening 29, packing
+16, and ~100 of per-call overhead on small arrays (a 40-token plane still takes ~250–350 µs).
+Tried and dropped: the rotation blocked to stay in L2 (slower, 84 → 133 µs); the fine span's
+mean/std without numpy's Python wrappers (no measurable change); zstd settings faster than level
+1 (window/hash logs 15/10: 5% more code bytes for 11% less zstd time; level −1 halves it for 36%
+more bytes). Per-call costs weigh less at a larger model's shapes (kv_codec.json `wide_heads`,
+synthetic 8 × 128-head planes, 1000 tokens): encode q4e 264, q3e 266, q2e 268, decode 408–430
+MB/s in the same run; keys are the slower half (measured apart: q4e K 254 / V 375, q2e K 226 /
+V 398): undoing RoPE reads three plane-sized float32 tables, which at 4 MB planes fall out of
 cache (the rotation alone 2.3 ms at 1000 tokens against 0.27 ms at 256; blocking did not help).
 
 Byte layout: header `HEADER` (version 1, kind 0 K / 1 V, flags (bit 0: params are
