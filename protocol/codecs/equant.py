@@ -66,6 +66,10 @@ heldout.txt, bf16), on this 2-core machine:
   max|x − c| / 7.5) floors a fine step, so importance mostly coarsens unimportant channels. Greedy
   agreement moves within its noise (±0.5% at 1890 positions) on pydoc-llama: no setting near 0.15× keeps
   97% (best 95.3% at 0.155, 94.1% at 0.140); pystd-llama at factors 1.0/1.1 reaches 0.126× with 97.1% (uniform channels: 94.6%).
+* Per-head allocation, not taken: q2e with the model's allocation coded one KV head at a time
+  (pydoc-llama, 10 calibration windows) gives head KLs within 1.2–3× of each other per layer
+  (k3: 0.000229 / 0.000086, v3: 0.000228 / 0.000075); equalising them predicts −6% of the total
+  KL, less than the channel scales' −9% and far from the 2.5× that 0.15× at 97% would need.
 * Coding gains not taken (measured on 256-token q2e codes): zstd-19 saves 1.5%
   of the code bytes, lzma 0–10% (slow); per-channel order-0 entropy is above
   zstd-1 (repeated rows). A calibrated per-head KLT (bench/kv_klt.py) predicts
