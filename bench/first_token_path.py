@@ -28,9 +28,9 @@ and the splits that matter: link (2 x delay, the floor beyond the prefill), the
 relay's queue ahead of PrefillDone (KV bytes already on the emulated link), and
 the node time on each side; with `--tokens` > 1 also the gaps between the first
 tokens and the edge's engine steps (where the largest gap falls). With
-`--compare-chunk-decode` requests alternate between the edge awaiting each KV
-chunk's decode before its next event (the old way) and decoding chunks in the
-background (the current code), both in one run. Prints one JSON line, writes
+`--compare chunk-decode|push` requests alternate between the code before one of
+the changes this probe led to and the code as it is, in one run (`use_variant`).
+Prints one JSON line, writes
 `bench/results/first_token_path.json`.
 """
 
@@ -127,18 +127,25 @@ def patch_edge(stamps: dict) -> None:
     from edgecore.protocol import messages as m
     from edgecore.protocol.transport import Peer
 
-    def activate_after(_, self, request_id, *a, **kw):
-        put("edge_activated", request_id)
-    _wrap(AsyncEngine, "activate", after=activate_after, is_async=True)
-
     from edgecore.shared.engine.engine import LLMEngine
 
     def put(event, rid, t=None):
         stamps.setdefault(rid, {}).setdefault(event, time.perf_counter() if t is None else t)
 
-    def request_after(_, self, *a, **kw):
-        put("edge_request_sent", self.request_id)
-    _wrap(RemotePrefill, "_request", after=request_after, is_async=True)
+    def on(cls, name, event, rid=lambda self, request_id, *a, **kw: request_id, when="after", is_async=True):
+        """Stamp `event` for the request `rid(*args)` names, before or after each call of cls.name."""
+        hook = (lambda *a, **kw: put(event, rid(*a, **kw))) if when == "before" else \
+            (lambda _, *a, **kw: put(event, rid(*a, **kw)))
+        _wrap(cls, name, is_async=is_async, **{when: hook})
+    own = lambda self, *a, **kw: self.request_id       # noqa: E731 (a RemotePrefill's own request)
+    on(AsyncEngine, "activate", "edge_activated")
+    on(RemotePrefill, "_request", "edge_request_sent", own)
+    on(RemotePrefill, "_push", "edge_push_called", own, when="before")
+    on(RemotePrefill, "_push", "edge_pushed", own)
+    on(LLMEngine, "push_token", "edge_engine_push", when="before", is_async=False)
+    on(EdgeEngine, "_placement", "edge_placed")
+    on(AsyncEngine, "reserve", "edge_reserved")
+    on(AsyncEngine, "take_over", "edge_taken_over")
 
     def recv_after(ev, *a, **kw):
         if isinstance(ev, m.PrefillDone):
@@ -147,33 +154,16 @@ def patch_edge(stamps: dict) -> None:
             put("edge_token1_received", ev.request_id)
     _wrap(Peer, "recv", after=recv_after, is_async=True)
 
-    def push_before(self, receiver, token, *a, **kw):
-        put("edge_push_called", self.request_id)
-
-    def push_after(_, self, receiver, token, *a, **kw):
-        put("edge_pushed", self.request_id)
-    _wrap(RemotePrefill, "_push", before=push_before, after=push_after, is_async=True)
-
-    def engine_push_before(self, request_id, *a, **kw):
-        put("edge_engine_push", request_id)
-    _wrap(LLMEngine, "push_token", before=engine_push_before)
-
-    def placed_after(_, self, request_id, *a, **kw):
-        put("edge_placed", request_id)
-    _wrap(EdgeEngine, "_placement", after=placed_after, is_async=True)
-
-    def reserved_after(_, self, request_id, *a, **kw):
-        put("edge_reserved", request_id)
-    _wrap(AsyncEngine, "reserve", after=reserved_after, is_async=True)
+    def dispatch_before(self, outputs):
+        for out in outputs:
+            if out.num_output_tokens == 1:
+                put("edge_output_dispatched", out.request_id)
+    _wrap(AsyncEngine, "_dispatch", before=dispatch_before)
 
     def send_before(self, msg):
         if isinstance(msg, m.Handover):
             put("edge_handover_sent", msg.request_id)
     _wrap(CoreClient, "send", before=send_before, is_async=True)
-
-    def take_over_after(_, self, request_id, *a, **kw):
-        put("edge_taken_over", request_id)
-    _wrap(AsyncEngine, "take_over", after=take_over_after, is_async=True)
 
     steps = stamps.setdefault("_edge_steps", [])
     orig_step = LLMEngine.step
@@ -241,7 +231,7 @@ def core_stamps(node) -> dict:
 
 ORDER = ["edge_placed", "edge_reserved", "edge_request_sent", "core_received", "core_last_layer", "core_step_out",
          "core_first_token", "core_done_written", "relay_done_released", "edge_done_received", "edge_push_called",
-         "edge_engine_push", "edge_pushed", "client_first_token"]
+         "edge_engine_push", "edge_pushed", "edge_output_dispatched", "client_first_token"]
 
 
 def relay_release(reads: list, written: float) -> tuple[float | None, int]:
@@ -280,47 +270,53 @@ async def run(args, model_dir: Path) -> dict:
                       engine=LLMEngine.from_dir(model_dir, "bf16", "cpu", cache, budget))
     await edge.start()
     gen = torch.Generator().manual_seed(1)
-    variants = ["chunks_awaited", "chunks_concurrent"] if args.compare_chunk_decode else ["current"]
+    variants = {"chunk-decode": ["chunks_awaited", "current"], "push": ["push_output_next_turn", "current"],
+                "": ["current"]}[args.compare]
     runs: dict = {v: {} for v in variants}
     try:
         for n in args.lengths:
             for r in range(args.repeats):
                 for variant in variants:     # interleaved: both see the same load
-                    use_chunk_decode(variant)
+                    use_variant(variant)
                     prompt = torch.randint(5, 4000, (n,), generator=gen).tolist()
                     row = await one_request(edge, core, stamps, f"probe-{variant}-{n}-{r}", prompt, args)
                     runs[variant].setdefault(str(n), []).append(row)
                     print(f"{n} {variant} #{r}: {row}", file=sys.stderr, flush=True)
     finally:
-        use_chunk_decode("current")
+        use_variant("current")
         await edge.stop()
         await relay.stop()
         core.stop()
     return {v: {n: summarize(per, args.delay_ms) for n, per in by_n.items()} for v, by_n in runs.items()}
 
 
-_CONCURRENT = None
+_CURRENT: dict = {}
 
 
-def use_chunk_decode(variant: str) -> None:
-    """`chunks_awaited`: the edge's request task awaits each KV chunk's decode before its next event (as before
-    the change that decodes them in the background), so a PrefillDone behind a chunk waits for it; otherwise
-    the code as it is."""
-    global _CONCURRENT
+def use_variant(variant: str) -> None:
+    """The code as it was before a change, for `--compare`: `chunks_awaited`, the edge's request task awaits
+    each KV chunk's decode before its next event (a PrefillDone behind a chunk waits for it);
+    `push_output_next_turn`, a pushed token's output leaves with the engine thread's next turn (a step), not
+    with the command's reply. `current`: the code as it is."""
     from edgecore.edge.remote_prefill import RemotePrefill
     from edgecore.protocol.kv import decode_chunk
     from edgecore.protocol.state import KVData
-    if _CONCURRENT is None:
-        _CONCURRENT = RemotePrefill._on_kv_event
+    from edgecore.shared.engine.async_engine import AsyncEngine
+    if not _CURRENT:
+        _CURRENT.update(kv=RemotePrefill._on_kv_event, push=AsyncEngine.push_token)
 
     async def awaited(self, receiver, ev):
         if not isinstance(ev, KVData):
-            return await _CONCURRENT(self, receiver, ev)
+            return await _CURRENT["kv"](self, receiver, ev)
         c = ev.chunk
         receiver.on_chunk(c, len(ev.payload), time.perf_counter())
         kv = await asyncio.get_running_loop().run_in_executor(self.decoder_pool, decode_chunk, ev, self.rope)
         self._write(c, kv)
-    RemotePrefill._on_kv_event = awaited if variant == "chunks_awaited" else _CONCURRENT
+
+    async def next_turn(self, request_id, token):
+        return await self._call(lambda e: e.push_token(request_id, token.token, token.logprob, token.top))
+    RemotePrefill._on_kv_event = awaited if variant == "chunks_awaited" else _CURRENT["kv"]
+    AsyncEngine.push_token = next_turn if variant == "push_output_next_turn" else _CURRENT["push"]
 
 
 async def one_request(edge, core, stamps: dict, rid: str, prompt: list[int], args) -> dict:
@@ -376,8 +372,8 @@ def main() -> None:
     ap.add_argument("--delay-ms", type=float, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=8, help="tokens generated per request")
-    ap.add_argument("--compare-chunk-decode", action="store_true",
-                    help="alternate requests between KV chunk decodes awaited one by one and in the background")
+    ap.add_argument("--compare", choices=["chunk-decode", "push"], default="",
+                    help="alternate requests between the code before a change and as it is (see use_variant)")
     ap.add_argument("--core-args", default="", help="extra arguments for the core (e.g. '--handover-max-tokens 0')")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
