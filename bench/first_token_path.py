@@ -372,6 +372,7 @@ def main() -> None:
     ap.add_argument("--delay-ms", type=float, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=8, help="tokens generated per request")
+    ap.add_argument("--name", default="first_token_path", help="result name (bench/results/NAME.json)")
     ap.add_argument("--compare", choices=["chunk-decode", "push"], default="",
                     help="alternate requests between the code before a change and as it is (see use_variant)")
     ap.add_argument("--core-args", default="", help="extra arguments for the core (e.g. '--handover-max-tokens 0')")
@@ -383,7 +384,7 @@ def main() -> None:
         write_model(model_dir)
         rows = asyncio.run(run(args, model_dir))
     current = rows[list(rows)[-1]][str(max(args.lengths))]
-    emit("first_token_path", "excess_over_prefill_plus_2x_delay_ms_at_longest",
+    emit(args.name, "excess_over_prefill_plus_2x_delay_ms_at_longest",
          current["excess_over_prefill_plus_2x_delay_ms"], link_mbit=args.mbit, delay_ms=args.delay_ms,
          repeats=args.repeats, tokens=args.tokens, core_args=args.core_args,
          load_average={"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]}, results=rows)
