@@ -20,6 +20,22 @@ PrefillDone, its `edgecore:core_prefill_seconds`), the base of the TTFT
 target. Medians of `--repeats` runs. (a)-(e) use the old mode
 (`handover_tokens=0`).
 
+The floor under (f)'s and (g)'s TTFT: the relay delays both directions, so the
+edge's PrefillRequest crosses the link before the core starts (one one-way
+delay) and the first token crosses it back (another): no first token can come
+sooner than the core's prefill + 2 x one-way delay (`floor_ttft_ms`). The
+issue's target (`target_ttft_ms`: prefill + ONE one-way delay + 15 ms) counts
+only the token's trip, so on this bench it lies 5 ms below the floor and cannot
+be met; it is reported unchanged, and beside it `excess_over_floor_ms` (TTFT -
+floor: the nodes' own time on the first token's path, what this code can
+still remove). Both are judged request by request: each TTFT against that
+request's own prefill at the core (read from the core's histogram around it;
+the prefill time moves by seconds between requests on a loaded machine), the
+median of those differences (`ttft_over_own_prefill_ms`) against the one-way
+delay + 15 ms and against 2 x one-way. `bench/first_token_path.py` breaks that excess down hop by hop.
+The machine's load average at the start and the end of the run is recorded
+(`load_average`): absolute times on a shared machine move with it.
+
 Why (g): with layer-wise streaming (c, f) each prefill chunk's KV leaves while
 the next computes, so when the first token is sampled only the last layer of
 the last chunk is still on its way (~2 MB, ~80 ms at 200 Mbit/s), less than
@@ -174,13 +190,17 @@ async def run(args, model_dir: Path):
         core_prefill, gap_at = {}, {}
         for name, edge in variants.items():
             times, timed = [], []
-            if name in handover_core:
-                prefill_before = await asyncio.to_thread(core_prefill_seconds, core_http[handover_core[name]])
             for r in range(reps + (1 if name == "e_adaptive" else 0)):   # adaptive: one warm-up to measure the link
                 prompt = torch.randint(5, 4000, (n,), generator=gen).tolist()   # fresh: no prefix-cache hits
                 if name in ("c_stream_lossless", *handover_core):
+                    if name in handover_core:
+                        before = await asyncio.to_thread(core_prefill_seconds, core_http[handover_core[name]])
                     timed.append(await measure_stream(edge, prompt, f"{name}-{n}-{r}"))
                     times.append(timed[-1]["ttft"])
+                    if name in handover_core:       # this request's own prefill at the core, paired with its TTFT
+                        (s1, c1), (s0, c0) = await asyncio.to_thread(
+                            core_prefill_seconds, core_http[handover_core[name]]), before
+                        timed[-1]["core_prefill"] = (s1 - s0) / max(1.0, c1 - c0)
                     if name in handover_core:       # where the largest gap was, against where the edge took over
                         gap_at.setdefault(name, []).append((timed[-1]["max_gap_at"],
                                                             edge.handover_counts.get("last_core_tokens")))
@@ -189,10 +209,9 @@ async def run(args, model_dir: Path):
                 if not (name == "e_adaptive" and r == 0):
                     times.append(t)
             row[name] = statistics.median(times)
-            if name in handover_core:
-                (s1, c1), (s0, c0) = await asyncio.to_thread(core_prefill_seconds, core_http[handover_core[name]]), \
-                    prefill_before
-                core_prefill[name] = (s1 - s0) / max(1.0, c1 - c0)     # mean over this variant's requests
+            if name in handover_core:          # medians over requests of prefill and of TTFT - its own prefill
+                core_prefill[name] = (statistics.median(x["core_prefill"] for x in timed),
+                                      statistics.median(x["ttft"] - x["core_prefill"] for x in timed))
             if timed:
                 streams[name] = {k: round(statistics.median(x[k] for x in timed) * 1e3, 1) for k in ("max_gap",
                                                                                                    "median_gap")}
@@ -204,10 +223,16 @@ async def run(args, model_dir: Path):
         c = results[n]["c_stream_lossless"]
         for name in handover_core:
             f = results[n][name]
-            f["core_prefill_ms"] = round(core_prefill[name] * 1e3, 1)
+            prefill, over = core_prefill[name]
+            f["core_prefill_ms"] = round(prefill * 1e3, 1)
+            f["ttft_over_own_prefill_ms"] = round(over * 1e3, 1)     # per request: TTFT - that request's prefill
             f["target_ttft_ms"] = round(f["core_prefill_ms"] + args.delay_ms + 15, 1)
+            # The relay delays both directions, so the request's own trip is in the TTFT as well: no
+            # first token can come sooner than the core's prefill plus two one-way delays.
+            f["floor_ttft_ms"] = round(f["core_prefill_ms"] + 2 * args.delay_ms, 1)
+            f["excess_over_floor_ms"] = round(f["ttft_over_own_prefill_ms"] - 2 * args.delay_ms, 1)
             f["target_max_gap_ms"] = round(2 * c["median_gap_ms_first64"] + args.delay_ms, 1)
-            f["ttft_target_met"] = f["ttft_ms"] <= f["target_ttft_ms"]
+            f["ttft_target_met"] = f["ttft_over_own_prefill_ms"] <= args.delay_ms + 15
             f["max_gap_target_met"] = f["max_gap_ms_first64"] <= f["target_max_gap_ms"]
             counts = variants[name].handover_counts
             f["core_tokens_per_request"] = round(
@@ -325,6 +350,7 @@ def main():
     ap.add_argument("--mla", action="store_true", help="also the MLA model; write ttft_mla.json only")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    load_start = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
         sliding = None if args.mla else asyncio.run(sliding_window_row(args, Path(tmp)))
         if args.sliding_window_only:
@@ -342,10 +368,14 @@ def main():
          targets={"c": 0.85, "d": 0.6, "e": "within 10% of the best fixed",
                   "f": "TTFT <= core prefill + one-way delay + 15 ms at 8k; largest gap in the first 64 tokens "
                        "<= 2x (c)'s median inter-token time + one-way delay"},
+         handover_excess_over_floor_ms={str(k): v["f_handover"]["excess_over_floor_ms"] for k, v in results.items()},
          handover_ratio_to_c_at_longest=round(longest["f_handover"]["ttft_ms"] / longest["c_stream_lossless"]["ttft_ms"], 3),
          handover_after_prefill_ratio_to_b_at_longest=round(longest["g_handover_kv_after_prefill"]["ttft_ms"] /
                                                             longest["b_raw_after_prefill"]["ttft_ms"], 3),
+         floor_f="TTFT >= core prefill + 2 x one-way delay (the relay delays the request too): "
+                 "floor_ttft_ms, excess_over_floor_ms in rows f and g",
          note="shared 2-core machine under other jobs' load: absolute times are noisy, compare rows of one run",
+         load_average={"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
          link_mbit=args.mbit,
          delay_ms=args.delay_ms, results={str(k): v for k, v in results.items()}, model=CONFIG,
          sliding_window=sliding)

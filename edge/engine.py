@@ -144,6 +144,8 @@ class EdgeEngine:
         if params.guided is not None:     # a core would choose the first token without the grammar's mask
             return "local", "guided", None
         threshold = self.config.local_prefill_below
+        if threshold == 0:                # never here: no engine turn to measure the cached prefix
+            return "remote", "", None
         if threshold is None:             # the measured crossover: decided here, on the event loop
             cached = await self.handle.cached_prefix(prompt_ids)
             uncached = len(prompt_ids) - cached

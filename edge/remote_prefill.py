@@ -5,8 +5,9 @@ Life cycle: `run()` reserves blocks for the prompt through the engine handle
 stream, sends the PrefillRequest with the chosen codec, and then feeds every
 event of the request to the receiver: a KVChunk's header is checked and
 counted before its payload is decoded (its frame MAC-verified on arrival; in a worker thread
-unless it is small) and written into the paged cache as a `KVSlice` between
-decode steps; PrefillDone, a core Error, a broken connection or the transfer
+unless it is small, not awaited, so PrefillDone and Tokens behind it are handled meanwhile)
+and written into the paged cache as a `KVSlice` between decode steps (every write is
+queued before the activation or takeover that reads the KV, `_written`); PrefillDone, a core Error, a broken connection or the transfer
 timeout go to the receiver too. Once the receiver is COMPLETE the request is
 activated with the core's first token (it joins the decode batch) and the core
 hears Ack; on any failure the reservation is released, the core hears Cancel,
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from concurrent.futures import Executor
 
@@ -75,6 +77,9 @@ class RemotePrefill:
         self.receiver: KVReceiver | None = None
         self.decode: CoreDecode | None = None
         self.follow: asyncio.Task | None = None   # decode handover: the rest of the transfer, after run()
+        self.decoding: set[asyncio.Future] = set()   # chunk decodes in worker threads (see `_written`)
+        self.decode_error: BaseException | None = None
+        self.dropped = False
 
     async def run(self, choose_codec, activate: bool = True) -> asyncio.Queue | None:
         """Prefill at the core and receive the KV; with `activate`, the request then decodes here and this
@@ -95,6 +100,7 @@ class RemotePrefill:
                 self.follow = asyncio.create_task(self._follow(receiver, codec, cached, started))
                 return queue
             await self._receive(receiver, codec, cached)
+            await self._written()
             done = receiver.done
             if activate and done is not None:          # COMPLETE: PrefillDone is in
                 try:
@@ -104,6 +110,7 @@ class RemotePrefill:
                 except RequestError as exc:      # the core's token is not one of ours: fail over
                     receiver.fail(str(exc))
         except BaseException as exc:
+            self._drop()
             receiver.abandon(str(exc) or type(exc).__name__)
             handle.close_stream(rid)
             handle.release(rid)
@@ -144,10 +151,12 @@ class RemotePrefill:
             while not receiver.complete and decode.phase is not Phase.FINISHED:
                 await self._on_event(receiver, await asyncio.wait_for(self.events.get(), self.timeout))
             if decode.phase is Phase.FINISHED:
+                self._drop()
                 receiver.abandon("the request finished before the handover")
                 self._tally(decode.core_tokens, "finished_before", "finished_on_core")
                 self._count(codec, receiver, time.perf_counter() - started)
             else:
+                await self._written()
                 await self.client.send(decode.handover())
                 await self.handle.take_over(rid, len(self.prompt_ids))
                 # Counted before the wait for the core's stop below, which the client's reply may outlast.
@@ -156,10 +165,12 @@ class RemotePrefill:
                 self._tally(decode.core_tokens, "handovers",
                             "refused" if decode.stop_reason == "refused" else "taken_over")
         except asyncio.CancelledError:
+            self._drop()
             receiver.abandon("the request was cancelled")
             await self._close(receiver)
             raise
         except (TransferFailed, asyncio.TimeoutError, PeerError, ProtocolError) as exc:
+            self._drop()
             receiver.abandon(str(exc) or type(exc).__name__)
             await self._close(receiver)
             self.metrics.failovers.inc()
@@ -228,22 +239,57 @@ class RemotePrefill:
             await self._on_kv_event(receiver, ev)
 
     async def _on_kv_event(self, receiver: KVReceiver, ev) -> None:
-        loop = asyncio.get_running_loop()
         if isinstance(ev, KVData):
             c = ev.chunk
             receiver.on_chunk(c, len(ev.payload), time.perf_counter())
-            # A small chunk costs less to decode here than to hand to a thread and back.
-            k, v = decode_chunk(ev, self.rope) if c.raw_len < SMALL_CHUNK_BYTES else \
-                await loop.run_in_executor(self.decoder_pool, decode_chunk, ev, self.rope)
-            self.handle.write_kv(self.request_id, KVSlice(c.layer_start, c.token_start, c.token_end,
-                                                          c.head_start, from_bits(k, c.dtype),
-                                                          from_bits(v, c.dtype)))
+            if c.raw_len < SMALL_CHUNK_BYTES:    # costs less to decode here than to hand to a thread and back
+                self._write(c, decode_chunk(ev, self.rope))
+                return
+            # In a worker thread, not awaited here: the events behind it (PrefillDone, a Token) are handled
+            # meanwhile; `_written` waits for it before anything reads the KV.
+            fut = asyncio.get_running_loop().run_in_executor(self.decoder_pool, decode_chunk, ev, self.rope)
+            self.decoding.add(fut)
+            fut.add_done_callback(functools.partial(self._decoded, c))
         elif isinstance(ev, m.PrefillDone):
             receiver.on_done(ev)
         elif isinstance(ev, m.Error):
             receiver.fail(f"core error {ev.code}: {ev.message}")
         elif isinstance(ev, BaseException):
             receiver.fail(str(ev))
+
+    def _decoded(self, chunk, fut: asyncio.Future) -> None:
+        """A worker's decode of `chunk` ended: write it into the cache (nothing once the transfer was dropped:
+        a retry may already hold the same request id); a failure waits for `_written`."""
+        self.decoding.discard(fut)
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if self.dropped:
+            return
+        if exc is not None:
+            self.decode_error = self.decode_error or exc
+            return
+        self._write(chunk, fut.result())
+
+    def _write(self, c, kv) -> None:
+        k, v = kv
+        self.handle.write_kv(self.request_id, KVSlice(c.layer_start, c.token_start, c.token_end, c.head_start,
+                                                      from_bits(k, c.dtype), from_bits(v, c.dtype)))
+
+    async def _written(self) -> None:
+        """Every chunk decode in flight has ended and its write is queued on the engine (before the command
+        that comes next: activate, take_over, a prefix commit); a failed decode is raised here."""
+        while self.decoding:
+            await asyncio.wait(set(self.decoding))
+        if self.decode_error is not None:
+            raise self.decode_error
+
+    def _drop(self) -> None:
+        """The transfer is given up: chunk decodes still running write nothing."""
+        self.dropped = True
+        for fut in self.decoding:
+            fut.cancel()
+        self.decoding.clear()
 
     async def _close(self, receiver: KVReceiver) -> None:
         """Ack or Cancel at the core (the receiver decides), and the link estimate from this transfer."""

@@ -16,7 +16,8 @@ Two entry points serve disaggregated serving:
     they arrive, and `activate(first_token)` joins the request to the decode
     batch. With decode handover the tokens a core decoded meanwhile come first:
     `push_token` runs each through the request's output rules (emitted with the
-    next step's outputs; a request they finish never decodes here), and
+    next step's outputs unless the caller takes them, `take_pending`; a request
+    they finish never decodes here), and
     `take_over(kv_until)` joins the batch with KV valid for [0, kv_until): the
     tokens after it (those decoded elsewhere, or all but the cached prefix after
     a failed transfer) are computed here as one prefill chunk, as a recompute.
@@ -323,6 +324,13 @@ class LLMEngine:
             seq.status, seq.finish_reason = Status.FINISHED, out.finish_reason
             del self.requests[request_id]
         return out.finished
+
+    def take_pending(self, request_id: str) -> list[RequestOutput]:
+        """Remove and return the request's outputs not yet emitted (a pushed token's), for a caller that
+        hands them on itself instead of waiting for the next step."""
+        mine = [o for o in self._pending if o.request_id == request_id]
+        self._pending = [o for o in self._pending if o.request_id != request_id]
+        return mine
 
     def take_over(self, request_id: str, kv_until: int) -> None:
         """Join the decode batch a reserved request that holds valid KV for its tokens [0, kv_until) (at least

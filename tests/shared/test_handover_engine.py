@@ -99,3 +99,39 @@ def test_a_token_id_outside_the_vocabulary_from_a_core_is_refused_and_changes_no
         eng.write_kv("r", piece)
     eng.activate("r", ref[0])
     assert [t for o in run(eng) for t in o.new_token_ids] == ref
+
+
+def test_a_pushed_token_reaches_the_stream_with_the_reply_not_a_turn_later(tokenizer):
+    """AsyncEngine.push_token hands the token's output to the request's stream itself: a client sees a core's
+    token without waiting for the engine thread to come round again (here any step waits on a gate)."""
+    import asyncio
+    import threading
+
+    from edgecore.shared.engine.async_engine import AsyncEngine
+    from edgecore.shared.engine.handle import FirstToken
+
+    async def main():
+        eng = make_engine()
+        gate = threading.Event()
+        step = eng.step
+
+        def held_step(*a, **kw):              # a step waits for the gate: nothing it emits arrives before
+            gate.wait(10)
+            return step(*a, **kw)
+        eng.step = held_step
+        aengine = AsyncEngine(eng)
+        aengine.start()
+        try:
+            await aengine.reserve("r", tokenizer.encode("def f():"),
+                                  SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+            queue = aengine.open_stream("r")
+            assert await aengine.push_token("r", FirstToken(5, None, [])) is False
+            out = queue.get_nowait()           # already there: no engine step had to emit it
+            assert out.new_token_ids == [5] and not out.finished
+            assert await aengine.push_token("r", FirstToken(6, None, [])) is True
+            last = queue.get_nowait()
+            assert last.new_token_ids == [6] and last.finished and last.finish_reason == "length"
+        finally:
+            gate.set()
+            aengine.stop()
+    asyncio.run(main())
