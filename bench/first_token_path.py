@@ -42,7 +42,6 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -199,25 +198,10 @@ def core_process(argv: list[str]) -> None:
 
 
 def start_core(secret_file: str, *extra: str, data_dir: str):
-    """tests/e2e/procs.start_core, but through this script so the core's methods carry the probes."""
-    from tests.e2e.procs import Node, free_port
-    port, http = free_port(), free_port()
-    node = Node.__new__(Node)
-    node.args = ["core", "--listen", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{http}", "--secret-file",
-                 secret_file, "--data-dir", data_dir, *extra]
-    node.log = open(f"/tmp/edgecore-probe-{os.getpid()}-{port}.log", "w+")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    node.proc = subprocess.Popen([sys.executable, __file__, "--core-process", *node.args], env=env,
-                                 stdout=subprocess.PIPE, stderr=node.log, text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = node.proc.stdout.readline()
-        if "ready" in line:
-            return node, port, http
-        if not line and node.proc.poll() is not None:
-            break
-    node.stop()
-    raise RuntimeError(f"core did not start: {node.logs()}")
+    """tests/e2e/procs.start_core, through this script so that the core's methods carry the probes."""
+    from tests.e2e.procs import start_core
+    return start_core(secret_file, *extra, data_dir=data_dir, ready_timeout=120,
+                      launcher=(sys.executable, __file__, "--core-process"))
 
 
 def core_stamps(node) -> dict:

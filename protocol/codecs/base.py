@@ -36,7 +36,7 @@ class PlaneInfo:
     step_scales: tuple[float, ...] = ()
     # Encoder hint, the model's per-channel importance: for model layer i, step multipliers of this plane's
     # heads × head_dim channels (flat, heads of the plane only), from reverse water-filling on the channel's
-    # weight in the attention output (bench/kv_importance.py). () or a layer beyond the tuple: 1.0.
+    # weight in the attention output (bench/kv_alloc.py). () or a layer beyond the tuple: 1.0.
     channel_scales: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self):

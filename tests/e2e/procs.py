@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,11 +23,13 @@ def free_port() -> int:
 
 
 class Node:
-    def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 60):
+    def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 60,
+                 launcher: tuple[str, ...] = (sys.executable, "-m", "edgecore")):
+        """`launcher`: the command before `args` (a bench's own script can start a node with probes in it)."""
         self.args = args
         full_env = {"EDGECORE_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log = open(f"/tmp/edgecore-test-{os.getpid()}-{free_port()}.log", "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "edgecore", *args], cwd=ROOT, env=full_env,
+        self.proc = subprocess.Popen([*launcher, *args], cwd=ROOT, env=full_env,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
         deadline = time.monotonic() + ready_timeout
         self.ready_line = ""
@@ -59,11 +62,12 @@ class Node:
                 self.kill()
 
 
-def start_core(secret_file: str, *extra: str, data_dir: str | None = None) -> tuple[Node, int, int]:
+def start_core(secret_file: str, *extra: str, data_dir: str | None = None, **node_args: Any) -> tuple[Node, int, int]:
+    """`node_args`: Node's keywords (env, ready_timeout, launcher)."""
     import tempfile
     port, http = free_port(), free_port()
     node = Node(["core", "--listen", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{http}", "--secret-file",
-                 secret_file, "--data-dir", data_dir or tempfile.mkdtemp(prefix="edgecore-core-"), *extra])
+                 secret_file, "--data-dir", data_dir or tempfile.mkdtemp(prefix="edgecore-core-"), *extra], **node_args)
     return node, port, http
 
 
