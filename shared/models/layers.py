@@ -13,14 +13,18 @@ column→row pair (QKV→O, gate_up→down) costs one all-reduce.
 On CPU, once weights are loaded, `pack_for_cpu(model)` reorders every linear
 weight into oneDNN's blocked layout: with tens of rows, matmuls run up to 2x
 faster that way than through the default GEMM path, but one to a few rows
-(batch-1 and small-batch decode) pay 25-50 us per call for oneDNN's setup
-where plain `F.linear` takes 5-40 us on the bundled model's shapes (whole
-decode steps of the bundled model: 0.35-0.6 ms faster at batch 1-4, equal at
-8-12, on one thread). So a small float32 weight (up to `KEEP_PLAIN_BYTES`)
-keeps its plain copy too and `matmul` picks by row count (`PACKED_FROM_ROWS`);
-a larger one, or a bf16 one, keeps the packed layout only (weights are never
-held twice for big models). `weight_bytes(model)` counts
-packed weights too.
+(batch-1 and small-batch decode) pay 25-50 us per call for oneDNN's setup.
+Few rows are fastest against the weight stored input-major ([in, out],
+`torch.mm(x, W^T)`): the 17 matmuls of a bundled-model decode step at one row
+take 0.30 ms that way on one thread against 0.5-1.5 ms through `F.linear` on the
+[out, in] weight and 1.15 ms through oneDNN. So a small float32 weight (up to
+`KEEP_PLAIN_BYTES`) keeps that transposed copy too (`transposed`; the parameter
+becomes a view of it, no third copy; a larger tied LM head uses its shared
+embedding table) and `matmul` picks by row count
+(`PACKED_FROM_ROWS`); a larger one, or a bf16 one, keeps the packed layout only
+(weights are never held twice for big models: at one row a 1 GB model's
+matmuls take the same time packed as transposed on two threads).
+`weight_bytes(model)` counts packed and transposed copies too.
 """
 
 from __future__ import annotations
@@ -52,24 +56,39 @@ PACKED_FROM_ROWS = 8          # rows from which the packed weight is used again 
 
 
 class _Matmul(nn.Module):
-    """The x @ W^T (+ b) of a linear layer: plain, or through a oneDNN-packed weight after `pack()` (for
-    inputs of `PACKED_FROM_ROWS` rows or more when the plain copy was kept)."""
+    """The x @ W^T (+ b) of a linear layer: plain, or through a oneDNN-packed weight after `pack()`, and
+    for inputs of fewer than `PACKED_FROM_ROWS` rows through the input-major copy when one was kept."""
 
     packed: torch.Tensor | None = None
     packed_bytes = 0
-    plain_below = 0      # rows under which the plain weight is used although packed (0: packed only)
+    plain_below = 0      # rows under which `transposed` is used although packed (0: packed only)
+    transposed: torch.Tensor | None = None   # W^T contiguous [in, out] for few-row inputs
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed is None or x.numel() < self.plain_below * x.shape[-1]:
+        if self.packed is not None and x.numel() >= self.plain_below * x.shape[-1]:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        wt = self.transposed
+        if wt is None:
             return F.linear(x, self.weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        if x.dim() == 2:
+            return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+        y = torch.matmul(x, wt)
+        return y if bias is None else y + bias
 
     def pack(self, keep_plain: bool = False) -> None:
+        """`keep_plain`: the [out, in] weight is shared (a tied embedding table) and stays; few rows use an
+        input-major copy of it if that is small, else the table itself."""
         w = self.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
-        self.packed_bytes = w.numel() * w.element_size()
-        if w.dtype == torch.float32 and (keep_plain or self.packed_bytes <= KEEP_PLAIN_BYTES):
+        self.packed_bytes = nbytes = w.numel() * w.element_size()
+        if w.dtype == torch.float32 and (keep_plain or nbytes <= KEEP_PLAIN_BYTES):
             self.plain_below = PACKED_FROM_ROWS     # measured for float32 only: bf16 stays on oneDNN
+            if nbytes <= KEEP_PLAIN_BYTES:
+                self.transposed = w.t().contiguous()
+                if keep_plain:
+                    self.packed_bytes += nbytes     # the shared table, its packed and its transposed copy
+                else:                               # the parameter reads the transposed copy: one copy
+                    self.weight = nn.Parameter(self.transposed.t(), requires_grad=False)
         elif not keep_plain:     # an empty placeholder keeps dtype and device visible
             self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
 

@@ -1,7 +1,8 @@
 """The cheap decode step's shortcuts give what the general path gives: a single decode row whose blocks are
 consecutive reads its K/V as views of the cache (no gather), and only such a row; a packed linear layer
-keeps a plain copy of a small weight for few-row inputs and uses the packed one from `PACKED_FROM_ROWS`
-rows on, while a large weight is held once (packed only); a step of few tokens runs on one thread and restores
+keeps an input-major copy of a small weight for few-row inputs (its parameter a view of that copy, a tied
+table kept as it is) and uses the packed one from `PACKED_FROM_ROWS` rows on, while a large weight is held
+once (packed only); a step of few tokens runs on one thread and restores
 the caller's thread count."""
 
 import pytest
@@ -73,10 +74,41 @@ def test_packed_linear_picks_its_weight_by_rows(pack_sizes, keep_bytes):
     assert lin.packed is not None
     assert lin.weight.numel() == (w.numel() if keep_bytes else 0)        # a large weight is held once
     assert lin.plain_below == (layers.PACKED_FROM_ROWS if keep_bytes else 0)
+    if keep_bytes:       # the few-row copy is input-major, and the parameter reads it: one plain copy
+        assert lin.transposed.shape == (64, 96) and lin.transposed.is_contiguous()
+        assert lin.weight.data_ptr() == lin.transposed.data_ptr() and torch.equal(lin.weight, w)
     for rows in (1, 3, layers.PACKED_FROM_ROWS - 1, layers.PACKED_FROM_ROWS, 40):
         x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
         with torch.inference_mode():
             torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_few_rows_with_a_bias_and_leading_dims_match_linear():
+    lin = layers.ColumnParallelLinear(64, 96, bias=True)
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    lin.weight.data.copy_(w)
+    lin.bias.data.copy_(b)
+    lin.pack()
+    for shape in ((1, 64), (2, 64), (1, 3, 64)):
+        x = torch.randn(*shape, generator=gen)
+        with torch.inference_mode():
+            torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_a_tied_table_stays_the_shared_parameter():
+    table = layers.VocabParallelEmbedding(128, 64)
+    table.weight.data.normal_(generator=torch.Generator().manual_seed(4))
+    head = layers.ParallelLMHead(128, 64)
+    head.weight = table.weight
+    head.pack(keep_plain=True)
+    assert head.weight is table.weight and head.transposed is not None
+    assert head.packed_bytes == 2 * table.weight.numel() * 4     # the packed and the transposed copy
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        torch.testing.assert_close(head.forward(x), F.linear(x, table.weight), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
