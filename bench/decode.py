@@ -18,11 +18,19 @@ of the step's wall time, `between_ops`, is Python, dispatch and the profiler's o
 makes a profiled step 10-20% slower than a plain one), then unprofiled steps timed one by one (median
 and minimum: on a machine shared with other jobs the minimum is the steadier figure). `--threads N` sets
 torch's thread count first (default: torch's own).
+`--idle-gaps`: the bundled model's batch-1 decode matmuls (its 17 weights merged as the engine holds
+them, float32, one thread) run back to back, then with 10/20/50 us of busy-waiting Python between them (what a step's other operators and
+interpreter work put between two matmuls), for the weight as stored ([out, in], `F.linear`), input-major
+([in, out], `torch.mm`, what the engine uses for few rows) and oneDNN-packed; the matmul time alone, median
+of 300 passes per setting, interleaved over 5 rounds (best round). Shows whether a step's matmuls find their
+weights in cache: a gap that touches no memory still slows the next matmul where caches are shared or the
+virtual CPU moves.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -201,11 +209,57 @@ def bench_breakdown(batch: int, dtype_name: str, steps: int = 30) -> dict:
             "share": {g: round(v / wall, 3) for g, v in groups.items()}}
 
 
+def bench_idle_gaps(gaps_us=(0, 10, 20, 50), passes: int = 300, rounds: int = 5) -> dict:
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+    torch.set_num_threads(1)
+    sd = {k: v.float() for k, v in load_file(str(MODEL / "model.safetensors")).items()}
+    weights = []            # merged as the engine holds them: qkv, o, gate_up, down per layer; the tied LM head
+    for i in range(json.loads((MODEL / "config.json").read_text())["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights += [torch.cat([sd[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]), sd[p + "self_attn.o_proj.weight"],
+                    torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]),
+                    sd[p + "mlp.down_proj.weight"]]
+    weights = [w.contiguous() for w in weights + [sd["model.embed_tokens.weight"]]]
+    layouts = {"out_in_linear": [(lambda x, w=w: F.linear(x, w)) for w in weights],
+               "in_out_mm": [(lambda x, w=w.t().contiguous(): torch.mm(x, w)) for w in weights],
+               "onednn_packed": [(lambda x, w=torch.ops.mkldnn._reorder_linear_weight(w):
+                                  torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")) for w in weights]}
+    inputs = [torch.randn(1, w.shape[1]) for w in weights]
+
+    def one_pass(calls, gap: float) -> float:
+        spent = 0.0
+        for call, x in zip(calls, inputs):
+            end = time.perf_counter() + gap
+            while time.perf_counter() < end:
+                pass
+            t = time.perf_counter()
+            call(x)
+            spent += time.perf_counter() - t
+        return spent
+
+    best: dict = {}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for layout, calls in layouts.items():
+                for gap in gaps_us:
+                    ms = statistics.median(one_pass(calls, gap / 1e6) for _ in range(passes)) * 1e3
+                    key = (layout, gap)
+                    best[key] = min(best.get(key, ms), ms)
+    rows = {layout: {f"gap_{g}us_ms": round(best[(layout, g)], 3) for g in gaps_us} for layout in layouts}
+    progress("; ".join(f"{layout}: " + ", ".join(f"{g} us gap {best[(layout, g)]:.2f} ms" for g in gaps_us)
+                       for layout in layouts))
+    return {"matmuls": len(weights), "weight_mb": round(sum(w.numel() * 4 for w in weights) / 2**20, 2),
+            "threads": 1, "passes": passes, "rounds": rounds, "ms_per_pass": rows}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--synthetic", action="store_true", help="batch-1 bandwidth test on a ~1 GB random model")
     ap.add_argument("--breakdown", type=int, metavar="BATCH",
                     help="profile decode steps at this batch size and group their time (no comparison)")
+    ap.add_argument("--idle-gaps", action="store_true",
+                    help="batch-1 matmul time of the bundled model's weights back to back and with idle gaps")
     ap.add_argument("--penalties", action="store_true",
                     help="throughput with penalties and logit_bias against without (same run, no transformers)")
     ap.add_argument("--batches", default="1,8,32,64")
@@ -226,6 +280,11 @@ def main():
         emit("decode_penalties", "min_ratio_with_penalties", min(r["ratio"] for r in rows), target=0.9, rows=rows,
              penalties={k: v for k, v in PENALTIES.items() if k != "logit_bias"}, logit_bias_entries=16,
              prompt_tokens=args.prompt_len, new_tokens=args.new_tokens, threads=torch.get_num_threads())
+        return
+    if args.idle_gaps:
+        r = bench_idle_gaps()
+        emit("decode_idle_gaps", "slowdown_in_out_mm_at_50us_gap",
+             round(r["ms_per_pass"]["in_out_mm"]["gap_50us_ms"] / r["ms_per_pass"]["in_out_mm"]["gap_0us_ms"], 2), **r)
         return
     if args.breakdown:
         r = bench_breakdown(args.breakdown, args.dtype or "fp32")
