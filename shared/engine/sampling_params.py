@@ -1,6 +1,8 @@
 """Per-request sampling parameters, validated once when a request is created.
 
-Field names and meanings follow vLLM / OpenAI: `temperature` 0 means greedy;
+Field names and meanings follow vLLM / OpenAI: `temperature` 0 means greedy, and so does any
+temperature under `GREEDY_BELOW` (as vLLM: the limit of sampling as T → 0 is the argmax, while logits
+divided by a temperature near float32's smallest normal overflow to inf and would sample garbage);
 `top_k` ≤ 0 disables top-k; `min_p` drops tokens below `min_p` × the top
 probability; `presence_penalty` / `frequency_penalty` apply to the output
 tokens, `repetition_penalty` to prompt and output tokens (divides positive
@@ -25,6 +27,8 @@ from edgecore.shared.errors import RequestError
 
 MAX_LOGPROBS = 20
 # What decides a request's first token: the fields a prefill on another node needs (protocol SamplingSpec).
+GREEDY_BELOW = 1e-5    # temperatures below this sample greedily
+
 SPEC_FIELDS = ("temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty",
                "repetition_penalty", "logit_bias", "min_p")
 
@@ -87,7 +91,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def adjusts_logits(self) -> bool:

@@ -109,3 +109,15 @@ def test_adjust_state_follows_tokens_appended_between_steps():
     out = adjust(logits, fresh, [0, 1, 2])
     for i in range(3):
         torch.testing.assert_close(out[i], reference(logits[i], fresh[i]))
+
+
+def test_a_vanishing_temperature_samples_greedily():
+    """Logits divided by a temperature near float32's smallest normal overflow to inf (softmax NaN, token 0
+    whatever the logits): such temperatures take the argmax, their limit."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2)) * 20
+    logits[:, 0] = -30.0                        # the token a NaN distribution would give
+    for temperature in (1e-38, 1e-40, 1e-6):
+        seqs = [seq([1], [], temperature=temperature, seed=s) for s in range(4)]
+        assert all(s.params.greedy for s in seqs)
+        assert sample(logits, seqs).token_ids == logits.argmax(-1).tolist()
+    assert not seq([1], [], temperature=1e-4).params.greedy
