@@ -12,6 +12,7 @@ import os
 import uuid
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from edgecore.core.batch_runner import ENDPOINTS
 from edgecore.shared.engine.handle import EngineHandle
@@ -50,11 +51,14 @@ class BatchAPI:
         if not request.content_type.startswith("multipart/"):
             raise ApiError(415, "Upload files as multipart/form-data with 'purpose' and 'file'", None,
                            "invalid_content_type")
-        reader = await request.multipart()
         purpose, file_id, filename, size = None, None, None, 0
         tmp = None
         try:
-            async for part in reader:
+            try:
+                parts = await request.multipart()
+            except (ValueError, AssertionError) as exc:     # no or bad boundary
+                raise ApiError(400, f"malformed multipart body: {exc}", None, "invalid_body") from None
+            async for part in _parts(parts):
                 if part.name == "purpose":
                     purpose = (await part.text()).strip()
                 elif part.name == "file":
@@ -201,3 +205,15 @@ class BatchAPI:
         if not await self.contexts.delete(ctx):
             raise _not_found("context", ctx)
         return web.json_response({"id": ctx, "object": "context", "deleted": True})
+
+
+async def _parts(reader):
+    """The parts of a multipart body; a malformed body (bad boundary, cut part, bad part headers) is a 400."""
+    while True:
+        try:
+            part = await reader.next()
+        except (ValueError, AssertionError, web.RequestPayloadError, HttpProcessingError) as exc:
+            raise ApiError(400, f"malformed multipart body: {exc}", None, "invalid_body") from None
+        if part is None:
+            return
+        yield part

@@ -32,10 +32,11 @@ from edgecore.edge.service import EdgeService
 from edgecore.shared.errors import EngineDead
 from edgecore.shared.http_server import ServerLimits, start_site
 from edgecore.shared.openai.extra_routes import add_edge_routes, model_card
-from edgecore.shared.openai.http import error_middleware, json_body
+from edgecore.shared.openai.http import error_middleware, json_body, off_loop
 from edgecore.shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
 from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body, usage
 from edgecore.shared.openai.tools import ToolStream
+from edgecore.shared.tokenizer import TextTooLong
 
 log = logging.getLogger("edgecore.http")
 json_encode = msgspec.json.Encoder().encode
@@ -90,14 +91,16 @@ class EdgeHTTP:
     async def completions(self, request: web.Request):
         body = await json_body(request)
         check_model(body, self.served_model)
-        parsed = parse_completion(body, self.edge.tokenizer, self.edge.vocab_size, self.edge.max_model_len)
+        parsed = await off_loop(request, parse_completion, body, self.edge.tokenizer, self.edge.vocab_size,
+                                self.edge.max_model_len)
         self._capacity(parsed)
         return await self._serve(request, parsed, chat=False)
 
     async def chat(self, request: web.Request):
         body = await json_body(request)
         check_model(body, self.served_model)
-        parsed = parse_chat(body, self.edge.tokenizer, self.edge.vocab_size, self.edge.max_model_len)
+        parsed = await off_loop(request, parse_chat, body, self.edge.tokenizer, self.edge.vocab_size,
+                                self.edge.max_model_len)
         self._capacity(parsed)
         return await self._serve(request, parsed, chat=True)
 
@@ -107,7 +110,10 @@ class EdgeHTTP:
         tok = self.edge.tokenizer
         ids = body.get("token_ids")
         if ids is None and isinstance(body.get("text"), str) and body["text"]:
-            ids = tok.encode(body["text"])
+            try:
+                ids = await off_loop(request, tok.encode, body["text"], True, self.edge.max_model_len)
+            except TextTooLong:
+                ids = [0] * self.edge.max_model_len       # certainly too long: refused below
         vocab = self.edge.vocab_size
         if not isinstance(ids, list) or not ids or any(
                 not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):

@@ -7,6 +7,13 @@ does); chat messages are rendered with the template in a sandboxed jinja2
 environment and encoded *without* adding special tokens, because the template
 writes them. Each generating request owns an `IncrementalDetokenizer` that
 turns new token ids into text deltas, emitting only complete UTF-8 text.
+
+Long texts (`LONG_TEXT` characters and more) are encoded through the library's batch call, which
+releases the GIL, so a caller that runs it on a worker thread keeps its event loop turning (megabytes
+of prompt take seconds). Given a `limit`, `encode` first encodes a prefix cut at whitespace: when that
+prefix alone has more than `limit` tokens the text is certainly longer (a pre-tokenizer that splits at
+whitespace codes the prefix exactly as the start of the whole), and `TextTooLong` says so without
+encoding the rest.
 """
 
 from __future__ import annotations
@@ -20,6 +27,18 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from edgecore.shared.errors import ConfigError, RequestError
+
+
+LONG_TEXT = 1 << 16          # characters from which encoding releases the GIL
+PREFIX_CHARS_PER_TOKEN = 16  # the prefix checked against a limit: this many characters per allowed token
+
+
+class TextTooLong(RequestError):
+    """The text has more than `limit` tokens: at least `at_least` (counted on a prefix)."""
+
+    def __init__(self, at_least: int, limit: int):
+        super().__init__(f"the text has at least {at_least} tokens, more than {limit}", code="context_length_exceeded")
+        self.at_least, self.limit = at_least, limit
 
 
 def _token_text(value) -> str | None:
@@ -69,8 +88,22 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
+        """Token ids of `text`; with `limit`, raises `TextTooLong` early for a text that is certainly longer
+        (its ids are then never all computed)."""
+        if limit is not None and len(text) > 2 * PREFIX_CHARS_PER_TOKEN * limit:
+            end = PREFIX_CHARS_PER_TOKEN * limit
+            cut = max(text.rfind(" ", 0, end), text.rfind("\n", 0, end))
+            if cut > 0:
+                head = self._encode(text[:cut], add_special_tokens)
+                if len(head) > limit:
+                    raise TextTooLong(len(head), limit)
+        return self._encode(text, add_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) < LONG_TEXT:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids   # GIL released
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -92,9 +125,10 @@ class Tokenizer:
         except TemplateError as exc:
             raise RequestError(f"chat template failed: {exc}", param="messages") from None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, limit: int | None = None,
+                    **extra) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt, **extra)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False, limit=limit)
 
 
 def _raise_template_error(message):

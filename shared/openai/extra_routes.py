@@ -17,7 +17,7 @@ from msgspec import Meta, Struct
 
 from edgecore.shared.errors import RequestError
 from edgecore.shared.openai.errors import ApiError
-from edgecore.shared.openai.http import json_body
+from edgecore.shared.openai.http import json_body, off_loop
 from edgecore.shared.openai.schemas import ChatMessage, TokenId, decode_body
 from edgecore.shared.openai.request import check_model, render_message
 from edgecore.shared.tokenizer import Tokenizer
@@ -87,7 +87,7 @@ def add_edge_routes(app: web.Application, tokenizer: Tokenizer, vocab: int, card
         body = await json_body(request)
         check_model(body, card()["id"])
         req = decode_body(body, TokenizeRequest)
-        ids = _tokenize(req, tokenizer)
+        ids = await off_loop(request, _tokenize, req, tokenizer)
         out = {"count": len(ids), "max_model_len": card()["max_model_len"], "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]

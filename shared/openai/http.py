@@ -2,12 +2,15 @@
 
 `error_middleware(api_keys, max_body, on_error)` checks the bearer key on
 `/v1/` paths and `/stats` (the scheme case-insensitively, the key against every
-configured key in constant time) and turns `ApiError`, oversized bodies (413),
+configured key in constant time) and turns `ApiError`, oversized bodies (413), bodies
+that cannot be read (400: a cut or undecodable Content-Encoding),
 aiohttp's own HTTP errors (404, 405, …) and, as a last resort, any exception of
 ours (500 "internal error" with a request id; traceback logged, rate-limited)
 into OpenAI error objects, each counted through `on_error`, so no client ever
 sees plain text. `json_body` reads a body within the server's body timeout
-(408) and refuses JSON nested too deeply for the parser (400).
+(408) and refuses JSON nested too deeply for the parser (400). `off_loop` runs a
+request's parsing (tokenization: seconds for megabytes of prompt) on a worker
+thread when its body is large, so the event loop keeps serving everyone else.
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ from typing import Callable
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from edgecore.shared.http_server import LIMITS_KEY
 from edgecore.shared.openai.request import ApiError
 
 log = logging.getLogger("edgecore.http")
+
+OFF_LOOP_BODY = 1 << 16      # bytes of body from which parsing runs on a worker thread
 PROTECTED = ("/v1/", "/stats")        # paths that need the API key when one is configured
 
 
@@ -52,6 +58,8 @@ def error_middleware(api_keys: list[bytes], max_body: int, on_error: Callable[[i
             err = exc
         except ConnectionError:
             raise                       # the client went away: nothing to answer
+        except (web.RequestPayloadError, HttpProcessingError) as exc:    # e.g. a body its Content-Encoding cannot decode
+            err = ApiError(400, f"The request body could not be read: {exc}", None, "invalid_body")
         except web.HTTPRequestEntityTooLarge:
             err = ApiError(413, f"Request body exceeds the limit of {max_body} bytes", None, "request_too_large")
         except web.HTTPException as exc:
@@ -103,3 +111,12 @@ async def json_body(request: web.Request) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "The JSON body must be an object", None, "invalid_json")
     return body
+
+
+async def off_loop(request: web.Request, fn: Callable, *args):
+    """`fn(*args)`, on a worker thread when the request's body is large (or of unknown length): long texts
+    are encoded with the GIL released (`Tokenizer.encode`), so the loop turns meanwhile."""
+    size = request.content_length
+    if size is not None and size < OFF_LOOP_BODY:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)

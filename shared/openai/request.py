@@ -14,6 +14,7 @@ error type, `param` and `code`; nothing here can raise anything else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
@@ -21,7 +22,7 @@ from edgecore.shared.openai.errors import ApiError
 from edgecore.shared.openai.guided import guided_spec
 from edgecore.shared.openai.tools import ToolSet, render_tool_calls, tool_set
 from edgecore.shared.openai.schemas import MAX_N, MAX_PROMPTS, ChatRequest, CompletionRequest, SamplingFields, decode_body
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.tokenizer import TextTooLong, Tokenizer
 
 __all__ = ["ApiError", "ParsedRequest", "check_model", "parse_chat", "parse_completion", "MAX_N"]
 
@@ -74,6 +75,16 @@ def _logit_bias(req: SamplingFields, vocab: int) -> dict[int, float] | None:
     return bias
 
 
+def _encode(encode: Callable[[], list[int]], max_model_len: int, param: str) -> list[int]:
+    """`encode()`'s ids; a text certainly longer than the context (`TextTooLong`, decided on a prefix) is the
+    context-length error without encoding all of it."""
+    try:
+        return encode()
+    except TextTooLong as exc:
+        raise _bad(f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+                   f"at least {exc.at_least} tokens.", param, "context_length_exceeded") from None
+
+
 def _max_tokens(requested: int | None, default: int | None, prompts: list[list[int]], max_model_len: int,
                 prompt_param: str) -> int:
     longest = max(len(p) for p in prompts)
@@ -124,7 +135,8 @@ def _stream_opts(req: SamplingFields) -> tuple[bool, bool]:
     return bool(req.stream), include_usage
 
 
-def _completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab: int) -> tuple[list, list]:
+def _completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab: int, max_model_len: int
+                        ) -> tuple[list, list]:
     prompt = req.prompt
     if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
         raw = [prompt]
@@ -138,7 +150,7 @@ def _completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab: int
     prompts, texts = [], []
     for p in raw:
         if isinstance(p, str):
-            ids = tokenizer.encode(p)
+            ids = _encode(lambda: tokenizer.encode(p, limit=max_model_len), max_model_len, "prompt")
             texts.append(p)
         else:
             if any(t >= vocab for t in p):
@@ -153,7 +165,7 @@ def _completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab: int
 
 def parse_completion(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len: int) -> ParsedRequest:
     req: CompletionRequest = decode_body(body, CompletionRequest)
-    prompts, texts = _completion_prompts(req, tokenizer, vocab)
+    prompts, texts = _completion_prompts(req, tokenizer, vocab, max_model_len)
     n = req.n
     best_of = req.best_of if req.best_of is not None else n
     if best_of < n:
@@ -201,7 +213,8 @@ def parse_chat(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len: int)
     tools = tool_set(req, tokenizer.chat_template)
     rendered = [render_message(msg, i) for i, msg in enumerate(req.messages)]
     try:
-        ids = tokenizer.encode_chat(rendered, add_generation_prompt=True, tools=tools.tools if tools else None)
+        ids = _encode(lambda: tokenizer.encode_chat(rendered, add_generation_prompt=True, limit=max_model_len,
+                                                    tools=tools.tools if tools else None), max_model_len, "messages")
     except RequestError as exc:
         raise _bad(str(exc), "messages", "invalid_value") from None
     logprobs = None

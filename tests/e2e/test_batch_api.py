@@ -3,6 +3,7 @@
 import io
 import json
 import time
+import urllib.error
 import urllib.request
 
 import openai
@@ -125,6 +126,20 @@ def test_not_jsonl_fails_batch_and_bad_requests_get_errors(client):
     assert exc.value.status_code == 413
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch_missing")
+
+
+@pytest.mark.parametrize("ctype,body", [
+    ("multipart/form-data; boundary=b", b"--b\r\nxx"),                  # a part cut inside its headers
+    ("multipart/form-data", b"--b\r\nxx"),                              # no boundary
+    ("multipart/form-data; boundary=b", b"no boundary anywhere"),
+])
+def test_a_malformed_upload_is_a_json_400(core, ctype, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{core['http']}/v1/files", data=body, method="POST",
+                                 headers={"Content-Type": ctype})
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        urllib.request.urlopen(req, timeout=30)
+    assert exc.value.code == 400
+    assert json.loads(exc.value.read())["error"]["code"] == "invalid_body"
 
 
 def test_cancel_keeps_finished_results(client):

@@ -246,3 +246,34 @@ async def test_a_flood_of_malformed_requests_logs_a_bounded_number_of_lines(serv
             writer.close()
     lines = [r for r in caplog.records if r.name in ("aiohttp.server", "edgecore.http")]
     assert len(lines) <= 20 and not any(r.exc_info for r in lines)
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_body_its_content_encoding_cannot_decode_is_a_json_400(server, encoding):
+    before = len(server["edge"].errors)
+    status, ctype, raw = await post_raw(server["session"], "/v1/completions", b"xx",
+                                        headers={"Content-Encoding": encoding})
+    assert status == 400 and ctype.startswith("application/json"), raw[:300]
+    assert json.loads(raw)["error"]["code"] == "invalid_body"
+    assert server["edge"].errors[before:] == ["400"]
+
+
+async def test_a_huge_prompt_is_refused_without_stalling_other_requests(server):
+    """Megabytes of prompt: the context-length error comes from a prefix (no full encode), parsed off the
+    event loop, while /health keeps answering."""
+    body = json.dumps({"prompt": "ab " * 300_000, "max_tokens": 1}).encode()     # 900 KB, under max_body
+
+    async def health_times():
+        times = []
+        for _ in range(5):
+            t = asyncio.get_running_loop().time()
+            async with server["session"].get("/health") as r:
+                assert r.status == 200
+            times.append(asyncio.get_running_loop().time() - t)
+        return times
+
+    (status, _, raw), times = await asyncio.gather(post_raw(server["session"], "/v1/completions", body),
+                                                    health_times())
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["code"] == "context_length_exceeded" and "at least" in err["message"], err
+    assert max(times) < 5

@@ -42,3 +42,33 @@ def test_incremental_detokenization_only_complete_utf8(tokenizer):
     assert all("\ufffd" not in d for d in deltas)
     # The emoji spans several byte tokens: some pushes must have returned nothing.
     assert any(d == "" for d in deltas[:-1])
+
+
+def test_a_limit_refuses_a_certainly_longer_text_from_a_prefix_and_changes_nothing_else(model_dir):
+    from edgecore.shared.tokenizer import TextTooLong, Tokenizer
+    tok = Tokenizer.from_dir(model_dir)
+    text = (model_dir / "heldout.txt").read_text()
+    ids = tok.encode(text)
+    encoded = []
+    real = tok.backend
+
+    class Recording:            # what the library is asked to encode
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def encode(self, t, **kw):
+            encoded.append(len(t))
+            return real.encode(t, **kw)
+
+    tok.backend = Recording()
+    for limit in (10, 100, 1000):       # texts far longer than 16 characters per allowed token: a prefix decides
+        encoded.clear()
+        with pytest.raises(TextTooLong) as info:
+            tok.encode(text, limit=limit)
+        assert limit < info.value.at_least <= len(ids)
+        assert max(encoded) < len(text)                 # only a prefix was encoded
+    for limit in (len(ids) - 1, len(ids), 10 * len(ids)):   # otherwise the whole text is encoded, as without
+        assert tok.encode(text, limit=limit) == ids
+    tok.backend = real
+    long_text = text * 2                                # past LONG_TEXT: the GIL-free batch call, same ids
+    assert len(long_text) >= 1 << 16 and tok.encode(long_text) == tok.backend.encode(long_text).ids
