@@ -58,6 +58,8 @@ from edgecore.shared.kv.wire import codec_rope
 
 log = logging.getLogger("edgecore.edge")
 
+PINNED_SHARE = 0.25     # of the KV pool that prefetched contexts may keep pinned
+
 
 @dataclass
 class EdgeConfig:
@@ -106,7 +108,7 @@ class EdgeEngine:
         self.codec_rope = codec_rope(self.handle.config)     # what a core's encoder gives the codecs too
         self.kv_bytes_per_token = self.handle.kv_bytes_per_token
         self.active = 0
-        self.pinned: list[list[int]] = []      # prefetched contexts' blocks
+        self.pinned: list[list[int]] = []      # prefetched contexts' blocks, least recently prefetched first
         self.prefill_model = PrefillModel(config.local_prefill_below or 32)
         self._started: dict[str, Progress] = {}   # requests begun with `submit`, until they finish
         self._follows: dict[str, asyncio.Task] = {}   # decode handovers still receiving, by request id
@@ -276,9 +278,24 @@ class EdgeEngine:
             async for _ in self.handle.generate(rid, prompt_ids, params, prefill_only=True):
                 pass
         blocks = await self.handle.commit_prefix(rid)
-        self.pinned.append(blocks)
+        await self._keep_pinned(blocks)
         return {"tokens": len(prompt_ids), "cached_tokens": len(blocks) * self.handle.block_size,
                 "source": source}
+
+    async def _keep_pinned(self, blocks: list[int]) -> None:
+        """Pinned contexts hold at most `PINNED_SHARE` of the KV pool: the same context again is one pin,
+        refreshed; beyond the share the least recently prefetched ones are unpinned (they stay in the prefix
+        cache, evictable like any cached block). Without the bound any client could fill the pool for good."""
+        for i, old in enumerate(self.pinned):
+            if old == blocks:
+                del self.pinned[i]
+                await self.handle.unpin(old)
+                break
+        self.pinned.append(blocks)
+        limit = int(self.handle.stats().blocks_total * PINNED_SHARE)
+        while len(self.pinned) > 1 and len(set().union(*self.pinned)) > limit:
+            await self.handle.unpin(self.pinned.pop(0))
+            self.metrics.contexts_unpinned.inc()
 
     async def _remote(self, client: CoreClient, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       activate: bool = True) -> asyncio.Queue | None:

@@ -59,6 +59,8 @@ class EdgeMetrics:
                                     buckets=LATENCY)
         self.failovers = m.counter("edgecore:core_failovers", "Remote prefills retried elsewhere after a core "
                                    "failed")
+        self.contexts_unpinned = m.counter("edgecore:contexts_unpinned", "Prefetched contexts unpinned to keep "
+                                           "pinned blocks within their share of the KV pool")
         self.local_prefills = m.counter("edgecore:local_prefills", "Prefills done at the edge", "reason")
         self.remote_prefills = m.counter("edgecore:remote_prefills", "Prefills done at a core", "codec")
         self.errors = m.counter("edgecore:request_errors", "Requests answered with an error", "status")

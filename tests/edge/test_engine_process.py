@@ -133,3 +133,31 @@ async def test_a_dead_engine_fails_open_streams_and_new_calls(link):
     with pytest.raises(EngineDead):
         await collect(client, "late", [5, 6], SamplingParams(max_tokens=2))
     assert (await client.get_readiness())["ready"] is False
+
+
+async def test_prefetched_contexts_keep_within_their_share_of_the_pool(model_dir):
+    """Every context a client prefetches is pinned until it falls out of `PINNED_SHARE` of the pool (least
+    recently prefetched first): a stream of new contexts cannot fill the pool for good, and prefetching the
+    same context again takes no second pin."""
+    from edgecore.edge.engine import PINNED_SHARE
+    edge = EdgeEngine(EdgeConfig(model_dir=str(model_dir)), engine=make_engine(num_blocks=64))
+    await edge.start()
+    try:
+        limit = int(64 * PINNED_SHARE)                       # 16 blocks: each 100-token context pins 6
+        rng = random.Random(0)
+        contexts = [[rng.randrange(3, 2000) for _ in range(100)] for _ in range(8)]
+        for ctx in contexts:
+            await edge.prefetch(ctx)
+            assert len(set().union(*edge.pinned)) <= limit
+            assert edge.handle.stats().blocks_used <= limit
+        assert len(edge.pinned) == 2                          # two 6-block contexts fit in 16, a third does not
+        before = edge.handle.stats().blocks_used
+        older, newer = edge.pinned
+        await edge.prefetch(contexts[-1])                     # the newest again: one pin, nothing evicted
+        assert edge.pinned == [older, newer] and edge.handle.stats().blocks_used == before
+        await edge.prefetch(contexts[-2])                     # the older one again: now the most recent
+        assert edge.pinned == [newer, older] and edge.handle.stats().blocks_used == before
+        out = [o async for o in edge.generate("long", list(range(3, 700)), SamplingParams(max_tokens=2))]
+        assert out[-1].finished                               # a long prompt still finds its blocks
+    finally:
+        await edge.stop()
