@@ -6,6 +6,9 @@ later prompts that start with the same tokens reuse those blocks through the
 ordinary prefix cache instead of recomputing. The id is a hash of the tokens,
 so ingesting the same context twice is one context. Contexts are recorded in
 the batch store and ingested again when the core restarts. `delete` unpins.
+Pinned contexts hold at most `PINNED_SHARE` of the KV pool (the rest serves
+requests): a context beyond it is refused (400 `context_limit_exceeded`) until
+others are deleted; on restart one that no longer fits is skipped and logged.
 
 `push(ctx, names)` sends a context's tokens to edges the core was configured
 with (`--push-edge NAME=URL`: name → API base URL), never to a URL a caller
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 import uuid
 from array import array
@@ -26,7 +30,10 @@ from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.openai.request import ApiError
 
 PUSH_TIMEOUT_S = 120.0
+PINNED_SHARE = 0.5                # of the KV pool that pinned contexts may hold
 MAX_EDGE_REPLY = 64 * 1024        # bytes of an edge's reply read back
+
+log = logging.getLogger("edgecore.core")
 
 
 def context_id(token_ids: list[int]) -> str:
@@ -42,12 +49,22 @@ class Contexts:
 
     async def restore(self) -> None:
         for row in self.store.contexts():
-            await self.ingest(json.loads(row["token_ids"]), persist=False)
+            try:
+                await self.ingest(json.loads(row["token_ids"]), persist=False)
+            except ApiError as exc:       # the pool is smaller than when it was ingested
+                log.warning("a stored context was not restored: %s", exc)
 
     async def ingest(self, token_ids: list[int], persist: bool = True) -> dict:
         ctx = context_id(token_ids)
         if ctx in self.pinned:
             return self.describe(ctx)
+        bs = self.handle.block_size
+        held = len(set().union(*(info["blocks"] for info in self.pinned.values())))
+        allowed = int(self.handle.stats().blocks_total * PINNED_SHARE)
+        if held + len(token_ids) // bs > allowed:
+            raise ApiError(400, f"pinned contexts would hold more than {allowed} of the core's KV blocks ({held} held, "
+                                f"this one needs {len(token_ids) // bs}); delete contexts first", "token_ids",
+                           "context_limit_exceeded")
         rid = f"context/{uuid.uuid4().hex}"
         async for _ in self.handle.generate(rid, token_ids, SamplingParams(max_tokens=1, temperature=0),
                                         prefill_only=True):
