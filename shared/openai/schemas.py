@@ -64,6 +64,17 @@ class SamplingFields(Struct, kw_only=True):
     # Known but not implemented: any value other than the default is a 400 naming the field.
     use_beam_search: Any = None
     min_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    length_penalty: Any = None
+    early_stopping: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    priority: Any = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -72,6 +83,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool | None = False
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     suffix: Any = None
+    add_special_tokens: Any = None
 
 
 class ContentPart(Struct):
@@ -99,6 +111,13 @@ class ChatRequest(SamplingFields, kw_only=True):
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
+    best_of: Any = None
+    echo: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    documents: Any = None
 
 
 # field → values that mean "not used" (accepted); anything else is rejected with a 400.
@@ -107,6 +126,17 @@ UNSUPPORTED: dict[str, tuple] = {
     "suffix": (None, ""),
     "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    # vLLM's extras: each default (what this server does) is accepted
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,), "bad_words": (None, []),
+    "allowed_token_ids": (None,), "length_penalty": (None, 1.0), "early_stopping": (None, False),
+    "logits_processors": (None, []), "return_tokens_as_token_ids": (None, False), "priority": (None, 0),
+    "add_special_tokens": (None, True),                      # completions: the tokenizer's own, as vLLM
+}
+# Chat only (the completions endpoint implements its own `best_of` and `echo`).
+CHAT_UNSUPPORTED: dict[str, tuple] = {
+    "best_of": (None, 1), "echo": (None, False), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "documents": (None,),
 }
 
 _PATH = re.compile(r" - at `\$\.?(.*)`$")
@@ -134,7 +164,8 @@ def decode_body(body: dict, schema: type[Struct]) -> Any:
         param = _param(path)
         raise ApiError(400, f"Invalid value for '{param}': {message}" if param else message, param, code) \
             from None
-    for name, accepted in UNSUPPORTED.items():
+    unsupported = {**UNSUPPORTED, **CHAT_UNSUPPORTED} if schema is ChatRequest else UNSUPPORTED
+    for name, accepted in unsupported.items():
         value = getattr(req, name, None)
         if not any(value == a for a in accepted):
             raise ApiError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")

@@ -59,9 +59,20 @@ def test_chat_errors_name_the_parameter(tokenizer, kw, param, code):
 @pytest.mark.parametrize("field, value", [
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("use_beam_search", True), ("min_tokens", 3), ("functions", [{"name": "f"}]),
+    ("include_stop_str_in_output", True), ("skip_special_tokens", False), ("spaces_between_special_tokens", False),
+    ("truncate_prompt_tokens", 8), ("bad_words", ["x"]), ("allowed_token_ids", [1, 2]), ("length_penalty", 0.5),
+    ("early_stopping", True), ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True), ("priority", 1),
+    ("best_of", 2), ("echo", True), ("chat_template", "{{ 1 }}"), ("chat_template_kwargs", {"x": 1}),
+    ("add_generation_prompt", False), ("continue_final_message", True), ("documents", [{"text": "x"}]),
 ])
 def test_known_but_unsupported_parameters_are_400(tokenizer, field, value):
     assert rejected(chat, tokenizer, **{field: value}).param == field
+
+
+@pytest.mark.parametrize("field, value", [("include_stop_str_in_output", True), ("add_special_tokens", False),
+                                          ("skip_special_tokens", False), ("priority", -1)])
+def test_vllm_extras_this_server_does_not_implement_are_400_on_completions(tokenizer, field, value):
+    assert rejected(comp, tokenizer, **{field: value}).param == field
 
 
 def test_defaults_of_unsupported_parameters_and_unknown_fields_are_accepted(tokenizer):
@@ -70,6 +81,9 @@ def test_defaults_of_unsupported_parameters_and_unknown_fields_are_accepted(toke
     assert len(parsed.params) == 1
     assert rejected(comp, tokenizer, suffix="x").param == "suffix"
     assert comp(tokenizer, suffix="").params
+    assert chat(tokenizer, include_stop_str_in_output=False, skip_special_tokens=True, add_generation_prompt=True,
+                echo=False, best_of=1, priority=0).params         # the defaults, as this server behaves
+    assert comp(tokenizer, best_of=2, echo=True, add_special_tokens=True).params
 
 
 def test_sampling_fields_reach_the_params(tokenizer):
