@@ -26,6 +26,7 @@ import uuid
 from edgecore.core.batch_store import BatchStore
 from edgecore.core.metrics import CoreMetrics
 from edgecore.shared.engine.handle import EngineHandle
+from edgecore.shared.errors import RequestError
 from edgecore.shared.openai.request import ApiError, check_model, parse_chat, parse_completion
 from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body
 
@@ -232,6 +233,11 @@ class BatchRunner:
         self.metrics.batch_running.inc()
         try:
             await asyncio.gather(*(choice(i) for i in range(len(parsed.params))))
+        except RequestError as exc:       # what only the engine checks (a grammar no text matches, KV capacity)
+            self._record(req["line"], "error", {
+                "id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": req["custom_id"], "response": None,
+                "error": {"code": "invalid_request", "message": f"line {req['line']}: {exc}", "line": req["line"]}})
+            return
         finally:
             self.metrics.batch_running.dec()
         self.metrics.batch_completed.inc()

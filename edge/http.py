@@ -29,7 +29,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from edgecore.edge.service import EdgeService
-from edgecore.shared.errors import EngineDead
+from edgecore.shared.errors import EngineDead, RequestError
 from edgecore.shared.http_server import ServerLimits, start_site
 from edgecore.shared.openai.extra_routes import add_edge_routes, model_card
 from edgecore.shared.openai.http import error_middleware, json_body, off_loop
@@ -169,6 +169,8 @@ class EdgeHTTP:
             try:
                 async for out in self.edge.generate(f"{rid}-0", parsed.prompts[0], parsed.params[0]):
                     yield 0, out
+            except RequestError as exc:    # what only the engine can check (a grammar's language, ...)
+                raise ApiError(400, str(exc), exc.param, exc.code) from None
             except EngineDead as exc:
                 raise ApiError(500, f"generation failed: {exc}", None, "internal_error") from None
             return
@@ -179,6 +181,8 @@ class EdgeHTTP:
                 async for out in self.edge.generate(f"{rid}-{i}", parsed.prompts[i // parsed.n], parsed.params[i]):
                     queue.put_nowait((i, out))
                 queue.put_nowait((i, None))
+            except RequestError as exc:
+                queue.put_nowait((i, exc))
             except Exception as exc:   # engine failure: reported to the client, never a hang
                 log.exception("choice %d of %s failed", i, rid)
                 queue.put_nowait((i, exc))
@@ -190,6 +194,8 @@ class EdgeHTTP:
                 i, out = await queue.get()
                 if out is None:
                     remaining -= 1
+                elif isinstance(out, RequestError):
+                    raise ApiError(400, str(out), out.param, out.code)
                 elif isinstance(out, Exception):
                     raise ApiError(500, f"generation failed: {out}", None, "internal_error")
                 else:

@@ -78,10 +78,17 @@ class Grammars:
         self.tokenizer = _llg().LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids))
 
     def matcher(self, spec: GuidedSpec) -> Any:
+        """A fresh matcher for `spec`; a grammar whose language is empty (a regex or schema that no text
+        matches, not even the empty one) is a `RequestError`: it would otherwise end at once with "stop" and
+        an output that does not match."""
         matcher = _llg().LLMatcher(self.tokenizer, grammar_text(spec), log_level=0)
+        if not matcher.is_error():
+            matcher.compute_bitmask()         # llguidance finds an empty language here (no byte can start it)
         if matcher.is_error():
-            raise RequestError(f"'{spec.param}' cannot be used as a grammar: {matcher.get_error()}",
-                               param=spec.param)
+            error = matcher.get_error()
+            if "NoExtension" in error:
+                raise RequestError(f"'{spec.param}' matches no text at all", param=spec.param)
+            raise RequestError(f"'{spec.param}' cannot be used as a grammar: {error}", param=spec.param)
         return matcher
 
 

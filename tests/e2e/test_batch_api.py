@@ -97,15 +97,17 @@ def test_malformed_lines_go_to_error_file_and_rest_run(client):
              json.dumps(completion_line("wrong-url", "x", url="/v1/embeddings")),
              json.dumps({**completion_line("bad-method", "x"), "method": "GET"}),
              json.dumps(completion_line("too-long", "x", max_tokens=5000)),
-             json.dumps(completion_line("ok-2", "World"))]
+             json.dumps(completion_line("ok-2", "World")),
+             json.dumps(completion_line("no-text-matches", "x", guided_regex="[^\\s\\S]"))]   # found by the engine
     f = client.files.create(file=("mixed.jsonl", io.BytesIO(("\n".join(lines) + "\n").encode())), purpose="batch")
     b = wait_batch(client, client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
                                                  completion_window="24h").id)
     assert b.status == "completed"
-    assert b.request_counts.total == 7 and b.request_counts.completed == 2 and b.request_counts.failed == 5
+    assert b.request_counts.total == 8 and b.request_counts.completed == 2 and b.request_counts.failed == 6
     errors = [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]
     lines_reported = sorted(e["error"]["line"] for e in errors)
-    assert lines_reported == [2, 3, 4, 5, 6]
+    assert lines_reported == [2, 3, 4, 5, 6, 8]
+    assert any("matches no text" in e["error"]["message"] and e["custom_id"] == "no-text-matches" for e in errors)
     assert any("duplicate custom_id" in e["error"]["message"] for e in errors)
     assert any("context length" in e["error"]["message"] for e in errors)
     out = [json.loads(x)["custom_id"] for x in client.files.content(b.output_file_id).text.splitlines()]

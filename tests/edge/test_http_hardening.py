@@ -277,3 +277,16 @@ async def test_a_huge_prompt_is_refused_without_stalling_other_requests(server):
     err = json.loads(raw)["error"]
     assert status == 400 and err["code"] == "context_length_exceeded" and "at least" in err["message"], err
     assert max(times) < 5
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("extra,param", [
+    ({"guided_regex": "[^\\s\\S]"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "response_format.json_schema.schema"),
+])
+async def test_a_grammar_no_text_matches_is_a_400_not_an_empty_stop(server, extra, param, n):
+    body = json.dumps({"prompt": "x", "max_tokens": 4, "n": n, **extra}).encode()
+    status, ctype, raw = await post_raw(server["session"], "/v1/completions", body)
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["param"] == param and "matches no text" in err["message"], raw[:300]

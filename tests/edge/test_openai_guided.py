@@ -90,3 +90,14 @@ def test_engine_output_follows_each_kind(eng, tokenizer, temperature):
     assert all(out[n]["finish_reason"] == "stop" for n in ("schema", "regex", "choice"))
     free = eng.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0]
     assert out["free"]["token_ids"] == free["token_ids"]        # the masks touch only their own rows
+
+
+@pytest.mark.parametrize("spec", [GuidedSpec("regex", r"[^\s\S]", "guided_regex"),
+                                  GuidedSpec("json_schema", json.dumps({"$ref": "#"}), "guided_json")])
+def test_a_grammar_whose_language_is_empty_is_refused(tokenizer, spec):
+    from edgecore.shared.errors import RequestError
+    grammars = Grammars(tokenizer.backend.to_str(), VOCAB, (1,))
+    with pytest.raises(RequestError, match="matches no text") as e:
+        grammars.matcher(spec)
+    assert e.value.param == spec.param
+    assert grammars.matcher(GuidedSpec("regex", "", "guided_regex")) is not None     # only "": fine
