@@ -25,6 +25,8 @@ from edgecore.protocol.transport import Peer, PeerError, Timeouts, connect
 
 log = logging.getLogger("edgecore.edge")
 
+UNRESPONSIVE_AFTER = 5.0     # seconds a ping may go unanswered, with nothing else arriving, before placement avoids the core
+
 
 class CoreClient:
     def __init__(self, host: str, port: int, *, secret: bytes, fingerprint: str, codecs: list[str],
@@ -47,8 +49,15 @@ class CoreClient:
         return f"{self.host}:{self.port}"
 
     @property
-    def healthy(self) -> bool:
+    def connected(self) -> bool:
         return self.peer is not None and not self.peer.closed
+
+    @property
+    def healthy(self) -> bool:
+        """Connected and answering: a core whose pings go unanswered while nothing arrives from it for
+        `UNRESPONSIVE_AFTER` seconds (stopped, wedged) gets no new requests until it answers again, instead of
+        each one waiting out the transfer timeout (the connection itself is closed only after the idle timeout)."""
+        return self.connected and not self.peer.unresponsive(UNRESPONSIVE_AFTER)
 
     @property
     def direct(self) -> bool:
@@ -65,7 +74,7 @@ class CoreClient:
 
     async def connect(self) -> None:
         async with self._lock:
-            if self.healthy:
+            if self.connected:
                 return
             await self._close_streams()
             try:
@@ -112,7 +121,7 @@ class CoreClient:
 
     async def prefill(self, request: m.PrefillRequest) -> asyncio.Queue:
         if not self.healthy:
-            raise PeerError(f"core {self.address} is not connected")
+            raise PeerError(f"core {self.address} is " + ("not answering" if self.connected else "not connected"))
         queue: asyncio.Queue = asyncio.Queue()
         self.inflight[request.request_id] = queue
         try:
@@ -130,7 +139,7 @@ class CoreClient:
             self.bandwidth = rate if self.bandwidth is None else 0.7 * self.bandwidth + 0.3 * rate
 
     async def send(self, msg) -> None:
-        if self.healthy:
+        if self.connected:
             with contextlib.suppress(PeerError):
                 await self.peer.send(msg)
 
@@ -194,7 +203,7 @@ class CoreRouter:
             await asyncio.sleep(self.check_interval)
             await self._resolve()
             for client in self.clients:
-                if client.healthy:
+                if client.connected:
                     with contextlib.suppress(PeerError):
                         await client.peer.ping()
                     if client.peer.conn.streams and not client.direct:     # a stream connection dropped

@@ -157,6 +157,14 @@ class Peer:
                     return
                 await self.ping()
 
+    def unresponsive(self, after: float) -> bool:
+        """A ping has waited more than `after` seconds for its Pong and nothing at all came meanwhile (a stopped
+        or wedged peer). A Pong queued behind a long transfer on a slow link does not count: bytes arrive."""
+        if not self._pings:
+            return False
+        now = time.monotonic()
+        return now - min(self._pings.values()) > after and now - self.last_received > after
+
     async def ping(self) -> None:
         nonce = next(self._nonce)
         self._pings[nonce] = time.monotonic()
