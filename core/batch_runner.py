@@ -231,14 +231,17 @@ class BatchRunner:
                 results[i].add(out)
 
         self.metrics.batch_running.inc()
+        tasks = [asyncio.create_task(choice(i)) for i in range(len(parsed.params))]
         try:
-            await asyncio.gather(*(choice(i) for i in range(len(parsed.params))))
+            await asyncio.gather(*tasks)
         except RequestError as exc:       # what only the engine checks (a grammar no text matches, KV capacity)
             self._record(req["line"], "error", {
                 "id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": req["custom_id"], "response": None,
                 "error": {"code": "invalid_request", "message": f"line {req['line']}: {exc}", "line": req["line"]}})
             return
         finally:
+            for task in tasks:            # a refused line's other choices stop too
+                task.cancel()
             self.metrics.batch_running.dec()
         self.metrics.batch_completed.inc()
         self.metrics.batch_prompt_tokens.inc(sum(len(p) for p in parsed.prompts))

@@ -19,6 +19,7 @@ not the edge's raw reply. Redirects are not followed.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -46,15 +47,21 @@ class Contexts:
         self.store = store
         self.control = control            # core/http.py ControlPort: the edges pushes may go to, the push key
         self.pinned: dict[str, dict] = {}
+        self._lock = asyncio.Lock()
 
     async def restore(self) -> None:
         for row in self.store.contexts():
             try:
                 await self.ingest(json.loads(row["token_ids"]), persist=False)
-            except ApiError as exc:       # the pool is smaller than when it was ingested
-                log.warning("a stored context was not restored: %s", exc)
+            except ApiError as exc:       # the pool is smaller than when it was ingested: forget it for good
+                self.store.delete_context(row["id"])
+                log.warning("stored context %s dropped: it no longer fits (%s)", row["id"], exc)
 
     async def ingest(self, token_ids: list[int], persist: bool = True) -> dict:
+        async with self._lock:            # one at a time: the limit is checked against what is pinned
+            return await self._ingest(token_ids, persist)
+
+    async def _ingest(self, token_ids: list[int], persist: bool) -> dict:
         ctx = context_id(token_ids)
         if ctx in self.pinned:
             return self.describe(ctx)

@@ -293,7 +293,7 @@ class EdgeEngine:
                 break
         self.pinned.append(blocks)
         limit = int(self.handle.stats().blocks_total * PINNED_SHARE)
-        while len(self.pinned) > 1 and len(set().union(*self.pinned)) > limit:
+        while self.pinned and len(set().union(*self.pinned)) > limit:     # one larger than the share: cached only
             await self.handle.unpin(self.pinned.pop(0))
             self.metrics.contexts_unpinned.inc()
 

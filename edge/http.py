@@ -155,8 +155,9 @@ class EdgeHTTP:
         self.sequences += count          # checked in _capacity with no await since: no other request raced in
         try:
             async with contextlib.aclosing(self._choices(parsed, rid)) as outputs:
-                if parsed.stream:
-                    return await self._stream(request, parsed, chat, rid, created, outputs)
+                if parsed.stream:     # the first output before the 200: an engine's refusal is still a 4xx
+                    first = await anext(outputs, None)
+                    return await self._stream(request, parsed, chat, rid, created, _prepend(first, outputs))
                 return await self._collect(parsed, chat, rid, created, outputs)
         finally:
             self.sequences -= count
@@ -292,3 +293,11 @@ class EdgeHTTP:
 async def start_http(http: EdgeHTTP, host: str, port: int):
     """Serve the API on host:port under `http.limits`. Returns (runner, bound port)."""
     return await start_site(http.build_app(), host, port, http.limits, handler_cancellation=True)
+
+
+async def _prepend(first, rest):
+    """`first` (unless None), then what `rest` yields."""
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item

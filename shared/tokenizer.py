@@ -10,10 +10,10 @@ turns new token ids into text deltas, emitting only complete UTF-8 text.
 
 Long texts (`LONG_TEXT` characters and more) are encoded through the library's batch call, which
 releases the GIL, so a caller that runs it on a worker thread keeps its event loop turning (megabytes
-of prompt take seconds). Given a `limit`, `encode` first encodes a prefix cut at whitespace: when that
-prefix alone has more than `limit` tokens the text is certainly longer (a pre-tokenizer that splits at
-whitespace codes the prefix exactly as the start of the whole), and `TextTooLong` says so without
-encoding the rest.
+of prompt take seconds). Given a `limit`, `encode` first counts the tokens of consecutive windows
+(cut at whitespace where there is some: a pre-tokenizer that splits there codes each window exactly
+as the whole does): once they pass `limit` the text is certainly longer, and `TextTooLong` says so
+without encoding the rest.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from edgecore.shared.errors import ConfigError, RequestError
 
 
 LONG_TEXT = 1 << 16          # characters from which encoding releases the GIL
-PREFIX_CHARS_PER_TOKEN = 16  # the prefix checked against a limit: this many characters per allowed token
+PREFIX_CHARS_PER_TOKEN = 16  # characters per allowed token in each window checked against a limit
+CUT_SLACK = 8                # tokens a window cut inside a word may code differently from the whole
 
 
 class TextTooLong(RequestError):
@@ -92,13 +93,26 @@ class Tokenizer:
         """Token ids of `text`; with `limit`, raises `TextTooLong` early for a text that is certainly longer
         (its ids are then never all computed)."""
         if limit is not None and len(text) > 2 * PREFIX_CHARS_PER_TOKEN * limit:
-            end = PREFIX_CHARS_PER_TOKEN * limit
-            cut = max(text.rfind(" ", 0, end), text.rfind("\n", 0, end))
-            if cut > 0:
-                head = self._encode(text[:cut], add_special_tokens)
-                if len(head) > limit:
-                    raise TextTooLong(len(head), limit)
+            at_least = self._at_least(text, limit, add_special_tokens)
+            if at_least > limit:
+                raise TextTooLong(at_least, limit)
         return self._encode(text, add_special_tokens)
+
+    def _at_least(self, text: str, limit: int, add_special_tokens: bool) -> int:
+        """A lower bound on the tokens of `text`, from consecutive windows encoded apart until it passes
+        `limit` (or one window of text is left). Windows end at whitespace where there is some (a whitespace
+        pre-tokenizer codes them exactly as the whole does); a window cut inside a word may code its edge
+        differently, so each cut is allowed `CUT_SLACK` tokens."""
+        window = PREFIX_CHARS_PER_TOKEN * limit
+        count, start = 0, 0
+        while len(text) - start > window and count <= limit:
+            end = start + window
+            cut = max(text.rfind(" ", start + 1, end), text.rfind("\n", start + 1, end))
+            slack = 0 if cut > start else CUT_SLACK
+            cut = cut if cut > start else end
+            count += max(0, len(self._encode(text[start:cut], add_special_tokens and start == 0)) - slack)
+            start = cut
+        return count
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) < LONG_TEXT:

@@ -116,7 +116,7 @@ async def json_body(request: web.Request) -> dict:
 async def off_loop(request: web.Request, fn: Callable, *args):
     """`fn(*args)`, on a worker thread when the request's body is large (or of unknown length): long texts
     are encoded with the GIL released (`Tokenizer.encode`), so the loop turns meanwhile."""
-    size = request.content_length
-    if size is not None and size < OFF_LOOP_BODY:
+    size = request.content_length      # of the bytes sent: a compressed body may inflate far beyond it
+    if size is not None and size < OFF_LOOP_BODY and not request.headers.get("Content-Encoding"):
         return fn(*args)
     return await asyncio.to_thread(fn, *args)

@@ -208,13 +208,28 @@ def render_message(msg, i: int) -> dict:
     return out
 
 
+TEMPLATE_OWN = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
+                          "strftime_now", "limit"})
+
+
+def _template_kwargs(kwargs: dict | None) -> dict:
+    """`chat_template_kwargs` (e.g. Qwen3's `enable_thinking`) as extra template variables: names the server
+    sets itself are refused, as are names that are not identifiers."""
+    for name in kwargs or {}:
+        if name in TEMPLATE_OWN or not name.isidentifier() or name.startswith("_"):
+            raise _bad(f"'chat_template_kwargs' cannot set {name!r}", "chat_template_kwargs", "invalid_value")
+    return dict(kwargs or {})
+
+
 def parse_chat(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len: int) -> ParsedRequest:
     req: ChatRequest = decode_body(body, ChatRequest)
     tools = tool_set(req, tokenizer.chat_template)
     rendered = [render_message(msg, i) for i, msg in enumerate(req.messages)]
+    extra = _template_kwargs(req.chat_template_kwargs)
     try:
         ids = _encode(lambda: tokenizer.encode_chat(rendered, add_generation_prompt=True, limit=max_model_len,
-                                                    tools=tools.tools if tools else None), max_model_len, "messages")
+                                                    tools=tools.tools if tools else None, **extra),
+                      max_model_len, "messages")
     except RequestError as exc:
         raise _bad(str(exc), "messages", "invalid_value") from None
     logprobs = None

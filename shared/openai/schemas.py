@@ -114,7 +114,7 @@ class ChatRequest(SamplingFields, kw_only=True):
     best_of: Any = None
     echo: Any = None
     chat_template: Any = None
-    chat_template_kwargs: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None     # extra template variables (request.py checks names)
     add_generation_prompt: Any = None
     continue_final_message: Any = None
     documents: Any = None
@@ -135,7 +135,7 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 # Chat only (the completions endpoint implements its own `best_of` and `echo`).
 CHAT_UNSUPPORTED: dict[str, tuple] = {
-    "best_of": (None, 1), "echo": (None, False), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+    "best_of": (None, 1), "echo": (None, False), "chat_template": (None,),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False), "documents": (None,),
 }
 
@@ -164,6 +164,8 @@ def decode_body(body: dict, schema: type[Struct]) -> Any:
         param = _param(path)
         raise ApiError(400, f"Invalid value for '{param}': {message}" if param else message, param, code) \
             from None
+    if not issubclass(schema, SamplingFields):   # /tokenize and the like implement their own fields
+        return req
     unsupported = {**UNSUPPORTED, **CHAT_UNSUPPORTED} if schema is ChatRequest else UNSUPPORTED
     for name, accepted in unsupported.items():
         value = getattr(req, name, None)

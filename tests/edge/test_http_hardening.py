@@ -277,6 +277,10 @@ async def test_a_huge_prompt_is_refused_without_stalling_other_requests(server):
     err = json.loads(raw)["error"]
     assert status == 400 and err["code"] == "context_length_exceeded" and "at least" in err["message"], err
     assert max(times) < 5
+    for text in ("a" * 900_000, " " * 900_000):        # no whitespace to cut at; nothing but whitespace
+        status, _, raw = await post_raw(server["session"], "/v1/completions",
+                                        json.dumps({"prompt": text, "max_tokens": 1}).encode())
+        assert status == 400 and json.loads(raw)["error"]["code"] == "context_length_exceeded"
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -290,3 +294,10 @@ async def test_a_grammar_no_text_matches_is_a_400_not_an_empty_stop(server, extr
     status, ctype, raw = await post_raw(server["session"], "/v1/completions", body)
     err = json.loads(raw)["error"]
     assert status == 400 and err["param"] == param and "matches no text" in err["message"], raw[:300]
+
+
+async def test_a_streamed_request_the_engine_refuses_gets_its_400_before_any_200(server):
+    body = json.dumps({"prompt": "x", "max_tokens": 4, "stream": True, "guided_regex": "[^\\s\\S]"}).encode()
+    status, ctype, raw = await post_raw(server["session"], "/v1/completions", body)
+    assert status == 400 and ctype.startswith("application/json"), raw[:300]
+    assert json.loads(raw)["error"]["param"] == "guided_regex"

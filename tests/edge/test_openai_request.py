@@ -62,7 +62,7 @@ def test_chat_errors_name_the_parameter(tokenizer, kw, param, code):
     ("include_stop_str_in_output", True), ("skip_special_tokens", False), ("spaces_between_special_tokens", False),
     ("truncate_prompt_tokens", 8), ("bad_words", ["x"]), ("allowed_token_ids", [1, 2]), ("length_penalty", 0.5),
     ("early_stopping", True), ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True), ("priority", 1),
-    ("best_of", 2), ("echo", True), ("chat_template", "{{ 1 }}"), ("chat_template_kwargs", {"x": 1}),
+    ("best_of", 2), ("echo", True), ("chat_template", "{{ 1 }}"),
     ("add_generation_prompt", False), ("continue_final_message", True), ("documents", [{"text": "x"}]),
 ])
 def test_known_but_unsupported_parameters_are_400(tokenizer, field, value):
@@ -139,3 +139,18 @@ def test_echo_logprobs_and_prompt_logprobs_bodies(tokenizer):
     r.prompt_logprobs = [None, TokenLogprob(5, -2.0, [], 7)]
     body = response_body(chat_parsed, [r], True, "id", 0, "m", texts)
     assert body["prompt_logprobs"] == [None, {"5": {"logprob": -2.0, "rank": 7, "decoded_token": texts.text(5)}}]
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer, monkeypatch):
+    seen = {}
+    render = tokenizer.apply_chat_template
+
+    def recording(messages, add_generation_prompt=True, tools=None, **extra):
+        seen.update(extra)
+        return render(messages, add_generation_prompt, tools=tools, **extra)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", recording)
+    assert chat(tokenizer, chat_template_kwargs={"enable_thinking": False}).params
+    assert seen == {"enable_thinking": False}
+    for bad in ({"messages": []}, {"bos_token": "x"}, {"not an identifier": 1}, {"_private": 1}):
+        assert rejected(chat, tokenizer, chat_template_kwargs=bad).param == "chat_template_kwargs"

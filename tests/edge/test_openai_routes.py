@@ -32,6 +32,8 @@ def test_tokenize_detokenize_roundtrip(port, tokenizer):  # noqa: F811
     messages = [{"role": "user", "content": "Hi"}]
     status, _, raw = post(port, "/tokenize", json.dumps({"messages": messages}).encode())
     assert status == 200 and json.loads(raw)["tokens"] == tokenizer.encode_chat(messages)
+    status, _, raw = post(port, "/tokenize", json.dumps({"prompt": "The for", "add_special_tokens": False}).encode())
+    assert status == 200 and json.loads(raw)["tokens"] == tokenizer.encode("The for", add_special_tokens=False)
 
 
 @pytest.mark.parametrize("path, body, param", [
