@@ -55,25 +55,28 @@ class BatchAPI:
         tmp = None
         try:
             try:
-                parts = await request.multipart()
-            except (ValueError, AssertionError) as exc:     # no or bad boundary
+                async for part in _parts(await request.multipart()):
+                    name = getattr(part, "name", None)      # a nested multipart has none: ignored
+                    if name == "purpose":
+                        purpose = (await part.text()).strip()
+                    elif name == "file":
+                        if tmp is not None:
+                            raise ApiError(400, "more than one 'file' part", "file", "invalid_value")
+                        file_id = f"file-{uuid.uuid4().hex[:24]}"
+                        filename = part.filename or "upload.jsonl"
+                        tmp = self.store.files_dir / f"{file_id}.part"
+                        with open(tmp, "wb") as f:
+                            while chunk := await part.read_chunk(1 << 20):
+                                size += len(chunk)
+                                if size > self.max_file_bytes:
+                                    raise ApiError(413, f"File exceeds the limit of {self.max_file_bytes} bytes",
+                                                   "file", "file_too_large")
+                                f.write(chunk)
+                            f.flush()
+                            os.fsync(f.fileno())
+            except (ValueError, AssertionError, web.RequestPayloadError, HttpProcessingError) as exc:
+                # no or bad boundary, a cut part, a 'purpose' that is not UTF-8, an undecodable part encoding
                 raise ApiError(400, f"malformed multipart body: {exc}", None, "invalid_body") from None
-            async for part in _parts(parts):
-                if part.name == "purpose":
-                    purpose = (await part.text()).strip()
-                elif part.name == "file":
-                    file_id = f"file-{uuid.uuid4().hex[:24]}"
-                    filename = part.filename or "upload.jsonl"
-                    tmp = self.store.files_dir / f"{file_id}.part"
-                    with open(tmp, "wb") as f:
-                        while chunk := await part.read_chunk(1 << 20):
-                            size += len(chunk)
-                            if size > self.max_file_bytes:
-                                raise ApiError(413, f"File exceeds the limit of {self.max_file_bytes} bytes",
-                                               "file", "file_too_large")
-                            f.write(chunk)
-                        f.flush()
-                        os.fsync(f.fileno())
             if purpose != "batch":
                 raise ApiError(400, f"'purpose' must be 'batch', got {purpose!r}", "purpose", "invalid_value")
             if tmp is None:
@@ -208,12 +211,6 @@ class BatchAPI:
 
 
 async def _parts(reader):
-    """The parts of a multipart body; a malformed body (bad boundary, cut part, bad part headers) is a 400."""
-    while True:
-        try:
-            part = await reader.next()
-        except (ValueError, AssertionError, web.RequestPayloadError, HttpProcessingError) as exc:
-            raise ApiError(400, f"malformed multipart body: {exc}", None, "invalid_body") from None
-        if part is None:
-            return
+    """The parts of a multipart body, until its end."""
+    while (part := await reader.next()) is not None:
         yield part

@@ -134,6 +134,11 @@ def test_not_jsonl_fails_batch_and_bad_requests_get_errors(client):
     ("multipart/form-data; boundary=b", b"--b\r\nxx"),                  # a part cut inside its headers
     ("multipart/form-data", b"--b\r\nxx"),                              # no boundary
     ("multipart/form-data; boundary=b", b"no boundary anywhere"),
+    ("multipart/form-data; boundary=b",                                 # a 'purpose' that is not UTF-8
+     b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n\xff\xfe\r\n--b--\r\n'),
+    ("multipart/form-data; boundary=b", b"".join(                        # two files
+        b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{}\r\n' for _ in range(2))
+     + b"--b--\r\n"),
 ])
 def test_a_malformed_upload_is_a_json_400(core, ctype, body):
     req = urllib.request.Request(f"http://127.0.0.1:{core['http']}/v1/files", data=body, method="POST",
@@ -141,7 +146,8 @@ def test_a_malformed_upload_is_a_json_400(core, ctype, body):
     with pytest.raises(urllib.error.HTTPError) as exc:
         urllib.request.urlopen(req, timeout=30)
     assert exc.value.code == 400
-    assert json.loads(exc.value.read())["error"]["code"] == "invalid_body"
+    assert json.loads(exc.value.read())["error"]["code"] in ("invalid_body", "invalid_value")
+    assert not list(core["data"].rglob("*.part"))          # nothing of a refused upload is left
 
 
 def test_cancel_keeps_finished_results(client):
