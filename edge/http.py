@@ -113,7 +113,8 @@ class EdgeHTTP:
             try:
                 ids = await off_loop(request, tok.encode, body["text"], True, self.edge.max_model_len)
             except TextTooLong:
-                ids = [0] * self.edge.max_model_len       # certainly too long: refused below
+                raise ApiError(400, "the context is longer than the model's context", "text",
+                               "context_length_exceeded") from None
         vocab = self.edge.vocab_size
         if not isinstance(ids, list) or not ids or any(
                 not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):

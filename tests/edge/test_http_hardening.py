@@ -301,3 +301,13 @@ async def test_a_streamed_request_the_engine_refuses_gets_its_400_before_any_200
     status, ctype, raw = await post_raw(server["session"], "/v1/completions", body)
     assert status == 400 and ctype.startswith("application/json"), raw[:300]
     assert json.loads(raw)["error"]["param"] == "guided_regex"
+
+
+async def test_a_prefetched_text_certainly_over_the_context_is_refused(server, monkeypatch):
+    async def never(ids):
+        raise AssertionError("prefetched")
+    monkeypatch.setattr(server["edge"], "prefetch", never, raising=False)
+    status, _, raw = await post_raw(server["session"], "/v1/contexts",
+                                    json.dumps({"text": "ab " * 200_000}).encode())
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["code"] == "context_length_exceeded" and err["param"] == "text", err
