@@ -24,6 +24,23 @@ def _not_found(kind: str, ident: str) -> ApiError:
     return ApiError(404, f"No {kind} with id '{ident}'", "id", "not_found")
 
 
+def _limit(request, maximum: int, default: int) -> int:
+    """A list's `limit` query parameter (OpenAI's ranges: files 1–10000, batches 1–100)."""
+    try:
+        limit = int(request.query.get("limit", str(default)))
+    except ValueError:
+        raise ApiError(400, "'limit' must be an integer", "limit", "invalid_type") from None
+    if not 1 <= limit <= maximum:
+        raise ApiError(400, f"'limit' must be between 1 and {maximum}", "limit", "invalid_value")
+    return limit
+
+
+def _page(data: list[dict], more: bool):
+    return web.json_response({"object": "list", "data": data, "has_more": more,
+                              "first_id": data[0]["id"] if data else None,
+                              "last_id": data[-1]["id"] if data else None})
+
+
 class BatchAPI:
     def __init__(self, handle: EngineHandle, store, runner, contexts, max_file_bytes: int):
         self.handle, self.store, self.runner, self.contexts = handle, store, runner, contexts
@@ -89,10 +106,12 @@ class BatchAPI:
                 tmp.unlink(missing_ok=True)
 
     async def list_files(self, request: web.Request):
-        data = self.store.list_files(request.query.get("purpose"))
-        return web.json_response({"object": "list", "data": data, "has_more": False,
-                                  "first_id": data[0]["id"] if data else None,
-                                  "last_id": data[-1]["id"] if data else None})
+        order = request.query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, "'order' must be 'asc' or 'desc'", "order", "invalid_value")
+        data, more = self.store.list_files(request.query.get("purpose"), request.query.get("after"),
+                                           _limit(request, 10000, 10000), order == "asc")
+        return _page(data, more)
 
     def _file(self, request) -> dict:
         obj = self.store.get_file(request.match_info["id"])
@@ -135,16 +154,8 @@ class BatchAPI:
         return web.json_response(batch)
 
     async def list_batches(self, request):
-        try:
-            limit = int(request.query.get("limit", "20"))
-        except ValueError:
-            raise ApiError(400, "'limit' must be an integer", "limit", "invalid_type") from None
-        if not 1 <= limit <= 100:
-            raise ApiError(400, "'limit' must be between 1 and 100", "limit", "invalid_value")
-        data, more = self.store.list_batches(request.query.get("after"), limit)
-        return web.json_response({"object": "list", "data": data, "has_more": more,
-                                  "first_id": data[0]["id"] if data else None,
-                                  "last_id": data[-1]["id"] if data else None})
+        data, more = self.store.list_batches(request.query.get("after"), _limit(request, 100, 20))
+        return _page(data, more)
 
     async def get_batch(self, request):
         batch = self.store.get_batch(request.match_info["id"])

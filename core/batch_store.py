@@ -84,10 +84,20 @@ class BatchStore:
         row = self.db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
         return file_object(row) if row else None
 
-    def list_files(self, purpose: str | None = None) -> list[dict]:
-        rows = self.db.execute("SELECT * FROM files WHERE ? IS NULL OR purpose = ? ORDER BY created_at DESC, id",
-                               (purpose, purpose)).fetchall()
-        return [file_object(r) for r in rows]
+    def list_files(self, purpose: str | None = None, after: str | None = None, limit: int = 10000,
+                   ascending: bool = False) -> tuple[list[dict], bool]:
+        """A page of files, newest first (or oldest), ordered by (created_at, id); `after`: the id of the
+        previous page's last file (an unknown id starts from the first)."""
+        anchor = self.db.execute("SELECT created_at, id FROM files WHERE id = ?", (after,)).fetchone() \
+            if after else None
+        direction, cmp = ("ASC", ">") if ascending else ("DESC", "<")
+        where, args = "(? IS NULL OR purpose = ?)", [purpose, purpose]
+        if anchor is not None:
+            where += f" AND (created_at, id) {cmp} (?, ?)"
+            args += [anchor["created_at"], anchor["id"]]
+        rows = self.db.execute(f"SELECT * FROM files WHERE {where} ORDER BY created_at {direction}, id {direction} "
+                               "LIMIT ?", (*args, limit + 1)).fetchall()
+        return [file_object(r) for r in rows[:limit]], len(rows) > limit
 
     def delete_file(self, file_id: str) -> bool:
         with self.tx():

@@ -87,6 +87,12 @@ def test_chat_batch_and_listing(client):
     after = client.batches.list(limit=1, after=first.data[0].id)
     assert after.data[0].id != first.data[0].id
     assert f.id in [x.id for x in client.files.list().data]
+    one = client.files.list(limit=1, order="asc")
+    assert len(one.data) == 1 and one.has_more
+    assert client.files.list(limit=1, order="asc", after=one.data[0].id).data[0].id != one.data[0].id
+    for bad in ({"limit": 0}, {"limit": 10001}, {"order": "sideways"}):
+        with pytest.raises(openai.BadRequestError):
+            client.files.list(**bad)
     assert client.files.delete(f.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(f.id)
