@@ -24,7 +24,11 @@ from edgecore.shared.errors import ConfigError
 
 PosInt = Annotated[int, msgspec.Meta(gt=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
-RopeType = Literal["default", "linear", "llama3", "yarn"]
+# "dynamic" (dynamic NTK) is the default rotation up to max_position_embeddings, the only span served
+# with it (transformers rescales beyond that length alone).
+RopeType = Literal["default", "linear", "llama3", "yarn", "dynamic"]
+# transformers' ACT2FN names the dense MLPs take (shared/models/activation.py); MoE experts are SiLU.
+HiddenAct = Literal["silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "relu", "quick_gelu"]
 LayerType = Literal["full_attention", "sliding_attention", "chunked_attention"]
 
 
@@ -62,8 +66,8 @@ class HFConfig(msgspec.Struct, frozen=True):
     rope_parameters: RopeParams | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    mlp_bias: Literal[False] = False
-    hidden_act: Literal["silu"] = "silu"
+    mlp_bias: bool = False
+    hidden_act: HiddenAct = "silu"
     pretraining_tp: Literal[1] | None = 1
     sliding_window: PosInt | None = None
     use_sliding_window: bool | None = None
@@ -127,6 +131,8 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    mlp_bias: bool = False                     # biases on the dense MLP's projections (Llama's mlp_bias)
+    hidden_act: str = "silu"                   # the dense MLP's activation (transformers' name)
     sliding_window: int | None = None          # the window of the sliding layers, if any
     layer_attention: tuple[LayerAttention, ...] = ()
     params: Any = None                         # the family's own fields (shared/models/params.py)
@@ -275,6 +281,10 @@ def _build(arch: str, spec, hf: HFConfig, params: Any, generation: dict, source:
     if hf.intermediate_size is None:
         raise ConfigError(f"{source}: missing field 'intermediate_size'")
     theta, rope = _rope(hf, source)
+    if hf.hidden_act not in ("silu", "swish") and not spec.dense_act:
+        raise ConfigError(f"{source}: field 'hidden_act' = {hf.hidden_act!r}: {arch} is served with 'silu' only")
+    if rope.rope_type == "dynamic" and spec.mla:
+        raise ConfigError(f"{source}: rope_type 'dynamic' is not supported for {arch}")
     layers = _layer_attention(hf, params, source)
     windows = {a.size for a in layers if a.kind == "sliding"}
     qkv_bias = spec.qkv_bias if spec.qkv_bias is not None else hf.attention_bias
@@ -288,7 +298,8 @@ def _build(arch: str, spec, hf: HFConfig, params: Any, generation: dict, source:
         max_position_embeddings=hf.max_position_embeddings, rms_norm_eps=float(hf.rms_norm_eps),
         rope_theta=theta, rope_scaling=rope, tie_word_embeddings=hf.tie_word_embeddings,
         qkv_bias=qkv_bias, o_bias=hf.attention_bias if spec.qkv_bias is None else False,
-        qk_norm=spec.qk_norm, sliding_window=max(windows) if windows else None,
+        qk_norm=spec.qk_norm, mlp_bias=hf.mlp_bias and spec.mlp_bias, hidden_act=hf.hidden_act,
+        sliding_window=max(windows) if windows else None,
         layer_attention=layers, params=params, bos_token_id=hf.bos_token_id, eos_token_ids=eos_ids,
         torch_dtype=str(hf.torch_dtype or hf.dtype or "float32"), mla=mla)
 

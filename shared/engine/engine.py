@@ -40,7 +40,7 @@ from edgecore.shared.engine.output import OutputState, RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.engine.scheduler import Scheduler
 from edgecore.shared.engine.sequence import Sequence, Status
-from edgecore.shared.errors import RequestError
+from edgecore.shared.errors import ConfigError, RequestError
 from edgecore.shared.kv.block_manager import BlockManager, NoFreeBlocks
 from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.kv.transfer import KVSlice, StreamRoute, needed_from
@@ -61,6 +61,9 @@ class LLMEngine:
         self.cache_config = cache_config or CacheConfig()
         self.engine_config = engine_config or EngineConfig()
         self.max_model_len = self.engine_config.max_model_len or config.max_position_embeddings
+        if config.rope_scaling.rope_type == "dynamic" and self.max_model_len > config.max_position_embeddings:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds max_position_embeddings "
+                              f"{config.max_position_embeddings}: dynamic NTK RoPE is served up to that length only")
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, str(param.device)
         kv_heads = model.model.layers[0].self_attn.num_kv_heads

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.activation import ACTIVATIONS
 from edgecore.shared.models.attention import AttentionMetadata, paged_attention
 from edgecore.shared.models.rope import apply_rope, rope_cos_sin
 from edgecore.shared.models.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
@@ -88,12 +89,13 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, intermediate: int | None = None):
         super().__init__()
         inter = intermediate or config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter])
-        self.down_proj = RowParallelLinear(inter, config.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=config.mlp_bias)
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-        return self.down_proj.forward(F.silu(gate) * up)
+        return self.down_proj.forward(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):

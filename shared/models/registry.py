@@ -23,6 +23,8 @@ class Arch:
     text_prefix: str = ""         # weights live under this prefix (multimodal checkpoints' text part)
     sub_config: str = ""          # the text model's fields live under this key of config.json
     mla: bool = False             # multi-head latent attention: config read by shared/models/mla_config.py
+    dense_act: bool = False       # every MLP is the dense one, which takes any `hidden_act` (else SiLU only)
+    mlp_bias: bool = False        # reads config.json's `mlp_bias` (Llama; the others have none)
 
     def model_class(self):
         module, name = self.model.split(":")
@@ -31,10 +33,10 @@ class Arch:
 
 _LLAMA = "edgecore.shared.models.llama:LlamaForCausalLM"
 ARCHITECTURES: dict[str, Arch] = {
-    "LlamaForCausalLM": Arch(_LLAMA),
-    "MistralForCausalLM": Arch(_LLAMA),
-    "Qwen2ForCausalLM": Arch(_LLAMA, qkv_bias=True),
-    "Qwen3ForCausalLM": Arch(_LLAMA, qk_norm=True),
+    "LlamaForCausalLM": Arch(_LLAMA, dense_act=True, mlp_bias=True),
+    "MistralForCausalLM": Arch(_LLAMA, dense_act=True),
+    "Qwen2ForCausalLM": Arch(_LLAMA, qkv_bias=True, dense_act=True),
+    "Qwen3ForCausalLM": Arch(_LLAMA, qk_norm=True, dense_act=True),
     "MixtralForCausalLM": Arch("edgecore.shared.models.mixtral:MixtralForCausalLM", MixtralParams),
     "Qwen3MoeForCausalLM": Arch("edgecore.shared.models.qwen3_moe:Qwen3MoeForCausalLM", Qwen3MoeParams,
                                 qk_norm=True),

@@ -16,8 +16,10 @@ BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_
 
 @pytest.mark.parametrize("change, field", [
     ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling.rope_type"),
+    ({"hidden_act": "tanh"}, "hidden_act"),
+    ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2,
+      "hidden_act": "gelu"}, "hidden_act"),       # experts are SiLU
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling.rope_type"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
     ({"rope_scaling": {"type": "linear", "factor": -2}}, "rope_scaling.factor"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "original_max_position_embeddings"),
@@ -42,6 +44,19 @@ def test_unsupported_values_name_the_field(change, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as info:
         ModelConfig.from_dict({**BASE, **change})
     assert "\n" not in str(info.value)
+
+
+def test_dynamic_rope_is_served_up_to_the_trained_length_only(model_dir, tmp_path):
+    from edgecore.shared.config import EngineConfig
+    from edgecore.shared.engine.engine import LLMEngine
+    shutil.copytree(model_dir, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    assert LLMEngine.from_dir(tmp_path / "m", "fp32", "cpu").max_model_len == cfg["max_position_embeddings"]
+    with pytest.raises(ConfigError, match="dynamic NTK"):
+        LLMEngine.from_dir(tmp_path / "m", "fp32", "cpu",
+                           engine_config=EngineConfig(max_model_len=2 * cfg["max_position_embeddings"]))
 
 
 def test_published_llama4_text_config_reads():
