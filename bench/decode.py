@@ -25,6 +25,8 @@ interpreter work put between two matmuls), for the weight as stored ([out, in], 
 of 300 passes per setting, interleaved over 5 rounds (best round). Shows whether a step's matmuls find their
 weights in cache: a gap that touches no memory still slows the next matmul where caches are shared or the
 virtual CPU moves.
+`--floor`: the engine's batch-1 step against the fewest eager torch operators that compute it
+(bench/decode_floor.py), interleaved rounds: how much of a step is the engine's own work.
 """
 
 from __future__ import annotations
@@ -260,6 +262,8 @@ def main():
                     help="profile decode steps at this batch size and group their time (no comparison)")
     ap.add_argument("--idle-gaps", action="store_true",
                     help="batch-1 matmul time of the bundled model's weights back to back and with idle gaps")
+    ap.add_argument("--floor", action="store_true",
+                    help="batch-1 engine step against a hand-written eager step of the same model (bench/decode_floor.py)")
     ap.add_argument("--penalties", action="store_true",
                     help="throughput with penalties and logit_bias against without (same run, no transformers)")
     ap.add_argument("--batches", default="1,8,32,64")
@@ -280,6 +284,11 @@ def main():
         emit("decode_penalties", "min_ratio_with_penalties", min(r["ratio"] for r in rows), target=0.9, rows=rows,
              penalties={k: v for k, v in PENALTIES.items() if k != "logit_bias"}, logit_bias_entries=16,
              prompt_tokens=args.prompt_len, new_tokens=args.new_tokens, threads=torch.get_num_threads())
+        return
+    if args.floor:
+        from decode_floor import run as floor
+        r = floor(args.prompt_len, args.new_tokens, max(args.repeats, 5))
+        emit("decode_floor", "engine_over_eager_floor_batch1", r["engine_over_floor"], **r)
         return
     if args.idle_gaps:
         r = bench_idle_gaps()
