@@ -41,6 +41,7 @@ from edgecore.shared.env import cpu_pack_enabled
 from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.malloc import retain_freed_memory
 from edgecore.shared.models.attention import AttentionMetadata, DecodeWindow, PrefillChunk
+from edgecore.shared.models.flat_decode import FlatDecoder
 from edgecore.shared.models.layers import pack_for_cpu, weight_bytes
 
 SINGLE_THREAD_BELOW = 16    # tokens: smaller steps run on one thread (0: never) ...
@@ -81,6 +82,8 @@ class ModelRunner:
             retain_freed_memory()      # activations reuse heap pages instead of faulting in new ones
             if cpu_pack_enabled():
                 pack_for_cpu(model)    # weights are final from here on
+        # Few-row pure decode steps of a plain Llama-family model skip its module tree (flat_decode.py).
+        self.flat = FlatDecoder.for_model(model) if self.device == "cpu" else None
         self.single_thread_below = SINGLE_THREAD_BELOW if weight_bytes(model) <= SINGLE_THREAD_MAX_WEIGHTS else 0
 
     def prepare(self, items: list[tuple[Sequence, int]], on_layer: Callable[[int], None] | None = None):
@@ -207,7 +210,11 @@ class ModelRunner:
 
     def _compute(self, ordered, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
                  ) -> tuple[list[Sequence], SampleResult | None]:
-        hidden = self.model(ids, positions, meta)
+        flat = self.flat
+        if flat is not None and flat.takes(meta, ids.shape[0]):
+            hidden = flat.forward(ids, positions, meta)
+        else:
+            hidden = self.model(ids, positions, meta)
         if prompt_logprobs.wanted(ordered):
             prompt_logprobs.record(self.model, hidden, ordered)
         rows, samplers = sampling_rows(ordered)

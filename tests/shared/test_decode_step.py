@@ -132,6 +132,13 @@ def test_small_steps_run_on_one_thread_and_restore_the_count(monkeypatch):
         return forward(ids, *args, **kwargs)
 
     monkeypatch.setattr(engine.runner.model, "forward", recording)
+    flat_forward = engine.runner.flat.forward      # decode steps of the bundled model run flat
+
+    def recording_flat(ids, *args):
+        seen.append((ids.shape[0], torch.get_num_threads()))
+        return flat_forward(ids, *args)
+
+    monkeypatch.setattr(engine.runner.flat, "forward", recording_flat)
     torch.set_num_threads(2)
     engine.generate([list(range(5, 5 + model_runner.SINGLE_THREAD_BELOW))],
                     SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))

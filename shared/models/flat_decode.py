@@ -1,0 +1,105 @@
+"""`FlatDecoder`: a few-row step of a plain Llama-family model with its module tree flattened.
+
+Life cycle: `ModelRunner` asks `FlatDecoder.for_model(model)` once, after the weights are packed (they
+are final from then on). It returns None unless every layer is the base `Attention` + `MLP` of
+llama.py, on one rank, with every projection holding the input-major copy that few-row matmuls read
+(`_Matmul.transposed`: small float32 weights). Otherwise each step of fewer than `PACKED_FROM_ROWS`
+tokens with no prefill chunk (a pure decode step: batch-1 serving is one) runs `forward` instead of the
+model's, with the same operators in the same order (`paged_attention`, RMSNorm's float32 form, RoPE,
+the activation), so the hidden states are the model's bit for bit (tests/shared/test_flat_decode.py).
+
+Why: at one row the arithmetic of a small model is less than the interpreter's work around it. A
+step through the module tree (attribute lookups of submodules and parameters, each projection's
+choice of layout, optional norms and biases checked per call) cost the bundled model 1.56–1.64× a
+hand-written eager step over the same weights (`bench/decode.py --floor`); here every per-layer
+tensor and flag is looked up once, at build time, into a tuple.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edgecore.shared.models.attention import AttentionMetadata, paged_attention
+from edgecore.shared.models.layers import PACKED_FROM_ROWS
+from edgecore.shared.models.rope import apply_rope
+from edgecore.shared.parallel import tensor_parallel
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """llama.RMSNorm's float32 arithmetic, op for op."""
+    return (x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(weight)
+
+
+def _column(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A column-parallel projection on one rank: the bias inside the matmul, as `_Matmul.matmul`."""
+    return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+
+
+def _row(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A row-parallel projection on one rank: the bias after the (here trivial) reduce, as RowParallelLinear."""
+    y = torch.mm(x, wt)
+    return y if bias is None else y + bias
+
+
+class FlatDecoder:
+    MAX_ROWS = PACKED_FROM_ROWS     # from this many rows the packed weights are faster: the model's path
+
+    def __init__(self, model):
+        self.model = model
+        self.embed = model.model.embed_tokens.weight
+        self.layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = hasattr(attn, "q_norm")
+            q_norm = (attn.q_norm.weight, attn.q_norm.eps) if norms else None
+            k_norm = (attn.k_norm.weight, attn.k_norm.eps) if norms else None
+            self.layers.append((
+                layer.input_layernorm.weight, layer.input_layernorm.eps,
+                attn.qkv_proj.transposed, attn.qkv_proj.bias, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                q_norm, k_norm, attn.layer, attn.scale, attn.form, attn.sinks,
+                attn.o_proj.transposed, attn.o_proj.bias,
+                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
+                mlp.gate_up_proj.transposed, mlp.gate_up_proj.bias, mlp.act,
+                mlp.down_proj.transposed, mlp.down_proj.bias))
+
+    @classmethod
+    def for_model(cls, model) -> "FlatDecoder | None":
+        from edgecore.shared.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+        if not isinstance(model, LlamaForCausalLM) or tensor_parallel().size != 1:
+            return None
+        if type(model).forward is not LlamaForCausalLM.forward or \
+                len(model.model.layer_ids) != model.config.num_hidden_layers:
+            return None             # a family with its own step, or a pipeline stage
+        for layer in model.model.layers:
+            if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or \
+                    type(layer.mlp) is not MLP:
+                return None
+            projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj)
+            if any(p.transposed is None or p.plain_below < cls.MAX_ROWS for p in projections):
+                return None         # not float32 with small weights: the packed or plain layout is used
+            if layer.input_layernorm.weight.dtype != torch.float32:
+                return None
+        return cls(model)
+
+    def takes(self, meta: AttentionMetadata, rows: int) -> bool:
+        """A pure decode step of few rows."""
+        return rows < self.MAX_ROWS and not meta.prefills and meta.num_decode == rows
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = input_ids.shape[0]
+        x = torch.nn.functional.embedding(input_ids, self.embed)
+        cos, sin = self.model.rope_inputs(positions, x.dtype)
+        for (n1, e1, qkv_t, qkv_b, heads, kvh, d, q_norm, k_norm, index, scale, form, sinks, o_t, o_b,
+             n2, e2, gu_t, gu_b, act, down_t, down_b) in self.layers:
+            qkv = _column(_norm(x, n1, e1), qkv_t, qkv_b).view(t, heads + 2 * kvh, d)
+            if q_norm is None:
+                qk = qkv[:, :heads + kvh]
+            else:
+                qk = torch.cat([_norm(qkv[:, :heads], *q_norm), _norm(qkv[:, heads:heads + kvh], *k_norm)], 1)
+            qk = apply_rope(qk, cos, sin)
+            o = paged_attention(qk[:, :heads], qk[:, heads:], qkv[:, heads + kvh:], index, meta, scale, form, sinks)
+            x = x + _row(o.reshape(t, heads * d), o_t, o_b)
+            gate, up = _column(_norm(x, n2, e2), gu_t, gu_b).chunk(2, dim=-1)
+            x = x + _row(act(gate) * up, down_t, down_b)
+        return x

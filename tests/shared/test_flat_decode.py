@@ -1,0 +1,88 @@
+"""FlatDecoder: few-row pure decode steps give the model's hidden states bit for bit, and only plain
+Llama-family models on one rank, float32, take it."""
+
+import pytest
+import torch
+
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.engine.sequence import Sequence
+from edgecore.shared.models.flat_decode import FlatDecoder
+from tests.conftest import make_engine
+from tests.helpers import random_hf_checkpoint
+
+pytest.importorskip("transformers")
+
+CONFIGS = {
+    "llama-every-option": ("llama", {"attention_bias": True, "mlp_bias": True, "hidden_act": "gelu_new",
+                                     "tie_word_embeddings": True, "head_dim": 24}),
+    "qwen3-qk-norm": ("qwen3", {}),
+    "qwen2-bias": ("qwen2", {}),
+    "mistral-sliding-8": ("mistral", {"sliding_window": 8}),
+}
+
+
+def decode_steps_equal(engine, lengths: list[int], steps: int) -> int:
+    """Prefill sequences of `lengths` tokens, then decode `steps` steps of all of them at once, each step's
+    hidden states through the model and through the flat decoder; returns the steps compared."""
+    flat = engine.runner.flat
+    gen = torch.Generator().manual_seed(0)
+    seqs = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(2, engine.config.vocab_size, (n + steps,), generator=gen).tolist()
+        seq = Sequence(f"s{i}", ids, SamplingParams(max_tokens=1))
+        engine.block_manager.allocate_prompt(seq.table, ids, len(ids))
+        seqs.append(seq)
+    compared = 0
+    with torch.inference_mode():
+        for seq, n in zip(seqs, lengths):
+            _, ids, pos, meta = engine.runner.prepare([(seq, n)])
+            engine.model(ids, pos, meta)
+            seq.num_computed_tokens += n
+        for _ in range(steps):
+            items = [(s, 1) for s in seqs]
+            _, ids, pos, meta = engine.runner.prepare(items)
+            assert flat.takes(meta, ids.shape[0])
+            ref = engine.model(ids, pos, meta)
+            _, ids, pos, meta = engine.runner.prepare(items)
+            got = flat.forward(ids, pos, meta)
+            assert torch.equal(got, ref)
+            compared += 1
+            for s in seqs:
+                s.num_computed_tokens += 1
+    for s in seqs:
+        engine.block_manager.free_table(s.table)
+    return compared
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_flat_steps_equal_the_models(tmp_path, name):
+    arch, overrides = CONFIGS[name]
+    path, _ = random_hf_checkpoint(tmp_path, arch, **overrides)
+    engine = make_engine(path, block_size=4, num_blocks=64)
+    assert engine.runner.flat is not None
+    assert decode_steps_equal(engine, [13], 12) == 12            # one row: consecutive blocks, views
+    assert decode_steps_equal(engine, [5, 17, 9], 6) == 6         # rows of different lengths: gather + mask
+
+
+def test_bundled_model_takes_it_and_generates_the_same(model_dir):
+    engine = make_engine(model_dir)
+    assert engine.runner.flat is not None
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    prompt = list(range(5, 60))
+    flat = engine.generate([prompt], params)[0]
+    engine = make_engine(model_dir)       # a fresh one: a prefix-cache hit would change the prefill's arithmetic
+    engine.runner.flat = None
+    plain = engine.generate([prompt], params)[0]
+    assert flat["token_ids"] == plain["token_ids"] and flat["logprobs"] == plain["logprobs"]
+
+
+def test_only_plain_float32_llama_models_on_one_rank_take_it(tmp_path, model_dir, monkeypatch):
+    path, _ = random_hf_checkpoint(tmp_path / "moe", "mixtral", num_local_experts=4, num_experts_per_tok=2)
+    assert make_engine(path).runner.flat is None                  # MoE layers: the model's own step
+    from edgecore.shared.engine.engine import LLMEngine
+    assert LLMEngine.from_dir(model_dir, "bf16", "cpu").runner.flat is None     # no input-major copies
+    monkeypatch.setenv("EDGECORE_CPU_PACK", "0")
+    assert make_engine(model_dir).runner.flat is None             # unpacked: F.linear on the stored layout
+    engine = make_engine(model_dir)
+    monkeypatch.setattr("edgecore.shared.models.flat_decode.tensor_parallel", lambda: type("TP", (), {"size": 2}))
+    assert FlatDecoder.for_model(engine.model) is None
