@@ -71,6 +71,7 @@ class HFConfig(msgspec.Struct, frozen=True):
     pretraining_tp: Literal[1] | None = 1
     sliding_window: PosInt | None = None
     use_sliding_window: bool | None = None
+    max_window_layers: Annotated[int, msgspec.Meta(ge=0)] | None = None     # Qwen2: layers from here slide
     layer_types: list[LayerType] | None = None
     attention_chunk_size: PosInt | None = None
     bos_token_id: int | None = None
@@ -264,6 +265,8 @@ def _layer_attention(hf: HFConfig, params: Any, source: str) -> tuple[LayerAtten
         return tuple(LayerAttention("chunked", hf.attention_chunk_size) if rope else FULL
                      for rope in params.uses_rope(n))
     if window is not None and hf.use_sliding_window is not False:
+        if hf.use_sliding_window and hf.max_window_layers is not None:   # Qwen2 before `layer_types`
+            return tuple(FULL if i < hf.max_window_layers else LayerAttention("sliding", window) for i in range(n))
         return (LayerAttention("sliding", window),) * n
     return (FULL,) * n
 

@@ -47,6 +47,19 @@ def compare(engine, hf, ids, prefill_len):
     return (ours - ref).abs().max().item()
 
 
+def test_qwen2_sliding_layers_from_max_window_layers_without_layer_types(tmp_path):
+    """Checkpoints saved before `layer_types` existed name the sliding layers by `max_window_layers`."""
+    import json
+    path, hf = random_hf_checkpoint(tmp_path, "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg.pop("layer_types") == ["full_attention", "sliding_attention"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    engine = make_engine(path, block_size=4, num_blocks=64)
+    assert [a.kind for a in engine.config.layer_attention] == ["full", "sliding"]
+    ids = torch.randint(2, 257, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert compare(engine, hf, ids, prefill_len=30) <= 1e-4
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_random_config_logits_match(tmp_path, name):
     arch, overrides = CONFIGS[name]
