@@ -21,7 +21,7 @@ from torch import nn
 from edgecore.shared.config import ModelConfig
 from edgecore.shared.models.attention import paged_attention
 from edgecore.shared.models.llama import MLP, Attention, LlamaForCausalLM
-from edgecore.shared.models.moe import FusedExperts
+from edgecore.shared.models.moe import FusedExperts, act_and_mul
 from edgecore.shared.models.rope import apply_rope_pairs, rope_cos_sin
 
 STACKED = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
@@ -66,7 +66,8 @@ class Llama4MoE(nn.Module):
         super().__init__()
         p = config.params
         self.router = nn.Linear(config.hidden_size, p.num_local_experts, bias=False)
-        self.experts = FusedExperts(p.num_local_experts, config.hidden_size, config.intermediate_size)
+        self.experts = FusedExperts(p.num_local_experts, config.hidden_size, config.intermediate_size,
+                                    act=act_and_mul(config.hidden_act))
         self.shared_expert = MLP(config)
         self.top_k = p.num_experts_per_tok
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from edgecore.shared.config import ModelConfig
 from edgecore.shared.models.llama import LlamaForCausalLM
-from edgecore.shared.models.moe import FusedExperts, softmax_topk
+from edgecore.shared.models.moe import FusedExperts, act_and_mul, softmax_topk
 
 EXPERT = re.compile(r"^(model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 
@@ -26,10 +26,11 @@ EXPERT = re.compile(r"^(model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.
 class SparseMoE(nn.Module):
     """Router (a replicated [E, H] linear) + experts; forward x [T, H] → [T, H]."""
 
-    def __init__(self, hidden: int, experts: int, intermediate: int, top_k: int, renormalize: bool):
+    def __init__(self, hidden: int, experts: int, intermediate: int, top_k: int, renormalize: bool,
+                 hidden_act: str = "silu"):
         super().__init__()
         self.gate = nn.Linear(hidden, experts, bias=False)
-        self.experts = FusedExperts(experts, hidden, intermediate)
+        self.experts = FusedExperts(experts, hidden, intermediate, act=act_and_mul(hidden_act))
         self.top_k, self.renormalize = top_k, renormalize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,7 +46,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
         p = config.params
         return SparseMoE(config.hidden_size, p.num_local_experts, config.intermediate_size, p.num_experts_per_tok,
-                         renormalize=True)
+                         renormalize=True, hidden_act=config.hidden_act)
 
     def num_experts(self) -> int:
         return self.config.params.num_local_experts

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgecore.shared.models.activation import ACTIVATIONS
 from edgecore.shared.parallel import all_reduce, tensor_parallel
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]      # (gate, up) -> hidden
@@ -34,6 +35,14 @@ Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]      # (gate, 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+def act_and_mul(hidden_act: str) -> Activation:
+    """The experts' (gate, up) -> act(gate) * up for a config's `hidden_act`."""
+    if hidden_act in ("silu", "swish"):
+        return silu_and_mul
+    act = ACTIVATIONS[hidden_act]
+    return lambda gate, up: act(gate) * up
 
 
 def _read(source) -> torch.Tensor:

@@ -24,7 +24,7 @@ class Qwen3MoeForCausalLM(MixtralForCausalLM):
         if not p.is_sparse(layer):
             return MLP(config)
         return SparseMoE(config.hidden_size, p.experts, p.moe_intermediate_size, p.num_experts_per_tok,
-                         renormalize=p.norm_topk_prob)
+                         renormalize=p.norm_topk_prob, hidden_act=config.hidden_act)
 
     def num_experts(self) -> int:
         return self.config.params.experts
