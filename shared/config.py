@@ -27,8 +27,10 @@ PosFloat = Annotated[float, msgspec.Meta(gt=0)]
 # "dynamic" (dynamic NTK) is the default rotation up to max_position_embeddings, the only span served
 # with it (transformers rescales beyond that length alone).
 RopeType = Literal["default", "linear", "llama3", "yarn", "dynamic"]
-# transformers' ACT2FN names the dense MLPs take (shared/models/activation.py); MoE experts are SiLU.
-HiddenAct = Literal["silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "relu", "quick_gelu"]
+# transformers' ACT2FN names the MLPs and experts take (shared/models/activation.py); gpt-oss is SiLU only.
+HiddenAct = Literal["silu", "swish", "gelu", "gelu_python", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new",
+                    "gelu_accurate", "gelu_fast", "gelu_10", "quick_gelu", "relu", "relu2", "relu6", "leaky_relu",
+                    "sigmoid", "tanh", "mish", "hardswish", "linear"]
 LayerType = Literal["full_attention", "sliding_attention", "chunked_attention"]
 
 
@@ -68,9 +70,10 @@ class HFConfig(msgspec.Struct, frozen=True):
     attention_bias: bool = False
     mlp_bias: bool = False
     hidden_act: HiddenAct = "silu"
-    pretraining_tp: Literal[1] | None = 1
-    sliding_window: PosInt | None = None
-    use_sliding_window: bool | None = None
+    pretraining_tp: PosInt | None = 1         # transformers computes the same with any value
+    original_max_position_embeddings: PosInt | None = None    # Phi-3 style, outside the RoPE dict
+    sliding_window: PosInt | None | msgspec.UnsetType = msgspec.UNSET    # absent: the family's default
+    use_sliding_window: bool = False
     max_window_layers: Annotated[int, msgspec.Meta(ge=0)] | None = None     # Qwen2: layers from here slide
     layer_types: list[LayerType] | None = None
     attention_chunk_size: PosInt | None = None
@@ -229,46 +232,68 @@ def _rope(hf: HFConfig, source: str) -> tuple[float, RopeScaling]:
     params = hf.rope_scaling or hf.rope_parameters or RopeParams()
     theta = hf.rope_theta or params.rope_theta or (hf.rope_parameters.rope_theta if hf.rope_parameters else None)
     kind = params.rope_type
-    if kind in ("linear", "llama3", "yarn") and params.factor is None:
+    if kind in ("linear", "llama3") and params.factor is None:
         raise ConfigError(f"{source}: field 'rope_scaling.factor' is required for rope_type '{kind}'")
+    # As transformers' standardize_rope_params: a top-level original_max_position_embeddings (Phi-3 style) wins,
+    # then the RoPE dict's, then max_position_embeddings; YaRN without a factor scales to max_position_embeddings.
     original = params.original_max_position_embeddings
-    if kind == "yarn" and original is None:
-        raise ConfigError(f"{source}: field 'rope_scaling.original_max_position_embeddings' is required for yarn")
+    if kind in ("llama3", "yarn"):
+        original = hf.original_max_position_embeddings or original or hf.max_position_embeddings
+    factor = params.factor
+    if factor is None:
+        factor = hf.max_position_embeddings / original if kind == "yarn" else 1.0
     return float(theta or 10000.0), RopeScaling(
-        rope_type=kind, factor=params.factor or 1.0, low_freq_factor=params.low_freq_factor,
+        rope_type=kind, factor=factor, low_freq_factor=params.low_freq_factor,
         high_freq_factor=params.high_freq_factor, original_max_position_embeddings=original or 8192,
         beta_fast=params.beta_fast or 32.0, beta_slow=params.beta_slow or 1.0,
         attention_factor=params.attention_factor, mscale=params.mscale, mscale_all_dim=params.mscale_all_dim,
         truncate=params.truncate)
 
 
-def _layer_attention(hf: HFConfig, params: Any, source: str) -> tuple[LayerAttention, ...]:
+def _layer_attention(hf: HFConfig, spec, params: Any, source: str) -> tuple[LayerAttention, ...]:
+    """Each layer's attention form by the family's rule (`Arch.windows`), as transformers reads the config:
+    - "none" (Llama, DeepSeek): full attention, whatever window fields the config carries;
+    - "all" (Mistral, Mixtral): `sliding_window` on every layer (`use_sliding_window`, `layer_types` ignored);
+    - "qwen" (Qwen2, Qwen3): a window only with `use_sliding_window`; `layer_types`, else the layers from
+      `max_window_layers` on (default 28) slide;
+    - "qwen_moe" (Qwen3-MoE): with `use_sliding_window`, every layer slides;
+    - "alternating" (gpt-oss): `layer_types`, else sliding and full layers alternate, sliding first;
+    - "chunked" (Llama 4): `layer_types`, else chunked layers where RoPE is used (`attention_chunk_size`).
+    An absent `sliding_window` is the family's default (`Arch.window_default`); a window as long as the
+    context is full attention."""
     n = hf.num_hidden_layers
     if params is not None and hasattr(params, "uses_rope") and len(params.uses_rope(n)) != n:
         raise ConfigError(f"{source}: field 'no_rope_layers' needs one entry per layer ({n})")
-    window = hf.sliding_window
+    rule = spec.windows
+    window = spec.window_default if hf.sliding_window is msgspec.UNSET else hf.sliding_window
+    if rule in ("none", "chunked") or (rule in ("qwen", "qwen_moe") and not hf.use_sliding_window):
+        window = None
     if window is not None and window >= hf.max_position_embeddings:
-        window = None                  # a window as long as the context is full attention
-    if hf.layer_types is not None:
-        if len(hf.layer_types) != n:
-            raise ConfigError(f"{source}: field 'layer_types' has {len(hf.layer_types)} entries, "
-                              f"num_hidden_layers is {n}")
-        out = []
-        for i, kind in enumerate(hf.layer_types):
-            size = {"full_attention": 0, "sliding_attention": window, "chunked_attention": hf.attention_chunk_size}[kind]
-            if size is None:
-                field_name = "sliding_window" if kind == "sliding_attention" else "attention_chunk_size"
-                raise ConfigError(f"{source}: field 'layer_types[{i}]' = {kind!r} needs '{field_name}'")
-            out.append(FULL if size == 0 else LayerAttention(kind.split("_")[0], size))
-        return tuple(out)
-    if params is not None and hasattr(params, "uses_rope") and hf.attention_chunk_size:
-        return tuple(LayerAttention("chunked", hf.attention_chunk_size) if rope else FULL
-                     for rope in params.uses_rope(n))
-    if window is not None and hf.use_sliding_window is not False:
-        if hf.use_sliding_window and hf.max_window_layers is not None:   # Qwen2 before `layer_types`
-            return tuple(FULL if i < hf.max_window_layers else LayerAttention("sliding", window) for i in range(n))
-        return (LayerAttention("sliding", window),) * n
-    return (FULL,) * n
+        window = None
+    if rule in ("all", "qwen_moe", "none"):
+        return (FULL if window is None else LayerAttention("sliding", window),) * n
+    types = hf.layer_types
+    if types is None and rule == "qwen":
+        start = 28 if hf.max_window_layers is None else hf.max_window_layers
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(n)]
+    elif types is None and rule == "alternating":
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    if types is None:           # "chunked" without layer_types
+        if params is not None and hasattr(params, "uses_rope") and hf.attention_chunk_size:
+            return tuple(LayerAttention("chunked", hf.attention_chunk_size) if rope else FULL
+                         for rope in params.uses_rope(n))
+        return (FULL,) * n
+    if len(types) != n:
+        raise ConfigError(f"{source}: field 'layer_types' has {len(types)} entries, num_hidden_layers is {n}")
+    out = []
+    for i, kind in enumerate(types):
+        if kind == "chunked_attention":
+            if hf.attention_chunk_size is None:
+                raise ConfigError(f"{source}: field 'layer_types[{i}]' = {kind!r} needs 'attention_chunk_size'")
+            out.append(LayerAttention("chunked", hf.attention_chunk_size))
+        else:           # a sliding layer without a window attends to everything, as in transformers
+            out.append(LayerAttention("sliding", window) if kind == "sliding_attention" and window else FULL)
+    return tuple(out)
 
 
 def _build(arch: str, spec, hf: HFConfig, params: Any, generation: dict, source: str,
@@ -284,11 +309,11 @@ def _build(arch: str, spec, hf: HFConfig, params: Any, generation: dict, source:
     if hf.intermediate_size is None:
         raise ConfigError(f"{source}: missing field 'intermediate_size'")
     theta, rope = _rope(hf, source)
-    if hf.hidden_act not in ("silu", "swish") and not spec.dense_act:
+    if hf.hidden_act not in ("silu", "swish") and spec.silu_only:
         raise ConfigError(f"{source}: field 'hidden_act' = {hf.hidden_act!r}: {arch} is served with 'silu' only")
     if rope.rope_type == "dynamic" and spec.mla:
         raise ConfigError(f"{source}: rope_type 'dynamic' is not supported for {arch}")
-    layers = _layer_attention(hf, params, source)
+    layers = _layer_attention(hf, spec, params, source)
     windows = {a.size for a in layers if a.kind == "sliding"}
     qkv_bias = spec.qkv_bias if spec.qkv_bias is not None else hf.attention_bias
     eos = generation.get("eos_token_id", hf.eos_token_id)

@@ -3,14 +3,15 @@
 
 Life cycle: as `LlamaForCausalLM`, whose decoder layer, dense MLP, forward, logits and loading it reuses
 through the hooks: `make_attention` builds an `MLAttention`, `make_mlp` a dense `MLP` on the first
-`first_k_dense_replace` layers (and those off `moe_layer_freq`) and a `MoE` on the others, `rope_tables`
+`first_k_dense_replace` layers and a `MoE` on the others (V2's dense MLPs with `mlp_bias`), `rope_tables`
 the half-width YaRN tables of the rotary part, and the routed experts (`mlp.experts.E.{gate,up,down}_proj`)
 load one matrix at a time into `FusedExperts` through the expert loading Qwen3-MoE uses (`mixtral.py`).
 
-Routing: the router scores experts (V3: sigmoid, plus `e_score_correction_bias` for the choice
-only; V2: softmax), limits the choice to the `topk_group` best of `n_group` expert groups, takes the top
-`num_experts_per_tok`, optionally renormalises (`norm_topk_prob`) and scales by `routed_scaling_factor`;
-the shared experts run on every token.
+Routing, as transformers' routers (the reference; DeepSeek's own code differs in the corner cases noted):
+the router scores experts (V3: sigmoid, plus `e_score_correction_bias` for the choice only; V2: softmax),
+limits the choice to the `topk_group` best of `n_group` expert groups, takes the top `num_experts_per_tok`,
+renormalises them with `norm_topk_prob` on V3 only (even one expert; DeepSeek's code skips one, and V2's
+honoured the flag) and scales by `routed_scaling_factor`; the shared experts run on every token.
 
 Loading: published fp8 checkpoints (`quantization_config`, block-scaled float8_e4m3fn linear weights) are
 dequantized tensor by tensor as they stream in (`fp8.py`); multi-token-prediction layers (`num_nextn_predict_layers`,
@@ -32,7 +33,7 @@ from edgecore.shared.models.llama import MLP
 from edgecore.shared.models.mixtral import MixtralForCausalLM
 from edgecore.shared.models.mla import MLAttention, rope_cos_sin
 from edgecore.shared.models.mla_config import DeepseekConfig
-from edgecore.shared.models.moe import FusedExperts
+from edgecore.shared.models.moe import FusedExperts, act_and_mul
 
 log = logging.getLogger("edgecore.models")
 
@@ -78,7 +79,7 @@ class Router(nn.Module):
             if mask is not None:
                 scores = scores.masked_fill(~mask, 0.0)
             weights, ids = torch.topk(scores, k=mla.num_experts_per_tok, dim=-1, sorted=False)
-        if mla.norm_topk_prob and mla.num_experts_per_tok > 1:
+        if mla.norm_topk_prob and mla.version == 3:      # transformers' V2 router never renormalises
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * mla.routed_scaling_factor, ids
 
@@ -90,7 +91,8 @@ class MoE(nn.Module):
         super().__init__()
         mla, hidden = config.mla, config.hidden_size
         self.gate = Router(mla, hidden)
-        self.experts = FusedExperts(mla.n_routed_experts, hidden, mla.moe_intermediate_size)
+        self.experts = FusedExperts(mla.n_routed_experts, hidden, mla.moe_intermediate_size,
+                                    act=act_and_mul(config.hidden_act))
         shared = (mla.n_shared_experts or 0) * mla.moe_intermediate_size
         self.shared_experts = MLP(config, shared) if shared else None
 

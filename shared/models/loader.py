@@ -9,6 +9,7 @@ naming the file or tensor.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -18,6 +19,8 @@ from edgecore.shared.errors import ConfigError, ModelLoadError
 from edgecore.shared.malloc import retain_freed_memory
 from edgecore.shared.models.registry import ARCHITECTURES
 from edgecore.shared.weights import iter_weights
+
+log = logging.getLogger("edgecore.models")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -56,14 +59,35 @@ def load_model(model_dir: str | Path, dtype="auto", device: str = "cpu",
     model = build_model(config, resolve_dtype(dtype, device), device, layers)
     try:
         from edgecore.shared.pack import is_packed
-        weights = _text_weights(iter_weights(model_dir), ARCHITECTURES[config.architecture].text_prefix)
+        seen: list[str] = []
+        weights = _named(_text_weights(iter_weights(model_dir), ARCHITECTURES[config.architecture].text_prefix), seen)
         used = model.load_weights(weights, threads=2 if is_packed(model_dir) else 0)
     except ValueError as exc:
         raise ModelLoadError(f"{model_dir}: {exc}") from None
     missing = model.expected_weights() - used
     if missing:
         raise ModelLoadError(f"{model_dir}: checkpoint lacks tensor(s) {', '.join(sorted(missing)[:5])}")
+    unused = [n for n in seen if n not in used and not _skipped_on_purpose(n, model, config)]
+    if unused:      # transformers warns likewise: a config that disagrees with its checkpoint shows up here
+        log.warning("%s: %d checkpoint tensor(s) match nothing in %s and are ignored: %s", model_dir, len(unused),
+                    config.architecture, ", ".join(unused[:5]) + (" …" if len(unused) > 5 else ""))
     return model
+
+
+def _named(weights, seen: list[str]):
+    for name, source in weights:
+        seen.append(name)
+        yield name, source
+
+
+def _skipped_on_purpose(name: str, model, config: ModelConfig) -> bool:
+    """Tensors a loader passes over by design: RoPE buffers, a tied LM head's copy, layers of another
+    pipeline stage or beyond the decoder (DeepSeek's multi-token-prediction layers)."""
+    if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
+        return True
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and \
+        int(parts[2]) not in model.model.layer_ids
 
 
 def _text_weights(weights, prefix: str):

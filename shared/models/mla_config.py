@@ -66,8 +66,9 @@ class DeepseekConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
-        return (self.n_routed_experts is not None and layer >= self.first_k_dense_replace
-                and layer % self.moe_layer_freq == 0)
+        """Every layer from `first_k_dense_replace` on, as transformers builds them (`moe_layer_freq`, which
+        DeepSeek's own code also honoured, is not read there; published checkpoints have 1)."""
+        return self.n_routed_experts is not None and layer >= self.first_k_dense_replace
 
     @property
     def sigmoid_routing(self) -> bool:
@@ -106,8 +107,12 @@ def _rope(raw: dict, source: str) -> RopeParams:
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: field 'rope_scaling'/'rope_parameters': {exc}") from None
     if rope.rope_type == "yarn":
-        if rope.original_max_position_embeddings is None:
-            raise ConfigError(f"{source}: YaRN rope needs 'original_max_position_embeddings'")
+        # transformers' standardize_rope_params: a top-level value wins, else the dict's, else max_position_embeddings
+        original = raw.get("original_max_position_embeddings") or rope.original_max_position_embeddings or \
+            raw.get("max_position_embeddings")
+        if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+            raise ConfigError(f"{source}: YaRN rope needs a positive 'original_max_position_embeddings'")
+        rope = msgspec.structs.replace(rope, original_max_position_embeddings=original)
         if rope.factor is None:
             factor = raw.get("max_position_embeddings", 0) / rope.original_max_position_embeddings
             rope = msgspec.structs.replace(rope, factor=float(factor))
@@ -135,8 +140,13 @@ def parse_deepseek(raw: dict, arch: str, source: str = "config.json") -> Deepsee
     fields["version"] = version
     if version == 2:
         fields["rope_interleave"] = True          # V2 rotates interleaved pairs (complex form) always
-    fields.setdefault("scoring_func", "sigmoid" if version == 3 else "softmax")
-    fields.setdefault("topk_method", "noaux_tc" if version == 3 else "greedy")
+    # As transformers routes: V3 always by sigmoid scores with the correction bias (its scoring_func and
+    # topk_method are not read), V2 always by softmax (topk_method greedy or group_limited_greedy).
+    if version == 3:
+        fields["scoring_func"], fields["topk_method"] = "sigmoid", "noaux_tc"
+    else:
+        fields["scoring_func"] = "softmax"
+        fields.setdefault("topk_method", "greedy")
     try:
         cfg = msgspec.convert(fields, DeepseekConfig)
     except msgspec.ValidationError as exc:
@@ -156,8 +166,8 @@ def parse_deepseek(raw: dict, arch: str, source: str = "config.json") -> Deepsee
         if (cfg.topk_group or groups) > groups:
             raise ConfigError(f"{source}: field 'topk_group' = {cfg.topk_group} exceeds n_group = {groups}")
         if cfg.sigmoid_routing != (cfg.topk_method == "noaux_tc"):
-            raise ConfigError(f"{source}: fields 'scoring_func' = {cfg.scoring_func!r} and 'topk_method' = "
-                              f"{cfg.topk_method!r} do not go together (sigmoid needs noaux_tc)")
+            raise ConfigError(f"{source}: field 'topk_method' = {cfg.topk_method!r}: DeepSeek-V2 routes by "
+                              "'greedy' or 'group_limited_greedy'")
     return cfg
 
 

@@ -23,8 +23,10 @@ class Arch:
     text_prefix: str = ""         # weights live under this prefix (multimodal checkpoints' text part)
     sub_config: str = ""          # the text model's fields live under this key of config.json
     mla: bool = False             # multi-head latent attention: config read by shared/models/mla_config.py
-    dense_act: bool = False       # every MLP is the dense one, which takes any `hidden_act` (else SiLU only)
+    silu_only: bool = False       # its experts' activation is fixed (gpt-oss's clamped SwiGLU): `hidden_act` silu
     mlp_bias: bool = False        # reads config.json's `mlp_bias` (Llama; the others have none)
+    windows: str = "none"         # which layers slide, and by which fields (config.py `_layer_attention`)
+    window_default: int | None = None   # transformers' `sliding_window` when config.json has none
 
     def model_class(self):
         module, name = self.model.split(":")
@@ -33,17 +35,21 @@ class Arch:
 
 _LLAMA = "edgecore.shared.models.llama:LlamaForCausalLM"
 ARCHITECTURES: dict[str, Arch] = {
-    "LlamaForCausalLM": Arch(_LLAMA, dense_act=True, mlp_bias=True),
-    "MistralForCausalLM": Arch(_LLAMA, dense_act=True),
-    "Qwen2ForCausalLM": Arch(_LLAMA, qkv_bias=True, dense_act=True),
-    "Qwen3ForCausalLM": Arch(_LLAMA, qk_norm=True, dense_act=True),
-    "MixtralForCausalLM": Arch("edgecore.shared.models.mixtral:MixtralForCausalLM", MixtralParams),
+    "LlamaForCausalLM": Arch(_LLAMA, mlp_bias=True),
+    # transformers builds Mistral's and Mixtral's projections without biases, whatever `attention_bias` says
+    "MistralForCausalLM": Arch(_LLAMA, qkv_bias=False, windows="all", window_default=4096),
+    "Qwen2ForCausalLM": Arch(_LLAMA, qkv_bias=True, windows="qwen", window_default=4096),
+    "Qwen3ForCausalLM": Arch(_LLAMA, qk_norm=True, windows="qwen", window_default=4096),
+    "MixtralForCausalLM": Arch("edgecore.shared.models.mixtral:MixtralForCausalLM", MixtralParams, qkv_bias=False,
+                               windows="all"),
     "Qwen3MoeForCausalLM": Arch("edgecore.shared.models.qwen3_moe:Qwen3MoeForCausalLM", Qwen3MoeParams,
-                                qk_norm=True),
-    "GptOssForCausalLM": Arch("edgecore.shared.models.gpt_oss:GptOssForCausalLM", GptOssParams),
-    "Llama4ForCausalLM": Arch("edgecore.shared.models.llama4:Llama4ForCausalLM", Llama4Params),
+                                qk_norm=True, windows="qwen_moe", window_default=4096),
+    "GptOssForCausalLM": Arch("edgecore.shared.models.gpt_oss:GptOssForCausalLM", GptOssParams,
+                              windows="alternating", window_default=128, silu_only=True),
+    "Llama4ForCausalLM": Arch("edgecore.shared.models.llama4:Llama4ForCausalLM", Llama4Params, windows="chunked"),
     "Llama4ForConditionalGeneration": Arch("edgecore.shared.models.llama4:Llama4ForCausalLM", Llama4Params,
-                                           text_prefix="language_model.", sub_config="text_config"),
-    "DeepseekV2ForCausalLM": Arch("edgecore.shared.models.deepseek:DeepseekForCausalLM", mla=True),
+                                           text_prefix="language_model.", sub_config="text_config",
+                                           windows="chunked"),
+    "DeepseekV2ForCausalLM": Arch("edgecore.shared.models.deepseek:DeepseekForCausalLM", mla=True, mlp_bias=True),
     "DeepseekV3ForCausalLM": Arch("edgecore.shared.models.deepseek:DeepseekForCausalLM", mla=True),
 }

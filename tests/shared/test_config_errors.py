@@ -16,17 +16,18 @@ BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_
 
 @pytest.mark.parametrize("change, field", [
     ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
-    ({"hidden_act": "tanh"}, "hidden_act"),
-    ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2,
-      "hidden_act": "gelu"}, "hidden_act"),       # experts are SiLU
+    ({"hidden_act": "xielu"}, "hidden_act"),
+    ({"architectures": ["GptOssForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2,
+      "hidden_act": "gelu"}, "hidden_act"),       # its experts are a clamped SwiGLU
     ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling.rope_type"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
     ({"rope_scaling": {"type": "linear", "factor": -2}}, "rope_scaling.factor"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "original_max_position_embeddings"),
+    ({"rope_scaling": {"rope_type": "llama3"}}, "rope_scaling.factor"),
     ({"hidden_size": True}, "hidden_size"),
     ({"num_hidden_layers": 2.5}, "num_hidden_layers"),
     ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
-    ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding_window"),
+    ({"architectures": ["Qwen2ForCausalLM"], "layer_types": ["full_attention", "chunked_attention"]},
+     "attention_chunk_size"),
     ({"layer_types": ["full_attention", "banded"]}, r"layer_types\[1\]"),
     ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 0}, "num_experts_per_tok"),
     ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts_per_tok": 2, "moe_intermediate_size": 8},
@@ -138,3 +139,21 @@ def test_fingerprint_is_stable_and_model_specific(tmp_path, model_dir):
     assert a == model_fingerprint(model_dir) and len(a) == 64
     other, _ = random_hf_checkpoint(tmp_path, "llama")
     assert model_fingerprint(other) != a
+
+
+def test_checkpoint_tensors_nothing_reads_are_reported(tmp_path, caplog):
+    """A config that disagrees with its checkpoint (biases it does not declare) loads as transformers loads it,
+    and the ignored tensors are named in one warning rather than dropped silently."""
+    import logging
+    from tests.helpers import random_hf_checkpoint
+    path, _ = random_hf_checkpoint(tmp_path, "llama", attention_bias=True)
+    with caplog.at_level(logging.WARNING, logger="edgecore.models"):
+        load_model(path)
+    assert not [r for r in caplog.records if "match nothing" in r.getMessage()]
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["attention_bias"] = False
+    (path / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level(logging.WARNING, logger="edgecore.models"):
+        load_model(path)
+    (record,) = [r for r in caplog.records if "match nothing" in r.getMessage()]
+    assert "8 checkpoint tensor(s)" in record.getMessage() and "self_attn.q_proj.bias" in record.getMessage()

@@ -100,8 +100,7 @@ def test_config_errors_name_the_field(tmp_path):
         ({"topk_group": 9}, "topk_group"),
         ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
         ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),      # no weight_block_size
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-         "original_max_position_embeddings"),
+        ({"architectures": ["DeepseekV2ForCausalLM"], "topk_method": "noaux_tc"}, "topk_method"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, "rope"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.rope_type"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.rope_type"),

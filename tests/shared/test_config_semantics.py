@@ -1,0 +1,101 @@
+"""Config fields read as transformers reads them, family by family: which layers slide (and with which
+window when the key is absent), RoPE's original length, biases a family does not have, and DeepSeek's
+router. Each case edits a saved checkpoint's config.json the way published checkpoints differ, reloads it
+in transformers, and compares logits (prefill, then teacher-forced decode steps) within 1e-4."""
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import make_engine
+from tests.helpers import random_hf_checkpoint, stepwise_logits
+from tests.shared import moe_checkpoints
+from tests.shared.deepseek_checkpoints import deepseek_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+DROP = object()
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+# name: (builder, arch or config name, build overrides, config.json edits, the layer kinds we must read)
+CASES = {
+    "llama-ignores-sliding-window": ("dense", "llama", {}, {"sliding_window": 8}, "FF"),
+    "mistral-ignores-use-sliding-window": ("dense", "mistral", {"sliding_window": 8},
+                                           {"use_sliding_window": False}, "SS"),
+    "mistral-ignores-attention-bias": ("dense", "mistral", {"sliding_window": None}, {"attention_bias": True}, "FF"),
+    "qwen2-window-needs-use-sliding-window": ("dense", "qwen2", {"sliding_window": 8},
+                                              {"sliding_window": 8, "use_sliding_window": DROP,
+                                               "max_window_layers": DROP, "layer_types": DROP}, "FF"),
+    "qwen3-max-window-layers-defaults-to-28": ("dense", "qwen3", {"use_sliding_window": True, "sliding_window": 8},
+                                               {"max_window_layers": DROP, "layer_types": DROP}, "FF"),
+    "qwen3-moe-slides-every-layer": ("moe", "qwen3_moe", {"use_sliding_window": True, "sliding_window": 8,
+                                                          "max_window_layers": 1}, {}, "SSS"),
+    "gpt-oss-alternates-without-layer-types": ("moe", "gpt_oss", {}, {"layer_types": DROP}, "SFSF"),
+    "llama3-rope-original-defaults-to-max-positions": ("dense", "llama", {"rope_theta": 500000.0,
+                                                                          "rope_scaling": {**LLAMA3}},
+                                                       {"rope_parameters": {**LLAMA3, "rope_theta": 500000.0}},
+                                                       "FF"),
+    "llama3-rope-top-level-original-wins": ("dense", "llama", {"rope_theta": 500000.0, "rope_scaling": {
+        **LLAMA3, "original_max_position_embeddings": 64}}, {"original_max_position_embeddings": 128}, "FF"),
+}
+
+
+def _edit(path, edits: dict) -> None:
+    cfg_path = path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for key, value in edits.items():
+        if value is DROP:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    cfg_path.write_text(json.dumps(cfg))
+
+
+def _compare(path, ids: list[int], prefill: int, hf=None) -> float:
+    """Engine against transformers (`hf`, else the checkpoint reloaded as edited)."""
+    if hf is None:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    engine = make_engine(path, block_size=4, num_blocks=64)
+    ours = stepwise_logits(engine, ids, prefill)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, prefill - 1:]
+    return engine, (ours - ref).abs().max().item()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_config_read_as_transformers_reads_it(tmp_path, name):
+    builder, arch, overrides, edits, kinds = CASES[name]
+    if builder == "dense":
+        path, _ = random_hf_checkpoint(tmp_path, arch, **overrides)
+    else:
+        path, _ = moe_checkpoints.build(tmp_path, arch, **overrides)
+    _edit(path, edits)
+    ids = torch.randint(2, 257, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    engine, err = _compare(path, ids, prefill=30)
+    assert "".join("S" if a.kind == "sliding" else "F" for a in engine.config.layer_attention) == kinds \
+        or not engine.config.layer_attention and set(kinds) == {"F"}
+    assert err <= 1e-4
+
+
+@pytest.mark.parametrize("name, version, overrides", [
+    ("v3-one-expert-renormalised", "v3-qlora-yarn-grouped", {"num_experts_per_tok": 1, "norm_topk_prob": True}),
+    ("v2-never-renormalises", "v2-no-qlora-grouped", {"norm_topk_prob": True}),
+    ("v3-ignores-softmax-scoring", "v3-qlora-yarn-grouped", {"scoring_func": "softmax", "topk_method": "greedy"}),
+    ("v3-ignores-moe-layer-freq", "v3-qlora-yarn-grouped", {"moe_layer_freq": 2, "first_k_dense_replace": 0}),
+])
+def test_deepseek_routing_read_as_transformers_reads_it(tmp_path, name, version, overrides):
+    path, hf = deepseek_checkpoint(tmp_path, version, **overrides)
+    ids = torch.randint(2, 257, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert _compare(path, ids, prefill=30, hf=hf)[1] <= 1e-4
+
+
+def test_deepseek_v2_mlp_bias(tmp_path):
+    path, hf = deepseek_checkpoint(tmp_path, "v2-no-qlora-grouped", mlp_bias=True)
+    with torch.no_grad():          # transformers zero-initialises biases: give them values that matter
+        for pname, p in hf.named_parameters():
+            if pname.endswith("bias") and "mlp" in pname:
+                p.normal_(0, 0.5)
+    hf.save_pretrained(path, safe_serialization=True)
+    ids = torch.randint(2, 257, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert _compare(path, ids, prefill=30, hf=hf)[1] <= 1e-4
