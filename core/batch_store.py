@@ -86,17 +86,18 @@ class BatchStore:
 
     def list_files(self, purpose: str | None = None, after: str | None = None, limit: int = 10000,
                    ascending: bool = False) -> tuple[list[dict], bool]:
-        """A page of files, newest first (or oldest), ordered by (created_at, id); `after`: the id of the
-        previous page's last file (an unknown id starts from the first)."""
-        anchor = self.db.execute("SELECT created_at, id FROM files WHERE id = ?", (after,)).fetchone() \
+        """A page of files, newest first (or oldest) in upload order (created_at, then the row's insertion
+        order within a second); `after`: the id of the previous page's last file (an unknown id starts from
+        the first)."""
+        anchor = self.db.execute("SELECT created_at, rowid FROM files WHERE id = ?", (after,)).fetchone() \
             if after else None
         direction, cmp = ("ASC", ">") if ascending else ("DESC", "<")
         where, args = "(? IS NULL OR purpose = ?)", [purpose, purpose]
         if anchor is not None:
-            where += f" AND (created_at, id) {cmp} (?, ?)"
-            args += [anchor["created_at"], anchor["id"]]
-        rows = self.db.execute(f"SELECT * FROM files WHERE {where} ORDER BY created_at {direction}, id {direction} "
-                               "LIMIT ?", (*args, limit + 1)).fetchall()
+            where += f" AND (created_at, rowid) {cmp} (?, ?)"
+            args += [anchor["created_at"], anchor["rowid"]]
+        rows = self.db.execute(f"SELECT * FROM files WHERE {where} ORDER BY created_at {direction}, "
+                               f"rowid {direction} LIMIT ?", (*args, limit + 1)).fetchall()
         return [file_object(r) for r in rows[:limit]], len(rows) > limit
 
     def delete_file(self, file_id: str) -> bool:

@@ -73,10 +73,10 @@ class HFConfig(msgspec.Struct, frozen=True):
     pretraining_tp: PosInt | None = 1         # transformers computes the same with any value
     original_max_position_embeddings: PosInt | None = None    # Phi-3 style, outside the RoPE dict
     sliding_window: PosInt | None | msgspec.UnsetType = msgspec.UNSET    # absent: the family's default
-    use_sliding_window: bool = False
+    use_sliding_window: bool | None = False     # null reads as false
     max_window_layers: Annotated[int, msgspec.Meta(ge=0)] | None = None     # Qwen2: layers from here slide
     layer_types: list[LayerType] | None = None
-    attention_chunk_size: PosInt | None = None
+    attention_chunk_size: PosInt | None | msgspec.UnsetType = msgspec.UNSET    # absent: 8192 (Llama 4)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str | None = None
@@ -265,6 +265,9 @@ def _layer_attention(hf: HFConfig, spec, params: Any, source: str) -> tuple[Laye
     if params is not None and hasattr(params, "uses_rope") and len(params.uses_rope(n)) != n:
         raise ConfigError(f"{source}: field 'no_rope_layers' needs one entry per layer ({n})")
     rule = spec.windows
+    chunk = hf.attention_chunk_size
+    if chunk is msgspec.UNSET:
+        chunk = 8192 if rule == "chunked" else None     # transformers' Llama4TextConfig default
     window = spec.window_default if hf.sliding_window is msgspec.UNSET else hf.sliding_window
     if rule in ("none", "chunked") or (rule in ("qwen", "qwen_moe") and not hf.use_sliding_window):
         window = None
@@ -279,8 +282,8 @@ def _layer_attention(hf: HFConfig, spec, params: Any, source: str) -> tuple[Laye
     elif types is None and rule == "alternating":
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     if types is None:           # "chunked" without layer_types
-        if params is not None and hasattr(params, "uses_rope") and hf.attention_chunk_size:
-            return tuple(LayerAttention("chunked", hf.attention_chunk_size) if rope else FULL
+        if params is not None and hasattr(params, "uses_rope") and chunk:
+            return tuple(LayerAttention("chunked", chunk) if rope else FULL
                          for rope in params.uses_rope(n))
         return (FULL,) * n
     if len(types) != n:
@@ -288,9 +291,9 @@ def _layer_attention(hf: HFConfig, spec, params: Any, source: str) -> tuple[Laye
     out = []
     for i, kind in enumerate(types):
         if kind == "chunked_attention":
-            if hf.attention_chunk_size is None:
+            if chunk is None:
                 raise ConfigError(f"{source}: field 'layer_types[{i}]' = {kind!r} needs 'attention_chunk_size'")
-            out.append(LayerAttention("chunked", hf.attention_chunk_size))
+            out.append(LayerAttention("chunked", chunk))
         else:           # a sliding layer without a window attends to everything, as in transformers
             out.append(LayerAttention("sliding", window) if kind == "sliding_attention" and window else FULL)
     return tuple(out)

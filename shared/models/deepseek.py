@@ -121,6 +121,11 @@ class DeepseekForCausalLM(MixtralForCausalLM):
     def num_experts(self) -> int:
         return self.config.mla.n_routed_experts
 
+    def expected_weights(self) -> set[str]:
+        """A V3 checkpoint may lack `e_score_correction_bias` (one saved with softmax routing, which
+        transformers' V3 does not read): the router then corrects by zeros, as transformers does."""
+        return {n for n in super().expected_weights() if not n.endswith("e_score_correction_bias")}
+
     def load_weights(self, weights: Iterable[tuple[str, object]], threads: int = 0) -> set[str]:
         weights = self._without_mtp(weights)
         if self.config.mla.fp8_block is not None:

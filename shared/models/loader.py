@@ -81,10 +81,13 @@ def _named(weights, seen: list[str]):
 
 
 def _skipped_on_purpose(name: str, model, config: ModelConfig) -> bool:
-    """Tensors a loader passes over by design: RoPE buffers, a tied LM head's copy, layers of another
-    pipeline stage or beyond the decoder (DeepSeek's multi-token-prediction layers)."""
+    """Tensors a loader passes over by design: RoPE buffers, a tied LM head's copy, fp8 scales (read with
+    their weights), layers of another pipeline stage or beyond the decoder (DeepSeek's multi-token-prediction
+    layers)."""
     if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
         return True
+    if name.endswith("_scale_inv") and config.mla is not None and config.mla.fp8_block is not None:
+        return True             # consumed by the fp8 dequantization before names are matched
     parts = name.split(".")
     return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and \
         int(parts[2]) not in model.model.layer_ids

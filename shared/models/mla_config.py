@@ -132,6 +132,10 @@ def _fp8_block(raw: dict, source: str) -> tuple[int, int] | None:
     return q.weight_block_size[0], q.weight_block_size[1]
 
 
+V3_DEFAULTS = {"n_group": 8, "topk_group": 4, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+               "first_k_dense_replace": 3}
+
+
 def parse_deepseek(raw: dict, arch: str, source: str = "config.json") -> DeepseekConfig:
     """Validate the DeepSeek fields of a config.json; every bad value is a `ConfigError` naming it."""
     version = 2 if arch == "DeepseekV2ForCausalLM" else 3
@@ -144,6 +148,9 @@ def parse_deepseek(raw: dict, arch: str, source: str = "config.json") -> Deepsee
     # topk_method are not read), V2 always by softmax (topk_method greedy or group_limited_greedy).
     if version == 3:
         fields["scoring_func"], fields["topk_method"] = "sigmoid", "noaux_tc"
+        for key, value in V3_DEFAULTS.items():      # transformers' DeepseekV3Config defaults for absent keys
+            if key not in raw:
+                fields[key] = value
     else:
         fields["scoring_func"] = "softmax"
         fields.setdefault("topk_method", "greedy")
@@ -163,6 +170,8 @@ def parse_deepseek(raw: dict, arch: str, source: str = "config.json") -> Deepsee
         groups = cfg.n_group or 1
         if cfg.n_routed_experts % groups:
             raise ConfigError(f"{source}: field 'n_group' = {groups} must divide n_routed_experts")
+        if groups > 1 and cfg.topk_method != "greedy" and cfg.topk_group is None:
+            raise ConfigError(f"{source}: field 'topk_group' is required with n_group = {groups}")
         if (cfg.topk_group or groups) > groups:
             raise ConfigError(f"{source}: field 'topk_group' = {cfg.topk_group} exceeds n_group = {groups}")
         if cfg.sigmoid_routing != (cfg.topk_method == "noaux_tc"):

@@ -99,3 +99,29 @@ def test_deepseek_v2_mlp_bias(tmp_path):
     hf.save_pretrained(path, safe_serialization=True)
     ids = torch.randint(2, 257, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     assert _compare(path, ids, prefill=30, hf=hf)[1] <= 1e-4
+
+
+def test_deepseek_v3_without_correction_bias_routes_with_zeros(tmp_path):
+    """A V3 checkpoint saved with softmax routing has no e_score_correction_bias; transformers' V3 still
+    routes by sigmoid, correcting by zeros."""
+    from safetensors.torch import load_file, save_file
+    path, _ = deepseek_checkpoint(tmp_path, "v3-qlora-yarn-grouped")
+    tensors = {k: v for k, v in load_file(path / "model.safetensors").items() if "e_score_correction_bias" not in k}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    _edit(path, {"scoring_func": "softmax", "topk_method": "greedy"})
+    ids = torch.randint(2, 257, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    assert _compare(path, ids, prefill=30)[1] <= 1e-4
+
+
+def test_deepseek_v3_absent_routing_keys_take_transformers_defaults(tmp_path):
+    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.errors import ConfigError
+    path, _ = deepseek_checkpoint(tmp_path, "v3-qlora-yarn-grouped")
+    raw = json.loads((path / "config.json").read_text())
+    for key in ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "first_k_dense_replace"):
+        raw.pop(key, None)
+    mla = ModelConfig.from_dict(raw).mla
+    assert (mla.n_group, mla.topk_group, mla.norm_topk_prob, mla.routed_scaling_factor,
+            mla.first_k_dense_replace) == (8, 4, True, 2.5, 3)
+    with pytest.raises(ConfigError, match="topk_group"):     # explicit null: transformers' router would fail
+        ModelConfig.from_dict({**raw, "n_group": 4, "topk_group": None})

@@ -115,6 +115,7 @@ def test_fp8_checkpoint_logits_match_transformers(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="edgecore.models"):
         engine = make_engine(path, block_size=16, num_blocks=32)
     assert "multi-token-prediction layer(s) 3" in caplog.text
+    assert "match nothing" not in caplog.text           # the scales are read with their weights
     ids = torch.randint(2, 257, (64,), generator=torch.Generator().manual_seed(5)).tolist()
     ours = stepwise_logits(engine, ids, 40)
     with torch.no_grad():
