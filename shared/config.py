@@ -136,7 +136,7 @@ class ModelConfig:
     o_bias: bool = False
     qk_norm: bool = False
     mlp_bias: bool = False                     # biases on the dense MLP's projections (Llama's mlp_bias)
-    hidden_act: str = "silu"                   # the dense MLP's activation (transformers' name)
+    hidden_act: str = "silu"                   # the MLPs' and experts' activation (transformers' name)
     sliding_window: int | None = None          # the window of the sliding layers, if any
     layer_attention: tuple[LayerAttention, ...] = ()
     params: Any = None                         # the family's own fields (shared/models/params.py)

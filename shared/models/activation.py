@@ -1,4 +1,4 @@
-"""The dense MLP's activations by transformers' `hidden_act` names (config.py's `HiddenAct` lists them).
+"""MLP and expert activations by transformers' `hidden_act` names (config.py's `HiddenAct` lists them).
 
 Each is the formula transformers' ACT2FN applies under that name, on the gate projection before it
 multiplies the up projection.
@@ -16,8 +16,8 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def _gelu_new(x: torch.Tensor) -> torch.Tensor:
-    """transformers' NewGELUActivation, spelled out as it does (the tanh approximation)."""
+def _gelu_tanh_python(x: torch.Tensor) -> torch.Tensor:
+    """The tanh approximation spelled out as transformers does (gelu_new, gelu_python_tanh, gelu_accurate)."""
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
@@ -33,10 +33,6 @@ def _gelu_erf(x: torch.Tensor) -> torch.Tensor:
     return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
 
 
-def _gelu_tanh_python(x: torch.Tensor) -> torch.Tensor:
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-
-
 def _gelu_10(x: torch.Tensor) -> torch.Tensor:
     return torch.clip(F.gelu(x), -10.0, 10.0)
 
@@ -46,7 +42,7 @@ def _relu2(x: torch.Tensor) -> torch.Tensor:
 
 
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_python": _gelu_erf,
-               "gelu_pytorch_tanh": _gelu_tanh, "gelu_python_tanh": _gelu_tanh_python, "gelu_new": _gelu_new,
+               "gelu_pytorch_tanh": _gelu_tanh, "gelu_python_tanh": _gelu_tanh_python, "gelu_new": _gelu_tanh_python,
                "gelu_accurate": _gelu_tanh_python, "gelu_fast": _gelu_fast, "gelu_10": _gelu_10,
                "quick_gelu": _quick_gelu, "relu": F.relu, "relu2": _relu2, "relu6": F.relu6,
                "leaky_relu": F.leaky_relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "mish": F.mish,

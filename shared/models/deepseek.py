@@ -126,6 +126,10 @@ class DeepseekForCausalLM(MixtralForCausalLM):
         transformers' V3 does not read): the router then corrects by zeros, as transformers does."""
         return {n for n in super().expected_weights() if not n.endswith("e_score_correction_bias")}
 
+    def skips(self, name: str) -> bool:
+        """Also fp8 scales: `fp8.dequantized` reads them with their weights before names are matched."""
+        return super().skips(name) or (name.endswith("_scale_inv") and self.config.mla.fp8_block is not None)
+
     def load_weights(self, weights: Iterable[tuple[str, object]], threads: int = 0) -> set[str]:
         weights = self._without_mtp(weights)
         if self.config.mla.fp8_block is not None:

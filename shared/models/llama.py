@@ -260,6 +260,16 @@ class LlamaForCausalLM(nn.Module):
         except ValueError as exc:
             raise ValueError(f"tensor '{name}': {exc}") from None
 
+    def skips(self, name: str) -> bool:
+        """Checkpoint tensors this process passes over by design (the loader reports any other it does not
+        use): RoPE buffers, a tied LM head's copy, layers it does not own (another pipeline stage's, or
+        beyond the decoder)."""
+        if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            return True
+        parts = name.split(".", 3)
+        return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and \
+            int(parts[2]) not in self.model.layer_ids
+
     def _load_weights(self, weights, pool, jobs) -> set[str]:
         params = dict(self.named_parameters(remove_duplicate=False))
         local = {gid: i for i, gid in enumerate(self.model.layer_ids)}
@@ -268,14 +278,10 @@ class LlamaForCausalLM(nn.Module):
             local_name = name
             for ckpt, ours in self.renames:
                 local_name = local_name.replace(ckpt, ours)
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if self.skips(name):
                 continue
             parts = local_name.split(".")
             if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers":
-                if int(parts[2]) not in local:
-                    continue  # another pipeline stage's layer
                 parts[2] = str(local[int(parts[2])])
             target, shard = ".".join(parts), None
             for ckpt, (packed, shard_id) in self.packed.items():

@@ -67,7 +67,7 @@ def load_model(model_dir: str | Path, dtype="auto", device: str = "cpu",
     missing = model.expected_weights() - used
     if missing:
         raise ModelLoadError(f"{model_dir}: checkpoint lacks tensor(s) {', '.join(sorted(missing)[:5])}")
-    unused = [n for n in seen if n not in used and not _skipped_on_purpose(n, model, config)]
+    unused = [n for n in seen if n not in used and not model.skips(n)]
     if unused:      # transformers warns likewise: a config that disagrees with its checkpoint shows up here
         log.warning("%s: %d checkpoint tensor(s) match nothing in %s and are ignored: %s", model_dir, len(unused),
                     config.architecture, ", ".join(unused[:5]) + (" …" if len(unused) > 5 else ""))
@@ -78,19 +78,6 @@ def _named(weights, seen: list[str]):
     for name, source in weights:
         seen.append(name)
         yield name, source
-
-
-def _skipped_on_purpose(name: str, model, config: ModelConfig) -> bool:
-    """Tensors a loader passes over by design: RoPE buffers, a tied LM head's copy, fp8 scales (read with
-    their weights), layers of another pipeline stage or beyond the decoder (DeepSeek's multi-token-prediction
-    layers)."""
-    if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
-        return True
-    if name.endswith("_scale_inv") and config.mla is not None and config.mla.fp8_block is not None:
-        return True             # consumed by the fp8 dequantization before names are matched
-    parts = name.split(".")
-    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and \
-        int(parts[2]) not in model.model.layer_ids
 
 
 def _text_weights(weights, prefix: str):

@@ -48,7 +48,6 @@ class DeepseekConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     n_group: Pos | None = None
     topk_group: Pos | None = None
     topk_method: Literal["greedy", "group_limited_greedy", "noaux_tc"] | None = None
-    scoring_func: Literal["softmax", "sigmoid"] | None = None
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = False
     rope_interleave: bool = True
@@ -72,7 +71,9 @@ class DeepseekConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
     @property
     def sigmoid_routing(self) -> bool:
-        return self.scoring_func == "sigmoid"
+        """V3 scores experts by sigmoid (with the correction bias), V2 by softmax: transformers reads no
+        `scoring_func`."""
+        return self.version == 3
 
     def softmax_scale(self) -> float:
         """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under YaRN (DeepSeek's formula)."""
@@ -147,12 +148,11 @@ def parse_deepseek(raw: dict, arch: str, source: str = "config.json") -> Deepsee
     # As transformers routes: V3 always by sigmoid scores with the correction bias (its scoring_func and
     # topk_method are not read), V2 always by softmax (topk_method greedy or group_limited_greedy).
     if version == 3:
-        fields["scoring_func"], fields["topk_method"] = "sigmoid", "noaux_tc"
+        fields["topk_method"] = "noaux_tc"
         for key, value in V3_DEFAULTS.items():      # transformers' DeepseekV3Config defaults for absent keys
             if key not in raw:
                 fields[key] = value
     else:
-        fields["scoring_func"] = "softmax"
         fields.setdefault("topk_method", "greedy")
     try:
         cfg = msgspec.convert(fields, DeepseekConfig)
@@ -174,7 +174,7 @@ def parse_deepseek(raw: dict, arch: str, source: str = "config.json") -> Deepsee
             raise ConfigError(f"{source}: field 'topk_group' is required with n_group = {groups}")
         if (cfg.topk_group or groups) > groups:
             raise ConfigError(f"{source}: field 'topk_group' = {cfg.topk_group} exceeds n_group = {groups}")
-        if cfg.sigmoid_routing != (cfg.topk_method == "noaux_tc"):
+        if version == 2 and cfg.topk_method == "noaux_tc":
             raise ConfigError(f"{source}: field 'topk_method' = {cfg.topk_method!r}: DeepSeek-V2 routes by "
                               "'greedy' or 'group_limited_greedy'")
     return cfg

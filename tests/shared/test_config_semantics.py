@@ -73,8 +73,7 @@ def test_config_read_as_transformers_reads_it(tmp_path, name):
     _edit(path, edits)
     ids = torch.randint(2, 257, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     engine, err = _compare(path, ids, prefill=30)
-    assert "".join("S" if a.kind == "sliding" else "F" for a in engine.config.layer_attention) == kinds \
-        or not engine.config.layer_attention and set(kinds) == {"F"}
+    assert "".join("S" if a.kind == "sliding" else "F" for a in engine.config.layer_attention) == kinds
     assert err <= 1e-4
 
 
