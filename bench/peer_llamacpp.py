@@ -48,12 +48,12 @@ def source_dir() -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     tarball = CACHE / f"llama_cpp_python-{VERSION}.tar.gz"
     if not tarball.is_file():
-        meta = json.loads(urllib.request.urlopen(f"https://pypi.org/pypi/llama-cpp-python/{VERSION}/json", timeout=60).read())
-        (sdist,) = [u for u in meta["urls"] if u["packagetype"] == "sdist"]
-        url = sdist["url"] if sdist["url"].startswith("http") else \
-            "https://files.pythonhosted.org/packages/" + sdist["url"].split("/packages/")[-1]
-        progress(f"downloading {url}")
-        urllib.request.urlretrieve(url, tarball)
+        # pip, not PyPI's JSON API: it reads the index this machine is configured for (a mirror answers
+        # the simple API only), and fetches the source distribution alone.
+        progress(f"downloading the llama-cpp-python {VERSION} source distribution")
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={VERSION}", "-d", str(CACHE)], check=True,
+                       stdout=subprocess.DEVNULL)
     if hashlib.sha256(tarball.read_bytes()).hexdigest() != SHA256:
         raise SystemExit(f"{tarball}: sha256 mismatch")
     with tarfile.open(tarball) as tar:
