@@ -7,6 +7,8 @@ EDGECORE_SECRET     cluster secret (else --secret-file)
 EDGECORE_API_KEYS   comma-separated API keys for the edge (else --api-key-file)
 EDGECORE_LOG_LEVEL  logging level (INFO)
 EDGECORE_CPU_PACK   0 keeps plain linear weights on CPU (else they are packed for oneDNN)
+EDGECORE_PACKED_FROM_ROWS  rows from which a small packed weight's oneDNN layout is used (else timed at
+                    start-up, see shared/models/layers.py)
 EDGECORE_CPU_MALLOC 0 keeps glibc's default heap thresholds (else see shared/malloc.py)
 """
 
@@ -74,6 +76,11 @@ def reserve_threads_for_engine() -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     return threads
+
+
+def packed_from_rows() -> int | None:
+    value = os.environ.get("EDGECORE_PACKED_FROM_ROWS")
+    return max(1, int(value)) if value else None
 
 
 def cpu_pack_enabled() -> bool:

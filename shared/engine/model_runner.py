@@ -42,7 +42,7 @@ from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.malloc import retain_freed_memory
 from edgecore.shared.models.attention import AttentionMetadata, DecodeWindow, PrefillChunk
 from edgecore.shared.models.flat_decode import FlatDecoder
-from edgecore.shared.models.layers import pack_for_cpu, weight_bytes
+from edgecore.shared.models.layers import calibrate_plain_rows, pack_for_cpu, weight_bytes
 
 SINGLE_THREAD_BELOW = 16    # tokens: smaller steps run on one thread (0: never) ...
 SINGLE_THREAD_MAX_WEIGHTS = 64 << 20    # ... of a model with at most these weight bytes (a larger model's
@@ -78,13 +78,16 @@ class ModelRunner:
         self.device = pool.device
         self.block_size = pool.block_size
         self.forms = sorted({f for f in model.config.layer_attention if f != FULL}, key=lambda f: (f.kind, f.size))
+        packed = self.device == "cpu" and cpu_pack_enabled()
         if self.device == "cpu":
             retain_freed_memory()      # activations reuse heap pages instead of faulting in new ones
-            if cpu_pack_enabled():
+            if packed:
                 pack_for_cpu(model)    # weights are final from here on
-        # Few-row pure decode steps of a plain Llama-family model skip its module tree (flat_decode.py).
-        self.flat = FlatDecoder.for_model(model) if self.device == "cpu" else None
         self.single_thread_below = SINGLE_THREAD_BELOW if weight_bytes(model) <= SINGLE_THREAD_MAX_WEIGHTS else 0
+        if packed:                     # few-row steps of a small model run on one thread: time them so
+            calibrate_plain_rows(model, 1 if self.single_thread_below else torch.get_num_threads())
+        # Pure decode steps of a plain Llama-family model skip its module tree (flat_decode.py).
+        self.flat = FlatDecoder.for_model(model) if self.device == "cpu" else None
 
     def prepare(self, items: list[tuple[Sequence, int]], on_layer: Callable[[int], None] | None = None):
         bs = self.block_size

@@ -1,18 +1,20 @@
-"""`FlatDecoder`: a few-row step of a plain Llama-family model with its module tree flattened.
+"""`FlatDecoder`: a pure decode step of a plain Llama-family model with its module tree flattened.
 
-Life cycle: `ModelRunner` asks `FlatDecoder.for_model(model)` once, after the weights are packed (they
-are final from then on). It returns None unless every layer is the base `Attention` + `MLP` of
-llama.py, on one rank, with every projection holding the input-major copy that few-row matmuls read
-(`_Matmul.transposed`: small float32 weights). Otherwise each step of fewer than `PACKED_FROM_ROWS`
-tokens with no prefill chunk (a pure decode step: batch-1 serving is one) runs `forward` instead of the
-model's, with the same operators in the same order (`paged_attention`, RMSNorm's float32 form, RoPE,
-the activation), so the hidden states are the model's bit for bit (tests/shared/test_flat_decode.py).
+Life cycle: `ModelRunner` asks `FlatDecoder.for_model(model)` once, after the weights are packed and
+their layouts' crossover timed (`layers.calibrate_plain_rows`; weights are final from then on). It returns
+None unless every layer is the base `Attention` + `MLP` of llama.py, on one rank, with every projection
+holding both the oneDNN-packed weight and the input-major copy that few-row matmuls read (small float32
+weights), switching between them at one row count. Otherwise each step with no prefill chunk (a pure
+decode step: batch-1 serving is one, and every step of a steady batch) runs `forward` instead of the
+model's, with the same operators in the same order (the layout `_Matmul.matmul` picks for that many rows,
+`paged_attention`, RMSNorm's float32 form, RoPE, the activation), so the hidden states are the model's bit
+for bit (tests/shared/test_flat_decode.py).
 
 Why: at one row the arithmetic of a small model is less than the interpreter's work around it. A
 step through the module tree (attribute lookups of submodules and parameters, each projection's
 choice of layout, optional norms and biases checked per call) cost the bundled model 1.56–1.64× a
 hand-written eager step over the same weights (`bench/decode.py --floor`); here every per-layer
-tensor and flag is looked up once, at build time, into a tuple.
+tensor and flag is looked up once, at build time, into a tuple, and the layout once per step.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from edgecore.shared.models.attention import AttentionMetadata, paged_attention
-from edgecore.shared.models.layers import PACKED_FROM_ROWS
 from edgecore.shared.models.rope import apply_rope
 from edgecore.shared.parallel import tensor_parallel
 
@@ -31,7 +32,7 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _column(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A column-parallel projection on one rank: the bias inside the matmul, as `_Matmul.matmul`."""
+    """A column-parallel projection on one rank, input-major: the bias inside the matmul, as `_Matmul.matmul`."""
     return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
 
 
@@ -41,26 +42,37 @@ def _row(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.
     return y if bias is None else y + bias
 
 
-class FlatDecoder:
-    MAX_ROWS = PACKED_FROM_ROWS     # from this many rows the packed weights are faster: the model's path
+def _column_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`_column` through the oneDNN-packed weight, as `_Matmul.matmul` takes it from `plain_below` rows."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
-    def __init__(self, model):
+
+def _row_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return y if bias is None else y + bias
+
+
+class FlatDecoder:
+    def __init__(self, model, plain_below: int):
         self.model = model
+        self.plain_below = plain_below      # rows from which the projections read their packed weights
         self.embed = model.model.embed_tokens.weight
-        self.layers = []
+        self.few: list[tuple] = []          # per layer, projections input-major (`_Matmul.transposed`)
+        self.many: list[tuple] = []         # per layer, projections packed (`_Matmul.packed`)
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = hasattr(attn, "q_norm")
             q_norm = (attn.q_norm.weight, attn.q_norm.eps) if norms else None
             k_norm = (attn.k_norm.weight, attn.k_norm.eps) if norms else None
-            self.layers.append((
-                layer.input_layernorm.weight, layer.input_layernorm.eps,
-                attn.qkv_proj.transposed, attn.qkv_proj.bias, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                q_norm, k_norm, attn.layer, attn.scale, attn.form, attn.sinks,
-                attn.o_proj.transposed, attn.o_proj.bias,
-                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
-                mlp.gate_up_proj.transposed, mlp.gate_up_proj.bias, mlp.act,
-                mlp.down_proj.transposed, mlp.down_proj.bias))
+            for out, weight in ((self.few, "transposed"), (self.many, "packed")):
+                out.append((
+                    layer.input_layernorm.weight, layer.input_layernorm.eps,
+                    getattr(attn.qkv_proj, weight), attn.qkv_proj.bias, attn.num_heads, attn.num_kv_heads,
+                    attn.head_dim, q_norm, k_norm, attn.layer, attn.scale, attn.form, attn.sinks,
+                    getattr(attn.o_proj, weight), attn.o_proj.bias,
+                    layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
+                    getattr(mlp.gate_up_proj, weight), mlp.gate_up_proj.bias, mlp.act,
+                    getattr(mlp.down_proj, weight), mlp.down_proj.bias))
 
     @classmethod
     def for_model(cls, model) -> "FlatDecoder | None":
@@ -70,36 +82,42 @@ class FlatDecoder:
         if type(model).forward is not LlamaForCausalLM.forward or \
                 len(model.model.layer_ids) != model.config.num_hidden_layers:
             return None             # a family with its own step, or a pipeline stage
+        thresholds = set()
         for layer in model.model.layers:
             if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or \
                     type(layer.mlp) is not MLP:
                 return None
             projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj)
-            if any(p.transposed is None or p.plain_below < cls.MAX_ROWS for p in projections):
-                return None         # not float32 with small weights: the packed or plain layout is used
+            if any(p.transposed is None or p.packed is None for p in projections):
+                return None         # not float32 with small weights: the packed or plain layout alone is used
+            thresholds |= {p.plain_below for p in projections}
             if layer.input_layernorm.weight.dtype != torch.float32:
                 return None
-        return cls(model)
+        if len(thresholds) != 1:
+            return None             # projections that switch layout at different row counts: the model's path
+        return cls(model, thresholds.pop())
 
     def takes(self, meta: AttentionMetadata, rows: int) -> bool:
-        """A pure decode step of few rows."""
-        return rows < self.MAX_ROWS and not meta.prefills and meta.num_decode == rows
+        """A pure decode step."""
+        return not meta.prefills and meta.num_decode == rows
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = input_ids.shape[0]
         x = torch.nn.functional.embedding(input_ids, self.embed)
         cos, sin = self.model.rope_inputs(positions, x.dtype)
+        few = t < self.plain_below
+        column, row = (_column, _row) if few else (_column_packed, _row_packed)
         for (n1, e1, qkv_t, qkv_b, heads, kvh, d, q_norm, k_norm, index, scale, form, sinks, o_t, o_b,
-             n2, e2, gu_t, gu_b, act, down_t, down_b) in self.layers:
-            qkv = _column(_norm(x, n1, e1), qkv_t, qkv_b).view(t, heads + 2 * kvh, d)
+             n2, e2, gu_t, gu_b, act, down_t, down_b) in (self.few if few else self.many):
+            qkv = column(_norm(x, n1, e1), qkv_t, qkv_b).view(t, heads + 2 * kvh, d)
             if q_norm is None:
                 qk = qkv[:, :heads + kvh]
             else:
                 qk = torch.cat([_norm(qkv[:, :heads], *q_norm), _norm(qkv[:, heads:heads + kvh], *k_norm)], 1)
             qk = apply_rope(qk, cos, sin)
             o = paged_attention(qk[:, :heads], qk[:, heads:], qkv[:, heads + kvh:], index, meta, scale, form, sinks)
-            x = x + _row(o.reshape(t, heads * d), o_t, o_b)
-            gate, up = _column(_norm(x, n2, e2), gu_t, gu_b).chunk(2, dim=-1)
-            x = x + _row(act(gate) * up, down_t, down_b)
+            x = x + row(o.reshape(t, heads * d), o_t, o_b)
+            gate, up = column(_norm(x, n2, e2), gu_t, gu_b).chunk(2, dim=-1)
+            x = x + row(act(gate) * up, down_t, down_b)
         return x

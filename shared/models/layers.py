@@ -21,13 +21,22 @@ take 0.30 ms that way on one thread against 0.5-1.5 ms through `F.linear` on the
 `KEEP_PLAIN_BYTES`) keeps that transposed copy too (`transposed`; the parameter
 becomes a view of it, no third copy; a larger tied LM head uses its shared
 embedding table) and `matmul` picks by row count
-(`PACKED_FROM_ROWS`); a larger one, or a bf16 one, keeps the packed layout only
+(`plain_below`); a larger one, or a bf16 one, keeps the packed layout only
 (weights are never held twice for big models: at one row a 1 GB model's
 matmuls take the same time packed as transposed on two threads).
 `weight_bytes(model)` counts packed and transposed copies too.
+
+Where the two layouts cross depends on the CPU: 8 rows on the machine that
+first measured it, 3 on an AMD EPYC (one thread, the bundled model: 4 rows
+340 us input-major against 260 us packed). So `calibrate_plain_rows(model)`
+times the model's own weights both ways at 1, 2, ... rows, once at start-up
+(tens of ms), and sets the row count from which the packed layout is used
+(EDGECORE_PACKED_FROM_ROWS pins it instead).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +61,8 @@ def _shape(source) -> tuple[int, ...]:
 
 
 KEEP_PLAIN_BYTES = 4 << 20    # a packed weight up to this size keeps its plain copy for few-row matmuls
-PACKED_FROM_ROWS = 8          # rows from which the packed weight is used again (measured on 2 cores, fp32)
+PACKED_FROM_ROWS = 8          # rows from which the packed weight is used, until `calibrate_plain_rows`
+CALIBRATE_MAX_ROWS = 16       # the calibration's last row count: from there on the packed layout is taken
 
 
 class _Matmul(nn.Module):
@@ -113,6 +123,68 @@ def pack_for_cpu(model: nn.Module) -> int:
         module.pack(keep_plain=id(w) in embeddings)   # a tied LM head shares the embedding table
         count += 1
     return count
+
+
+def _best_time(fn, x: torch.Tensor, weights: list[tuple[torch.Tensor, int, int]], reps: int) -> float:
+    """Seconds for `count` calls of fn(x[:, :width], w) per (w, width, count), the best of three passes of
+    `reps` each."""
+    inputs = [(x[:, :width].contiguous(), w, count) for w, width, count in weights]
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            for xi, w, count in inputs:
+                for _ in range(count):
+                    fn(xi, w)
+        best = min(best, time.perf_counter() - t)
+    return best / reps
+
+
+_calibrated: dict[tuple, int] = {}      # (weight shapes and counts, threads) -> rows: a process times once
+
+
+def calibrate_plain_rows(model: nn.Module, threads: int) -> int:
+    """Set, for every packed weight that kept an input-major copy, the row count from which its packed
+    layout is used: the fewest rows at which the model's own weights (one of each shape, weighted by how
+    many the model holds) multiply no slower packed than input-major, timed on `threads` threads. Returns
+    it (0: no weight has both layouts). EDGECORE_PACKED_FROM_ROWS sets it without timing; a process times
+    the same shapes on the same thread count once."""
+    from edgecore.shared.env import packed_from_rows
+    modules = [m for m in model.modules() if isinstance(m, _Matmul) and m.plain_below and m.transposed is not None]
+    if not modules:
+        return 0
+    shapes: dict[tuple[int, int], list] = {}
+    for m in modules:
+        entry = shapes.setdefault(tuple(m.transposed.shape), [m, 0])
+        entry[1] += 1
+    key = (tuple((shape, n) for shape, (_, n) in shapes.items()), threads)
+    rows = packed_from_rows() or _calibrated.get(key)
+    if rows is None:
+        plain = [(m.transposed, m.transposed.shape[0], n) for m, n in shapes.values()]
+        packed = [(m.packed, m.transposed.shape[0], n) for m, n in shapes.values()]
+        widest = max(width for _, width, _ in plain)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.inference_mode():
+                x = torch.randn(CALIBRATE_MAX_ROWS, widest)
+                one = _best_time(torch.mm, x[:1], plain, 1)
+                reps = max(1, min(50, int(2e-3 / max(one, 1e-6))))     # ~2 ms a pass
+                rows = CALIBRATE_MAX_ROWS
+                for r in range(1, CALIBRATE_MAX_ROWS):
+                    if _best_time(_packed_mm, x[:r], packed, reps) <= _best_time(torch.mm, x[:r], plain, reps):
+                        rows = r
+                        break
+        finally:
+            torch.set_num_threads(before)
+        _calibrated[key] = rows
+    for m in modules:
+        m.plain_below = rows
+    return rows
+
+
+def _packed_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -111,6 +111,53 @@ def test_a_tied_table_stays_the_shared_parameter():
         torch.testing.assert_close(head.forward(x), F.linear(x, table.weight), rtol=1e-5, atol=1e-5)
 
 
+def small_packed_model(pack_sizes):
+    pack_sizes(1 << 20)
+    model = torch.nn.Sequential(layers.ColumnParallelLinear(64, 96), layers.RowParallelLinear(96, 64),
+                                layers.ColumnParallelLinear(64, 96))
+    for m in model:
+        m.weight.data.normal_(generator=torch.Generator().manual_seed(1))
+    assert layers.pack_for_cpu(model) == 3
+    return model
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_calibration_switches_layout_where_the_timings_cross(pack_sizes, monkeypatch):
+    model = small_packed_model(pack_sizes)
+    calls = []
+
+    def fake_time(fn, x, weights, reps):      # input-major costs 10 a row, packed 35 flat: they cross at 4
+        calls.append(sum(count for _, _, count in weights))
+        return 10.0 * x.shape[0] if fn is torch.mm else 35.0
+
+    monkeypatch.setattr(layers, "_best_time", fake_time)
+    monkeypatch.setattr(layers, "_calibrated", {})
+    assert layers.calibrate_plain_rows(model, 1) == 4
+    assert [m.plain_below for m in model] == [4, 4, 4]
+    assert set(calls) == {3}                   # the two 64->96 weights share a shape and weigh twice
+    calls.clear()
+    assert layers.calibrate_plain_rows(model, 1) == 4 and not calls     # timed once per process
+    monkeypatch.setattr(layers, "_best_time", lambda fn, x, weights, reps: 1.0 if fn is torch.mm else 2.0)
+    assert layers.calibrate_plain_rows(model, 2) == layers.CALIBRATE_MAX_ROWS     # packed never wins
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_calibration_on_real_timings_and_pinned(pack_sizes, monkeypatch):
+    model = small_packed_model(pack_sizes)
+    rows = layers.calibrate_plain_rows(model, 1)
+    assert 1 <= rows <= layers.CALIBRATE_MAX_ROWS and all(m.plain_below == rows for m in model)
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():        # both layouts compute the same product
+        torch.testing.assert_close(model[0](x), F.linear(x, model[0].weight), rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("EDGECORE_PACKED_FROM_ROWS", "5")
+    monkeypatch.setattr(layers, "_best_time", None)          # pinned: nothing is timed
+    assert layers.calibrate_plain_rows(model, 1) == 5 and [m.plain_below for m in model] == [5, 5, 5]
+    pack_sizes(0)                       # a large weight is held packed only: nothing to choose
+    large = layers.ColumnParallelLinear(64, 96)
+    large.pack()
+    assert layers.calibrate_plain_rows(torch.nn.Sequential(large), 1) == 0 and large.plain_below == 0
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                     reason="needs oneDNN with bf16")
 def test_a_small_bf16_weight_stays_packed_only():

@@ -1,5 +1,5 @@
-"""FlatDecoder: few-row pure decode steps give the model's hidden states bit for bit, and only plain
-Llama-family models on one rank, float32, take it."""
+"""FlatDecoder: pure decode steps give the model's hidden states bit for bit, on either side of the row count
+where projections switch layout, and only plain Llama-family models on one rank, float32, take it."""
 
 import pytest
 import torch
@@ -55,11 +55,13 @@ def decode_steps_equal(engine, lengths: list[int], steps: int) -> int:
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_flat_steps_equal_the_models(tmp_path, name):
+@pytest.mark.parametrize("packed_from", [2, 16])
+def test_flat_steps_equal_the_models(tmp_path, monkeypatch, name, packed_from):
     arch, overrides = CONFIGS[name]
     path, _ = random_hf_checkpoint(tmp_path, arch, **overrides)
+    monkeypatch.setenv("EDGECORE_PACKED_FROM_ROWS", str(packed_from))   # 3 rows: packed, then input-major
     engine = make_engine(path, block_size=4, num_blocks=64)
-    assert engine.runner.flat is not None
+    assert engine.runner.flat is not None and engine.runner.flat.plain_below == packed_from
     assert decode_steps_equal(engine, [13], 12) == 12            # one row: consecutive blocks, views
     assert decode_steps_equal(engine, [5, 17, 9], 6) == 6         # rows of different lengths: gather + mask
 
@@ -74,6 +76,18 @@ def test_bundled_model_takes_it_and_generates_the_same(model_dir):
     engine.runner.flat = None
     plain = engine.generate([prompt], params)[0]
     assert flat["token_ids"] == plain["token_ids"] and flat["logprobs"] == plain["logprobs"]
+
+
+def test_a_batch_past_the_layout_switch_generates_the_same(model_dir, monkeypatch):
+    monkeypatch.setenv("EDGECORE_PACKED_FROM_ROWS", "2")          # four rows read the packed weights
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = [list(range(5 + i, 40 + 3 * i)) for i in range(4)]
+    flat = make_engine(model_dir).generate(prompts, params)
+    engine = make_engine(model_dir)
+    engine.runner.flat = None
+    plain = engine.generate(prompts, params)
+    assert [r["token_ids"] for r in flat] == [r["token_ids"] for r in plain]
+    assert [r["logprobs"] for r in flat] == [r["logprobs"] for r in plain]
 
 
 def test_only_plain_float32_llama_models_on_one_rank_take_it(tmp_path, model_dir, monkeypatch):
