@@ -80,7 +80,12 @@ def reserve_threads_for_engine() -> int:
 
 def packed_from_rows() -> int | None:
     value = os.environ.get("EDGECORE_PACKED_FROM_ROWS")
-    return max(1, int(value)) if value else None
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        from edgecore.shared.errors import ConfigError
+        raise ConfigError(f"EDGECORE_PACKED_FROM_ROWS must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def cpu_pack_enabled() -> bool:

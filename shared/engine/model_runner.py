@@ -84,8 +84,10 @@ class ModelRunner:
             if packed:
                 pack_for_cpu(model)    # weights are final from here on
         self.single_thread_below = SINGLE_THREAD_BELOW if weight_bytes(model) <= SINGLE_THREAD_MAX_WEIGHTS else 0
-        if packed:                     # few-row steps of a small model run on one thread: time them so
-            calibrate_plain_rows(model, 1 if self.single_thread_below else torch.get_num_threads())
+        if packed and self.single_thread_below:
+            # Few-row steps of a small model run on one thread, so the layouts can be timed as they will
+            # run here, before the engine thread exists; a larger model keeps PACKED_FROM_ROWS.
+            calibrate_plain_rows(model, 1)
         # Pure decode steps of a plain Llama-family model skip its module tree (flat_decode.py).
         self.flat = FlatDecoder.for_model(model) if self.device == "cpu" else None
 

@@ -29,9 +29,12 @@ matmuls take the same time packed as transposed on two threads).
 Where the two layouts cross depends on the CPU: 8 rows on the machine that
 first measured it, 3 on an AMD EPYC (one thread, the bundled model: 4 rows
 340 us input-major against 260 us packed). So `calibrate_plain_rows(model)`
-times the model's own weights both ways at 1, 2, ... rows, once at start-up
-(tens of ms), and sets the row count from which the packed layout is used
-(EDGECORE_PACKED_FROM_ROWS pins it instead).
+times the model's own weights both ways at 2, 3, ... rows, once at start-up
+(about 0.1 s for the bundled model, more for larger weights), and sets the row
+count from which the packed layout is used (EDGECORE_PACKED_FROM_ROWS pins it
+instead). The two layouts round differently, so logits can differ in their last
+bits between machines or start-ups that choose differently, as they already do
+between batch sizes.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ CALIBRATE_MAX_ROWS = 16       # the calibration's last row count: from there on 
 
 class _Matmul(nn.Module):
     """The x @ W^T (+ b) of a linear layer: plain, or through a oneDNN-packed weight after `pack()`, and
-    for inputs of fewer than `PACKED_FROM_ROWS` rows through the input-major copy when one was kept."""
+    for inputs of fewer than `plain_below` rows through the input-major copy when one was kept."""
 
     packed: torch.Tensor | None = None
     packed_bytes = 0
@@ -125,19 +128,21 @@ def pack_for_cpu(model: nn.Module) -> int:
     return count
 
 
-def _best_time(fn, x: torch.Tensor, weights: list[tuple[torch.Tensor, int, int]], reps: int) -> float:
-    """Seconds for `count` calls of fn(x[:, :width], w) per (w, width, count), the best of three passes of
-    `reps` each."""
-    inputs = [(x[:, :width].contiguous(), w, count) for w, width, count in weights]
-    best = float("inf")
-    for _ in range(3):
+def _layout_times(x: torch.Tensor, plain: list[tuple], packed: list[tuple], reps: int) -> tuple[float, float]:
+    """Seconds per pass over the weights, input-major and packed, each the best of three passes of `reps`
+    interleaved with the other's; a weight is (tensor, input width, how many the model holds)."""
+    inputs = [[(x[:, :width].contiguous(), w, count) for w, width, count in ws] for ws in (plain, packed)]
+    best = [float("inf"), float("inf")]
+    for i in range(6):
+        kind = i % 2 if i < 3 else 1 - i % 2          # input-major first, then packed first
+        fn = torch.mm if kind == 0 else _packed_mm
         t = time.perf_counter()
         for _ in range(reps):
-            for xi, w, count in inputs:
+            for xi, w, count in inputs[kind]:
                 for _ in range(count):
                     fn(xi, w)
-        best = min(best, time.perf_counter() - t)
-    return best / reps
+        best[kind] = min(best[kind], time.perf_counter() - t)
+    return best[0] / reps, best[1] / reps
 
 
 _calibrated: dict[tuple, int] = {}      # (weight shapes and counts, threads) -> rows: a process times once
@@ -145,10 +150,11 @@ _calibrated: dict[tuple, int] = {}      # (weight shapes and counts, threads) ->
 
 def calibrate_plain_rows(model: nn.Module, threads: int) -> int:
     """Set, for every packed weight that kept an input-major copy, the row count from which its packed
-    layout is used: the fewest rows at which the model's own weights (one of each shape, weighted by how
-    many the model holds) multiply no slower packed than input-major, timed on `threads` threads. Returns
-    it (0: no weight has both layouts). EDGECORE_PACKED_FROM_ROWS sets it without timing; a process times
-    the same shapes on the same thread count once."""
+    layout is used: the fewest rows r ≥ 2 at which the model's own weights (one of each shape, weighted by
+    how many the model holds) multiply no slower packed than input-major at r and at r + 1 (one noisy
+    timing does not move it), timed on `threads` threads. Returns it (0: no weight has both layouts; a
+    large tied LM head, which has no input-major copy, keeps `PACKED_FROM_ROWS`). EDGECORE_PACKED_FROM_ROWS
+    sets it without timing; a process times the same shapes on the same thread count once."""
     from edgecore.shared.env import packed_from_rows
     modules = [m for m in model.modules() if isinstance(m, _Matmul) and m.plain_below and m.transposed is not None]
     if not modules:
@@ -168,13 +174,15 @@ def calibrate_plain_rows(model: nn.Module, threads: int) -> int:
         try:
             with torch.inference_mode():
                 x = torch.randn(CALIBRATE_MAX_ROWS, widest)
-                one = _best_time(torch.mm, x[:1], plain, 1)
-                reps = max(1, min(50, int(2e-3 / max(one, 1e-6))))     # ~2 ms a pass
-                rows = CALIBRATE_MAX_ROWS
-                for r in range(1, CALIBRATE_MAX_ROWS):
-                    if _best_time(_packed_mm, x[:r], packed, reps) <= _best_time(torch.mm, x[:r], plain, reps):
-                        rows = r
+                one = _layout_times(x[:1], plain, packed, 1)[0]
+                reps = max(1, min(50, int(1e-3 / max(one, 1e-6))))     # ~1 ms a pass
+                rows, won = CALIBRATE_MAX_ROWS, False
+                for r in range(2, CALIBRATE_MAX_ROWS + 1):
+                    t_plain, t_packed = _layout_times(x[:r], plain, packed, reps)
+                    if t_packed <= t_plain and won:
+                        rows = r - 1
                         break
+                    won = t_packed <= t_plain
         finally:
             torch.set_num_threads(before)
         _calibrated[key] = rows

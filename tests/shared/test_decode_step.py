@@ -121,41 +121,67 @@ def small_packed_model(pack_sizes):
     return model
 
 
+@pytest.fixture
+def timed(monkeypatch):
+    """Calibration as in production: not pinned, nothing cached."""
+    monkeypatch.delenv("EDGECORE_PACKED_FROM_ROWS", raising=False)
+    monkeypatch.setattr(layers, "_calibrated", {})
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
-def test_calibration_switches_layout_where_the_timings_cross(pack_sizes, monkeypatch):
+def test_calibration_switches_layout_where_the_timings_cross(pack_sizes, monkeypatch, timed):
     model = small_packed_model(pack_sizes)
     calls = []
 
-    def fake_time(fn, x, weights, reps):      # input-major costs 10 a row, packed 35 flat: they cross at 4
-        calls.append(sum(count for _, _, count in weights))
-        return 10.0 * x.shape[0] if fn is torch.mm else 35.0
+    def fake_times(x, plain, packed, reps):    # input-major costs 10 a row, packed 35 flat: they cross at 4
+        calls.append((x.shape[0], torch.get_num_threads(), sum(n for _, _, n in plain), sum(n for _, _, n in packed)))
+        return 10.0 * x.shape[0], 35.0
 
-    monkeypatch.setattr(layers, "_best_time", fake_time)
-    monkeypatch.setattr(layers, "_calibrated", {})
+    monkeypatch.setattr(layers, "_layout_times", fake_times)
+    torch.set_num_threads(2)
     assert layers.calibrate_plain_rows(model, 1) == 4
     assert [m.plain_below for m in model] == [4, 4, 4]
-    assert set(calls) == {3}                   # the two 64->96 weights share a shape and weigh twice
+    assert torch.get_num_threads() == 2                      # timed on one thread, restored after
+    assert {c[1] for c in calls} == {1}
+    assert {c[2:] for c in calls} == {(3, 3)}         # the two 64->96 weights share a shape and weigh twice
     calls.clear()
     assert layers.calibrate_plain_rows(model, 1) == 4 and not calls     # timed once per process
-    monkeypatch.setattr(layers, "_best_time", lambda fn, x, weights, reps: 1.0 if fn is torch.mm else 2.0)
-    assert layers.calibrate_plain_rows(model, 2) == layers.CALIBRATE_MAX_ROWS     # packed never wins
+
+    # One noisy win does not move it: packed must win at two row counts in a row.
+    monkeypatch.setattr(layers, "_layout_times", lambda x, p, q, reps: (1.0, 0.5 if x.shape[0] in (3, 6, 7) else 2.0))
+    assert layers.calibrate_plain_rows(model, 2) == 6
+    monkeypatch.setattr(layers, "_layout_times", lambda x, p, q, reps: (1.0, 2.0))
+    assert layers.calibrate_plain_rows(model, 3) == layers.CALIBRATE_MAX_ROWS     # packed never wins
+
+    def failing(x, plain, packed, reps):
+        raise RuntimeError("timing failed")
+
+    monkeypatch.setattr(layers, "_layout_times", failing)
+    with pytest.raises(RuntimeError):
+        layers.calibrate_plain_rows(model, 4)
+    assert torch.get_num_threads() == 2
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
-def test_calibration_on_real_timings_and_pinned(pack_sizes, monkeypatch):
+def test_calibration_on_real_timings_and_pinned(pack_sizes, monkeypatch, timed):
     model = small_packed_model(pack_sizes)
     rows = layers.calibrate_plain_rows(model, 1)
-    assert 1 <= rows <= layers.CALIBRATE_MAX_ROWS and all(m.plain_below == rows for m in model)
-    x = torch.randn(rows, 64)
-    with torch.inference_mode():        # both layouts compute the same product
-        torch.testing.assert_close(model[0](x), F.linear(x, model[0].weight), rtol=1e-5, atol=1e-5)
+    assert 2 <= rows <= layers.CALIBRATE_MAX_ROWS and all(m.plain_below == rows for m in model)
+    with torch.inference_mode():        # both layouts, each side of the switch, compute the product
+        for r in (rows - 1, rows):
+            x = torch.randn(r, 64)
+            torch.testing.assert_close(model[0](x), F.linear(x, model[0].weight), rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("EDGECORE_PACKED_FROM_ROWS", "5")
-    monkeypatch.setattr(layers, "_best_time", None)          # pinned: nothing is timed
+    monkeypatch.setattr(layers, "_layout_times", None)       # pinned: nothing is timed
     assert layers.calibrate_plain_rows(model, 1) == 5 and [m.plain_below for m in model] == [5, 5, 5]
     pack_sizes(0)                       # a large weight is held packed only: nothing to choose
     large = layers.ColumnParallelLinear(64, 96)
     large.pack()
     assert layers.calibrate_plain_rows(torch.nn.Sequential(large), 1) == 0 and large.plain_below == 0
+    from edgecore.shared.errors import ConfigError
+    monkeypatch.setenv("EDGECORE_PACKED_FROM_ROWS", "many")
+    with pytest.raises(ConfigError, match="EDGECORE_PACKED_FROM_ROWS"):
+        layers.calibrate_plain_rows(model, 1)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),

@@ -55,11 +55,13 @@ def decode_steps_equal(engine, lengths: list[int], steps: int) -> int:
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("packed_from", [2, 16])
+@pytest.mark.parametrize("packed_from", [1, 2, 3, 16])
 def test_flat_steps_equal_the_models(tmp_path, monkeypatch, name, packed_from):
     arch, overrides = CONFIGS[name]
     path, _ = random_hf_checkpoint(tmp_path, arch, **overrides)
-    monkeypatch.setenv("EDGECORE_PACKED_FROM_ROWS", str(packed_from))   # 3 rows: packed, then input-major
+    # Which layout one and three rows take: 1 both packed; 2 and 3 one row input-major, three packed (3: the
+    # switch itself); 16 both input-major.
+    monkeypatch.setenv("EDGECORE_PACKED_FROM_ROWS", str(packed_from))
     engine = make_engine(path, block_size=4, num_blocks=64)
     assert engine.runner.flat is not None and engine.runner.flat.plain_below == packed_from
     assert decode_steps_equal(engine, [13], 12) == 12            # one row: consecutive blocks, views
