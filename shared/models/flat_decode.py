@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from edgecore.shared.models.attention import AttentionMetadata, paged_attention
+from edgecore.shared.models.layers import packed_linear
 from edgecore.shared.models.rope import apply_rope
 from edgecore.shared.parallel import tensor_parallel
 
@@ -44,11 +45,11 @@ def _row(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.
 
 def _column_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`_column` through the oneDNN-packed weight, as `_Matmul.matmul` takes it from `plain_below` rows."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return packed_linear(x, packed, bias)
 
 
 def _row_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    y = packed_linear(x, packed, None)
     return y if bias is None else y + bias
 
 

@@ -228,3 +228,28 @@ def test_only_small_models_step_on_one_thread(monkeypatch):
     assert make_engine().runner.single_thread_below == model_runner.SINGLE_THREAD_BELOW     # ~16 MB of weights
     monkeypatch.setattr(model_runner, "SINGLE_THREAD_MAX_WEIGHTS", 1 << 20)
     assert make_engine().runner.single_thread_below == 0
+
+
+def test_packed_matmuls_run_at_few_row_counts():
+    seen = {layers.padded_rows(m) for m in range(1, 2049)}
+    assert len(seen) == 80                       # 32 exact, then 8 per power of two up to 2048
+    for m in range(1, 4097):
+        p = layers.padded_rows(m)
+        assert p == m if m <= layers.EXACT_ROWS else m <= p <= m * 9 / 8
+        assert layers.padded_rows(p) == p        # a padded count is its own bucket
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+@pytest.mark.parametrize("rows", [33, 37, 100, 513])
+def test_padded_packed_matmul_is_the_product(rows):
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(2))
+    b = torch.randn(96, generator=torch.Generator().manual_seed(3))
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        y = layers.packed_linear(x, packed, b)
+        assert y.shape == (rows, 96) and y.is_contiguous()
+        torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        y3 = layers.packed_linear(x.view(1, rows, 64), packed, None)     # leading dimensions kept
+        assert y3.shape == (1, rows, 96)
+        torch.testing.assert_close(y3[0], F.linear(x, w), rtol=1e-5, atol=1e-5)
