@@ -7,6 +7,8 @@ EDGECORE_SECRET     cluster secret (else --secret-file)
 EDGECORE_API_KEYS   comma-separated API keys for the edge (else --api-key-file)
 EDGECORE_LOG_LEVEL  logging level (INFO)
 EDGECORE_CPU_PACK   0 keeps plain linear weights on CPU (else they are packed for oneDNN)
+EDGECORE_SMALL_STEP_THREADS  one / all: threads of a small model's steps under 16 tokens (else timed, see
+                    shared/engine/step_threads.py)
 EDGECORE_PACKED_FROM_ROWS  rows from which a small packed weight's oneDNN layout is used (else timed at
                     start-up, see shared/models/layers.py)
 EDGECORE_CPU_MALLOC 0 keeps glibc's default heap thresholds (else see shared/malloc.py)
@@ -76,6 +78,16 @@ def reserve_threads_for_engine() -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     return threads
+
+
+def small_step_threads() -> str | None:
+    value = os.environ.get("EDGECORE_SMALL_STEP_THREADS")
+    if not value:
+        return None
+    if value not in ("one", "all"):
+        from edgecore.shared.errors import ConfigError
+        raise ConfigError(f"EDGECORE_SMALL_STEP_THREADS must be 'one' or 'all', got {value!r}")
+    return value
 
 
 def packed_from_rows() -> int | None:

@@ -17,6 +17,8 @@ torch.set_num_threads(2)
 # differently, and servers started by tests must compute what the in-process engines do, bit for bit.
 # Tests of the timing itself unset it.
 os.environ.setdefault("EDGECORE_PACKED_FROM_ROWS", "8")
+# Likewise small steps run on one thread, not on the count their timing chose (tests/shared/test_step_threads.py).
+os.environ.setdefault("EDGECORE_SMALL_STEP_THREADS", "one")
 
 
 @pytest.fixture(scope="session")

@@ -16,18 +16,19 @@ blocks that no layer can see any more may have been released
 (`BlockManager.release_before`, id -1): a full-attention read takes them as
 block 0, masked out; a windowed decode never reads them.
 
-Threads: a step of fewer than `SINGLE_THREAD_BELOW` tokens (batch-1 and small-batch decode) runs on one
-thread, then the caller's count is restored. None of its ops has enough work to split, while every
-OpenMP region pays a fork and a barrier: on a 2-core machine the best batch-1 and batch-4 steps take
-the same time on one thread as on two, and on a busy one two threads make the typical step 2-5x slower
-(the barrier waits for a descheduled worker); at batch 8 and 16 the best step was 2.5x faster on one
-thread in the same run (6.6 against 16.3 ms, 8.5 against 21.9 ms, other jobs running). Only for small
-models (`SINGLE_THREAD_MAX_WEIGHTS`): a step of a large one is matmuls over megabytes of weights, which
-split well over threads even at one token.
+Threads: a step of fewer than `SINGLE_THREAD_BELOW` tokens (batch-1 and small-batch decode) may run on
+one thread, then the caller's count is restored; `StepThreads` (step_threads.py) decides per row count by
+timing the steps both ways. Few of such a step's ops have enough work to split, while every OpenMP region
+pays a fork and a barrier: on one 2-core machine two threads made the typical step 2-5x slower when busy
+(the barrier waits for a descheduled worker), and batch 8 and 16 steps 2.5x slower in the same run (6.6
+against 16.3 ms, 8.5 against 21.9 ms, other jobs running); on another, batch 4-8 decode ran 1.1-1.2x
+faster on two. Only for small models (`SINGLE_THREAD_MAX_WEIGHTS`): a step of a large one is matmuls over
+megabytes of weights, which split well over threads even at one token.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -37,6 +38,7 @@ from edgecore.shared.engine import prompt_logprobs
 from edgecore.shared.engine.sampler import SampleResult, sample
 from edgecore.shared.engine.scheduler import ScheduledBatch
 from edgecore.shared.engine.sequence import Sequence
+from edgecore.shared.engine.step_threads import StepThreads
 from edgecore.shared.env import cpu_pack_enabled
 from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.malloc import retain_freed_memory
@@ -83,10 +85,12 @@ class ModelRunner:
             retain_freed_memory()      # activations reuse heap pages instead of faulting in new ones
             if packed:
                 pack_for_cpu(model)    # weights are final from here on
-        self.single_thread_below = SINGLE_THREAD_BELOW if weight_bytes(model) <= SINGLE_THREAD_MAX_WEIGHTS else 0
-        if packed and self.single_thread_below:
-            # Few-row steps of a small model run on one thread, so the layouts can be timed as they will
-            # run here, before the engine thread exists; a larger model keeps PACKED_FROM_ROWS.
+        # Steps under SINGLE_THREAD_BELOW tokens of a small model may run on one thread (step_threads.py).
+        self.step_threads = StepThreads(SINGLE_THREAD_BELOW if weight_bytes(model) <= SINGLE_THREAD_MAX_WEIGHTS else 0)
+        if packed and self.step_threads.below:
+            # Timed here, before the engine thread exists, on one thread (where a small model's few-row
+            # steps may run: on the EPYC the crossover was 4 rows on one thread and 3 on two); a larger
+            # model keeps PACKED_FROM_ROWS.
             calibrate_plain_rows(model, 1)
         # Pure decode steps of a plain Llama-family model skip its module tree (flat_decode.py).
         self.flat = FlatDecoder.for_model(model) if self.device == "cpu" else None
@@ -203,13 +207,18 @@ class ModelRunner:
         runs after each layer has written its K/V."""
         hook = (lambda layer: on_layer(layer, batch.items)) if on_layer is not None else None
         ordered, ids, positions, meta = self.prepare(batch.items, hook)
-        threads = torch.get_num_threads()
-        small = threads > 1 and ids.shape[0] < self.single_thread_below
+        threads, rows = torch.get_num_threads(), ids.shape[0]
+        chooser = self.step_threads
+        small = threads > 1 and chooser.one_thread(rows)
+        timed = threads > 1 and chooser.timing(rows)
         if small:
             torch.set_num_threads(1)
+        start = time.perf_counter()
         try:
             return self._compute(ordered, ids, positions, meta)
         finally:
+            if timed:
+                chooser.record(rows, small, time.perf_counter() - start)
             if small:
                 torch.set_num_threads(threads)
 

@@ -217,7 +217,7 @@ def test_small_steps_run_on_one_thread_and_restore_the_count(monkeypatch):
                     SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert torch.get_num_threads() == 2
     assert seen == [(model_runner.SINGLE_THREAD_BELOW, 2), (1, 1), (1, 1)]
-    engine.runner.single_thread_below = 0          # what a model above SINGLE_THREAD_MAX_WEIGHTS gets
+    engine.runner.step_threads.below = 0           # what a model above SINGLE_THREAD_MAX_WEIGHTS gets
     seen.clear()
     engine.generate([list(range(5, 9))], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     assert seen == [(4, 2), (1, 2)]
@@ -225,9 +225,9 @@ def test_small_steps_run_on_one_thread_and_restore_the_count(monkeypatch):
 
 def test_only_small_models_step_on_one_thread(monkeypatch):
     from edgecore.shared.engine import model_runner
-    assert make_engine().runner.single_thread_below == model_runner.SINGLE_THREAD_BELOW     # ~16 MB of weights
+    assert make_engine().runner.step_threads.below == model_runner.SINGLE_THREAD_BELOW     # ~16 MB of weights
     monkeypatch.setattr(model_runner, "SINGLE_THREAD_MAX_WEIGHTS", 1 << 20)
-    assert make_engine().runner.single_thread_below == 0
+    assert make_engine().runner.step_threads.below == 0
 
 
 def test_packed_matmuls_run_at_few_row_counts():
