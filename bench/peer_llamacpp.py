@@ -127,15 +127,19 @@ def synthetic_model() -> Path:
 # ---- decode and prefill --------------------------------------------------------------------
 def llamacpp_batched(bin_dir: Path, gguf: Path, threads: int, npp: int, ntg: int, npl: list[int]) -> dict:
     ctx = max(npl) * (npp + ntg) + 256
-    r = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
-                        "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(npp), "-ntg", str(ntg),
-                        "-npl", ",".join(map(str, npl)), "-fa", "off"], capture_output=True, text=True, check=True)
-    rows = {}
-    for line in r.stdout.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 8 and cells[2].isdigit():
-            rows[int(cells[2])] = {"S_PP": float(cells[5]), "S_TG": float(cells[7])}
-    return rows
+    for _ in range(3):      # its table has been seen missing from a run's output once in a while: run again
+        r = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads),
+                            "-tb", str(threads), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(npp),
+                            "-ntg", str(ntg), "-npl", ",".join(map(str, npl)), "-fa", "off"],
+                           capture_output=True, text=True, check=True)
+        rows = {}
+        for line in r.stdout.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) >= 8 and cells[2].isdigit():
+                rows[int(cells[2])] = {"S_PP": float(cells[5]), "S_TG": float(cells[7])}
+        if all(b in rows for b in npl):
+            return rows
+    raise SystemExit(f"llama-batched-bench printed no row for {npl} (npp {npp}, ntg {ntg}):\n{r.stdout[-2000:]}")
 
 
 def engine_batched(engine, prompt_ids: list[int], npp: int, ntg: int, npl: list[int]) -> dict:
