@@ -46,7 +46,7 @@ from edgecore.shared.models.attention import AttentionMetadata, DecodeWindow, Pr
 from edgecore.shared.models.flat_decode import FlatDecoder
 from edgecore.shared.models.layers import calibrate_plain_rows, pack_for_cpu, weight_bytes
 
-SINGLE_THREAD_BELOW = 16    # tokens: smaller steps run on one thread (0: never) ...
+SINGLE_THREAD_BELOW = 16    # tokens: smaller steps may run on one thread (0: never) ...
 SINGLE_THREAD_MAX_WEIGHTS = 64 << 20    # ... of a model with at most these weight bytes (a larger model's
                                         # matmuls at batch 1 read enough memory for two threads to pay)
 
@@ -88,9 +88,10 @@ class ModelRunner:
         # Steps under SINGLE_THREAD_BELOW tokens of a small model may run on one thread (step_threads.py).
         self.step_threads = StepThreads(SINGLE_THREAD_BELOW if weight_bytes(model) <= SINGLE_THREAD_MAX_WEIGHTS else 0)
         if packed and self.step_threads.below:
-            # Timed here, before the engine thread exists, on one thread (where a small model's few-row
-            # steps may run: on the EPYC the crossover was 4 rows on one thread and 3 on two); a larger
-            # model keeps PACKED_FROM_ROWS.
+            # Timed here, before the engine thread exists, on one thread, although StepThreads may run a
+            # few-row step on all (on the EPYC the crossover was 4 rows on one thread, 3 on two: one row
+            # off costs little); a larger model keeps PACKED_FROM_ROWS. Ranks of a parallel run
+            # (parallel_runner.py) step through StageRunner, which runs every step on all threads.
             calibrate_plain_rows(model, 1)
         # Pure decode steps of a plain Llama-family model skip its module tree (flat_decode.py).
         self.flat = FlatDecoder.for_model(model) if self.device == "cpu" else None
@@ -207,20 +208,21 @@ class ModelRunner:
         runs after each layer has written its K/V."""
         hook = (lambda layer: on_layer(layer, batch.items)) if on_layer is not None else None
         ordered, ids, positions, meta = self.prepare(batch.items, hook)
-        threads, rows = torch.get_num_threads(), ids.shape[0]
-        chooser = self.step_threads
-        small = threads > 1 and chooser.one_thread(rows)
-        timed = threads > 1 and chooser.timing(rows)
+        threads, chooser = torch.get_num_threads(), self.step_threads
+        kind = (ids.shape[0], not meta.prefills)      # pure decode steps and steps with prefill timed apart
+        small = threads > 1 and chooser.one_thread(kind)
+        timed = threads > 1 and chooser.timing(kind)
         if small:
             torch.set_num_threads(1)
         start = time.perf_counter()
         try:
-            return self._compute(ordered, ids, positions, meta)
+            result = self._compute(ordered, ids, positions, meta)
         finally:
-            if timed:
-                chooser.record(rows, small, time.perf_counter() - start)
             if small:
                 torch.set_num_threads(threads)
+        if timed:
+            chooser.record(kind, small, time.perf_counter() - start)
+        return result
 
     def _compute(self, ordered, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
                  ) -> tuple[list[Sequence], SampleResult | None]:

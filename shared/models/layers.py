@@ -214,15 +214,16 @@ def padded_rows(rows: int) -> int:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W^T (+ bias) through a oneDNN-packed weight, at `padded_rows` rows: the rows added are
-    uninitialised and their outputs dropped (each output row depends on its own input row only); the
-    result is a view of the first rows."""
+    """x @ W^T (+ bias) through a oneDNN-packed weight, at `padded_rows` rows: the rows added are zeros
+    and their outputs dropped (each output row depends on its own input row only); the result is a view
+    of the first rows."""
     rows = x.numel() // x.shape[-1]
     padded = padded_rows(rows)
     if padded == rows:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     xp = x.new_empty(padded, x.shape[-1])
-    xp[:rows].copy_(x.reshape(rows, x.shape[-1]))
+    xp[rows:].zero_()                       # no garbage (denormals, NaN) through the kernel
+    xp[:rows].view(x.shape).copy_(x)        # one copy, whatever x's strides
     y = torch.ops.mkldnn._linear_pointwise(xp, packed, bias, "none", [], "")
     return y[:rows].view(*x.shape[:-1], y.shape[-1])
 

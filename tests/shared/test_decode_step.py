@@ -253,3 +253,31 @@ def test_padded_packed_matmul_is_the_product(rows):
         y3 = layers.packed_linear(x.view(1, rows, 64), packed, None)     # leading dimensions kept
         assert y3.shape == (1, rows, 96)
         torch.testing.assert_close(y3[0], F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_the_model_meets_only_padded_row_counts(model_dir, monkeypatch):
+    """Prefill and decode, through the module tree and flat: every packed matmul runs at a bucket's rows."""
+    from edgecore.shared.engine.sampling_params import SamplingParams
+    engine = make_engine(model_dir)
+    rows_seen = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *args):
+        rows_seen.append(x.numel() // x.shape[-1])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    prompts = [list(range(5 + i, 5 + i + 37 + i % 5)) for i in range(40)]       # prefill of 1,500+ rows
+    engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))   # 40-row decode
+    assert max(rows_seen) > 1000 and 40 in rows_seen
+    assert all(layers.padded_rows(r) == r for r in rows_seen)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_padding_a_strided_input():
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(2))
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    x = torch.randn(64, 50, generator=torch.Generator().manual_seed(5)).t()        # [50, 64], not contiguous
+    with torch.inference_mode():
+        torch.testing.assert_close(layers.packed_linear(x, packed, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
