@@ -16,6 +16,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -126,8 +127,15 @@ def test_installed_wheel_runs_up_and_stops(venv, tmp_path):
             if "Ctrl-C stops everything" in line or not line:
                 break
         assert f"http://127.0.0.1:{ports[2]}/v1" in "".join(lines), "".join(lines)
+        # Keep reading `up`'s output (its nodes' echoed logs), so that a failure to stop shows the last of it.
+        rest = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+        rest.start()
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) in (0, 130)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("edgecore up did not stop within 60 s of SIGINT:\n" + "".join(lines[-60:]))
+        assert code in (0, 130), "".join(lines[-60:])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

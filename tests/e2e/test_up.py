@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import openai
@@ -69,6 +70,8 @@ delay_ms = 30
         text = "".join(lines)
         assert f"edge-west: http://127.0.0.1:{west}/v1" in text and "[dc/core-dc]" in text, text
         assert "curl http://127.0.0.1" in text
+        # Keep reading `up`'s output (its nodes' echoed logs), so that a failure to stop shows the last of it.
+        threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
         children = descendants(proc.pid)
         assert len(children) >= 3
         messages = [{"role": "user", "content": "What is a dictionary?"}]
@@ -80,7 +83,7 @@ delay_ms = 30
                                                     temperature=0, stream=True)
             assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        assert proc.wait(60) == 0, "".join(lines[-60:])
         time.sleep(0.5)
         alive = [p for p in children if os.path.exists(f"/proc/{p}") and
                  "zombie" not in open(f"/proc/{p}/status").read().lower()]
