@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from edgecore.shared.models.attention import AttentionMetadata, paged_attention
-from edgecore.shared.models.layers import packed_linear
+from edgecore.shared.models.row_buckets import packed_linear
 from edgecore.shared.models.rope import apply_rope
 from edgecore.shared.parallel import tensor_parallel
 

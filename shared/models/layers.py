@@ -36,13 +36,7 @@ instead). The two layouts round differently, so logits can differ in their last
 bits between machines or start-ups that choose differently, as they already do
 between batch sizes.
 
-oneDNN builds a kernel for each row count a packed weight meets and keeps it:
-about 0.4 MB of heap each, never returned, so a server whose prefill steps
-meet every row count from 1 to 2048 grew by 55 MB per 10 s of HTTP load on
-the bundled model (1,300 requests), to 400 MB over its idle size. So
-`packed_linear` runs more than `EXACT_ROWS` rows at one of 8 row counts per
-power of two (`padded_rows`, at most 1/8 more rows): at most 80 kernels
-per weight shape up to 2048 rows.
+Packed matmuls run at a few row counts only: see row_buckets.py.
 """
 
 from __future__ import annotations
@@ -54,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgecore.shared.kv.heads import kv_head_start
+from edgecore.shared.models.row_buckets import packed_linear
 from edgecore.shared.parallel import all_gather_last_dim, all_reduce, tensor_parallel
 
 
@@ -74,7 +69,6 @@ def _shape(source) -> tuple[int, ...]:
 KEEP_PLAIN_BYTES = 4 << 20    # a packed weight up to this size keeps its plain copy for few-row matmuls
 PACKED_FROM_ROWS = 8          # rows from which the packed weight is used, until `calibrate_plain_rows`
 CALIBRATE_MAX_ROWS = 16       # the calibration's last row count: from there on the packed layout is taken
-EXACT_ROWS = 32               # packed matmuls of more rows run at a few row counts only (`padded_rows`)
 
 
 class _Matmul(nn.Module):
@@ -202,30 +196,6 @@ def calibrate_plain_rows(model: nn.Module, threads: int) -> int:
 
 def _packed_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-
-def padded_rows(rows: int) -> int:
-    """The row count a packed matmul of `rows` rows runs at: itself up to `EXACT_ROWS`, else rounded up to
-    one of 8 steps per power of two (at most 1/8 more rows)."""
-    if rows <= EXACT_ROWS:
-        return rows
-    step = 1 << (rows.bit_length() - 4)
-    return -(-rows // step) * step
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W^T (+ bias) through a oneDNN-packed weight, at `padded_rows` rows: the rows added are zeros
-    and their outputs dropped (each output row depends on its own input row only); the result is a view
-    of the first rows."""
-    rows = x.numel() // x.shape[-1]
-    padded = padded_rows(rows)
-    if padded == rows:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    xp = x.new_empty(padded, x.shape[-1])
-    xp[rows:].zero_()                       # no garbage (denormals, NaN) through the kernel
-    xp[:rows].view(x.shape).copy_(x)        # one copy, whatever x's strides
-    y = torch.ops.mkldnn._linear_pointwise(xp, packed, bias, "none", [], "")
-    return y[:rows].view(*x.shape[:-1], y.shape[-1])
 
 
 def weight_bytes(model: nn.Module) -> int:

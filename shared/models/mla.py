@@ -23,6 +23,7 @@ from torch import nn
 from edgecore.shared.config import ModelConfig
 from edgecore.shared.models.attention import AttentionMetadata
 from edgecore.shared.models.layers import ColumnParallelLinear, RowParallelLinear, _Matmul
+from edgecore.shared.models.row_buckets import bounded_bmm, bounded_linear
 from edgecore.shared.models.llama import RMSNorm
 from edgecore.shared.models.mla_config import DeepseekConfig
 from edgecore.shared.models.rope import apply_rope_split, default_inv_freq, yarn
@@ -75,7 +76,7 @@ class KVUpProjection(nn.Module):
 
     def forward(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """c [L, r] -> k_nope [L, H, nope], v [L, H, v]."""
-        kv = F.linear(c, self.weight).view(c.shape[0], self.heads, self.nope + self.v)
+        kv = bounded_linear(c, self.weight).view(c.shape[0], self.heads, self.nope + self.v)
         return kv[..., :self.nope], kv[..., self.nope:]
 
 
@@ -136,7 +137,7 @@ class MLAttention(nn.Module):
         the latent (key: all of it, value: its first r values); o = o_lat W_UV^T. Returns [B, H, v]."""
         mla, b, heads = self.mla, q_nope.shape[0], self.num_heads
         w_uk, w_uv = self.kv_b_proj.split()                                      # [H, nope, r], [H, v, r]
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)          # [B, H, r]
+        q_lat = bounded_bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)       # [B, H, r]
         qd = torch.cat((q_lat, q_pe), dim=-1).view(b, 1, heads, mla.latent_dim)
         bs, length = meta.block_size, meta.decode_len
         flat = meta.decode_blocks.view(-1)
@@ -145,7 +146,7 @@ class MLAttention(nn.Module):
         kd = kd[:, :length].unsqueeze(1)                                        # [B, 1, L, latent_dim]
         o_lat = F.scaled_dot_product_attention(qd, kd, kd[..., :mla.kv_lora_rank], attn_mask=meta.decode_mask,
                                                scale=self.scale)                # [B, 1, H, r]
-        return torch.bmm(o_lat.view(b, heads, -1).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return bounded_bmm(o_lat.view(b, heads, -1).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _prefill(self, q_nope, q_pe, ctx, mask) -> torch.Tensor:
         """Expanded: per-head K = cat(c W_UK, k_pe), V = c W_UV over the chunk's context. Returns [n, H, v]."""

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgecore.shared.models.activation import ACTIVATIONS
+from edgecore.shared.models.row_buckets import bounded_linear
 from edgecore.shared.parallel import all_reduce, tensor_parallel
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]      # (gate, up) -> hidden
@@ -124,10 +125,10 @@ class FusedExperts(nn.Module):
                 continue
             idx = token_of[start:start + n]
             w = weight_of[start:start + n, None]
-            h = F.linear(x[idx] * w if weight_inputs else x[idx], self.w13[expert],
-                         None if self.b13 is None else self.b13[expert])
+            h = bounded_linear(x[idx] * w if weight_inputs else x[idx], self.w13[expert],
+                               None if self.b13 is None else self.b13[expert])
             h = self.act(h[:, :self.shard], h[:, self.shard:])
-            y = F.linear(h, self.w2[expert], self.b2[expert] if rank_bias else None)
+            y = bounded_linear(h, self.w2[expert], self.b2[expert] if rank_bias else None)
             ys[start:start + n] = y if weight_inputs else y * w
             start += n
         # Back to (token, slot) order with one scatter, then a sum over the k slots: no per-expert

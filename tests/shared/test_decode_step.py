@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from edgecore.shared.engine.step_plan import PlanItem
-from edgecore.shared.models import layers
+from edgecore.shared.models import layers, row_buckets
 from edgecore.shared.models.attention import AttentionMetadata, paged_attention
 from tests.conftest import make_engine
 
@@ -231,12 +231,12 @@ def test_only_small_models_step_on_one_thread(monkeypatch):
 
 
 def test_packed_matmuls_run_at_few_row_counts():
-    seen = {layers.padded_rows(m) for m in range(1, 2049)}
+    seen = {row_buckets.padded_rows(m) for m in range(1, 2049)}
     assert len(seen) == 80                       # 32 exact, then 8 per power of two up to 2048
     for m in range(1, 4097):
-        p = layers.padded_rows(m)
-        assert p == m if m <= layers.EXACT_ROWS else m <= p <= m * 9 / 8
-        assert layers.padded_rows(p) == p        # a padded count is its own bucket
+        p = row_buckets.padded_rows(m)
+        assert p == m if m <= row_buckets.EXACT_ROWS else m <= p <= m * 9 / 8
+        assert row_buckets.padded_rows(p) == p        # a padded count is its own bucket
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
@@ -247,10 +247,10 @@ def test_padded_packed_matmul_is_the_product(rows):
     packed = torch.ops.mkldnn._reorder_linear_weight(w)
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
-        y = layers.packed_linear(x, packed, b)
+        y = row_buckets.packed_linear(x, packed, b)
         assert y.shape == (rows, 96) and y.is_contiguous()
         torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-        y3 = layers.packed_linear(x.view(1, rows, 64), packed, None)     # leading dimensions kept
+        y3 = row_buckets.packed_linear(x.view(1, rows, 64), packed, None)     # leading dimensions kept
         assert y3.shape == (1, rows, 96)
         torch.testing.assert_close(y3[0], F.linear(x, w), rtol=1e-5, atol=1e-5)
 
@@ -271,7 +271,7 @@ def test_the_model_meets_only_padded_row_counts(model_dir, monkeypatch):
     prompts = [list(range(5 + i, 5 + i + 37 + i % 5)) for i in range(40)]       # prefill of 1,500+ rows
     engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))   # 40-row decode
     assert max(rows_seen) > 1000 and 40 in rows_seen
-    assert all(layers.padded_rows(r) == r for r in rows_seen)
+    assert all(row_buckets.padded_rows(r) == r for r in rows_seen)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
@@ -280,4 +280,23 @@ def test_padding_a_strided_input():
     packed = torch.ops.mkldnn._reorder_linear_weight(w)
     x = torch.randn(64, 50, generator=torch.Generator().manual_seed(5)).t()        # [50, 64], not contiguous
     with torch.inference_mode():
-        torch.testing.assert_close(layers.packed_linear(x, packed, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(row_buckets.packed_linear(x, packed, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bounded_matmuls_pad_only_where_onednn_serves_them(monkeypatch, dtype):
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(6)).to(dtype)
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(7)).to(dtype)
+    a = torch.randn(3, 37, 64, generator=torch.Generator().manual_seed(8)).to(dtype)
+    b = torch.randn(3, 64, 16, generator=torch.Generator().manual_seed(9)).to(dtype)
+    expected = F.linear(x, w), torch.bmm(a, b)
+    rows = []
+    real_linear, real_bmm = F.linear, torch.bmm
+    monkeypatch.setattr(F, "linear", lambda x, w, bias=None: rows.append(x.shape[0]) or real_linear(x, w, bias))
+    monkeypatch.setattr(torch, "bmm", lambda a, b: rows.append(a.shape[1]) or real_bmm(a, b))
+    y, z = row_buckets.bounded_linear(x, w), row_buckets.bounded_bmm(a, b)
+    assert y.shape == (37, 48) and z.shape == (3, 37, 16)
+    assert rows == ([40, 40] if dtype == torch.bfloat16 else [37, 37])     # bf16 on CPU: oneDNN, padded
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y, expected[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(z, expected[1], rtol=tol, atol=tol)
