@@ -43,12 +43,8 @@ def _row(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.
     return y if bias is None else y + bias
 
 
-def _column_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`_column` through the oneDNN-packed weight, as `_Matmul.matmul` takes it from `plain_below` rows."""
-    return packed_linear(x, packed, bias)
-
-
 def _row_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`_row` through the oneDNN-packed weight; a column projection packed is `packed_linear` itself."""
     y = packed_linear(x, packed, None)
     return y if bias is None else y + bias
 
@@ -108,7 +104,7 @@ class FlatDecoder:
         x = torch.nn.functional.embedding(input_ids, self.embed)
         cos, sin = self.model.rope_inputs(positions, x.dtype)
         few = t < self.plain_below
-        column, row = (_column, _row) if few else (_column_packed, _row_packed)
+        column, row = (_column, _row) if few else (packed_linear, _row_packed)
         for (n1, e1, qkv_t, qkv_b, heads, kvh, d, q_norm, k_norm, index, scale, form, sinks, o_t, o_b,
              n2, e2, gu_t, gu_b, act, down_t, down_b) in (self.few if few else self.many):
             qkv = column(_norm(x, n1, e1), qkv_t, qkv_b).view(t, heads + 2 * kvh, d)

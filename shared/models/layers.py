@@ -27,8 +27,8 @@ matmuls take the same time packed as transposed on two threads).
 `weight_bytes(model)` counts packed and transposed copies too.
 
 Where the two layouts cross depends on the CPU: 8 rows on the machine that
-first measured it, 3 on an AMD EPYC (one thread, the bundled model: 4 rows
-340 us input-major against 260 us packed). So `calibrate_plain_rows(model)`
+first measured it, 4 on an AMD EPYC (one thread, the bundled model: 4 rows
+340 us input-major against 260 us packed; 3 on two threads). So `calibrate_plain_rows(model)`
 times the model's own weights both ways at 2, 3, ... rows, once at start-up
 (about 0.1 s for the bundled model, more for larger weights), and sets the row
 count from which the packed layout is used (EDGECORE_PACKED_FROM_ROWS pins it
@@ -138,7 +138,7 @@ def _layout_times(x: torch.Tensor, plain: list[tuple], packed: list[tuple], reps
     best = [float("inf"), float("inf")]
     for i in range(6):
         kind = i % 2 if i < 3 else 1 - i % 2          # input-major first, then packed first
-        fn = torch.mm if kind == 0 else _packed_mm
+        fn = torch.mm if kind == 0 else _packed_mm      # what `matmul` runs for each layout
         t = time.perf_counter()
         for _ in range(reps):
             for xi, w, count in inputs[kind]:
@@ -195,7 +195,7 @@ def calibrate_plain_rows(model: nn.Module, threads: int) -> int:
 
 
 def _packed_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return packed_linear(x, packed, None)
 
 
 def weight_bytes(model: nn.Module) -> int:
