@@ -62,23 +62,38 @@ class Node:
                 self.kill()
 
 
+def _on_free_ports(start, count: int, attempts: int = 3):
+    """start(*ports) with `count` ports free a moment ago. Between that moment and the node's bind another
+    process may take one (a parallel core's gloo connections take ephemeral ports): then again, with
+    others."""
+    for attempt in range(attempts):
+        try:
+            return start(*(free_port() for _ in range(count)))
+        except RuntimeError as exc:
+            if "address already in use" not in str(exc) or attempt == attempts - 1:
+                raise
+
+
 def start_core(secret_file: str, *extra: str, data_dir: str | None = None, **node_args: Any) -> tuple[Node, int, int]:
     """`node_args`: Node's keywords (env, ready_timeout, launcher)."""
     import tempfile
-    port, http = free_port(), free_port()
-    node = Node(["core", "--listen", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{http}", "--secret-file",
-                 secret_file, "--data-dir", data_dir or tempfile.mkdtemp(prefix="edgecore-core-"), *extra], **node_args)
-    return node, port, http
+    data_dir = data_dir or tempfile.mkdtemp(prefix="edgecore-core-")
+
+    def start(port: int, http: int) -> tuple[Node, int, int]:
+        return Node(["core", "--listen", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{http}", "--secret-file",
+                     secret_file, "--data-dir", data_dir, *extra], **node_args), port, http
+    return _on_free_ports(start, 2)
 
 
 def start_edge(*extra: str, cores: list[int] = (), secret_file: str | None = None) -> tuple[Node, int]:
-    http = free_port()
-    args = ["edge", "--listen", f"127.0.0.1:{http}", *extra]
-    for p in cores:
-        args += ["--core", f"127.0.0.1:{p}"]
-    if secret_file:
-        args += ["--secret-file", secret_file]
-    return Node(args), http
+    def start(http: int) -> tuple[Node, int]:
+        args = ["edge", "--listen", f"127.0.0.1:{http}", *extra]
+        for p in cores:
+            args += ["--core", f"127.0.0.1:{p}"]
+        if secret_file:
+            args += ["--secret-file", secret_file]
+        return Node(args), http
+    return _on_free_ports(start, 1)
 
 
 def metric(http: int, prefix: str) -> float:
