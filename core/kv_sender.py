@@ -11,7 +11,8 @@ holds (`skip_tokens`) and tokens served from the core's own prefix cache are
 handled the same way: everything in [skip_tokens, end of step) not yet sent
 is sent. A sliding-window or chunked layer sends only from the first token
 the edge's decode can still attend to (`needed_from`: the window or chunk of
-the prompt's end); earlier tokens of that layer never leave the core.
+the prompt's end); earlier tokens of that layer never leave the core. Layers
+the edge computes itself (`edge_layers`: layer 0) send nothing.
 
 A parallel core runs one streamer per rank that holds distinct KV: each
 covers its own layers (`layer_offset`) and KV heads (`head_start`), so every
@@ -61,7 +62,7 @@ class LayerStreamer:
                 continue
             end = min(seq.num_computed_tokens + n, req.total_tokens)   # a decoding request's new tokens stay
             if req.needed is None:
-                req.needed = needed_from(self.config, req.total_tokens)
+                req.needed = needed_from(self.config, req.total_tokens, req.edge_layers)
             start = max(req.sent_until, req.needed[layer + self.layer_offset])
             if end > start:
                 slots = pool.slots(seq.table.blocks, start, end)

@@ -47,7 +47,7 @@ from edgecore.shared.engine.handle import EngineHandle
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
-from edgecore.shared.kv.transfer import KVSlice, StreamRoute, cut_slice, needed_from
+from edgecore.shared.kv.transfer import EDGE_LAYERS, KVSlice, StreamRoute, cut_slice, needed_from
 
 log = logging.getLogger("edgecore.core")
 
@@ -187,6 +187,8 @@ class PrefillService:
                      f"{session.peer.conn.peer_codecs})")
         elif not 0 <= msg.skip_tokens < len(msg.token_ids):
             error = f"skip_tokens {msg.skip_tokens} must be below the prompt length {len(msg.token_ids)}"
+        elif not 0 <= msg.edge_layers <= EDGE_LAYERS:
+            error = f"edge_layers {msg.edge_layers} must be between 0 and {EDGE_LAYERS} (layer 0 only)"
         if error is None:
             return None
         return m.Error(ErrorCode.BAD_REQUEST if codec else ErrorCode.CODEC, error, rid)
@@ -206,12 +208,12 @@ class PrefillService:
             return
         direct = self.direct_streams and msg.direct and bool(peer.conn.session)
         req = Transfer(f"s{session.id}/{rid}", rid, session.queue, codec, len(msg.token_ids), msg.skip_tokens,
-                       gather=self.parallel and not direct, piece_bytes=PIECE_BYTES if msg.core_decode else 0)
+                       msg.edge_layers, gather=self.parallel and not direct, piece_bytes=PIECE_BYTES if msg.core_decode else 0)
         session.transfers[rid] = req
         self.streamer.remote[req.internal_id] = req
         if direct:      # the other ranks learn the route with the first step that computes this request
-            self.handle.add_stream_route(req.internal_id, StreamRoute(rid, peer.conn.session, codec,
-                                                                      msg.skip_tokens, len(msg.token_ids)))
+            self.handle.add_stream_route(req.internal_id, StreamRoute(rid, peer.conn.session, codec, msg.skip_tokens,
+                                                                      len(msg.token_ids), msg.edge_layers))
         limit, why_not = self._decode_limit(msg)
         if limit:
             req.decode = asyncio.current_task()
@@ -332,7 +334,7 @@ class PrefillService:
                              list(info.top) if info else [], req.total_tokens, first.num_cached_tokens,
                              req.timings(time.perf_counter()))
         if req.gather:
-            starts = needed_from(self.handle.config, req.total_tokens)     # windowed layers: their window only
+            starts = needed_from(self.handle.config, req.total_tokens, req.edge_layers)   # windowed: the window
             for whole in await self.handle.read_kv(req.internal_id, req.skip_tokens, req.total_tokens):
                 req.held.extend(KVSend(req, piece) for piece in cut_slice(whole, starts))
         for item in req.held:            # baseline mode, gathered KV: all of it after the last layer

@@ -99,7 +99,7 @@ class StreamServer:
                 log.warning("no stream connection for session %s (request %s)", route.session[:8], route.request_id)
                 continue
             remote[stream_id] = Transfer(stream_id, route.request_id, session.queue, route.codec, route.total_tokens,
-                                         route.skip_tokens)
+                                         route.skip_tokens, route.edge_layers)
 
     def on_layer(self, layer: int, items) -> None:
         self.streamer.on_layer(layer, items)

@@ -64,6 +64,7 @@ class Transfer:
     codec: str
     total_tokens: int                  # prompt length
     skip_tokens: int = 0               # tokens the edge holds already
+    edge_layers: int = 0               # leading layers whose KV the edge computes itself: none of theirs is sent
     gather: bool = False               # parallel core, edge not attached to every rank: rank 0 gathers the KV
     state: TransferState = TransferState.PREFILLING
     sent_until: int = 0                # tokens fully queued (all layers); engine thread only

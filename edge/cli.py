@@ -34,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-curve", default=None, metavar="FILE",
                    help="with --adaptive: this model's rate-distortion curve, a bench/kv_rd.py result "
                         "(default: the bundled model's, shipped in edge/codec_policy.py)")
+    p.add_argument("--first-layer-macs", type=float, default=1e9, metavar="N",
+                   help="lossy codecs: compute layer 0's KV here (it depends on the prompt's tokens alone) instead "
+                        "of receiving it, when that costs at most N multiply-adds (default 1e9; 0: always receive)")
     p.add_argument("--local-prefill-below", default="32", metavar="N|auto",
                    help="prompts (or uncached suffixes) shorter than N tokens prefill at the edge; 'auto' uses "
                         "the crossover measured from this edge's own and the cores' prefill times")
@@ -194,6 +197,7 @@ def _edge_engine(args: argparse.Namespace, model_dir: str, codecs: list[str], lo
                         adaptive=args.adaptive, ttft_target_ms=args.ttft_target_ms, **codec_policy(args),
                         local_prefill_below=local_below, cache=cache,
                         transfer_timeout=args.transfer_timeout, handover_tokens=max(0, args.handover_max_tokens),
+                        first_layer_macs=max(0.0, args.first_layer_macs),
                         name=args.name, ssl=ssl, engine_threads=engine_threads,
                         served_model_name=args.served_model_name or "")
     return EdgeEngine(config)

@@ -78,6 +78,8 @@ class EdgeConfig:
     transfer_timeout: float = 30.0
     max_core_attempts: int = 2
     handover_tokens: int = 64          # tokens after the first a core may decode while the KV travels; 0: off
+    first_layer_macs: float = 1e9     # lossy transfers: most multiply-adds spent computing layer 0's KV here
+                                      # instead of receiving it (0: always receive; shared/kv/transfer.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     engine_threads: int | None = None   # intra-op threads of the engine thread (None: leave as they are)
@@ -303,7 +305,7 @@ class EdgeEngine:
         returns the queue its outputs arrive in."""
         prefill = RemotePrefill(self.handle, client, request_id, prompt_ids, params, self.config.transfer_timeout,
                                 self.decoder_pool, self.metrics, self.config.handover_tokens, self.handover_counts,
-                                self.codec_rope)
+                                self.codec_rope, self.config.first_layer_macs)
         queue = await prefill.run(self._codec, activate)
         if prefill.follow is not None:
             self._follows[request_id] = prefill.follow

@@ -6,9 +6,11 @@ stream, sends the PrefillRequest with the chosen codec, and then feeds every
 event of the request to the receiver: a KVChunk's header is checked and
 counted before its payload is decoded (its frame MAC-verified on arrival; in a worker thread
 unless it is small, not awaited, so PrefillDone and Tokens behind it are handled meanwhile)
-and written into the paged cache as a `KVSlice` between decode steps (every write is
-queued before the activation or takeover that reads the KV, `_written`); PrefillDone, a core Error, a broken connection or the transfer
-timeout go to the receiver too. Once the receiver is COMPLETE the request is
+and written into the paged cache as a `KVSlice` between decode steps. For a lossy codec the edge may
+compute layer 0's KV itself (`edge_layers`, shared/kv/transfer.py: it depends on the tokens alone),
+queued on the engine right after the PrefillRequest leaves; the core then sends none of that layer.
+Every write is queued before the activation or takeover that reads the KV (`_written`). PrefillDone, a
+core Error, a broken connection or the transfer timeout go to the receiver too. Once the receiver is COMPLETE the request is
 activated with the core's first token (it joins the decode batch) and the core
 hears Ack; on any failure the reservation is released, the core hears Cancel,
 and `RemotePrefillFailed` tells the caller to try elsewhere. The link estimate
@@ -45,13 +47,14 @@ from edgecore.edge.metrics import EdgeMetrics
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ProtocolError
 from edgecore.protocol.handover import CoreDecode, Phase
+from edgecore.protocol.codecs import get_codec
 from edgecore.protocol.kv import SMALL_CHUNK_BYTES, decode_chunk
 from edgecore.protocol.state import KVData
 from edgecore.protocol.transport import PeerError
 from edgecore.shared.engine.handle import EngineHandle, FirstToken
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
-from edgecore.shared.kv.transfer import KVSlice, needed_from
+from edgecore.shared.kv.transfer import EDGE_LAYERS, KVSlice, needed_from
 from edgecore.shared.kv.wire import from_bits
 
 
@@ -65,15 +68,18 @@ class RemotePrefillFailed(Exception):
 class RemotePrefill:
     def __init__(self, handle: EngineHandle, client: CoreClient, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, timeout: float, decoder_pool: Executor, metrics: EdgeMetrics,
-                 core_decode: int = 0, counts: dict | None = None, rope: tuple[float, ...] | None = None):
+                 core_decode: int = 0, counts: dict | None = None, rope: tuple[float, ...] | None = None,
+                 first_layer_budget: float = 0.0):
         """`core_decode`: tokens after the first the core may decode before the edge takes over (0: the old
         mode); `counts`: the edge's handover counters (stats); `rope`: the model's RoPE for the codecs, what
-        the core's encoder took (`codec_rope`, derived once per edge)."""
+        the core's encoder took (`codec_rope`, derived once per edge); `first_layer_budget`: the most
+        multiply-adds this edge spends computing layer 0's KV of a lossy transfer itself (`edge_layers`)."""
         self.handle, self.client = handle, client
         self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
         self.timeout, self.decoder_pool, self.metrics = timeout, decoder_pool, metrics
         self.core_decode, self.counts = core_decode, counts if counts is not None else {}
-        self.rope = rope
+        self.rope, self.first_layer_budget = rope, first_layer_budget
+        self.edge_layers = 0
         self.receiver: KVReceiver | None = None
         self.decode: CoreDecode | None = None
         self.follow: asyncio.Task | None = None   # decode handover: the rest of the transfer, after run()
@@ -90,9 +96,10 @@ class RemotePrefill:
         codec = choose_codec(client, len(self.prompt_ids) - cached)
         cfg = handle.config
         limit = min(self.core_decode, self.params.max_tokens - 1) if activate and client.peer.conn.handover else 0
+        self.edge_layers = self._edge_layers(codec, len(self.prompt_ids) - cached)
         receiver = self.receiver = KVReceiver(rid, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                               len(self.prompt_ids), cached, direct=client.direct or limit > 0,
-                                              needed_from=needed_from(cfg, len(self.prompt_ids)))
+                                              needed_from=needed_from(cfg, len(self.prompt_ids), self.edge_layers))
         started = time.perf_counter()
         try:
             if limit > 0:
@@ -125,11 +132,20 @@ class RemotePrefill:
             return None
         return queue
 
+    def _edge_layers(self, codec: str, tokens: int) -> int:
+        """Layers whose KV this edge computes itself: layer 0 (`EDGE_LAYERS`) when the codec is lossy — a
+        lossless transfer promises the core's own bits — and its cost is within the budget."""
+        macs = self.handle.first_layer_macs * tokens
+        return EDGE_LAYERS if not get_codec(codec).lossless and 0 < macs <= self.first_layer_budget else 0
+
     async def _request(self, codec: str, cached: int, limit: int = 0) -> asyncio.Queue:
         spec = m.SamplingSpec(**self.params.spec_fields())
-        return await self.client.prefill(m.PrefillRequest(
+        events = await self.client.prefill(m.PrefillRequest(
             self.request_id, self.prompt_ids, spec, [codec], int(self.timeout * 1000), cached,
-            direct=self.client.direct, core_decode=limit))
+            direct=self.client.direct, core_decode=limit, edge_layers=self.edge_layers))
+        if self.edge_layers:        # while the core computes: queued before every write, activate or take-over
+            self.handle.write_first_layer_kv(self.request_id)
+        return events
 
     async def _receive(self, receiver: KVReceiver, codec: str, cached: int) -> None:
         events = await self._request(codec, cached)

@@ -79,6 +79,8 @@ class PrefillRequest(_Msg, tag=5, frozen=True):
                                        # each rank sends its own layers and heads there
     core_decode: int = 0               # version 3: tokens the core may decode after the first and stream
                                        # as Token frames until the edge's Handover; 0 = none (version 2 mode)
+    edge_layers: int = 0               # leading layers whose KV the edge computes itself (0 or 1: layer 0's
+                                       # K/V depend on each token alone); the core sends none of theirs
 
 
 class KVChunk(_Msg, tag=6, frozen=True):

@@ -284,6 +284,16 @@ class LLMEngine:
         for i in range(piece.num_layers):
             self.pool.write(piece.layer + i, slots, piece.k[i], piece.v[i], piece.head_start)
 
+    def write_first_layer_kv(self, request_id: str) -> None:
+        """Compute layer 0's K/V of a reserved request's uncached prompt tokens here, instead of receiving them
+        (shared/kv/transfer.py `EDGE_LAYERS`; the runner's `first_layer_macs` per token). A request released
+        or taken over meanwhile (a failed transfer, a cancelled client) needs none: nothing is written."""
+        state = self.requests.get(request_id)
+        if state is None or state.seq.status is not Status.AWAITING_KV:
+            return
+        seq = state.seq
+        self.runner.write_first_layer_kv(seq, seq.num_cached_tokens, seq.num_prompt_tokens)
+
     def _check_remote_token(self, token: int, top) -> None:
         """A token sampled by another node (a core) must be one of this model's ids before anything uses it:
         an id outside the vocabulary would fail the next step's embedding for the whole batch."""

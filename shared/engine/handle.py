@@ -3,8 +3,8 @@
 Life cycle of the seam: a node (edge engine, core prefill service, batch
 runner, contexts, control port) holds an `EngineHandle` and nothing else of the
 engine. Requests enter with `add` / `generate` (outputs stream back), leave with
-`abort`; the disaggregation entry points are `reserve` → `write_kv`* →
-`activate` (KV from outside; with decode handover `reserve` → `push_token`* and
+`abort`; the disaggregation entry points are `reserve` → `write_kv`* (and
+`write_first_layer_kv`, layer 0 computed here) → `activate` (KV from outside; with decode handover `reserve` → `push_token`* and
 `write_kv`* → `take_over`) and prefill-only requests → `read_kv` → `release`
 (KV handed out); `pin_prefix` / `commit_prefix` / `unpin` keep prefixes
 resident. Stream routes (`add_stream_route`, `drop_stream_route`) tell a
@@ -115,6 +115,13 @@ class EngineHandle(Protocol):
     async def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> int: ...
 
     def write_kv(self, request_id: str, piece: KVSlice) -> None: ...
+
+    # Multiply-adds per token of computing layer 0's K/V locally (0: this engine cannot), and doing so for a
+    # reserved request's uncached tokens instead of receiving them (shared/kv/transfer.py `EDGE_LAYERS`).
+    @property
+    def first_layer_macs(self) -> int: ...
+
+    def write_first_layer_kv(self, request_id: str) -> None: ...
 
     async def activate(self, request_id: str, first: FirstToken) -> None: ...
 

@@ -47,6 +47,7 @@ from edgecore.shared.models.flat_decode import FlatDecoder
 from edgecore.shared.models.layers import calibrate_plain_rows, pack_for_cpu, weight_bytes
 
 SINGLE_THREAD_BELOW = 16    # tokens: smaller steps may run on one thread (0: never) ...
+FIRST_LAYER_PIECE = 2048   # tokens per call of write_first_layer_kv (bounds its activations)
 SINGLE_THREAD_MAX_WEIGHTS = 64 << 20    # ... of a model with at most these weight bytes (a larger model's
                                         # matmuls at batch 1 read enough memory for two threads to pay)
 
@@ -80,6 +81,10 @@ class ModelRunner:
         self.device = pool.device
         self.block_size = pool.block_size
         self.forms = sorted({f for f in model.config.layer_attention if f != FULL}, key=lambda f: (f.kind, f.size))
+        # Multiply-adds per token of computing layer 0's K/V here (its attention's weights: the projections
+        # run whole); 0 where this process does not hold layer 0.
+        layer0 = model.model.layers[0].self_attn if model.model.layer_ids[0] == 0 else None
+        self.first_layer_macs = sum(p.numel() for p in layer0.parameters() if p.dim() == 2) if layer0 else 0
         packed = self.device == "cpu" and cpu_pack_enabled()
         if self.device == "cpu":
             retain_freed_memory()      # activations reuse heap pages instead of faulting in new ones
@@ -187,6 +192,18 @@ class ModelRunner:
             if first[-1].item() > 0:
                 chunk.masks[form] = (k_pos <= q_pos) & (k_pos >= first)
         return chunk
+
+    @torch.inference_mode()
+    def write_first_layer_kv(self, seq: Sequence, start: int, end: int) -> None:
+        """Layer 0's K/V of `seq`'s tokens [start, end), computed here in pieces of `FIRST_LAYER_PIECE` tokens
+        (an edge's own first layer: shared/kv/transfer.py `EDGE_LAYERS`)."""
+        for lo in range(start, end, FIRST_LAYER_PIECE):
+            hi = min(end, lo + FIRST_LAYER_PIECE)
+            ids = torch.tensor(seq.token_ids[lo:hi], dtype=torch.long, device=self.device)
+            slots = self.pool.slots(seq.table.blocks, lo, hi)
+            positions = torch.arange(lo, hi, device=self.device)
+            self.model.write_first_layer_kv(ids, positions, AttentionMetadata(slot_mapping=slots,
+                                                                              kv_caches=self.pool.layers))
 
     # ---- ranks: a parallel runner (parallel_runner.py) overrides these; one process has none ----
     def add_route(self, stream_id: str, route) -> None:

@@ -49,6 +49,7 @@ class StageRunner(ModelRunner):
         self.dtype = next(model.parameters()).dtype
         self.busy = 0.0            # seconds spent computing this rank's part of steps
         self.steps = 0
+        self.first_layer_macs = 0   # layer 0 of a parallel model spans ranks: its KV is never computed alone
 
     def execute(self, items, on_layer=None):
         """Run this rank's part of a step; `on_layer(layer, items)` sees each micro-batch's own items."""

@@ -12,6 +12,11 @@ Windowed layers (sliding-window, chunked): the edge's first decode query sits at
 the prompt's end, and no later query sees further back, so a windowed layer
 needs only the tokens from `needed_from(config, prompt_len)[layer]` on. The core
 cuts each layer's slice there (`cut_slice`); the edge counts coverage from there.
+
+Edge-computed first layer: layer 0's K/V depend on each token and its position alone (nothing is
+attended before them), so an edge can compute them from the prompt it already holds — an embedding
+lookup and one layer's projections — instead of receiving them. A PrefillRequest's `edge_layers`
+(at most `EDGE_LAYERS`) says so; both ends then treat those layers as needing no token.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import msgspec
 import torch
 
 from edgecore.shared.config import ModelConfig
+
+EDGE_LAYERS = 1     # leading layers an edge may compute itself: layer 0 only (layer 1 would need attention)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +47,11 @@ class KVSlice:
         return self.k.shape[0]
 
 
-def needed_from(config: ModelConfig, position: int) -> list[int]:
+def needed_from(config: ModelConfig, position: int, edge_layers: int = 0) -> list[int]:
     """Per layer: the first token any query at `position` or later attends to (0 for a full-attention layer;
-    `position` itself for a chunked layer whose chunk starts there). KV before it need not travel."""
-    return [min(config.attention_of(layer).first_visible(position), position)
+    `position` itself for a chunked layer whose chunk starts there). KV before it need not travel. The first
+    `edge_layers` layers (0 or 1) need none: the edge computes their KV itself (`EDGE_LAYERS`)."""
+    return [position if layer < edge_layers else min(config.attention_of(layer).first_visible(position), position)
             for layer in range(config.num_hidden_layers)]
 
 
@@ -67,9 +75,11 @@ def cut_slice(piece: KVSlice, starts: list[int]) -> list[KVSlice]:
 
 class StreamRoute(msgspec.Struct, array_like=True, frozen=True):
     """Where a rank sends its own KV of one request: the edge's request id, the session id of the edge's
-    connections, the codec, and the token range [skip_tokens, total_tokens)."""
+    connections, the codec, the token range [skip_tokens, total_tokens), and the leading layers the edge
+    computes itself (none of their KV is sent)."""
     request_id: str
     session: str
     codec: str
     skip_tokens: int
     total_tokens: int
+    edge_layers: int = 0

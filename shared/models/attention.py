@@ -106,7 +106,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     groups = hq // hkv
     b = meta.num_decode
-    out = torch.empty_like(q) if b < q.shape[0] else None
+    # Rows neither decoding nor in a prefill chunk (a write-only step: an edge's own layer-0 KV) read zeros.
+    out = (torch.empty_like(q) if meta.prefills else torch.zeros_like(q)) if b < q.shape[0] else None
     if b:
         # float32 on CPU: one query per head, K/V shared by head groups inside SDPA ([B, Hq, 1, D]),
         # 1.15-2x faster than the other form. Otherwise the query heads of one KV head act as a short

@@ -184,6 +184,16 @@ class LlamaForCausalLM(nn.Module):
             x = layer.forward(x, rope, meta)
         return x
 
+    def write_first_layer_kv(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Layer 0's K/V of these tokens into its cache slots (`meta.slot_mapping`), attending to nothing: a
+        layer's K/V depend on its input rows alone, and layer 0's are the tokens' embeddings. `meta` has no
+        decode rows or prefill chunks, so the attention only writes the cache (its output, zeros, is dropped)."""
+        if self.model.layer_ids[0] != 0 or meta.prefills or meta.num_decode:
+            raise ValueError("write_first_layer_kv needs the model's layer 0 and a write-only AttentionMetadata")
+        x = self.model.embed_tokens.forward(input_ids)
+        layer = self.model.layers[0]
+        layer.self_attn.forward(layer.input_layernorm.forward(x), self.rope_inputs(positions, x.dtype), meta)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.forward(self.model.norm.forward(hidden))
         return logits if logits.dtype == torch.float32 else logits.float()

@@ -120,7 +120,8 @@ class MLAttention(nn.Module):
         latent = torch.cat((c, k_pe), dim=-1)                                   # [T, latent_dim]
         cache = meta.kv_caches[self.layer][0].view(-1, mla.latent_dim)        # [slots, latent_dim]
         cache.index_copy_(0, meta.slot_mapping, latent.to(cache.dtype))
-        out = x.new_empty(t, heads, mla.v_head_dim)
+        out = x.new_empty(t, heads, mla.v_head_dim) if meta.prefills or meta.num_decode == t else \
+            x.new_zeros(t, heads, mla.v_head_dim)       # a write-only step (an edge's own layer-0 KV)
         b = meta.num_decode
         if b:
             out[:b] = self._decode(q_nope[:b], q_pe[:b], cache, meta)

@@ -59,6 +59,26 @@ async def test_first_chunks_leave_before_last_layer_is_computed(model_dir, token
         await core.stop()
 
 
+async def test_edge_layers_keep_layer0_at_the_core(model_dir, tokenizer, heldout, tmp_path):
+    core = CoreServer(CoreConfig(str(model_dir), b"s", port=0, http_port=None, data_dir=str(tmp_path)))
+    await core.start()
+    client = CoreClient("127.0.0.1", core.port, secret=b"s", fingerprint=model_fingerprint(model_dir),
+                        codecs=["lossless", "q4e"])
+    try:
+        await client.connect()
+        prompt = tokenizer.encode(heldout)[:100]
+        events = await client.prefill(m.PrefillRequest("e", prompt, codecs=["q4e"], edge_layers=1))
+        layers = []
+        while not isinstance(ev := await asyncio.wait_for(events.get(), 30), m.PrefillDone):
+            assert isinstance(ev, KVData)
+            layers += range(ev.chunk.layer_start, ev.chunk.layer_end)
+        assert sorted(layers) == [1, 2, 3]
+        await client.send(m.Ack("e"))
+    finally:
+        await client.close()
+        await core.stop()
+
+
 async def test_lease_expiry_and_disconnect_free_kv(model_dir, tmp_path):
     core = CoreServer(CoreConfig(str(model_dir), b"s", port=0, http_port=None, data_dir=str(tmp_path), lease_seconds=0.2))
     await core.start()
@@ -92,7 +112,9 @@ async def test_bad_prefill_requests_get_request_errors(model_dir, tmp_path):
         await client.connect()
         for req, needle in ((m.PrefillRequest("x", [5] * 2000), "context length"),
                             (m.PrefillRequest("y", [5, 6], codecs=["zip"]), "codecs"),
-                            (m.PrefillRequest("z", [99999]), "token ids")):
+                            (m.PrefillRequest("z", [99999]), "token ids"),
+                            (m.PrefillRequest("w", [5, 6], edge_layers=2), "edge_layers"),
+                            (m.PrefillRequest("v", [5, 6], edge_layers=-1), "edge_layers")):
             events = await client.prefill(req)
             err = await asyncio.wait_for(events.get(), 10)
             assert isinstance(err, m.Error) and needle in err.message and err.request_id == req.request_id

@@ -1,0 +1,90 @@
+"""Layer 0 computed at the edge (`edge_layers` = 1), in one process: the core's `LayerStreamer` sends no layer-0
+KV, the edge's `KVReceiver` completes without it, the edge computes it into a pool filled with NaN and decodes
+as a single node does; a PrefillRequest asking for more than layer 0 is refused."""
+
+import pytest
+import torch
+
+from edgecore.core.kv_sender import LayerStreamer
+from edgecore.core.transfer import Transfer
+from edgecore.edge.kv_receiver import KVReceiver
+from edgecore.protocol import messages as m
+from edgecore.protocol.kv import decode_chunk, encode_chunk
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.kv.transfer import EDGE_LAYERS, KVSlice, needed_from
+from edgecore.shared.kv.wire import DTYPE_NAMES, codec_rope, from_bits, to_bits
+from tests.conftest import MODEL_DIR, make_engine
+from tests.shared.moe_checkpoints import build
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def engine(path):
+    return make_engine(path, block_size=4, num_blocks=256)
+
+
+def model_dir(name, tmp_path):
+    return MODEL_DIR if name == "pydoc-llama" else build(tmp_path, name)[0]
+
+
+@pytest.mark.parametrize("codec", ["lossless", "q4e"])
+@pytest.mark.parametrize("name", ["pydoc-llama", "mixtral-sliding", "gpt_oss"])
+def test_core_sends_no_layer0_and_the_edge_decodes_like_one_node(name, codec, tmp_path):
+    path = model_dir(name, tmp_path)
+    ids = torch.randint(2, 250, (43,), generator=torch.Generator().manual_seed(5)).tolist()
+    ref = engine(path).generate([ids], GREEDY)[0]["token_ids"]
+    core = engine(path)
+    streamer = LayerStreamer(core.pool, core.runner.model, loop=None, mode="hold")
+    transfer = Transfer("s/c", "c", None, codec, len(ids), 0, EDGE_LAYERS)
+    streamer.remote["c"] = transfer
+    core.add_request("c", ids, SamplingParams(max_tokens=1, temperature=0), prefill_only=True)
+    first = [out.new_token_ids[0] for out in core.step(streamer.on_layer) if out.finished][0]
+    pieces = [item.piece for item in transfer.held]
+    assert pieces and all(p.layer > 0 for p in pieces)
+
+    edge = engine(path)
+    cfg = edge.config
+    edge.reserve("e", ids, GREEDY)
+    for t in edge.pool.k + edge.pool.v:
+        t.fill_(float("nan"))
+    receiver = KVReceiver("e", cfg.num_hidden_layers, cfg.num_key_value_heads, len(ids),
+                          needed_from=needed_from(cfg, len(ids), EDGE_LAYERS))
+    edge.write_first_layer_kv("e")
+    rope = codec_rope(cfg)
+    for piece in pieces:
+        data = encode_chunk("e", to_bits(piece.k), to_bits(piece.v), layer_start=piece.layer,
+                            token_start=piece.token_start, head_start=piece.head_start,
+                            dtype=DTYPE_NAMES[edge.pool.dtype], codec=codec, total_tokens=len(ids), rope=rope)
+        receiver.on_chunk(data.chunk, len(data.payload), 0.0)
+        k, v = decode_chunk(data, rope)
+        c = data.chunk
+        edge.write_kv("e", KVSlice(c.layer_start, c.token_start, c.token_end, c.head_start,
+                                   from_bits(k, c.dtype), from_bits(v, c.dtype)))
+    receiver.on_done(m.PrefillDone("e", first, num_tokens=len(ids)))
+    assert receiver.complete
+    edge.activate("e", first)
+    tokens = []
+    while edge.has_unfinished():
+        for out in edge.step():
+            tokens += out.new_token_ids
+    if codec == "lossless":      # layers 1.. exact: all of it is single node's
+        assert tokens == ref
+    else:                       # lossy layers 1..: it starts as single node's
+        assert tokens[:4] == ref[:4], (tokens, ref)
+
+
+def test_receiver_needs_no_layer0_chunk_but_accepts_one():
+    """An older core that ignores `edge_layers` still sends layer 0: accepted, counted for nothing."""
+    receiver = KVReceiver("r", 2, 1, 10, needed_from=[10, 0])
+    receiver.on_chunk(m.KVChunk("r", 1, 2, 0, 10, 0, 1, 4, "bfloat16", "q4e", 0, 160), 50, 0.0)
+    assert receiver.covered
+    receiver.on_chunk(m.KVChunk("r", 0, 1, 0, 10, 0, 1, 4, "bfloat16", "q4e", 0, 160), 50, 0.0)
+    receiver.on_done(m.PrefillDone("r", 3, num_tokens=10))
+    assert receiver.complete
+
+
+def test_needed_from_with_edge_layers():
+    cfg = make_engine().config
+    assert needed_from(cfg, 30) == [0] * cfg.num_hidden_layers
+    assert needed_from(cfg, 30, EDGE_LAYERS) == [30] + [0] * (cfg.num_hidden_layers - 1)
