@@ -20,7 +20,7 @@ that bench/kv_rd.py writes for another model.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
@@ -59,6 +59,16 @@ def load_curve(path: str | Path) -> dict[str, CurvePoint]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"codec curve {path} is not a bench/kv_rd.py result: {exc}") from None
     return {"raw": CURVE["raw"], **curve}
+
+
+def with_layer0(curve: dict[str, CurvePoint], layers: int) -> dict[str, CurvePoint]:
+    """The curve for a transfer that sends layer 0 too: lossy ratios were measured with the edge computing layer
+    0 itself (bench/kv_rd.py), so each carries L/(L − 1) of its bytes when that layer travels (quality as
+    measured: a coded layer 0 costs a little more, rows NAME+layer0 of a kv_rd result)."""
+    from edgecore.protocol.codecs import CODECS
+    scale = layers / (layers - 1) if layers > 1 else 1.0
+    return {name: p if name not in CODECS or CODECS[name].lossless else replace(p, ratio=p.ratio * scale)
+            for name, p in curve.items()}
 
 
 def transfer_estimate(codec: str, raw_bytes: int, link_bytes_per_s: float,

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
-from edgecore.edge.codec_policy import DEFAULT_QUALITY_BUDGET, choose_codec
+from edgecore.edge.codec_policy import CURVE, DEFAULT_QUALITY_BUDGET, choose_codec, with_layer0
 from edgecore.edge.core_client import CoreClient, CoreRouter
 from edgecore.edge.metrics import EdgeMetrics
 from edgecore.edge.placement import PrefillModel
@@ -54,6 +54,7 @@ from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.kv.transfer import edge_layers
 from edgecore.shared.kv.wire import codec_rope
 
 log = logging.getLogger("edgecore.edge")
@@ -167,8 +168,11 @@ class EdgeEngine:
         if not self.config.adaptive:
             return allowed[0]
         target = self.config.ttft_target_ms / 1000 if self.config.ttft_target_ms else None
+        curve = self.config.kv_curve or CURVE
+        if not edge_layers(self.handle.first_layer_macs, num_tokens, self.config.first_layer_macs, False):
+            curve = with_layer0(curve, self.handle.config.num_hidden_layers)     # layer 0 travels
         return choose_codec(allowed, num_tokens * self.kv_bytes_per_token, client.bandwidth, target,
-                            self.config.kv_quality_budget, self.config.kv_curve)
+                            self.config.kv_quality_budget, curve)
 
     # ---- the request -------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams

@@ -54,7 +54,7 @@ from edgecore.protocol.transport import PeerError
 from edgecore.shared.engine.handle import EngineHandle, FirstToken
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
-from edgecore.shared.kv.transfer import EDGE_LAYERS, KVSlice, needed_from
+from edgecore.shared.kv.transfer import KVSlice, edge_layers, needed_from
 from edgecore.shared.kv.wire import from_bits
 
 
@@ -96,7 +96,8 @@ class RemotePrefill:
         codec = choose_codec(client, len(self.prompt_ids) - cached)
         cfg = handle.config
         limit = min(self.core_decode, self.params.max_tokens - 1) if activate and client.peer.conn.handover else 0
-        self.edge_layers = self._edge_layers(codec, len(self.prompt_ids) - cached)
+        self.edge_layers = edge_layers(handle.first_layer_macs, len(self.prompt_ids) - cached,
+                                       self.first_layer_budget, get_codec(codec).lossless)
         receiver = self.receiver = KVReceiver(rid, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                               len(self.prompt_ids), cached, direct=client.direct or limit > 0,
                                               needed_from=needed_from(cfg, len(self.prompt_ids), self.edge_layers))
@@ -132,20 +133,21 @@ class RemotePrefill:
             return None
         return queue
 
-    def _edge_layers(self, codec: str, tokens: int) -> int:
-        """Layers whose KV this edge computes itself: layer 0 (`EDGE_LAYERS`) when the codec is lossy — a
-        lossless transfer promises the core's own bits — and its cost is within the budget."""
-        macs = self.handle.first_layer_macs * tokens
-        return EDGE_LAYERS if not get_codec(codec).lossless and 0 < macs <= self.first_layer_budget else 0
-
     async def _request(self, codec: str, cached: int, limit: int = 0) -> asyncio.Queue:
         spec = m.SamplingSpec(**self.params.spec_fields())
         events = await self.client.prefill(m.PrefillRequest(
             self.request_id, self.prompt_ids, spec, [codec], int(self.timeout * 1000), cached,
             direct=self.client.direct, core_decode=limit, edge_layers=self.edge_layers))
         if self.edge_layers:        # while the core computes: queued before every write, activate or take-over
-            self.handle.write_first_layer_kv(self.request_id)
+            task = asyncio.ensure_future(self.handle.write_first_layer_kv(self.request_id))
+            self.decoding.add(task)     # `_written` waits for it: a failure fails the transfer, never activates
+            task.add_done_callback(self._first_layer_done)
         return events
+
+    def _first_layer_done(self, task: asyncio.Future) -> None:
+        self.decoding.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.decode_error = self.decode_error or TransferFailed(f"layer 0's KV at the edge: {task.exception()}")
 
     async def _receive(self, receiver: KVReceiver, codec: str, cached: int) -> None:
         events = await self._request(codec, cached)

@@ -184,8 +184,8 @@ class AsyncEngine:
     def first_layer_macs(self) -> int:
         return self.engine.runner.first_layer_macs
 
-    def write_first_layer_kv(self, request_id: str) -> None:
-        self._post(lambda e: e.write_first_layer_kv(request_id))
+    async def write_first_layer_kv(self, request_id: str) -> None:
+        await self._call(lambda e: e.write_first_layer_kv(request_id))
 
     async def activate(self, request_id: str, first: FirstToken) -> None:
         await self._call(lambda e: e.activate(request_id, first.token, first.logprob, first.top))

@@ -286,13 +286,11 @@ class LLMEngine:
 
     def write_first_layer_kv(self, request_id: str) -> None:
         """Compute layer 0's K/V of a reserved request's uncached prompt tokens here, instead of receiving them
-        (shared/kv/transfer.py `EDGE_LAYERS`; the runner's `first_layer_macs` per token). A request released
-        or taken over meanwhile (a failed transfer, a cancelled client) needs none: nothing is written."""
+        (shared/kv/transfer.py `EDGE_LAYERS`). A request released or taken over meanwhile needs none."""
         state = self.requests.get(request_id)
-        if state is None or state.seq.status is not Status.AWAITING_KV:
-            return
-        seq = state.seq
-        self.runner.write_first_layer_kv(seq, seq.num_cached_tokens, seq.num_prompt_tokens)
+        if state is not None and state.seq.status is Status.AWAITING_KV:
+            seq = state.seq
+            self.runner.write_first_layer_kv(seq, seq.num_cached_tokens, seq.num_prompt_tokens)
 
     def _check_remote_token(self, token: int, top) -> None:
         """A token sampled by another node (a core) must be one of this model's ids before anything uses it:

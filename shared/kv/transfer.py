@@ -55,6 +55,13 @@ def needed_from(config: ModelConfig, position: int, edge_layers: int = 0) -> lis
             for layer in range(config.num_hidden_layers)]
 
 
+def edge_layers(first_layer_macs: int, tokens: int, budget: float, lossless: bool) -> int:
+    """Leading layers an edge computes itself for a transfer of `tokens` tokens: layer 0 (`EDGE_LAYERS`) when the
+    codec is lossy (a lossless transfer promises the core's own bits) and its cost — the engine's multiply-adds
+    per token (0: it cannot) × tokens — is within `budget`; else none."""
+    return EDGE_LAYERS if not lossless and 0 < first_layer_macs * tokens <= budget else 0
+
+
 def cut_slice(piece: KVSlice, starts: list[int]) -> list[KVSlice]:
     """`piece` without the tokens its layers need not send (`starts` from `needed_from`, by global layer):
     one slice per run of layers with the same first token; nothing for layers that need none of it."""

@@ -90,7 +90,8 @@ def test_quality_budget_flag_reaches_the_choice(tmp_path):
     def chosen(*argv):
         config = EdgeConfig(model_dir="unused", codecs=ALL, adaptive=True, ttft_target_ms=10_000,
                             **codec_policy(edge_args(*argv)))
-        return EdgeEngine._codec(SimpleNamespace(config=config, kv_bytes_per_token=16384), client, 1000)
+        handle = SimpleNamespace(first_layer_macs=98304, config=SimpleNamespace(num_hidden_layers=4))
+        return EdgeEngine._codec(SimpleNamespace(config=config, kv_bytes_per_token=16384, handle=handle), client, 1000)
 
     loose = chosen("--kv-quality-budget", "1")
     assert loose == min(ALL, key=lambda c: CURVE[c].ratio)
@@ -115,3 +116,12 @@ def test_edge_cli_rejects_a_bad_budget_in_one_line():
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--kv-quality-budget" in lines[0], proc.stderr
+
+
+def test_a_transfer_that_sends_layer0_reads_larger_lossy_ratios():
+    """The shipped curve leaves layer 0 to the edge; when it travels, a lossy codec carries L/(L-1) as much."""
+    from edgecore.edge.codec_policy import with_layer0
+    sent = with_layer0(CURVE, 4)
+    assert sent["q3e"].ratio == pytest.approx(CURVE["q3e"].ratio * 4 / 3)
+    assert sent["lossless"] == CURVE["lossless"] and sent["raw"] == CURVE["raw"]
+    assert with_layer0(CURVE, 1) == CURVE
