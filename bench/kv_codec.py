@@ -107,7 +107,7 @@ def quantize_floor(bits: np.ndarray) -> bytes:
     """The least a q*e encoder does to a plane, with no statistics and no RoPE: widen bf16 to float32, one
     per-channel multiply and add, clip, cast to codes, pack nibbles, zstd-1 (a speed floor, not a codec)."""
     from edgecore.protocol.codecs.base import bits_to_f32, scratch, zstd_compress
-    from edgecore.protocol.codecs.equant import pack_nibbles
+    from edgecore.protocol.codecs.codes import pack_nibbles
     x = bits_to_f32(bits, "bfloat16", scratch("floor_x", bits.shape, np.float32))
     x *= np.float32(3.0)
     x += np.full(bits.shape[2:], 8.5, dtype=np.float32)

@@ -14,6 +14,9 @@ uncompressed bf16 KV:
   positions (teacher-forced: one early miss does not count the rest as misses),
 - encode / decode MB/s of bf16 input per core, in CPU time of the calling thread (the
   machines are shared; wall time is printed beside it), side by side with `int8`.
+Lossy codecs are measured as the live path sends them: the edge computes layer 0's KV itself (it depends on
+the tokens alone; edge/remote_prefill.py) when that costs at most `--first-layer-macs` per prompt, so layer 0
+is exact and costs no bytes; rows NAME+layer0 code every layer (the edge's `--first-layer-macs 0`).
 The model computes in float32 by default and the KV is rounded to bf16 before any codec
 (and for the reference), so the curve isolates the codec's error; `--dtype bf16` runs the
 model in bf16. Writes one JSON line, bench/results/NAME.json and NAME.png (matplotlib,
@@ -46,6 +49,8 @@ from edgecore.shared.config import CacheConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.engine.sequence import Sequence
+from edgecore.edge.engine import EdgeConfig
+from edgecore.shared.kv.transfer import EDGE_LAYERS
 from edgecore.shared.kv.wire import ALLOCATION_FILE, codec_rope, codec_step_scales, from_bits, to_bits
 
 TARGETS = {"ratio_0.15": {"ratio_vs_bf16": 0.15, "ppl_increase": 0.01, "agreement": 0.97},
@@ -135,14 +140,35 @@ def model_allocation(engine, model: Path, calib, codecs, channels, args) -> tupl
     return scales, info
 
 
+class AllLayers(Codec):
+    """A lossy level with every layer coded, layer 0 included (the edge's `--first-layer-macs 0`)."""
+
+    def __init__(self, codec: Codec):
+        self.codec, self.name, self.codec_id, self.lossless = codec, f"{codec.name}+layer0", codec.codec_id, False
+
+    def encode(self, bits, info):
+        return self.codec.encode(bits, info)
+
+    def decode(self, data, info):
+        return self.codec.decode(data, info)
+
+
+def edge_layers(codec: Codec, args) -> int:
+    """Leading layers the live path does not send with this codec: the edge computes layer 0 for a lossy codec
+    within its budget (edge/remote_prefill.py); `AllLayers` and lossless codecs send every layer."""
+    return 0 if codec.lossless or isinstance(codec, AllLayers) else args.edge_layers
+
+
 def round_trip(codec: Codec, bits: dict[str, list[np.ndarray]], n: int, rope, only_layer: int | None = None,
-               only_kind: str | None = None):
-    """Every layer as one chunk through the codec: (decoded planes, encoded bytes, enc s, dec s)."""
+               only_kind: str | None = None, skip_layers: int = 0):
+    """Every layer from `skip_layers` on as one chunk through the codec (the skipped ones exact, no bytes: the
+    edge computes them): (decoded planes, encoded bytes, enc s, dec s)."""
     out = {"k": [], "v": []}
     size, t_enc, t_dec = 0, 0.0, 0.0
     for kind in "kv":
         for layer, plane in enumerate(bits[kind]):
-            if (only_layer is not None and layer != only_layer) or (only_kind and kind != only_kind):
+            if (only_layer is not None and layer != only_layer) or (only_kind and kind != only_kind) \
+                    or layer < skip_layers:
                 out[kind].append(plane)
                 continue
             info = PlaneInfo("bfloat16", plane.shape, kind, 0, n, layer, rope)
@@ -158,7 +184,8 @@ def round_trip(codec: Codec, bits: dict[str, list[np.ndarray]], n: int, rope, on
 
 def parse_level(spec: str) -> tuple[str, Codec]:
     """NAME=KEY_FACTOR:VALUE_FACTOR[:RECENT[:FINE[:FINE_FACTOR]]] → an unregistered entropy-coded level
-    (a NAME starting with `noguard` clips outliers instead of widening the step)."""
+    (a NAME starting with `noguard` clips outliers instead of widening the step; one containing `compact` sends
+    log-coded steps and one centre for the main and fine spans)."""
     name, _, rest = spec.partition("=")
     parts = [float(x) for x in rest.split(":")]
     level = Level(parts[0], parts[1], *(int(x) for x in parts[2:4]), *parts[4:5])
@@ -166,6 +193,8 @@ def parse_level(spec: str) -> tuple[str, Codec]:
         level = dataclasses.replace(level, head_step=True)
     if name.startswith("noguard"):
         level = dataclasses.replace(level, guard=False)
+    if "compact" in name:
+        level = dataclasses.replace(level, compact=True)
     return name, EntropyQuantCodec(name, 255, level)
 
 
@@ -191,7 +220,8 @@ def evaluate(engine, windows, greedy, codecs: dict[str, Codec], args) -> dict:
             raw += sum(p.nbytes for kind in "kv" for p in run.bits[kind])
             count += ref_g.shape[0]
             for name, codec in codecs.items():
-                planes, size, t_enc, t_dec = round_trip(codec, run.bits, run.n, args.rope)
+                planes, size, t_enc, t_dec = round_trip(codec, run.bits, run.n, args.rope,
+                                                        skip_layers=edge_layers(codec, args))
                 run.load(planes)
                 kl, agree = kl_agree(ref_g, run.logits(g))
                 row = sums[name]
@@ -275,6 +305,7 @@ def plot(rows: dict, path: Path, title: str) -> bool:
                                         if "@" in name else "qNe, one step factor for all layers" if name.endswith("-uniform") else
                                         "qNe, per-layer allocation only" if name.endswith("-layers") else
                                         "qNe in a calibrated basis (experiment)" if name.endswith("+klt") else
+                                        "qNe, layer 0 sent too" if name.endswith("+layer0") else
                                         "entropy-coded (qNe)")
         families.setdefault(family, []).append((r["ratio_vs_bf16"], r, name))
     for fam, pts in families.items():
@@ -318,11 +349,16 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-rope", action="store_true", help="do not give codecs the model's RoPE (keys coded rotated)")
     ap.add_argument("--name", default="kv_rd", help="result file name (bench/results/NAME.json, NAME.png)")
+    ap.add_argument("--first-layer-macs", type=float, default=EdgeConfig.first_layer_macs,
+                    help="as the edge's flag: lossy levels leave layer 0 to the edge when computing it costs at most "
+                         "this many multiply-adds per prompt (rows NAME+layer0: every layer coded anyway)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = Path(args.model)
     engine = LLMEngine.from_dir(model, args.dtype, "cpu", CacheConfig(num_blocks=1024, enable_prefix_caching=False))
     args.rope = None if args.no_rope else codec_rope(engine.config)
+    macs = engine.runner.first_layer_macs * args.prompt_len
+    args.edge_layers = EDGE_LAYERS if 0 < macs <= args.first_layer_macs else 0
     ids = engine.tokenizer.encode(heldout_text(model))
     span = args.prompt_len + args.new_tokens
     if len(ids) < span:
@@ -362,6 +398,8 @@ def main():
         layer = {kind: scales.get(kind, ()) for kind in "kv"}
         codecs.update({f"{n}@{a:g}:{b:g}": Allocated(c, {**layer, **ch}, f"{n}@{a:g}:{b:g}")
                        for n, c in levels.items()})
+    if args.edge_layers:        # the entropy-coded levels as the live path sent them before
+        codecs.update({f"{n}+layer0": AllLayers(codecs[n]) for n in levels})
     result = evaluate(engine, windows, greedy, codecs, args)
     # Speed on long planes (the windows' KV end to end per layer: ≥ 1 MB each on a small model), as a
     # long prompt's per-layer chunk; per-call costs of short chunks are a separate matter.

@@ -18,7 +18,9 @@ inter-token time, and for (f) and (g) how many tokens the core decoded per
 request (its cost) and the core's own prefill time (request received →
 PrefillDone, its `edgecore:core_prefill_seconds`), the base of the TTFT
 target. Medians of `--repeats` runs. (a)-(e) use the old mode
-(`handover_tokens=0`).
+(`handover_tokens=0`). (h) and (i): layer-wise + q3e, (h) with every layer sent, (i) with layer 0 computed
+at the edge whatever it costs (`first_layer_macs` unbounded; (a)-(h) set 0: every layer travels): what
+the edge's own layer 0 does to the streaming overlap.
 
 The floor under (f)'s and (g)'s TTFT: the relay delays both directions, so the
 edge's PrefillRequest crosses the link before the core starts (one one-way
@@ -55,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import statistics
 import tempfile
@@ -162,12 +165,12 @@ async def run(args, model_dir: Path):
         relays[mode] = (relay, await relay.start(("127.0.0.1", 0), ("127.0.0.1", port)))
         cores[mode], core_http[mode] = core, http
 
-    def edge_for(mode: str | None, codecs: list[str], adaptive=False, handover=0) -> EdgeEngine:
+    def edge_for(mode: str | None, codecs: list[str], adaptive=False, handover=0, first_layer_macs=0.0) -> EdgeEngine:
         addr = [("127.0.0.1", relays[mode][1])] if mode else []
         engine = LLMEngine.from_dir(model_dir, "bf16", "cpu", cache, budget)
         return EdgeEngine(EdgeConfig(str(model_dir), cores=addr, secret=secret, codecs=codecs, adaptive=adaptive,
                                      local_prefill_below=0, cache=cache, engine=budget, transfer_timeout=300,
-                                     handover_tokens=handover), engine=engine)
+                                     handover_tokens=handover, first_layer_macs=first_layer_macs), engine=engine)
 
     variants = {
         "a_local": edge_for(None, ["lossless"]),
@@ -177,6 +180,8 @@ async def run(args, model_dir: Path):
         "e_adaptive": edge_for("stream", ["lossless", "int8"], adaptive=True),
         "f_handover": edge_for("stream", ["lossless"], handover=64),
         "g_handover_kv_after_prefill": edge_for("batch", ["lossless"], handover=64),
+        "h_stream_q3e": edge_for("stream", ["q3e"]),
+        "i_stream_q3e_layer0_here": edge_for("stream", ["q3e"], first_layer_macs=math.inf),
     }
     handover_core = {"f_handover": "stream", "g_handover_kv_after_prefill": "batch"}
     for edge in variants.values():

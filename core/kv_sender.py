@@ -30,6 +30,7 @@ from typing import Callable
 
 from edgecore.core.transfer import KVSend, Transfer, TransferState
 from edgecore.protocol.kv import SMALL_CHUNK_BYTES, encode_chunk
+from edgecore.protocol.messages import COMPACT_KV_PARAMS
 from edgecore.protocol.transport import Peer, PeerError
 from edgecore.shared.kv.transfer import KVSlice, needed_from
 from edgecore.shared.kv.wire import codec_rope, to_bits
@@ -90,6 +91,7 @@ async def send_queued(queue: asyncio.Queue, peer: Peer, encoder_pool, dtype_name
     until the peer fails. `rope`, `step_scales`: the model's RoPE and bit allocation for the codecs (the
     `LayerStreamer`'s)."""
     loop = asyncio.get_running_loop()
+    compact = COMPACT_KV_PARAMS in peer.conn.peer_capabilities      # an older edge decodes float16 parameters
     try:
         while True:
             item = await queue.get()
@@ -103,7 +105,7 @@ async def send_queued(queue: asyncio.Queue, peer: Peer, encoder_pool, dtype_name
             encode = partial(encode_chunk, req.request_id, kb, vb, layer_start=piece.layer,
                              token_start=piece.token_start, head_start=piece.head_start, dtype=dtype_name,
                              codec=req.codec, total_tokens=req.total_tokens, rope=rope,
-                             step_scales=step_scales)
+                             step_scales=step_scales, compact_params=compact)
             # A small chunk costs less to encode here than to hand to a thread and back.
             data = encode() if kb.nbytes + vb.nbytes < SMALL_CHUNK_BYTES else \
                 await loop.run_in_executor(encoder_pool, encode)

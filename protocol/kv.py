@@ -45,22 +45,25 @@ def _head_slice(channels: tuple, head_start: int, heads: int, width: int) -> tup
 
 def encode_chunk(request_id: str, k: np.ndarray, v: np.ndarray, *, layer_start: int, token_start: int,
                  head_start: int = 0, dtype: str, codec: str, total_tokens: int = 0,
-                 rope: tuple[float, ...] | None = None, step_scales: dict | None = None) -> KVData:
+                 rope: tuple[float, ...] | None = None, step_scales: dict | None = None,
+                 compact_params: bool = True) -> KVData:
     """k, v: raw bits [layers, tokens, heads, width] (uint16 for 16-bit dtypes, uint32 for float32); the
     widths may differ, nothing else (MLA's latent and RoPE planes). `rope`: the model's RoPE inverse
     frequencies, when the decoding side passes them too (see codecs/equant.py). `step_scales`: the model's bit
     allocation for the encoder, {"k": per-layer step multipliers, "v": ..., optionally "k_channels" /
-    "v_channels": per layer, multipliers of the model's kv_heads × head_dim channels} (decoders need none)."""
+    "v_channels": per layer, multipliers of the model's kv_heads × head_dim channels} (decoders need none).
+    `compact_params`: the receiver decodes compact parameters (its capability "kv-compact-params")."""
     impl = get_codec(codec)
     layers, tokens, heads, dim = k.shape
     if v.shape[:3] != k.shape[:3]:
         raise CodecError(f"K/V planes differ in layers, tokens or heads: {k.shape} vs {v.shape}")
     scales = step_scales or {}
     kinfo = PlaneInfo(dtype, k.shape, "k", token_start, total_tokens, layer_start, rope, tuple(scales.get("k", ())),
-                      _head_slice(scales.get("k_channels", ()), head_start, heads, dim))
+                      _head_slice(scales.get("k_channels", ()), head_start, heads, dim), compact_params)
     vinfo = PlaneInfo(dtype, v.shape, "v", token_start, total_tokens, layer_start,
                       step_scales=tuple(scales.get("v", ())),
-                      channel_scales=_head_slice(scales.get("v_channels", ()), head_start, heads, v.shape[3]))
+                      channel_scales=_head_slice(scales.get("v_channels", ()), head_start, heads, v.shape[3]),
+                      compact_params=compact_params)
     ek = impl.encode(k, kinfo)
     ev = get_codec(plane_codecs(codec, v.shape[3] != dim)[1]).encode(v, vinfo)
     payload = memoryview(b"".join((ek, ev)))

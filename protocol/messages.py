@@ -19,6 +19,11 @@ import msgspec
 PROTOCOL_VERSION = 3
 SUPPORTED_VERSIONS = (2, 3)
 HANDOVER_VERSION = 3                   # first version with core decoding (Token, Handover, DecodeStop)
+# Auth / AuthOk capabilities this implementation has beyond its version: "kv-compact-params": it decodes the
+# entropy-coded levels' compact parameters (docs/wire-format.md, q4e/q3e/q2e flag bits 2 and 3); a core
+# sends them only to a peer that says so.
+COMPACT_KV_PARAMS = "kv-compact-params"
+CAPABILITIES = (COMPACT_KV_PARAMS,)
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, tag_field="t", frozen=True):

@@ -99,7 +99,7 @@ class Connection:
         self.codecs = list(codecs)
         self.name = name
         self.layout = layout or {}
-        self.capabilities = capabilities or []
+        self.capabilities = list(m.CAPABILITIES) if capabilities is None else list(capabilities)
         self.session = session             # client: sent in Auth; server: the peer's, from its Auth
         self.streams = list(streams or [])  # server: sent in AuthOk; client: the peer's, from its AuthOk
         self.state = State.START
@@ -107,6 +107,7 @@ class Connection:
         self.peer_codecs: list[str] = []
         self.peer_layout: dict = {}
         self.peer_name = ""
+        self.peer_capabilities: list[str] = []      # what the peer's Auth / AuthOk says it implements
         self.parser = FrameParser(HANDSHAKE_LIMITS)
         self._limits = limits or Limits()
         self._keys = Keys(secret)
@@ -352,6 +353,7 @@ class Connection:
                     f"{self.fingerprint[:16]}", ErrorCode.MODEL_MISMATCH)
             self.peer_codecs = [c for c in msg.codecs if c in self.codecs]
             self.peer_name = msg.name
+            self.peer_capabilities = [c for c in msg.capabilities if isinstance(c, str)]
             if isinstance(msg, m.Auth):
                 self.session = msg.session
             else:

@@ -16,9 +16,9 @@ from edgecore.protocol.errors import CodecError
 
 # Entropy-coded levels, finest first; their rates and quality are in edge/codec_policy.py (bench/kv_rd.py).
 LEVELS = {
-    "q4e": Level(key_factor=0.45, value_factor=0.5, recent=16, fine=32),
-    "q3e": Level(key_factor=0.55, value_factor=0.65, recent=4, fine=16),
-    "q2e": Level(key_factor=0.65, value_factor=0.75, fine=16),
+    "q4e": Level(key_factor=0.45, value_factor=0.5, recent=16, fine=32, compact=True),
+    "q3e": Level(key_factor=0.52, value_factor=0.62, fine=16, compact=True),
+    "q2e": Level(key_factor=0.65, value_factor=0.75, fine=16, compact=True),
 }
 CODECS: dict[str, Codec] = {c.name: c for c in (
     RawCodec(), LosslessCodec(), Fp8Codec(), QuantCodec(8, "int8", 3, zstd_level=-1), QuantCodec(4, "int4", 4),

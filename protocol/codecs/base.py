@@ -38,6 +38,9 @@ class PlaneInfo:
     # heads × head_dim channels (flat, heads of the plane only), from reverse water-filling on the channel's
     # weight in the attention output (bench/kv_alloc.py). () or a layer beyond the tuple: 1.0.
     channel_scales: tuple[tuple[float, ...], ...] = ()
+    # Encoder hint: the decoding peer reads compact parameters (capability "kv-compact-params"); False: the
+    # entropy-coded levels send float16 parameters, as a decoder that predates them expects.
+    compact_params: bool = True
 
     def __post_init__(self):
         if self.dtype not in BITS_DTYPES:
@@ -166,11 +169,21 @@ def zstd_compress(data, level: int = 1) -> bytes:
     return comp.compress(data)
 
 
+def zstd_frame_fits(data, size: int) -> None:
+    """Raise zstandard.ZstdError unless the frame's header declares `size` bytes of content or none:
+    python-zstandard allocates a declared size before `max_output_size` applies (a forged header
+    declaring 50 GB raised MemoryError)."""
+    declared = zstandard.frame_content_size(data)
+    if declared not in (-1, size):
+        raise zstandard.ZstdError(f"frame declares {declared} bytes, expected {size}")
+
+
 def zstd_decompress(data, size: int) -> bytes:
     dec = getattr(_local, "d", None)
     if dec is None:
         dec = _local.d = zstandard.ZstdDecompressor()
     try:
+        zstd_frame_fits(data, size)
         out = dec.decompress(data, max_output_size=size)
     except zstandard.ZstdError as exc:
         raise CodecError(f"corrupt entropy-coded section: {exc}") from None

@@ -18,8 +18,11 @@ Scheme (per plane [layers, tokens, heads, dim]):
   keys with RoPE in, whose channels drift with position; the fine span forms
   its own groups). For each layer, group, head and channel: centre = mean,
   step = factor × standard deviation (factor per kind and layer, from the
-  level) but at least max|x − centre| / 7.5, so nothing is clipped; both
-  stored as float16.
+  level) but at least max|x − centre| / 7.5, so nothing is clipped. Centres
+  travel as float16; steps as one byte each, rounded up to the next power of
+  2^(1/8) (`log_step_codes`), and the fine span's groups share the main span's
+  last centre: a quarter and a half of float16 parameters (float16 or float32
+  parameters where values or steps leave those ranges).
   code = clip(round((x − centre) / step), −8, 7): a 4-bit signed code whose
   entropy, not its width, sets the rate.
 * Codes are packed two per byte and compressed with zstd (level 1), whose
@@ -77,48 +80,50 @@ heldout.txt, bf16), on this 2-core machine:
   it buys nothing and with one step per head (`Level.head_step`) about 5–8% of
   the bytes at equal KL: not enough to ship.
 
-Reached (bench/results/kv_rd*.json, 30 × 256-token prompts, levels with the
-model's allocation, per layer and per channel; ratio vs bf16 / perplexity increase / mean KL /
-greedy agreement): pydoc-llama q4e 0.240 / −0.07% / 0.00094 / 0.980, q3e 0.199 / +0.16% /
-0.00162 / 0.974, q2e 0.180 / +0.37% / 0.00257 / 0.959; pystd-llama q4e 0.200 / +0.01% /
-0.00020 / 0.988, q3e 0.158 / +0.09% / 0.00028 / 0.976, q2e 0.142 / −0.01% / 0.00038 / 0.978.
-Same run, per-layer allocation only (rows NAME-layers): pydoc q2e KL 0.00283, q3e 0.00185,
-q4e 0.00088 (per-channel steps lose there, within its noise); pystd 0.00074 / 0.00050 /
-0.00026. So ≤ 0.25× within +0.3% on both (q4e, and q3e); ≤ 0.15× within +1% and ≥ 97%
-agreement on pystd-llama (q2e, 0.142 / 97.8%), not on pydoc-llama, whose smallest level
-keeping 97% is q3e at 0.199 (no tested setting ≤ 0.16× kept more than 96.4%: factors
-1.0/1.1 0.155 / 94.6%, 0.9/0.95 with 32 fine tokens at half the step 0.163 / 96.4%, 0.9/1.0
-without fine tokens 0.141 / 94.6%; coarser steps for tokens far from the end, i.e. 32–128 fine
-tokens at 0.5–0.6 of a coarser step, 0.146–0.160 / 94.0–95.6%; perplexity differences under
-~0.5% are within this bench's noise). Agreement tracks KL: fp8 0.00049 → 98.5%, q4e 0.00094 → 98.0%, q3e
-0.0016 → 97.4%, q2e 0.0026 → 96%; 97% at 0.15× would need about 0.002 there, 2.5× below
-the 0.005 these settings reach — about 0.7 bit per quantized value.
-Where pydoc-llama's q2e bytes go (bench/kv_codec.py `breakdown`, share of bf16
-bytes at 256 / 1000 tokens): codes 0.151 / 0.131 (2.46 / 2.11 bit per quantized
-value), centres + steps 0.016 / 0.004, exact sinks 0.012 / 0.003, headers 0.001 /
-0.0003. Side information is a tenth of the bytes at 256 tokens: 0.15× needs
-cheaper codes at equal quality, not cheaper headers.
-Speed (bench/results/kv_codec.json: 9 × 1000-token windows, per core, interleaved with the
-revision before the last speed work, on a loaded machine): encode q4e 166, q3e 119, q2e 117 MB/s
-(before 169 / 116 / 116; another run 166 / 182 / 161), decode 256–367 — encode stays under the
-300 MB/s goal, decode mostly over it. Where a 1000-token key plane's q4e encode goes (~600 µs):
+Reached (bench/results/kv_rd*.json, 30 × 256-token prompts, levels with the model's allocation, per
+layer and per channel, as the live path sends them: layer 0 computed at the edge, docs/wire-format.md
+§11; ratio vs bf16 of all layers / perplexity increase / mean KL / greedy agreement): pydoc-llama q4e
+0.183 / −0.11% / 0.00071 / 0.985, q3e 0.148 / +0.27% / 0.00137 / 0.980, q2e 0.137 / +0.13% / 0.00197 /
+0.969; pystd-llama (3 layers) q4e 0.131 / +0.02% / 0.00010 / 0.989, q3e 0.097 / +0.10% / 0.00017 /
+0.982, q2e 0.090 / +0.04% / 0.00026 / 0.979. So ≤ 0.25× within +0.3% and ≤ 0.15× within +1% at ≥ 97%
+agreement on both (pydoc: q3e; pystd: q2e). With every layer coded (rows NAME+layer0, the edge's
+`--first-layer-macs 0`): pydoc q3e 0.182 / 97.1%, pystd q2e 0.132 / 97.3%. What got pydoc there from
+0.199 / 97.4% (q3e before): compact parameters (one-byte log steps, a shared fine-span centre: −0.009 of
+bf16 at 256 tokens, KL unchanged at equal factors), no exact recent tokens in q3e (its 16 fine tokens
+instead: −0.009), factors 0.52/0.62 and layer 0 off the wire (−1/4 of the rest). Agreement tracks KL
+(about 97% at 0.0016–0.0020; ±0.4% noise at 1890 positions).
+Tried and dropped: per-token steps from the attention the prompt's last 32 queries pay each token
+(SnapKV's signal; step × (p_mean/p)^b in half-octaves up to 8×, side information 2 bits per token and
+head): at 0.144–0.151 of bf16 mean KL 0.0054–0.012 against 0.005 for plain coarser factors at 0.155
+— the next 64 tokens' queries attend elsewhere.
+Where pydoc-llama's q3e bytes go (layers 1–3, share of bf16 bytes of all 4 layers, 256 tokens, before
+the compact parameters): codes 0.131 (zstd on packed nibbles, at the codes' per-channel order-0
+entropy), centres + steps 0.012, exact sinks 0.009, recent 0.009, headers 0.001.
+Speed (bench/results/kv_codec.json, 9 × 1000-token windows of the bundled model, per core in thread CPU
+time, on a 2-core AMD EPYC VM): encode q4e 559, q3e 570, q2e 561 MB/s of bf16 input, decode 1151–1160;
+int8 916 / 1961; same-run baselines memcpy 35 GB/s, lz4 5.8 / 29 GB/s, quantize_floor 1.7 GB/s. At a
+larger model's shapes (`wide_heads`, synthetic 8 × 128 heads): encode 1008–1057, decode 1666–1742. So
+every level is over the 300 MB/s goal both ways here; on the slower shared VM of earlier measurements
+the same code encoded at 117–182 MB/s (per-call costs on small planes: below). Where a 1000-token key
+plane's q4e encode went on that VM (~600 µs):
 statistics ~200 (mean/std 53, max/min 46, the fine span's numpy reductions and the parameters'
 float16 rounding ~100), quantize 96, zstd 75, RoPE undo 51, exact sinks 37, widening 29, packing
 16, and ~100 of per-call overhead on small arrays (a 40-token plane still takes ~250–350 µs).
 Tried and dropped: the rotation blocked to stay in L2 (slower, 84 → 133 µs); the fine span's
 mean/std without numpy's Python wrappers (no measurable change); zstd settings faster than level
 1 (window/hash logs 15/10: 5% more code bytes for 11% less zstd time; level −1 halves it for 36%
-more bytes). Per-call costs weigh less at a larger model's shapes (kv_codec.json `wide_heads`,
-synthetic 8 × 128-head planes, 1000 tokens): encode q4e 264, q3e 266, q2e 268, decode 408–430
-MB/s in the same run; keys are the slower half (measured apart: q4e K 254 / V 375, q2e K 226 /
+more bytes). Per-call costs weigh less at a larger model's shapes (on that VM, `wide_heads`: encode
+q4e 264, q3e 266, q2e 268, decode 408–430 MB/s in the same run); keys are the slower half (measured apart: q4e K 254 / V 375, q2e K 226 /
 V 398): undoing RoPE reads three plane-sized float32 tables, which at 4 MB planes fall out of
 cache (the rotation alone 2.3 ms at 1000 tokens against 0.27 ms at 256; blocking did not help).
 
 Byte layout: header `HEADER` (version 1, kind 0 K / 1 V, flags (bit 0: params are
-float32; bit 1: keys coded with RoPE removed), 0, group, n_head, n_fine, n_tail,
+float32; bit 1: keys coded with RoPE removed; bit 2: log-coded steps; bit 3: the fine
+groups share the last main centre), 0, group, n_head, n_fine, n_tail,
 exact bytes, param bytes, code bytes, CRC-32 of the header's other bytes and
 everything after it) | lossless(head tokens ‖ tail tokens) |
-centres [layers][groups][heads][dim] | steps (same shape) | zstd(codes).
+centres [layers][groups (main only, bit 3)][heads][dim] | steps [layers][groups][heads][dim]
+(uint8 codes with bit 2) | zstd(codes). docs/wire-format.md has it byte for byte.
 """
 
 from __future__ import annotations
@@ -131,6 +136,7 @@ import numpy as np
 
 from edgecore.protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, bits_to_f32, check_bits, safe_inverse,
                                            scratch, store_f32, zstd_compress, zstd_decompress)
+from edgecore.protocol.codecs.codes import log_step_codes, log_steps, pack_nibbles, unpack_nibbles
 from edgecore.protocol.codecs.columns import column_mean_std, column_reduce
 from edgecore.protocol.codecs.lossless import LosslessCodec
 from edgecore.protocol.codecs.rope import rotate
@@ -139,7 +145,8 @@ from edgecore.protocol.errors import CodecError
 HEADER = struct.Struct("<BBBBIIIIIIII")
 VERSION = 1
 EXACT_HEAD = 4
-FLAG_F32, FLAG_UNROTATED = 1, 2
+FLAG_F32, FLAG_UNROTATED, FLAG_LOG_STEPS, FLAG_SHARED_CENTRE = 1, 2, 4, 8
+FLAGS = 15
 # The guard: step ≥ max|x − centre| / GUARD. It sets the step of every channel with a heavy tail (most, at
 # 256+ tokens), and quality is sharply sensitive to it (bench/kv_rd.py, pydoc-llama, mean KL of q4e / q3e /
 # q2e: 7.49 → 0.00103 / 0.00205 / 0.00310, 7.5 → 0.00098 / 0.00183 / 0.00276, 7.51 → 0.00094 / 0.00174 /
@@ -163,6 +170,7 @@ class Level:
     rotated_key_group: int = 128    # tokens per group of keys coded with RoPE in (they drift with position)
     guard: bool = True          # step ≥ max deviation / GUARD: no value clipped
     head_step: bool = False     # experiment: one step per head (factor × RMS of its channels' std), not per channel
+    compact: bool = False       # log-coded steps, and the fine span coded around the main span's last centre
     key_layers: tuple[float, ...] = ()      # per-layer multipliers of key_factor (layer i; 1.0 beyond)
     value_layers: tuple[float, ...] = ()
 
@@ -183,48 +191,29 @@ def groups(n_main: int, n_fine: int, group: int) -> list[tuple[int, int]]:
     return out + [(n_main + s, n_main + min(s + group, n_fine)) for s in range(0, n_fine, group)]
 
 
-def pack_nibbles(codes: np.ndarray) -> np.ndarray:
-    """uint8 codes < 16 → two per byte, the first in the low nibble (an odd count is padded with code 8).
-    Returns a per-thread scratch array, valid until this thread's next call."""
-    if codes.size % 2:
-        codes = np.append(codes, np.uint8(8))
-    pairs = codes.view(np.uint16)            # little-endian: first code in the low byte
-    tmp = scratch("pack", pairs.shape, np.uint16)
-    np.right_shift(pairs, 4, out=tmp)
-    tmp |= pairs
-    out = scratch("packed", pairs.shape, np.uint8)
-    np.copyto(out, tmp, casting="unsafe")
-    return out
-
-
-def unpack_nibbles(data, n: int) -> np.ndarray:
-    """Inverse of pack_nibbles: the first n codes (a per-thread scratch array, valid until the next call)."""
-    src = np.frombuffer(data, dtype=np.uint8)
-    packed, tmp = scratch("unpack", src.shape, np.uint16), scratch("unpack_t", src.shape, np.uint16)
-    np.copyto(packed, src)
-    np.left_shift(packed, 4, out=tmp)
-    packed |= tmp
-    packed &= 0x0F0F
-    return packed.view(np.uint8)[:n]
-
-
-def _params(x: np.ndarray, factor: np.ndarray, guard: bool, head_step: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def _params(x: np.ndarray, factor: np.ndarray, guard: bool, head_step: bool = False,
+            centre: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """x [layers, n, heads, dim] float32, factor [layers, 1 or heads × dim] → centre, step [layers, 1, heads, dim]
-    float32; the centre is rounded to float16 where it fits (as it travels). With `guard`, the step is at least
-    max|x − centre| / GUARD, so that no value is clipped (an outlier coarsens its own channel)."""
+    float32; the centre is rounded to float16 where it fits (as it travels), or is the given `centre` (another
+    group's, [layers, 1, heads, dim]). With `guard`, the step is at least max|x − centre| / GUARD, so that no
+    value is clipped (an outlier coarsens its own channel)."""
     layers, n, heads, dim = x.shape
     rows = x.reshape(layers, n, heads * dim)
     if n <= _FEW:           # the fine span: numpy's reductions, fewer calls
         with np.errstate(over="ignore", invalid="ignore"):
-            centre, std = rows.mean(axis=1), rows.std(axis=1, dtype=np.float64).astype(np.float32)
+            mean, std = rows.mean(axis=1), rows.std(axis=1, dtype=np.float64).astype(np.float32)
         mx, mn = (rows.max(axis=1), rows.min(axis=1)) if guard else (None, None)
     else:
-        centre, std = column_mean_std(rows)
+        mean, std = column_mean_std(rows)
         mx, mn = (column_reduce(np.maximum, rows), column_reduce(np.minimum, rows)) if guard else (None, None)
-    with np.errstate(over="ignore"):
-        c16 = centre.astype(np.float16)
-    if np.isfinite(c16).all():
-        centre = c16.astype(np.float32)
+    if centre is not None:
+        centre = centre.reshape(layers, heads * dim)
+    else:
+        centre = mean
+        with np.errstate(over="ignore"):
+            c16 = centre.astype(np.float16)
+        if np.isfinite(c16).all():
+            centre = c16.astype(np.float32)
     step = std * factor
     shape = (layers, 1, heads, dim)
     if head_step:       # equal absolute steps within a head: MSE-optimal for entropy-coded channels
@@ -292,14 +281,24 @@ class EntropyQuantCodec(Codec):
                 group = self.level.rotated_key_group
             factor = self._factors(info)
             spans = groups(b - a, c - b, group)
-            cs = [_params(x[:, s:e], factor * (self.level.fine_factor if s >= b - a else 1.0), self.level.guard,
-                          self.level.head_step)
-                  for s, e in spans]
+            compact = self.level.compact and info.compact_params
+            shared = compact and b > a       # the fine span takes the main span's last centre
+            cs: list[tuple[np.ndarray, np.ndarray]] = []
+            for s, e in spans:
+                fine = s >= b - a
+                cs.append(_params(x[:, s:e], factor * (self.level.fine_factor if fine else 1.0), self.level.guard,
+                                  self.level.head_step, cs[-1][0] if fine and shared and cs else None))
             centre = np.concatenate([m for m, _ in cs], axis=1)
             step = np.concatenate([d for _, d in cs], axis=1)
+            n_centres = len(groups(b - a, 0, group)) if shared else len(spans)
             with np.errstate(over="ignore"):
                 c16, s16 = centre.astype(np.float16), step.astype(np.float16)
-            if np.isfinite(c16).all() and np.isfinite(s16).all() and not ((s16 == 0) & (step > 0)).any():
+            codes8 = log_step_codes(step) if compact else None
+            if np.isfinite(c16).all() and codes8 is not None:
+                flags |= FLAG_LOG_STEPS | (FLAG_SHARED_CENTRE if shared else 0)
+                centre, step = c16.astype(np.float32), log_steps(codes8)
+                params = np.ascontiguousarray(c16[:, :n_centres]).tobytes() + codes8.tobytes()
+            elif np.isfinite(c16).all() and np.isfinite(s16).all() and not ((s16 == 0) & (step > 0)).any():
                 centre, step = c16.astype(np.float32), s16.astype(np.float32)
                 params = c16.tobytes() + s16.tobytes()
             else:
@@ -318,7 +317,8 @@ class EntropyQuantCodec(Codec):
             raise CodecError(f"{self.name} plane is truncated ({len(view)} bytes)")
         version, _, flags, _, group, n_head, n_fine, n_tail, e_len, p_len, c_len, crc = HEADER.unpack_from(view)
         layers, tokens, heads, dim = info.shape
-        if version != VERSION or flags > 3:
+        if version != VERSION or flags > FLAGS or (flags & FLAG_F32 and flags & (FLAG_LOG_STEPS | FLAG_SHARED_CENTRE)) \
+                or (flags & FLAG_SHARED_CENTRE and not flags & FLAG_LOG_STEPS):
             raise CodecError(f"{self.name} plane has version {version} flags {flags}, expected {VERSION}")
         if HEADER.size + e_len + p_len + c_len != len(view):
             raise CodecError(f"{self.name} plane is {len(view)} bytes, its header says "
@@ -342,7 +342,7 @@ class EntropyQuantCodec(Codec):
             if flags & FLAG_UNROTATED and (rope is None or dim % 2):
                 raise CodecError(f"{self.name} keys were coded without RoPE; decoding needs the model's RoPE")
             x = self._dequantize(view[pos:], flags, groups(tq - n_fine, n_fine, group), (layers, tq, heads, dim),
-                                 p_len)
+                                 p_len, len(groups(tq - n_fine, 0, group)))
             if rope is not None:
                 x = rotate(x, rope, info.token_start + n_head, inverse=False, out=scratch("eq_r", x.shape, np.float32))
             store_f32(x, info.dtype, out[:, n_head:tokens - n_tail])
@@ -350,15 +350,28 @@ class EntropyQuantCodec(Codec):
             raise CodecError(f"{self.name} plane has codes but no quantized tokens")
         return out
 
-    def _dequantize(self, view, flags, spans, shape, p_len) -> np.ndarray:
+    def _dequantize(self, view, flags, spans, shape, p_len, n_main_groups) -> np.ndarray:
         layers, tq, heads, dim = shape
         ng = len(spans)
         pdtype = np.dtype(np.float32 if flags & FLAG_F32 else np.float16)
-        count = layers * ng * heads * dim
-        if p_len != 2 * count * pdtype.itemsize:
+        width = layers * heads * dim
+        # Centres: one per group, or with a shared centre one per main group (the fine groups take the last).
+        nc = n_main_groups if flags & FLAG_SHARED_CENTRE else ng
+        if flags & FLAG_SHARED_CENTRE and nc == 0:
+            raise CodecError(f"{self.name} plane shares a centre but has no main span")
+        sdtype = np.dtype(np.uint8) if flags & FLAG_LOG_STEPS else pdtype
+        c_bytes = nc * width * pdtype.itemsize
+        if p_len != c_bytes + ng * width * sdtype.itemsize:
             raise CodecError(f"{self.name} plane parameters are {p_len} bytes, expected "
-                             f"{2 * count * pdtype.itemsize}")
-        params = np.frombuffer(view[:p_len], dtype=pdtype).astype(np.float32).reshape(2, layers, ng, heads, dim)
+                             f"{c_bytes + ng * width * sdtype.itemsize}")
+        params = np.empty((2, layers, ng, heads, dim), dtype=np.float32)
+        centres = np.frombuffer(view[:c_bytes], dtype=pdtype).reshape(layers, nc, heads, dim)
+        params[0, :, :nc] = centres
+        params[0, :, nc:] = centres[:, nc - 1:nc] if nc < ng else 0.0
+        steps = np.frombuffer(view[c_bytes:p_len], dtype=sdtype).reshape(layers, ng, heads, dim)
+        params[1] = log_steps(steps) if flags & FLAG_LOG_STEPS else steps
+        if not flags & FLAG_F32 and not np.isfinite(params).all():    # this encoder sends finite float16 only
+            raise CodecError(f"{self.name} plane has non-finite float16 parameters")
         n = layers * tq * heads * dim
         codes = unpack_nibbles(zstd_decompress(view[p_len:], (n + 1) // 2), n).reshape(shape)
         x = scratch("eq_x", shape, np.float32)

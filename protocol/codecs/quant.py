@@ -28,7 +28,7 @@ import numpy as np
 from edgecore.protocol.codecs.base import (BITS_DTYPES, Codec, PlaneInfo, bits_to_f32, check_bits, safe_inverse,
                                            scratch, store_f32, zstd_compress, zstd_decompress)
 from edgecore.protocol.codecs.columns import column_reduce, row_reduce
-from edgecore.protocol.codecs.equant import pack_nibbles, unpack_nibbles
+from edgecore.protocol.codecs.codes import pack_nibbles, unpack_nibbles
 from edgecore.protocol.codecs.lossless import LosslessCodec
 from edgecore.protocol.errors import CodecError
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import zstandard
 
+from edgecore.protocol.codecs.base import zstd_frame_fits
 from edgecore.protocol.codecs.planes import join_top_byte
 from edgecore.shared.errors import ModelLoadError
 from edgecore.shared.pack.format import BITS, FORMAT, MAGIC, MANIFEST, NUMPY, PACK_FILE, VERSION, sha256_file
@@ -189,6 +190,7 @@ def _decode_chunk(name: str, frame, rest, out: np.ndarray, crc: int) -> None:
     if not hasattr(_local, "zstd"):
         _local.zstd = zstandard.ZstdDecompressor()
     try:
+        zstd_frame_fits(frame, len(out))
         top = _local.zstd.decompress(frame, max_output_size=len(out))
         if len(top) != len(out):
             raise ValueError("chunk size does not match the tensor")

@@ -54,6 +54,7 @@ def test_timings_and_a_slice_to_send():
 
 async def test_the_sender_drops_chunks_of_cancelled_transfers_and_keeps_order():
     from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
 
     from edgecore.core.kv_sender import send_queued
     from edgecore.protocol import messages as m
@@ -61,6 +62,7 @@ async def test_the_sender_drops_chunks_of_cancelled_transfers_and_keeps_order():
     class Peer:
         def __init__(self):
             self.sent = []
+            self.conn = SimpleNamespace(peer_capabilities=[])     # what the edge's Auth advertised
 
         async def send(self, msg):
             self.sent.append(msg)

@@ -7,10 +7,12 @@ import pytest
 from edgecore.core.server import CoreConfig, CoreServer
 from edgecore.edge.core_client import CoreClient
 from edgecore.protocol import messages as m
+from edgecore.protocol.codecs.equant import FLAG_LOG_STEPS, FLAG_SHARED_CENTRE, HEADER
 from edgecore.protocol.kv import decode_chunk
 from edgecore.protocol.state import KVData
-from edgecore.shared.config import EngineConfig
+from edgecore.shared.config import EngineConfig, ModelConfig
 from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.kv.wire import codec_rope
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,20 +61,31 @@ async def test_first_chunks_leave_before_last_layer_is_computed(model_dir, token
         await core.stop()
 
 
-async def test_edge_layers_keep_layer0_at_the_core(model_dir, tokenizer, heldout, tmp_path):
+@pytest.mark.parametrize("old_edge", [False, True])
+async def test_edge_layers_keep_layer0_at_the_core(model_dir, tokenizer, heldout, tmp_path, old_edge, monkeypatch):
+    """edge_layers=1: no layer-0 chunk. Compact q*e parameters go only to an edge that advertises them (an
+    older edge's Auth has no "kv-compact-params": it gets float16 parameters it can decode)."""
+    if old_edge:
+        monkeypatch.setattr(m, "CAPABILITIES", ())
     core = CoreServer(CoreConfig(str(model_dir), b"s", port=0, http_port=None, data_dir=str(tmp_path)))
     await core.start()
     client = CoreClient("127.0.0.1", core.port, secret=b"s", fingerprint=model_fingerprint(model_dir),
                         codecs=["lossless", "q4e"])
     try:
         await client.connect()
+        assert (m.COMPACT_KV_PARAMS in client.peer.conn.capabilities) is not old_edge
+        rope = codec_rope(ModelConfig.from_dir(model_dir))
         prompt = tokenizer.encode(heldout)[:100]
         events = await client.prefill(m.PrefillRequest("e", prompt, codecs=["q4e"], edge_layers=1))
-        layers = []
+        layers, flags = [], set()
         while not isinstance(ev := await asyncio.wait_for(events.get(), 30), m.PrefillDone):
             assert isinstance(ev, KVData)
             layers += range(ev.chunk.layer_start, ev.chunk.layer_end)
+            flags.add(HEADER.unpack_from(bytes(ev.payload))[2])
+            decode_chunk(ev, rope)
         assert sorted(layers) == [1, 2, 3]
+        assert all(f & (FLAG_LOG_STEPS | FLAG_SHARED_CENTRE) == (0 if old_edge else FLAG_LOG_STEPS | FLAG_SHARED_CENTRE)
+                   for f in flags), flags
         await client.send(m.Ack("e"))
     finally:
         await client.close()

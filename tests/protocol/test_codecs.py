@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgecore.protocol.codecs import CODECS, LEVELS, PlaneInfo, from_float32, get_codec, to_float32
-from edgecore.protocol.codecs.equant import EXACT_HEAD, HEADER, pack_nibbles, token_spans, unpack_nibbles
+from edgecore.protocol.codecs.equant import EXACT_HEAD, HEADER, token_spans
 from edgecore.protocol.codecs.fp8 import encode_e4m3
 from edgecore.protocol.codecs.quant import QuantCodec
 from edgecore.protocol.errors import CodecError
@@ -183,17 +183,6 @@ def test_constant_and_extreme_planes():
                 y = to_float32(get_codec(name).decode(get_codec(name).encode(bits, info), info), dtype)
                 assert np.isfinite(y).all()
                 assert np.abs(y - to_float32(bits, dtype)).max() <= 0.02 * abs(v) + 1e-6, (dtype, v, name)
-
-
-def test_nibble_packing_round_trip():
-    rng = np.random.default_rng(0)
-    for n in (0, 1, 2, 7, 1000):
-        codes = rng.integers(0, 16, size=n, dtype=np.uint8)
-        packed = pack_nibbles(codes)
-        assert packed.size == (n + 1) // 2
-        assert np.array_equal(unpack_nibbles(packed.tobytes(), n), codes)
-        if n >= 2:
-            assert packed[0] == codes[0] | (codes[1] << 4)
 
 
 def test_column_and_row_reductions_match_numpy():
