@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")     # as the `edgecore` command (deploy/cli.py), before numpy
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

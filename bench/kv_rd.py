@@ -36,9 +36,9 @@ import math
 import time
 from pathlib import Path
 
+from common import RESULTS, ROOT, emit, progress
 import kv_klt
 from kv_alloc import Allocated, allocation, channel_scales, channel_weights
-from common import RESULTS, ROOT, emit, progress
 
 import numpy as np
 import torch

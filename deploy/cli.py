@@ -8,10 +8,16 @@ on stderr and a non-zero exit (no traceback).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from edgecore.shared import cli as shared_cli
-from edgecore.shared.errors import EdgecoreError
+# Before anything imports numpy: its BLAS (OpenBLAS) sums the KV codecs' columns in worker threads beside
+# torch's, and a BLAS thread pool of its own on the same cores slowed a core's prefill (q3e, 8k tokens on 2
+# cores: TTFT 3.3 s against 2.0 s with one BLAS thread; the codecs' own time 80 ms). shared/env.py lists it.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+from edgecore.shared import cli as shared_cli  # noqa: E402
+from edgecore.shared.errors import EdgecoreError  # noqa: E402
 
 EXIT_USER_ERROR = 2
 

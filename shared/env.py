@@ -12,6 +12,8 @@ EDGECORE_SMALL_STEP_THREADS  one / all: threads of a small model's steps under 1
 EDGECORE_PACKED_FROM_ROWS  rows from which a small packed weight's oneDNN layout is used (else timed at
                     start-up, see shared/models/layers.py)
 EDGECORE_CPU_MALLOC 0 keeps glibc's default heap thresholds (else see shared/malloc.py)
+OPENBLAS_NUM_THREADS numpy's BLAS threads (read by OpenBLAS; the `edgecore` command sets 1 unless given, see
+                    deploy/cli.py: the KV codecs' column sums run beside torch's threads)
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ import json
 import os
 from pathlib import Path
 
-import pytest
-import torch
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")     # as the `edgecore` command (deploy/cli.py), before numpy
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "models" / "pydoc-llama"
