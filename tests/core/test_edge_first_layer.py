@@ -1,6 +1,6 @@
 """Layer 0 computed at the edge (`edge_layers` = 1), in one process: the core's `LayerStreamer` sends no layer-0
 KV, the edge's `KVReceiver` completes without it, the edge computes it into a pool filled with NaN and decodes
-as a single node does; a PrefillRequest asking for more than layer 0 is refused."""
+as a single node does (tests/e2e/test_core_streaming.py: the same over a socket, and the refusal of more)."""
 
 import pytest
 import torch
@@ -9,11 +9,11 @@ from edgecore.core.kv_sender import LayerStreamer
 from edgecore.core.transfer import Transfer
 from edgecore.edge.kv_receiver import KVReceiver
 from edgecore.protocol import messages as m
-from edgecore.protocol.kv import decode_chunk, encode_chunk
 from edgecore.shared.engine.sampling_params import SamplingParams
-from edgecore.shared.kv.transfer import EDGE_LAYERS, KVSlice, needed_from
-from edgecore.shared.kv.wire import DTYPE_NAMES, codec_rope, from_bits, to_bits
+from edgecore.shared.kv.transfer import EDGE_LAYERS, needed_from
+from edgecore.shared.kv.wire import codec_rope
 from tests.conftest import MODEL_DIR, make_engine
+from tests.core.test_windowed_transfer import decode_at_edge
 from tests.shared.moe_checkpoints import build
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -43,31 +43,8 @@ def test_core_sends_no_layer0_and_the_edge_decodes_like_one_node(name, codec, tm
     pieces = [item.piece for item in transfer.held]
     assert pieces and all(p.layer > 0 for p in pieces)
 
-    edge = engine(path)
-    cfg = edge.config
-    edge.reserve("e", ids, GREEDY)
-    for t in edge.pool.k + edge.pool.v:
-        t.fill_(float("nan"))
-    receiver = KVReceiver("e", cfg.num_hidden_layers, cfg.num_key_value_heads, len(ids),
-                          needed_from=needed_from(cfg, len(ids), EDGE_LAYERS))
-    edge.write_first_layer_kv("e")
-    rope = codec_rope(cfg)
-    for piece in pieces:
-        data = encode_chunk("e", to_bits(piece.k), to_bits(piece.v), layer_start=piece.layer,
-                            token_start=piece.token_start, head_start=piece.head_start,
-                            dtype=DTYPE_NAMES[edge.pool.dtype], codec=codec, total_tokens=len(ids), rope=rope)
-        receiver.on_chunk(data.chunk, len(data.payload), 0.0)
-        k, v = decode_chunk(data, rope)
-        c = data.chunk
-        edge.write_kv("e", KVSlice(c.layer_start, c.token_start, c.token_end, c.head_start,
-                                   from_bits(k, c.dtype), from_bits(v, c.dtype)))
-    receiver.on_done(m.PrefillDone("e", first, num_tokens=len(ids)))
-    assert receiver.complete
-    edge.activate("e", first)
-    tokens = []
-    while edge.has_unfinished():
-        for out in edge.step():
-            tokens += out.new_token_ids
+    tokens = decode_at_edge(engine(path), ids, pieces, first, codec, edge_layers=EDGE_LAYERS,
+                            rope=codec_rope(core.config))
     if codec == "lossless":      # layers 1.. exact: all of it is single node's
         assert tokens == ref
     else:                       # lossy layers 1..: it starts as single node's

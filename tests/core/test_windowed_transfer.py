@@ -67,22 +67,25 @@ def prefill_at_core(core, ids: list[int], skip: int = 0) -> tuple[list[KVSlice],
 
 
 def decode_at_edge(edge, ids: list[int], pieces: list[KVSlice], first: int, codec: str = "lossless",
-                   poison: bool = True) -> list[int]:
-    """Reserve, poison the pool, receive the slices through the codec, activate, decode to the end."""
+                   poison: bool = True, edge_layers: int = 0, rope=None) -> list[int]:
+    """Reserve, poison the pool, (compute the first `edge_layers` layers here,) receive the slices through the
+    codec (keys with `rope` removed when given), activate, decode to the end."""
     cfg = edge.config
     _, cached = edge.reserve("e", ids, GREEDY)
     if poison:
         for t in edge.pool.k + edge.pool.v:
             t.fill_(float("nan"))
+    if edge_layers:
+        edge.write_first_layer_kv("e")
     receiver = KVReceiver("e", cfg.num_hidden_layers, cfg.num_key_value_heads, len(ids), cached,
-                          needed_from=needed_from(cfg, len(ids)))
+                          needed_from=needed_from(cfg, len(ids), edge_layers))
     dtype = DTYPE_NAMES[edge.pool.dtype]
     for piece in pieces:
         data = encode_chunk("e", to_bits(piece.k), to_bits(piece.v), layer_start=piece.layer,
                             token_start=piece.token_start, head_start=piece.head_start, dtype=dtype,
-                            codec=codec, total_tokens=len(ids))
+                            codec=codec, total_tokens=len(ids), rope=rope)
         receiver.on_chunk(data.chunk, len(data.payload), 0.0)
-        k, v = decode_chunk(data)
+        k, v = decode_chunk(data, rope)
         c = data.chunk
         edge.write_kv("e", KVSlice(c.layer_start, c.token_start, c.token_end, c.head_start,
                                    from_bits(k, c.dtype), from_bits(v, c.dtype)))
