@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default="edge")
     p.add_argument("--codec", action="append", default=None, metavar="NAME",
                    help="allowed KV codec(s), in preference order (default lossless); lossy codecs "
-                        "(fp8, int8, int4) only when listed")
+                        "(fp8, int8, int4, q4e, q3e, q2e) only when listed")
     p.add_argument("--adaptive", action="store_true", help="pick the codec per request from link bandwidth")
     p.add_argument("--ttft-target-ms", type=float, default=None)
     p.add_argument("--kv-quality-budget", type=float, default=None, metavar="PPL",
