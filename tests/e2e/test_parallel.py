@@ -95,6 +95,32 @@ def test_edge_decodes_kv_from_parallel_core(tp, pp, gather, secret_file, tokeniz
                                            capture_output=True).returncode != 0, 15)
 
 
+@pytest.mark.parametrize("gather", [False, True])
+def test_layer0_at_the_edge_with_a_pipeline_core(gather, secret_file, tokenizer, heldout):
+    """q4e: the edge computes layer 0 and no rank sends it, whether each stage streams its own layers or
+    rank 0 gathers them; every transfer completes (no fallback) and decodes."""
+    core, port, core_http = start_core(secret_file, "--pp", "2", "--dtype", "bf16", *(["--gather-kv"] * gather))
+    edge, http = start_edge("--local-prefill-below", "0", "--codec", "q4e", "--dtype", "bf16", cores=[port],
+                            secret_file=secret_file)
+    try:
+        ids = tokenizer.encode(heldout)
+        prompts = [ids[i * 100: i * 100 + n] for i, n in enumerate((60, 300))]
+        ref = make_engine(dtype="bf16").generate(prompts, SamplingParams(max_tokens=12, temperature=0,
+                                                                         ignore_eos=True))
+        outs = [post_json(f"http://127.0.0.1:{http}/v1/completions", {
+            "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True}) for p in prompts]
+        for out, r in zip(outs, ref):       # lossy layers 1..3: the start is single node's
+            assert out["choices"][0]["text"].startswith(tokenizer.decode(r["token_ids"][:3]))
+        assert metric(http, 'edgecore:remote_prefills_total{codec="q4e"') == 2      # no fallback
+        cfg = make_engine().config
+        raw = metric(http, 'edgecore:kv_raw_bytes_received_total{codec="q4e"')
+        layers = cfg.num_hidden_layers
+        assert raw == sum(len(p) for p in prompts) * cfg.kv_bytes_per_token(2) * (layers - 1) // layers
+    finally:
+        edge.stop()
+        core.stop()
+
+
 def test_killing_a_rank_makes_core_unhealthy_and_edge_fail_over(secret_file, tokenizer):
     core, port, core_http = start_core(secret_file, "--tp", "2")
     edge, http = start_edge("--local-prefill-below", "0", cores=[port], secret_file=secret_file)
