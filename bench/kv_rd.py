@@ -430,6 +430,7 @@ def main():
     emit(args.name, "smallest_ratio_meeting_target", rows[best]["ratio_vs_bf16"] if best else None,
          model=model.name, base_ppl=result["base_ppl"], prompts=len(windows), prompt_tokens=args.prompt_len,
          new_tokens=args.new_tokens, compute_dtype=args.dtype, rope_given=args.rope is not None, speed_int8_reference=speeds["int8"],
+         layers=engine.config.num_hidden_layers, edge_layers=args.edge_layers,
          targets=TARGETS, reached=reached, codecs=rows, plot=str(png.relative_to(ROOT)) if plotted else None,
          **extra)
 

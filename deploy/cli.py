@@ -12,8 +12,8 @@ import os
 import sys
 
 # Before anything imports numpy: its BLAS (OpenBLAS) sums the KV codecs' columns in worker threads beside
-# torch's, and a BLAS thread pool of its own on the same cores slowed a core's prefill (q3e, 8k tokens on 2
-# cores: TTFT 3.3 s against 2.0 s with one BLAS thread; the codecs' own time 80 ms). shared/env.py lists it.
+# torch's, and a BLAS thread pool of its own on the same cores slowed a core's prefill (bench/ttft.py, q3e, 8k
+# tokens on 2 cores: TTFT 3.8 s, lossless 2.1 s; with one BLAS thread 2.1 s). shared/env.py lists it.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from edgecore.shared import cli as shared_cli  # noqa: E402

@@ -39,37 +39,54 @@ class CurvePoint:
 # raw: a copy.
 CURVE: dict[str, CurvePoint] = {
     "raw": CurvePoint(1.0, 0.0, 1.0, 20e9, 20e9),
-    "lossless": CurvePoint(0.6848, 0.0, 1.0, 648e6, 2379e6),
-    "fp8": CurvePoint(0.3752, 0.00156, 0.9868, 472e6, 1305e6),
-    "int8": CurvePoint(0.4376, 0.00015, 0.9995, 1104e6, 2507e6),
-    "int4": CurvePoint(0.2945, 0.00278, 0.9841, 917e6, 1811e6),
-    "q4e": CurvePoint(0.1831, -0.00112, 0.9852, 698e6, 1443e6),
-    "q3e": CurvePoint(0.1478, 0.0027, 0.9804, 713e6, 1451e6),
-    "q2e": CurvePoint(0.1372, 0.00126, 0.9688, 710e6, 1487e6),
+    "lossless": CurvePoint(0.6848, 0.0, 1.0, 645e6, 2391e6),
+    "fp8": CurvePoint(0.3752, 0.00156, 0.9868, 460e6, 1169e6),
+    "int8": CurvePoint(0.4376, 0.00015, 0.9995, 1079e6, 2369e6),
+    "int4": CurvePoint(0.2945, 0.00278, 0.9841, 932e6, 1726e6),
+    "q4e": CurvePoint(0.1831, -0.00112, 0.9852, 690e6, 1405e6),
+    "q3e": CurvePoint(0.1478, 0.0027, 0.9804, 702e6, 1426e6),
+    "q2e": CurvePoint(0.1372, 0.00126, 0.9688, 703e6, 1407e6),
+    # the same levels with every layer coded (a transfer whose layer 0 travels: `with_layer0`)
+    "q4e+layer0": CurvePoint(0.2287, -0.00142, 0.9783, 681e6, 1357e6),
+    "q3e+layer0": CurvePoint(0.1815, 0.00413, 0.9714, 706e6, 1368e6),
+    "q2e+layer0": CurvePoint(0.1692, 0.00388, 0.9603, 689e6, 1392e6),
 }
 DEFAULT_QUALITY_BUDGET = 0.01     # perplexity increase a request may pay for fewer bytes
 
 
 def load_curve(path: str | Path) -> dict[str, CurvePoint]:
-    """The curve from a bench/kv_rd.py result file (bench/results/kv_rd.json or one made with --name)."""
+    """The curve from a bench/kv_rd.py result file (bench/results/kv_rd.json or one made with --name). Lossy rows
+    are taken as measured without layer 0 (the edge computes it); a run that coded every layer (its
+    `edge_layers` 0: a model whose layer 0 costs more than the budget) keeps those rows as NAME+layer0 and
+    gives NAME (L − 1)/L of their bytes."""
+    from edgecore.protocol.codecs import CODECS
     try:
-        rows = json.loads(Path(path).read_text())["codecs"]
+        data = json.loads(Path(path).read_text())
         curve = {name: CurvePoint(float(r["ratio_vs_bf16"]), float(r["ppl_increase"]), float(r["agreement"]),
                                   float(r["encode_MBps_per_core"]) * 1e6, float(r["decode_MBps_per_core"]) * 1e6)
-                 for name, r in rows.items()}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+                 for name, r in data["codecs"].items()}
+        layers = int(data.get("layers", 0))
+        if data.get("edge_layers", 1) == 0 and layers > 1:
+            for name in [n for n in curve if n in CODECS and not CODECS[n].lossless]:
+                curve.setdefault(f"{name}+layer0", curve[name])
+                curve[name] = replace(curve[name], ratio=curve[name].ratio * (layers - 1) / layers)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"codec curve {path} is not a bench/kv_rd.py result: {exc}") from None
     return {"raw": CURVE["raw"], **curve}
 
 
 def with_layer0(curve: dict[str, CurvePoint], layers: int) -> dict[str, CurvePoint]:
-    """The curve for a transfer that sends layer 0 too: lossy ratios were measured with the edge computing layer
-    0 itself (bench/kv_rd.py), so each carries L/(L − 1) of its bytes when that layer travels (quality as
-    measured: a coded layer 0 costs a little more, rows NAME+layer0 of a kv_rd result)."""
+    """The curve for a transfer that sends layer 0 too: a lossy codec's NAME+layer0 point where the curve has
+    one (bench/kv_rd.py measures it for the entropy-coded levels), else its ratio, measured with the edge
+    computing layer 0 itself, × L/(L − 1) (quality as measured)."""
     from edgecore.protocol.codecs import CODECS
     scale = layers / (layers - 1) if layers > 1 else 1.0
-    return {name: p if name not in CODECS or CODECS[name].lossless else replace(p, ratio=p.ratio * scale)
-            for name, p in curve.items()}
+
+    def sent(name: str, p: CurvePoint) -> CurvePoint:
+        if name not in CODECS or CODECS[name].lossless:
+            return p
+        return curve.get(f"{name}+layer0") or replace(p, ratio=p.ratio * scale)
+    return {name: sent(name, p) for name, p in curve.items()}
 
 
 def transfer_estimate(codec: str, raw_bytes: int, link_bytes_per_s: float,

@@ -353,7 +353,7 @@ class Connection:
                     f"{self.fingerprint[:16]}", ErrorCode.MODEL_MISMATCH)
             self.peer_codecs = [c for c in msg.codecs if c in self.codecs]
             self.peer_name = msg.name
-            self.peer_capabilities = [c for c in msg.capabilities if isinstance(c, str)]
+            self.peer_capabilities = list(msg.capabilities)
             if isinstance(msg, m.Auth):
                 self.session = msg.session
             else:

@@ -4,7 +4,7 @@ Life cycle: the core encodes one plane (all K or all V of a chunk) per call with
 level's step factors; the edge decodes it from the bytes alone — every step and
 centre travels in the payload, so the level's tuning (per-layer allocation
 included) is an encoder choice, and any edge on this protocol version decodes
-any level. A CRC-32 over the body makes a corrupted or cut payload a
+any level (compact parameters: those that advertise them). A CRC-32 over the body makes a corrupted or cut payload a
 `CodecError`, never garbage.
 
 Scheme (per plane [layers, tokens, heads, dim]):
@@ -21,8 +21,9 @@ Scheme (per plane [layers, tokens, heads, dim]):
   level) but at least max|x − centre| / 7.5, so nothing is clipped. Centres
   travel as float16; steps as one byte each, rounded up to the next power of
   2^(1/8) (`log_step_codes`), and the fine span's groups share the main span's
-  last centre: a quarter and a half of float16 parameters (float16 or float32
-  parameters where values or steps leave those ranges).
+  last centre: 3/4 and 1/2 of float16 parameters' bytes (float16 or float32
+  parameters where values or steps leave those ranges). Compact parameters go
+  only to a peer that advertises `kv-compact-params` (`PlaneInfo.compact_params`).
   code = clip(round((x − centre) / step), −8, 7): a 4-bit signed code whose
   entropy, not its width, sets the rate.
 * Codes are packed two per byte and compressed with zstd (level 1), whose

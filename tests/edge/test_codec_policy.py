@@ -12,7 +12,7 @@ MB = 1e6
 
 
 def test_curve_covers_every_codec():
-    assert set(CURVE) == set(CODECS)
+    assert {name.removesuffix("+layer0") for name in CURVE} == set(CODECS)
     for name, p in CURVE.items():
         assert 0 < p.ratio <= 1 and p.encode_bps > 0 and p.decode_bps > 0, name
     assert CURVE["q2e"].ratio < CURVE["q3e"].ratio < CURVE["q4e"].ratio < CURVE["int4"].ratio
@@ -119,9 +119,26 @@ def test_edge_cli_rejects_a_bad_budget_in_one_line():
 
 
 def test_a_transfer_that_sends_layer0_reads_larger_lossy_ratios():
-    """The shipped curve leaves layer 0 to the edge; when it travels, a lossy codec carries L/(L-1) as much."""
+    """The shipped curve leaves layer 0 to the edge; when it travels, a level reads its measured NAME+layer0
+    point, another lossy codec L/(L-1) of its bytes."""
     from edgecore.edge.codec_policy import with_layer0
     sent = with_layer0(CURVE, 4)
-    assert sent["q3e"].ratio == pytest.approx(CURVE["q3e"].ratio * 4 / 3)
+    assert sent["q3e"] == CURVE["q3e+layer0"] and sent["q3e"].ratio > CURVE["q3e"].ratio
+    assert sent["int8"].ratio == pytest.approx(CURVE["int8"].ratio * 4 / 3)
     assert sent["lossless"] == CURVE["lossless"] and sent["raw"] == CURVE["raw"]
-    assert with_layer0(CURVE, 1) == CURVE
+    assert with_layer0({"int8": CURVE["int8"]}, 1) == {"int8": CURVE["int8"]}
+
+
+def test_a_curve_measured_with_every_layer_coded_is_read_without_layer0(tmp_path):
+    """kv_rd on a model whose layer 0 costs more than the budget codes every layer (edge_layers 0): those rows
+    become NAME+layer0, and NAME (L-1)/L of their bytes, so both kinds of transfer read the right one."""
+    from edgecore.edge.codec_policy import with_layer0
+    row = {"ratio_vs_bf16": 0.2, "ppl_increase": 0.004, "agreement": 0.98, "encode_MBps_per_core": 400,
+           "decode_MBps_per_core": 800}
+    path = tmp_path / "rd.json"
+    path.write_text(json.dumps({"codecs": {"q3e": row, "lossless": dict(row, ratio_vs_bf16=0.7)},
+                                "layers": 16, "edge_layers": 0}))
+    curve = load_curve(path)
+    assert curve["q3e"].ratio == pytest.approx(0.2 * 15 / 16) and curve["q3e+layer0"].ratio == 0.2
+    assert curve["lossless"].ratio == 0.7
+    assert with_layer0(curve, 16)["q3e"].ratio == 0.2
