@@ -101,9 +101,10 @@ Where pydoc-llama's q3e bytes go (layers 1–3, share of bf16 bytes of all 4 lay
 the compact parameters): codes 0.131 (zstd on packed nibbles, at the codes' per-channel order-0
 entropy), centres + steps 0.012, exact sinks 0.009, recent 0.009, headers 0.001.
 Speed (bench/results/kv_codec.json, 9 × 1000-token windows of the bundled model, per core in thread CPU
-time, on a 2-core AMD EPYC VM): encode q4e 559, q3e 570, q2e 561 MB/s of bf16 input, decode 1151–1160;
-int8 916 / 1961; same-run baselines memcpy 35 GB/s, lz4 5.8 / 29 GB/s, quantize_floor 1.7 GB/s. At a
-larger model's shapes (`wide_heads`, synthetic 8 × 128 heads): encode 1008–1057, decode 1666–1742. So
+time, numpy's BLAS on one thread, on a 2-core AMD EPYC VM): encode q4e 524, q3e 540, q2e 541 MB/s of bf16
+input, decode 1086–1120; int8 828 / 1829; same-run baselines memcpy 29 GB/s, lz4 5.9 / 32 GB/s,
+quantize_floor 1.7 GB/s. At a larger model's shapes (`wide_heads`, synthetic 8 × 128 heads): encode
+905–976, decode 1583–1596. So
 every level is over the 300 MB/s goal both ways here; on the slower shared VM of earlier measurements
 the same code encoded at 117–182 MB/s (per-call costs on small planes: below). Where a 1000-token key
 plane's q4e encode went on that VM (~600 µs):
