@@ -50,7 +50,7 @@ from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.engine.sequence import Sequence
 from edgecore.edge.engine import EdgeConfig
-from edgecore.shared.kv.transfer import EDGE_LAYERS
+from edgecore.shared.kv.transfer import layers_at_edge
 from edgecore.shared.kv.wire import ALLOCATION_FILE, codec_rope, codec_step_scales, from_bits, to_bits
 
 TARGETS = {"ratio_0.15": {"ratio_vs_bf16": 0.15, "ppl_increase": 0.01, "agreement": 0.97},
@@ -153,7 +153,7 @@ class AllLayers(Codec):
         return self.codec.decode(data, info)
 
 
-def edge_layers(codec: Codec, args) -> int:
+def skipped_layers(codec: Codec, args) -> int:
     """Leading layers the live path does not send with this codec: the edge computes layer 0 for a lossy codec
     within its budget (edge/remote_prefill.py); `AllLayers` and lossless codecs send every layer."""
     return 0 if codec.lossless or isinstance(codec, AllLayers) else args.edge_layers
@@ -221,7 +221,7 @@ def evaluate(engine, windows, greedy, codecs: dict[str, Codec], args) -> dict:
             count += ref_g.shape[0]
             for name, codec in codecs.items():
                 planes, size, t_enc, t_dec = round_trip(codec, run.bits, run.n, args.rope,
-                                                        skip_layers=edge_layers(codec, args))
+                                                        skip_layers=skipped_layers(codec, args))
                 run.load(planes)
                 kl, agree = kl_agree(ref_g, run.logits(g))
                 row = sums[name]
@@ -357,8 +357,8 @@ def main():
     model = Path(args.model)
     engine = LLMEngine.from_dir(model, args.dtype, "cpu", CacheConfig(num_blocks=1024, enable_prefix_caching=False))
     args.rope = None if args.no_rope else codec_rope(engine.config)
-    macs = engine.runner.first_layer_macs * args.prompt_len
-    args.edge_layers = EDGE_LAYERS if 0 < macs <= args.first_layer_macs else 0
+    # the edge's rule for a lossy transfer of one prompt (edge/remote_prefill.py)
+    args.edge_layers = layers_at_edge(engine.runner.first_layer_macs, args.prompt_len, args.first_layer_macs, False)
     ids = engine.tokenizer.encode(heldout_text(model))
     span = args.prompt_len + args.new_tokens
     if len(ids) < span:

@@ -54,7 +54,7 @@ from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.fingerprint import model_fingerprint
-from edgecore.shared.kv.transfer import edge_layers
+from edgecore.shared.kv.transfer import layers_at_edge
 from edgecore.shared.kv.wire import codec_rope
 
 log = logging.getLogger("edgecore.edge")
@@ -169,7 +169,7 @@ class EdgeEngine:
             return allowed[0]
         target = self.config.ttft_target_ms / 1000 if self.config.ttft_target_ms else None
         curve = self.config.kv_curve or CURVE
-        if not edge_layers(self.handle.first_layer_macs, num_tokens, self.config.first_layer_macs, False):
+        if not layers_at_edge(self.handle.first_layer_macs, num_tokens, self.config.first_layer_macs, False):
             curve = with_layer0(curve, self.handle.config.num_hidden_layers)     # layer 0 travels
         return choose_codec(allowed, num_tokens * self.kv_bytes_per_token, client.bandwidth, target,
                             self.config.kv_quality_budget, curve)

@@ -10,8 +10,8 @@ and written into the paged cache as a `KVSlice` between decode steps. For a loss
 compute layer 0's KV itself (`edge_layers`, shared/kv/transfer.py: it depends on the tokens alone),
 queued on the engine right after the PrefillRequest leaves; the core then sends none of that layer.
 Every write is queued before the activation or takeover that reads the KV (`_written`). PrefillDone, a
-core Error, a broken connection or the transfer timeout go to the receiver too. Once the receiver is COMPLETE the request is
-activated with the core's first token (it joins the decode batch) and the core
+core Error, a broken connection or the transfer timeout go to the receiver too. Once the receiver is
+COMPLETE the request is activated with the core's first token (it joins the decode batch) and the core
 hears Ack; on any failure the reservation is released, the core hears Cancel,
 and `RemotePrefillFailed` tells the caller to try elsewhere. The link estimate
 and the transfer metrics are recorded either way.
@@ -54,7 +54,7 @@ from edgecore.protocol.transport import PeerError
 from edgecore.shared.engine.handle import EngineHandle, FirstToken
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
-from edgecore.shared.kv.transfer import KVSlice, edge_layers, needed_from
+from edgecore.shared.kv.transfer import KVSlice, layers_at_edge, needed_from
 from edgecore.shared.kv.wire import from_bits
 
 
@@ -96,8 +96,8 @@ class RemotePrefill:
         codec = choose_codec(client, len(self.prompt_ids) - cached)
         cfg = handle.config
         limit = min(self.core_decode, self.params.max_tokens - 1) if activate and client.peer.conn.handover else 0
-        self.edge_layers = edge_layers(handle.first_layer_macs, len(self.prompt_ids) - cached,
-                                       self.first_layer_budget, get_codec(codec).lossless)
+        self.edge_layers = layers_at_edge(handle.first_layer_macs, len(self.prompt_ids) - cached,
+                                          self.first_layer_budget, get_codec(codec).lossless)
         receiver = self.receiver = KVReceiver(rid, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                               len(self.prompt_ids), cached, direct=client.direct or limit > 0,
                                               needed_from=needed_from(cfg, len(self.prompt_ids), self.edge_layers))

@@ -4,8 +4,8 @@ Life cycle of the seam: a node (edge engine, core prefill service, batch
 runner, contexts, control port) holds an `EngineHandle` and nothing else of the
 engine. Requests enter with `add` / `generate` (outputs stream back), leave with
 `abort`; the disaggregation entry points are `reserve` → `write_kv`* (and
-`write_first_layer_kv`, layer 0 computed here) → `activate` (KV from outside; with decode handover `reserve` → `push_token`* and
-`write_kv`* → `take_over`) and prefill-only requests → `read_kv` → `release`
+`write_first_layer_kv`, layer 0 computed here) → `activate` (KV from outside;
+with decode handover `reserve` → `push_token`* and `write_kv`* → `take_over`) and prefill-only requests → `read_kv` → `release`
 (KV handed out); `pin_prefix` / `commit_prefix` / `unpin` keep prefixes
 resident. Stream routes (`add_stream_route`, `drop_stream_route`) tell a
 parallel core's ranks where to send their KV. `stats()` returns the snapshot the

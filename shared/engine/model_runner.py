@@ -47,9 +47,9 @@ from edgecore.shared.models.flat_decode import FlatDecoder
 from edgecore.shared.models.layers import calibrate_plain_rows, pack_for_cpu, weight_bytes
 
 SINGLE_THREAD_BELOW = 16    # tokens: smaller steps may run on one thread (0: never) ...
-FIRST_LAYER_PIECE = 2048   # tokens per call of write_first_layer_kv (bounds its activations)
 SINGLE_THREAD_MAX_WEIGHTS = 64 << 20    # ... of a model with at most these weight bytes (a larger model's
                                         # matmuls at batch 1 read enough memory for two threads to pay)
+FIRST_LAYER_PIECE = 2048   # tokens per call of write_first_layer_kv (bounds its activations)
 
 
 def sampling_rows(ordered) -> tuple[list[int], list[Sequence]]:

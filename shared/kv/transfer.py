@@ -55,7 +55,7 @@ def needed_from(config: ModelConfig, position: int, edge_layers: int = 0) -> lis
             for layer in range(config.num_hidden_layers)]
 
 
-def edge_layers(first_layer_macs: int, tokens: int, budget: float, lossless: bool) -> int:
+def layers_at_edge(first_layer_macs: int, tokens: int, budget: float, lossless: bool) -> int:
     """Leading layers an edge computes itself for a transfer of `tokens` tokens: layer 0 (`EDGE_LAYERS`) when the
     codec is lossy (a lossless transfer promises the core's own bits) and its cost — the engine's multiply-adds
     per token (0: it cannot) × tokens — is within `budget`; else none."""

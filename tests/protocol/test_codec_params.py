@@ -4,7 +4,6 @@ spans; their fallbacks (steps beyond the code range, no main span), payloads wit
 decoding, and inconsistent flags refused."""
 
 import dataclasses
-import zlib
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from edgecore.protocol.codecs import LEVELS, PlaneInfo, from_float32, get_codec,
 from edgecore.protocol.codecs.codes import LOG_STEP_RES, log_step_codes, log_steps, pack_nibbles, unpack_nibbles
 from edgecore.protocol.codecs.equant import FLAG_F32, FLAG_LOG_STEPS, FLAG_SHARED_CENTRE, HEADER, EntropyQuantCodec
 from edgecore.protocol.errors import CodecError
+from tests.protocol.test_codecs import _recrc as recrc
 
 
 def plane(rng, shape=(2, 300, 2, 16), scale=1.0, dtype="bfloat16"):
@@ -22,11 +22,6 @@ def plane(rng, shape=(2, 300, 2, 16), scale=1.0, dtype="bfloat16"):
 
 def flags_of(data) -> int:
     return HEADER.unpack_from(data)[2]
-
-
-def recrc(data: bytes) -> bytes:
-    head = data[:HEADER.size - 4]
-    return head + zlib.crc32(data[HEADER.size:], zlib.crc32(head)).to_bytes(4, "little") + data[HEADER.size:]
 
 
 def test_log_step_codes_round_up_within_one_code():
