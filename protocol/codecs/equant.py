@@ -369,7 +369,8 @@ class EntropyQuantCodec(Codec):
         params = np.empty((2, layers, ng, heads, dim), dtype=np.float32)
         centres = np.frombuffer(view[:c_bytes], dtype=pdtype).reshape(layers, nc, heads, dim)
         params[0, :, :nc] = centres
-        params[0, :, nc:] = centres[:, nc - 1:nc] if nc < ng else 0.0
+        if nc < ng:                             # the fine groups take the last main centre
+            params[0, :, nc:] = centres[:, nc - 1:nc]
         steps = np.frombuffer(view[c_bytes:p_len], dtype=sdtype).reshape(layers, ng, heads, dim)
         params[1] = log_steps(steps) if flags & FLAG_LOG_STEPS else steps
         if not flags & FLAG_F32 and not np.isfinite(params).all():    # this encoder sends finite float16 only

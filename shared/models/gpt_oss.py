@@ -16,12 +16,12 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from edgecore.shared.config import ModelConfig
 from edgecore.shared.models.llama import Attention, LlamaForCausalLM
 from edgecore.shared.models.moe import FusedExperts, topk_softmax
+from edgecore.shared.models.row_buckets import bounded_linear
 from edgecore.shared.parallel import tensor_parallel
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -77,7 +77,7 @@ class GptOssMoE(nn.Module):
         self.pending: dict[str, torch.Tensor] = {}      # MXFP4 blocks waiting for their scales (or back)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = topk_softmax(F.linear(x, self.router.weight, self.router.bias), self.top_k)
+        weights, ids = topk_softmax(bounded_linear(x, self.router.weight, self.router.bias), self.top_k)
         return self.experts(x, ids, weights)
 
     def load(self, tensor: str, kind: str, value: torch.Tensor) -> None:

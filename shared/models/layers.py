@@ -28,7 +28,7 @@ matmuls take the same time packed as transposed on two threads).
 
 Where the two layouts cross depends on the CPU: 8 rows on the machine that
 first measured it, 4 on an AMD EPYC (one thread, the bundled model: 4 rows
-340 us input-major against 260 us packed; 3 on two threads). So `calibrate_plain_rows(model)`
+340 us input-major against 260 us packed; 3 on two threads). So `calibrate_plain_rows(model, threads)`
 times the model's own weights both ways at 2, 3, ... rows, once at start-up
 (about 0.1 s for the bundled model, more for larger weights), and sets the row
 count from which the packed layout is used (EDGECORE_PACKED_FROM_ROWS pins it
@@ -48,7 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgecore.shared.kv.heads import kv_head_start
-from edgecore.shared.models.row_buckets import packed_linear
+from edgecore.shared.env import packed_from_rows
+from edgecore.shared.models.row_buckets import bounded_linear, packed_linear
 from edgecore.shared.parallel import all_gather_last_dim, all_reduce, tensor_parallel
 
 
@@ -84,8 +85,8 @@ class _Matmul(nn.Module):
         if self.packed is not None and x.numel() >= self.plain_below * x.shape[-1]:
             return packed_linear(x, self.packed, bias)
         wt = self.transposed
-        if wt is None:
-            return F.linear(x, self.weight, bias)
+        if wt is None:              # unpacked (bf16 without oneDNN packing, EDGECORE_CPU_PACK=0): bucketed rows
+            return bounded_linear(x, self.weight, bias)
         if x.dim() == 2:
             return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
         y = torch.matmul(x, wt)
@@ -98,7 +99,8 @@ class _Matmul(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
         self.packed_bytes = nbytes = w.numel() * w.element_size()
         if w.dtype == torch.float32 and (keep_plain or nbytes <= KEEP_PLAIN_BYTES):
-            self.plain_below = PACKED_FROM_ROWS     # measured for float32 only: bf16 stays on oneDNN
+            # measured for float32 only: bf16 stays on oneDNN; EDGECORE_PACKED_FROM_ROWS pins it for every model
+            self.plain_below = packed_from_rows() or PACKED_FROM_ROWS
             if nbytes <= KEEP_PLAIN_BYTES:
                 self.transposed = w.t().contiguous()
                 if keep_plain:
@@ -137,8 +139,8 @@ def _layout_times(x: torch.Tensor, plain: list[tuple], packed: list[tuple], reps
     inputs = [[(x[:, :width].contiguous(), w, count) for w, width, count in ws] for ws in (plain, packed)]
     best = [float("inf"), float("inf")]
     for i in range(6):
-        kind = i % 2 if i < 3 else 1 - i % 2          # input-major first, then packed first
-        fn = torch.mm if kind == 0 else _packed_mm      # what `matmul` runs for each layout
+        kind = i % 2            # alternating, three passes each: input-major first, then packed first
+        fn = torch.mm if kind == 0 else packed_linear   # what `matmul` runs for each layout
         t = time.perf_counter()
         for _ in range(reps):
             for xi, w, count in inputs[kind]:
@@ -158,7 +160,6 @@ def calibrate_plain_rows(model: nn.Module, threads: int) -> int:
     timing does not move it), timed on `threads` threads. Returns it (0: no weight has both layouts; a
     large tied LM head, which has no input-major copy, keeps `PACKED_FROM_ROWS`). EDGECORE_PACKED_FROM_ROWS
     sets it without timing; a process times the same shapes on the same thread count once."""
-    from edgecore.shared.env import packed_from_rows
     modules = [m for m in model.modules() if isinstance(m, _Matmul) and m.plain_below and m.transposed is not None]
     if not modules:
         return 0
@@ -193,9 +194,6 @@ def calibrate_plain_rows(model: nn.Module, threads: int) -> int:
         m.plain_below = rows
     return rows
 
-
-def _packed_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return packed_linear(x, packed, None)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -23,6 +23,7 @@ from edgecore.shared.models.attention import paged_attention
 from edgecore.shared.models.llama import MLP, Attention, LlamaForCausalLM
 from edgecore.shared.models.moe import FusedExperts, act_and_mul
 from edgecore.shared.models.rope import apply_rope_pairs, rope_cos_sin
+from edgecore.shared.models.row_buckets import bounded_linear
 
 STACKED = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 
@@ -72,7 +73,7 @@ class Llama4MoE(nn.Module):
         self.top_k = p.num_experts_per_tok
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        values, ids = torch.topk(self.router(x), self.top_k, dim=-1)
+        values, ids = torch.topk(bounded_linear(x, self.router.weight), self.top_k, dim=-1)
         weights = torch.sigmoid(values.float()).to(x.dtype)
         return self.shared_expert(x) + self.experts(x, ids, weights, weight_inputs=True)
 

@@ -19,6 +19,7 @@ from torch import nn
 from edgecore.shared.config import ModelConfig
 from edgecore.shared.models.llama import LlamaForCausalLM
 from edgecore.shared.models.moe import FusedExperts, act_and_mul, softmax_topk
+from edgecore.shared.models.row_buckets import bounded_linear
 
 EXPERT = re.compile(r"^(model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 
@@ -34,7 +35,7 @@ class SparseMoE(nn.Module):
         self.top_k, self.renormalize = top_k, renormalize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = softmax_topk(bounded_linear(x, self.gate.weight), self.top_k, self.renormalize)
         return self.experts(x, ids, weights)
 
 

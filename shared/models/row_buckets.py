@@ -50,7 +50,7 @@ def _pad_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
     return xp, rows
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T (+ bias) through a oneDNN-packed weight, at `padded_rows` rows: the rows added are zeros
     and their outputs dropped (each output row depends on its own input row only); the result is a view
     of the first rows."""
@@ -69,8 +69,8 @@ def _via_onednn(x: torch.Tensor) -> bool:
 
 
 def bounded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear of a 2-D x, at `padded_rows` rows where oneDNN serves it (bf16 on CPU: MoE experts, MLA's
-    up-projection), so that varying row counts do not each leave a kernel behind."""
+    """F.linear of a 2-D x, at `padded_rows` rows where oneDNN serves it (bf16 on CPU: MoE experts and routers,
+    MLA's up-projection, unpacked projections), so that varying row counts do not each leave a kernel behind."""
     if not _via_onednn(x) or x.dim() != 2:
         return F.linear(x, weight, bias)
     xp, rows = _pad_rows(x, 0)

@@ -172,7 +172,8 @@ def test_calibration_on_real_timings_and_pinned(pack_sizes, monkeypatch, timed):
             x = torch.randn(r, 64)
             torch.testing.assert_close(model[0](x), F.linear(x, model[0].weight), rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("EDGECORE_PACKED_FROM_ROWS", "5")
-    monkeypatch.setattr(layers, "_layout_times", None)       # pinned: nothing is timed
+    monkeypatch.setattr(layers, "_layout_times", None)       # pinned: nothing is timed (nor read from the cache)
+    monkeypatch.setattr(layers, "_calibrated", {})
     assert layers.calibrate_plain_rows(model, 1) == 5 and [m.plain_below for m in model] == [5, 5, 5]
     pack_sizes(0)                       # a large weight is held packed only: nothing to choose
     large = layers.ColumnParallelLinear(64, 96)
@@ -300,3 +301,41 @@ def test_bounded_matmuls_pad_only_where_onednn_serves_them(monkeypatch, dtype):
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(y, expected[0], rtol=tol, atol=tol)
     torch.testing.assert_close(z, expected[1], rtol=tol, atol=tol)
+
+
+def test_the_pinned_layout_switch_reaches_every_packed_weight(monkeypatch):
+    """EDGECORE_PACKED_FROM_ROWS is read where a weight is packed, so models too large for start-up timing
+    (which only calibrates small ones) get it too."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("needs oneDNN")
+    monkeypatch.setenv("EDGECORE_PACKED_FROM_ROWS", "3")
+    lin = layers.ColumnParallelLinear(64, 96)
+    lin.pack()
+    assert lin.plain_below == 3
+
+
+@pytest.mark.parametrize("which", ["projection", "router"])
+def test_unpacked_bf16_projections_and_routers_pad_their_rows(monkeypatch, which):
+    """A bf16 projection left unpacked (EDGECORE_CPU_PACK=0) and an MoE router go through oneDNN per row
+    count too: both run at bucketed row counts."""
+    rows = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, bias=None: rows.append(x.shape[0]) or real(x, w, bias))
+    x = torch.randn(37, 64).to(torch.bfloat16)
+    if which == "projection":
+        lin = layers.ColumnParallelLinear(64, 96).to(torch.bfloat16)
+        assert lin.packed is None and lin.transposed is None
+        lin.matmul(x)
+    else:
+        from edgecore.shared.models.mixtral import SparseMoE
+        moe = SparseMoE(64, 4, 32, 2, True).to(torch.bfloat16)
+        moe.forward(x)              # the router's is the first linear; the experts' follow (padded alike)
+    assert rows and rows[0] == row_buckets.padded_rows(37) == 40
+
+
+def test_layout_timing_gives_each_layout_three_interleaved_passes(monkeypatch):
+    order = []
+    monkeypatch.setattr(layers.torch, "mm", lambda x, w: order.append("plain"))
+    monkeypatch.setattr(layers, "packed_linear", lambda x, w: order.append("packed"))
+    layers._layout_times(torch.zeros(1, 4), [(None, 4, 1)], [(None, 4, 1)], 1)
+    assert order == ["plain", "packed"] * 3
