@@ -121,6 +121,7 @@ class CoreServer:
         loop = asyncio.get_running_loop()
         self.streamer.loop = loop
         self.handle.start()
+        await self.handle.started()
         self.started = True
         c = self.config
         await self._start_batches()

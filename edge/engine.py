@@ -120,6 +120,7 @@ class EdgeEngine:
     async def start(self) -> None:
         self.handle.start()
         self.handle.on_outputs = self._observe
+        await self.handle.started()
         if self.router.clients or self.router.dns:
             await self.router.start()
 

@@ -345,7 +345,9 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Scheduler limits: tokens per step (chunked prefill budget) and sequences per step."""
+    """Scheduler limits: tokens per step (chunked prefill budget) and sequences per step; whether small decode
+    steps run compiled."""
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None
+    compile_decode: bool = False        # small pure decode steps through torch.compile (compiled_decode.py)

@@ -1,6 +1,7 @@
 """The in-thread `EngineHandle`: runs an `LLMEngine` on its own thread and streams its outputs into asyncio.
 
-Life cycle: `start()` spawns the engine thread; coroutines use the handle's
+Life cycle: `start()` spawns the engine thread, which first compiles the decode step when the
+engine config asks for it (`started()` waits for that); coroutines use the handle's
 typed methods (shared/engine/handle.py: `add`/`generate`, `abort`, `reserve`,
 `write_kv`, `activate`, `read_kv`, `release`, prefix pins, stream routes),
 each of which becomes one command the engine thread runs between two steps, in
@@ -69,8 +70,14 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._started = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, name="edgecore-engine", daemon=True)
         self._thread.start()
+
+    async def started(self) -> None:
+        """Wait until the engine thread is ready to step (its decode step compiled, if asked for) or has
+        failed (`alive` says which); a node calls this before it serves."""
+        await asyncio.shield(self._started)
 
     def stop(self) -> None:
         with self._wake:
@@ -277,6 +284,8 @@ class AsyncEngine:
             torch.set_num_threads(self.threads)
         trimmed = True
         try:
+            engine.compile_decode()
+            self.loop.call_soon_threadsafe(_deliver, [(self._started, True, None)])
             while True:
                 with self._wake:
                     while not self._commands and not engine.has_unfinished() and not self._stopping:
@@ -302,6 +311,7 @@ class AsyncEngine:
             log.exception("engine thread failed")
             self.error = exc
             self.loop.call_soon_threadsafe(self._fail_all, exc)
+            self.loop.call_soon_threadsafe(_deliver, [(self._started, True, None)])   # dead: commands say so
 
     def _run_commands(self, commands) -> list[tuple[asyncio.Future, bool, Any]]:
         """Engine thread: run queued commands in order; returns (future, ok, result or exception) of those

@@ -1,28 +1,24 @@
 """The generation engine: requests in, token/text deltas out, one step at a time.
 
-Life cycle of an ordinary request: `add_request` validates and queues it;
-each `step()` schedules a batch (continuous batching, chunked prefill,
-preemption), runs the model, samples, and returns one `RequestOutput` per
-request that produced a token; a finished request's blocks are freed at once
+Life cycle of an ordinary request: `add_request` validates and queues it; each `step()` schedules a
+batch (continuous batching, chunked prefill, preemption), runs the model, samples, and returns one
+`RequestOutput` per request that produced a token; a finished request's blocks are freed at once
 (`abort` does the same for a live request).
 
 Two entry points serve disaggregated serving:
-(a) prefill only — `add_request(..., prefill_only=True)`: after its first token
-    the request is PREFILLED with its KV kept; `read_kv` / `read_kv_slices` hand
-    out K/V (the `on_layer` hook of `step` signals each layer as it is
-    computed) and `release` frees it.
-(b) KV from outside — `reserve` allocates blocks for a prompt (reusing the
-    local prefix cache; the request is AWAITING_KV), `write_kv` fills slices as
-    they arrive, and `activate(first_token)` joins the request to the decode
-    batch. With decode handover the tokens a core decoded meanwhile come first:
-    `push_token` runs each through the request's output rules (emitted with the
-    next step's outputs unless the caller takes them, `take_pending`; a request
-    they finish never decodes here), and
-    `take_over(kv_until)` joins the batch with KV valid for [0, kv_until): the
-    tokens after it (those decoded elsewhere, or all but the cached prefix after
-    a failed transfer) are computed here as one prefill chunk, as a recompute.
-Only the engine thread calls these (through `AsyncEngine`, the in-thread
-`EngineHandle`); `stats()` builds the snapshot that thread publishes.
+(a) prefill only — `add_request(..., prefill_only=True)`: after its first token the request is
+    PREFILLED with its KV kept; `read_kv` / `read_kv_slices` hand out K/V (the `on_layer` hook
+    of `step` signals each layer as it is computed) and `release` frees it.
+(b) KV from outside — `reserve` allocates blocks for a prompt (reusing the local prefix
+    cache; the request is AWAITING_KV), `write_kv` fills slices as they arrive, and
+    `activate(first_token)` joins the request to the decode batch. With decode handover the
+    tokens a core decoded meanwhile come first: `push_token` runs each through the request's
+    output rules (emitted with the next step's outputs unless the caller takes them,
+    `take_pending`; a request they finish never decodes here), and `take_over(kv_until)` joins
+    the batch with KV valid for [0, kv_until): the tokens after it (those decoded elsewhere, or
+    all but the cached prefix after a failed transfer) are computed here as one prefill chunk.
+Only the engine thread calls these (through `AsyncEngine`, the in-thread `EngineHandle`, which
+first has `compile_decode` run there); `stats()` builds the snapshot that thread publishes.
 """
 
 from __future__ import annotations
@@ -72,7 +68,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.cache_config.num_blocks, self.cache_config.block_size,
                                           self.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.engine_config)
-        self.runner = ModelRunner(model, self.pool, config.sliding_window)
+        self.runner = ModelRunner(model, self.pool, config.sliding_window, self.engine_config.compile_decode)
         self.releases_kv = config.first_needed_position(1 << 40) > 0    # every layer windowed or chunked
         self.requests: dict[str, OutputState] = {}
         self.eos_ids = config.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and
@@ -161,6 +157,10 @@ class LLMEngine:
         return len(self.block_manager.match_prefix(prompt_ids)) * self.block_manager.block_size
 
     # ---- stepping -------------------------------------------------------
+    def compile_decode(self) -> None:
+        """If `EngineConfig.compile_decode`: compile the decode step now, for this thread (else step 1 does)."""
+        self.runner.compile_decode()
+
     def step(self, on_layer: LayerHook | None = None) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()

@@ -24,6 +24,9 @@ pays a fork and a barrier: on one 2-core machine two threads made the typical st
 against 16.3 ms, 8.5 against 21.9 ms, other jobs running); on another, batch 4-8 decode ran 1.1-1.2x
 faster on two. Only for small models (`SINGLE_THREAD_MAX_WEIGHTS`): a step of a large one is matmuls over
 megabytes of weights, which split well over threads even at one token.
+
+Compiled decode (`compile_decode`, the nodes' `--compile`): small pure decode steps of a model that has one
+run through `CompiledDecoder` (compiled_decode.py) on all threads, every other step as above.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from edgecore.shared.env import cpu_pack_enabled
 from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.malloc import retain_freed_memory
 from edgecore.shared.models.attention import AttentionMetadata, DecodeWindow, PrefillChunk
+from edgecore.shared.models.compiled_decode import CompiledDecoder
 from edgecore.shared.models.flat_decode import FlatDecoder
 from edgecore.shared.models.layers import calibrate_plain_rows, pack_for_cpu, weight_bytes
 
@@ -74,8 +78,13 @@ def first_visible(form: LayerAttention, pos: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, sliding_window: int | None = None):
-        """`sliding_window` is not used any more: each layer's attention form comes from `model.config`."""
+    compiled: CompiledDecoder | None = None
+    compile_pending = False        # `compile_decode` asked for and not done yet
+
+    def __init__(self, model, pool: KVPool, sliding_window: int | None = None, compile_decode: bool = False):
+        """`sliding_window` is not used any more: each layer's attention form comes from `model.config`.
+        `compile_decode`: serve small pure decode steps through `CompiledDecoder`, compiled by the first
+        `compile_decode()` or step: on the thread, and at the thread count, that steps run on."""
         self.model = model
         self.pool = pool
         self.device = pool.device
@@ -100,6 +109,12 @@ class ModelRunner:
             calibrate_plain_rows(model, 1)
         # Pure decode steps of a plain Llama-family model skip its module tree (flat_decode.py).
         self.flat = FlatDecoder.for_model(model) if self.device == "cpu" else None
+        self.compile_pending = compile_decode
+
+    def compile_decode(self) -> None:
+        if self.compile_pending:
+            self.compile_pending = False
+            self.compiled = CompiledDecoder.build(self.flat, self.pool.layers, self.block_size)
 
     def prepare(self, items: list[tuple[Sequence, int]], on_layer: Callable[[int], None] | None = None):
         bs = self.block_size
@@ -223,8 +238,12 @@ class ModelRunner:
             ) -> tuple[list[Sequence], SampleResult | None]:
         """Compute the batch; return the sequences that sampled and their samples. `on_layer(layer, items)`
         runs after each layer has written its K/V."""
+        if self.compile_pending:
+            self.compile_decode()
         hook = (lambda layer: on_layer(layer, batch.items)) if on_layer is not None else None
         ordered, ids, positions, meta = self.prepare(batch.items, hook)
+        if self.compiled is not None and self.compiled.takes(meta, ids.shape[0]):
+            return self._sample(ordered, lambda rows: self.compiled.logits(ids, positions, meta))
         threads, chooser = torch.get_num_threads(), self.step_threads
         kind = (ids.shape[0], not meta.prefills)      # pure decode steps and steps with prefill timed apart
         small = threads > 1 and chooser.one_thread(kind)
@@ -250,9 +269,16 @@ class ModelRunner:
             hidden = self.model(ids, positions, meta)
         if prompt_logprobs.wanted(ordered):
             prompt_logprobs.record(self.model, hidden, ordered)
+        # A pure decode step samples every row: no copy of `hidden`.
+        return self._sample(ordered, lambda rows: self.model.compute_logits(
+            hidden if len(rows) == hidden.shape[0] else hidden[rows]))
+
+    @staticmethod
+    def _sample(ordered, logits_of: Callable[[list[int]], torch.Tensor]) -> tuple[list[Sequence], SampleResult | None]:
+        """Sample the rows that reach their last known token, from `logits_of(rows)`: those rows' logits (the
+        compiled step gives every row's: a pure decode step samples every row)."""
         rows, samplers = sampling_rows(ordered)
         if not samplers:
             return [], None
-        # A pure decode step samples every row: no copy of `hidden`.
-        logits = self.model.compute_logits(hidden if len(rows) == hidden.shape[0] else hidden[rows])
-        return samplers, sample(logits, samplers)
+        logits = logits_of(rows)
+        return samplers, sample(logits if logits.shape[0] == len(rows) else logits[rows], samplers)

@@ -1,0 +1,206 @@
+"""`CompiledDecoder`: a pure decode step of a plain Llama-family model, compiled whole by `torch.compile`.
+
+Life cycle: `ModelRunner` builds one when asked to (`EngineConfig.compile_decode`, the nodes' `--compile`)
+and the model has a `FlatDecoder` (flat_decode.py: one rank, base attention and MLP, small float32
+weights), every layer attends fully and has no sinks. `build` compiles the step at start-up, from
+dummy steps of one row and of two rows (torch specializes a size of 1, so those are two graphs; from
+two rows on the row count is symbolic) into cache blocks 0-1, which it zeroes again. The graphs are
+cached on disk by torch (`TORCHINDUCTOR_CACHE_DIR`, default under /tmp), so a second start compiles
+much faster. Then `takes(meta, rows)` says whether a step is one it serves: pure decode, at most
+`MAX_ROWS` rows, no layer hook, the thread count it was compiled for (a different count would
+recompile mid-serving). `logits(ids, positions, meta)` returns the float32 logits of every row;
+the runner samples them as it does the eager path's.
+
+What the graph holds: embedding, per layer RMSNorm, QKV (+ bias, + Qwen3's per-head norms), RoPE from
+the model's own tables (`rope_inputs`, run eagerly: the tables grow on demand), the step's K/V written
+into the paged cache, attention over the rows' block tables, the output projection, the MLP; then the
+final norm and the LM head. Attention is written as sums of products, not SDPA: inductor fuses the
+block-table gather into the reductions, where SDPA would need the gathered K/V materialized. Weights
+are frozen into the graph (inductor's `freezing`) and the matmuls take inductor's C++ GEMM template
+where its autotuning finds it faster than oneDNN (`max_autotune`, backends CPP and ATEN).
+
+Why: at a few rows a small model's step is less arithmetic than dispatch: about 45 eager operator
+calls per layer at 1.3-2 us each (bench/decode.py --breakdown). The compiled step runs a handful of
+generated C++ kernels per layer. Results are the eager path's to float32 rounding, not bit for bit
+(reductions are ordered differently): tests/shared/test_compiled_decode.py checks logits within 1e-4
+and greedy tokens equal.
+
+Costs: start-up time (tens of seconds for the first compile on a 2-core machine; a few with torch's
+cache warm), about 100 MB more resident memory (torch's compiler stack and a frozen copy of the
+weights), and a C++ compiler on the machine. If compiling fails, `build` logs why and returns None: the
+node serves with the eager path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+import torch
+import torch._dynamo.config as dynamo_config
+import torch._inductor.config as inductor_config
+import torch.fx.experimental._config as shape_config
+import torch.nn.functional as F
+from torch import nn
+
+from edgecore.shared.config import FULL
+from edgecore.shared.models.attention import AttentionMetadata
+from edgecore.shared.models.flat_decode import FlatDecoder
+from edgecore.shared.models.row_buckets import EXACT_ROWS
+
+log = logging.getLogger("edgecore.engine")
+
+MAX_ROWS = EXACT_ROWS       # larger steps run eagerly (their matmuls are work enough; oneDNN's kernels per
+                            # row count stay bounded as in row_buckets.py)
+INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+            "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}   # nothing printed
+DYNAMO = {"specialize_float": True}      # eps and scales are constants, not tensors made at every call
+
+
+def _plain(matmul) -> torch.Tensor:
+    """A projection's weight as [out, in]: a view of the input-major copy the eager path reads (no copy)."""
+    return matmul.transposed.t() if matmul.transposed is not None else matmul.weight
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * x.pow(2).mean(-1, keepdim=True).add(eps).rsqrt() * weight
+
+
+def _param(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t.detach(), requires_grad=False)
+
+
+class DecodeGraph(nn.Module):
+    """The step as one module: parameters are frozen into the compiled graph; the KV caches are a plain
+    list (mutated in place: never frozen)."""
+
+    def __init__(self, flat: FlatDecoder, caches: list, block_size: int):
+        super().__init__()
+        model = flat.model
+        self.block_size = block_size
+        self.caches = caches
+        self.embed = _param(flat.embed)
+        self.weights = nn.ParameterList()
+        self.biases = nn.ParameterList()
+        self.shapes: list[tuple] = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = hasattr(attn, "q_norm")
+            for t in (layer.input_layernorm.weight, _plain(attn.qkv_proj), _plain(attn.o_proj),
+                      layer.post_attention_layernorm.weight, _plain(mlp.gate_up_proj), _plain(mlp.down_proj),
+                      attn.q_norm.weight if norms else torch.ones(1), attn.k_norm.weight if norms else torch.ones(1)):
+                self.weights.append(_param(t))
+            for b in (attn.qkv_proj.bias, attn.o_proj.bias, mlp.gate_up_proj.bias, mlp.down_proj.bias):
+                self.biases.append(_param(b if b is not None else torch.zeros(0)))
+            self.shapes.append((attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.layer,
+                                layer.input_layernorm.eps, layer.post_attention_layernorm.eps,
+                                attn.q_norm.eps if norms else None, mlp.act))
+        self.final_norm = _param(model.model.norm.weight)
+        self.final_eps = model.model.norm.eps
+        self.lm_head = _param(_plain(model.lm_head))
+        self.vocab = model.lm_head.vocab_size
+
+    def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                slots: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        b, bs = ids.shape[0], self.block_size
+        width = blocks.shape[1] * bs
+        x = F.embedding(ids, self.embed)
+        # [B, 1, 1, width]: True where attended (the rows' own positions so far; padding blocks masked)
+        mask = (torch.arange(width, device=ids.device) <= positions[:, None])[:, None, None, :]
+        w, bias = self.weights, self.biases
+        for i, (heads, kvh, d, scale, index, eps1, eps2, qk_eps, act) in enumerate(self.shapes):
+            n1, qkv_w, o_w, n2, gu_w, down_w, qn, kn = (w[8 * i + j] for j in range(8))
+            qkv_b, o_b, gu_b, down_b = (bias[4 * i + j] if bias[4 * i + j].numel() else None for j in range(4))
+            qkv = F.linear(_norm(x, n1, eps1), qkv_w, qkv_b).view(b, heads + 2 * kvh, d)
+            qk = qkv[:, :heads + kvh]
+            if qk_eps is not None:
+                qk = torch.cat([_norm(qk[:, :heads], qn, qk_eps), _norm(qk[:, heads:], kn, qk_eps)], 1)
+            qk = qk * cos + qk.roll(d // 2, -1) * sin
+            k_cache, v_cache = self.caches[index]
+            k_cache.index_copy_(0, slots, qk[:, heads:])
+            v_cache.index_copy_(0, slots, qkv[:, heads + kvh:])
+            kd = k_cache.view(-1, bs, kvh, d)[blocks].view(b, width, kvh, d).transpose(1, 2)[:, :, None]
+            vd = v_cache.view(-1, bs, kvh, d)[blocks].view(b, width, kvh, d).transpose(1, 2)[:, :, None]
+            q = qk[:, :heads].reshape(b, kvh, heads // kvh, 1, d)           # query heads grouped by KV head
+            scores = (q * kd).sum(-1).mul(scale).masked_fill(~mask, float("-inf")).softmax(-1)
+            o = (scores[..., None] * vd).sum(-2).reshape(b, heads * d)
+            y = F.linear(o, o_w)
+            x = x + (y if o_b is None else y + o_b)
+            gate, up = F.linear(_norm(x, n2, eps2), gu_w, gu_b).chunk(2, dim=-1)
+            y = F.linear(act(gate) * up, down_w)
+            x = x + (y if down_b is None else y + down_b)
+        return F.linear(_norm(x, self.final_norm, self.final_eps), self.lm_head)[:, :self.vocab]
+
+
+class CompiledDecoder:
+    def __init__(self, flat: FlatDecoder, graph: DecodeGraph, threads: int):
+        self.flat = flat
+        self.graph = graph
+        self.threads = threads
+        for pair in graph.caches:          # fixed for the engine's life: no symbols (cheaper guards)
+            for cache in pair:
+                torch._dynamo.mark_static(cache)
+        self.step = torch.compile(graph, dynamic=True, fullgraph=True)
+
+    @staticmethod
+    def supports(flat: FlatDecoder | None) -> bool:
+        from edgecore.shared.models.llama import LlamaForCausalLM
+        if flat is None or type(flat.model).compute_logits is not LlamaForCausalLM.compute_logits:
+            return False            # a family with its own logits (a scale, a soft cap): the model's path
+        layers = flat.model.model.layers
+        return all(l.self_attn.form == FULL and l.self_attn.sinks is None for l in layers) and \
+            flat.model.lm_head.weight.dtype == torch.float32
+
+    @classmethod
+    def build(cls, flat: FlatDecoder | None, caches: list, block_size: int) -> "CompiledDecoder | None":
+        """Compile (one row, then two) or say why not and return None."""
+        if not cls.supports(flat):
+            log.warning("--compile: this model's decode step has no compiled form (a plain float32 Llama-family "
+                        "model with full attention on one rank is needed); serving eagerly")
+            return None
+        start = time.perf_counter()
+        log.info("compiling the decode step (torch.compile; tens of seconds the first time, cached after)")
+        try:
+            decoder = cls(flat, DecodeGraph(flat, caches, block_size), torch.get_num_threads())
+            # No duck sizing: a dimension equal to another by chance (two blocks wide, two KV heads) would
+            # share its symbol and be specialized with it.
+            # Inductor's settings as a patch while compiling: torch.compile's `options` did not reach freezing.
+            with torch.inference_mode(), shape_config.patch(use_duck_shape=False), \
+                    inductor_config.patch(INDUCTOR), dynamo_config.patch(DYNAMO), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "TypedStorage is deprecated")     # torch's own autotuner
+                for rows in (1, 2):
+                    decoder.logits(*decoder._dummy(rows))
+        except Exception as exc:        # no compiler, an unsupported build: the eager path still serves
+            log.warning("--compile: compiling the decode step failed (%s: %s); serving eagerly",
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            return None
+        finally:
+            with torch.no_grad():
+                for k_cache, v_cache in caches:        # the dummy steps wrote blocks 0 and 1
+                    for cache in (k_cache, v_cache):
+                        if cache is not None:
+                            cache[:2 * block_size].zero_()
+        log.info("decode step compiled in %.1f s", time.perf_counter() - start)
+        return decoder
+
+    def _dummy(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A decode step of `rows` rows at positions 16-17 of blocks 0-1, built as `ModelRunner.prepare`
+        builds one (ids, positions and slots are views of one tensor)."""
+        bs = self.graph.block_size
+        positions = [bs + r % 2 for r in range(rows)]
+        flat = torch.tensor([1] * rows + positions + [bs + r % 2 for r in range(rows)], dtype=torch.long)
+        meta = AttentionMetadata(slot_mapping=flat[2 * rows:], num_decode=rows,
+                                 decode_blocks=torch.tensor([[0, 1]] * rows), block_size=bs)
+        return flat[:rows], flat[rows:2 * rows], meta
+
+    def takes(self, meta: AttentionMetadata, rows: int) -> bool:
+        return self.flat.takes(meta, rows) and rows <= MAX_ROWS and meta.on_layer is None and \
+            not meta.decode_windows and torch.get_num_threads() == self.threads
+
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        cos, sin = self.flat.model.rope_inputs(positions, torch.float32)
+        blocks = meta.decode_blocks
+        if blocks.shape[1] == 1:        # at least two columns: one graph serves every context length
+            blocks = F.pad(blocks, (0, 1))
+        return self.step(ids, cos, sin, positions, meta.slot_mapping, blocks)

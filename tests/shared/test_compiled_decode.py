@@ -1,0 +1,167 @@
+"""CompiledDecoder (`--compile`): the compiled decode step gives the eager step's logits (to float32 rounding)
+for plain Llama-family models with every option the graph handles (attention and MLP biases, a non-SiLU
+activation, tied embeddings, an odd head size, Qwen3's per-head norms), at one row and at several of different
+lengths; the bundled model generates the same tokens with it as without; and every case it does not serve
+(windowed attention, other thread counts, large steps, a layer hook, a failed compile) runs eagerly.
+
+Each compile takes tens of seconds on a 2-core machine (a few once torch's cache is warm): one engine per model."""
+
+import logging
+
+import pytest
+import torch
+
+from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.engine.sequence import Sequence
+from edgecore.shared.models import compiled_decode
+from edgecore.shared.models.compiled_decode import MAX_ROWS, CompiledDecoder
+from tests.conftest import make_engine
+from tests.helpers import random_hf_checkpoint
+
+pytest.importorskip("transformers")
+
+CONFIGS = {
+    "llama-every-option": ("llama", {"attention_bias": True, "mlp_bias": True, "hidden_act": "gelu_new",
+                                     "tie_word_embeddings": True, "head_dim": 24}),
+    "qwen3-qk-norm": ("qwen3", {"attention_bias": True}),
+}
+
+
+def compiled_engine(model_dir, **kw):
+    engine = make_engine(model_dir, compile_decode=True, **kw)
+    engine.compile_decode()
+    assert engine.runner.compiled is not None, "the decode step did not compile"
+    return engine
+
+
+@pytest.fixture(scope="module")
+def bundled(model_dir):
+    return compiled_engine(model_dir)
+
+
+def steps_match(engine, lengths: list[int], steps: int) -> None:
+    """Prefill sequences of `lengths` tokens, then decode `steps` steps of all of them at once; each step's
+    logits through the compiled step and through the model (same tokens in: teacher-forced)."""
+    runner = engine.runner
+    gen = torch.Generator().manual_seed(0)
+    seqs = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(2, engine.config.vocab_size, (n + steps,), generator=gen).tolist()
+        seq = Sequence(f"s{i}", ids, SamplingParams(max_tokens=1))
+        engine.block_manager.allocate_prompt(seq.table, ids, len(ids))
+        seqs.append(seq)
+    with torch.inference_mode():
+        for seq, n in zip(seqs, lengths):
+            _, ids, pos, meta = runner.prepare([(seq, n)])
+            engine.model(ids, pos, meta)
+            seq.num_computed_tokens += n
+        for _ in range(steps):
+            items = [(s, 1) for s in seqs]
+            _, ids, pos, meta = runner.prepare(items)
+            assert runner.compiled.takes(meta, ids.shape[0])
+            got = runner.compiled.logits(ids, pos, meta)
+            _, ids, pos, meta = runner.prepare(items)
+            ref = engine.model.compute_logits(engine.model(ids, pos, meta))
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+            for s in seqs:
+                s.num_computed_tokens += 1
+    for s in seqs:
+        engine.block_manager.free_table(s.table)
+
+
+@pytest.mark.slow
+def test_bundled_model_logits_match(bundled):
+    steps_match(bundled, [13], 8)                 # one row, crossing a block boundary
+    steps_match(bundled, [3], 4)                  # one row in its first block (the table padded to two)
+    steps_match(bundled, [5, 40, 17, 90], 6)      # rows of different lengths: gather + mask
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_option_logits_match(tmp_path, name):
+    arch, overrides = CONFIGS[name]
+    path, _ = random_hf_checkpoint(tmp_path, arch, **overrides)
+    engine = compiled_engine(path, block_size=4, num_blocks=64)
+    steps_match(engine, [13], 6)
+    steps_match(engine, [5, 17, 9], 6)
+
+
+@pytest.mark.slow
+def test_bundled_model_generates_the_same_tokens(bundled, model_dir):
+    # Different lengths and budgets: the batch shrinks from six rows to one as requests finish.
+    prompts = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((3, 16, 17, 40, 64, 120))]
+    params = [SamplingParams(max_tokens=8 + 6 * i, temperature=0, ignore_eos=True, logprobs=2) for i in range(6)]
+    steps = []
+    real = bundled.runner.compiled.logits
+    bundled.runner.compiled.logits = lambda *a: steps.append(a[0].shape[0]) or real(*a)
+    try:
+        got = [bundled.generate([p], q)[0] for p, q in zip(prompts, params)]
+        for i, p in enumerate(prompts):
+            bundled.add_request(str(i), p, params[i])
+        out = {}
+        while bundled.has_unfinished():
+            for o in bundled.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        batched = [out[str(i)] for i in range(6)]
+    finally:
+        bundled.runner.compiled.logits = real
+    assert {1, 6} <= set(steps)                   # one-row and six-row graphs both served
+    eager = make_engine(model_dir)
+    ref = [eager.generate([p], q)[0] for p, q in zip(prompts, params)]
+    for g, b, r in zip(got, batched, ref):
+        assert g["token_ids"] == r["token_ids"] == b
+        for lg, lr in zip(g["logprobs"], r["logprobs"]):
+            assert lg.token_id == lr.token_id and lg.logprob == pytest.approx(lr.logprob, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_steps_it_does_not_serve_run_eagerly(bundled):
+    runner = bundled.runner
+    seqs = []
+    for i in range(MAX_ROWS + 1):
+        seq = Sequence(f"x{i}", [5 + i] * 20, SamplingParams(max_tokens=1))
+        bundled.block_manager.allocate_prompt(seq.table, seq.token_ids, 20)
+        seq.num_computed_tokens = 19
+        seqs.append(seq)
+    try:
+        _, ids, _, meta = runner.prepare([(s, 1) for s in seqs[:MAX_ROWS]])
+        assert runner.compiled.takes(meta, ids.shape[0])
+        _, ids, _, meta = runner.prepare([(s, 1) for s in seqs])
+        assert not runner.compiled.takes(meta, ids.shape[0])                  # more rows than MAX_ROWS
+        _, ids, _, meta = runner.prepare([(seqs[0], 1)], on_layer=lambda layer: None)
+        assert not runner.compiled.takes(meta, ids.shape[0])                  # a core's layer hook
+        _, ids, _, meta = runner.prepare([(seqs[0], 1)])
+        before = torch.get_num_threads()
+        torch.set_num_threads(before + 1)
+        try:
+            assert not runner.compiled.takes(meta, ids.shape[0])              # not the count it was compiled for
+        finally:
+            torch.set_num_threads(before)
+        assert runner.compiled.takes(meta, ids.shape[0])
+    finally:
+        for s in seqs:
+            bundled.block_manager.free_table(s.table)
+
+
+def test_windowed_models_and_failed_compiles_serve_eagerly(tmp_path, monkeypatch, caplog, model_dir):
+    path, _ = random_hf_checkpoint(tmp_path, "mistral", sliding_window=8)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with caplog.at_level(logging.WARNING, "edgecore.engine"):
+        engine = make_engine(path, compile_decode=True)
+        out = engine.generate([list(range(3, 30))], params)[0]
+    assert engine.runner.compiled is None and engine.runner.flat is not None
+    assert "no compiled form" in caplog.text
+    assert out["token_ids"] == make_engine(path).generate([list(range(3, 30))], params)[0]["token_ids"]
+
+    def broken(self, *args):
+        raise RuntimeError("no C++ compiler found")
+    monkeypatch.setattr(CompiledDecoder, "logits", broken)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "edgecore.engine"):
+        engine = make_engine(model_dir, compile_decode=True)
+        engine.pool.layers[0][0][:32].fill_(7.0)          # the dummy steps' blocks are zeroed even on failure
+        engine.compile_decode()
+    assert engine.runner.compiled is None
+    assert "compiling the decode step failed (RuntimeError: no C++ compiler found)" in caplog.text
+    assert engine.pool.layers[0][0][:32].abs().sum() == 0
+    assert not compiled_decode.CompiledDecoder.supports(None)
