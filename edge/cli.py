@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from edgecore.shared.cli import add_kv_cache_args, add_model_args, kv_cache_memory
+from edgecore.shared.cli import add_compile_arg, add_kv_cache_args, add_model_args, kv_cache_memory
 from edgecore.shared.http_server import add_limit_args
 
 
@@ -14,6 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Serve /v1/completions and /v1/chat/completions; prefill on cores given by "
                                    "--core (or locally), decode here.")
     add_model_args(p)
+    add_compile_arg(p)
     p.add_argument("--core", action="append", default=[], metavar="HOST:PORT",
                    help="a core's protocol address (repeatable); none: prefill locally")
     p.add_argument("--core-dns", action="append", default=[], metavar="NAME:PORT",
@@ -179,7 +180,7 @@ def _edge_engine(args: argparse.Namespace, model_dir: str, codecs: list[str], lo
     from edgecore.edge.engine import EdgeConfig, EdgeEngine
     from edgecore.protocol.transport import tls_context
     from edgecore.shared.cli import kv_cache_config
-    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.config import EngineConfig, ModelConfig
     from edgecore.shared.env import reserve_threads_for_engine, resolve_device
     from edgecore.shared.models.loader import resolve_dtype
     from edgecore.shared.secrets import parse_hostport, read_secret
@@ -195,7 +196,7 @@ def _edge_engine(args: argparse.Namespace, model_dir: str, codecs: list[str], lo
                         secret=read_secret(args.secret_file, required=bool(cores or core_dns)),
                         dtype=args.dtype, device=device, codecs=codecs,
                         adaptive=args.adaptive, ttft_target_ms=args.ttft_target_ms, **codec_policy(args),
-                        local_prefill_below=local_below, cache=cache,
+                        local_prefill_below=local_below, cache=cache, engine=EngineConfig(compile_decode=args.compile),
                         transfer_timeout=args.transfer_timeout, handover_tokens=max(0, args.handover_max_tokens),
                         first_layer_macs=max(0.0, args.first_layer_macs),
                         name=args.name, ssl=ssl, engine_threads=engine_threads,

@@ -17,6 +17,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
+def add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decode step with torch.compile (CPU, small float32 Llama-family models: about "
+                        "1.7-1.9x faster steps at 1-8 sequences; a minute of start-up the first time, cached after; "
+                        "needs a C++ compiler)")
+
+
 def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
     from edgecore.shared.kv.budget import DEFAULT_KV_CACHE_MEMORY
     p.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY, metavar="SIZE",
@@ -63,6 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt in this process",
                        description="Load a model and stream a completion of --prompt to stdout.")
     add_model_args(p)
+    add_compile_arg(p)
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
@@ -148,7 +156,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from edgecore.shared.engine.engine import LLMEngine
     from edgecore.shared.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine.from_dir(args.model or default_model(), args.dtype, resolve_device(args.device))
+    from edgecore.shared.config import EngineConfig
+    engine = LLMEngine.from_dir(args.model or default_model(), args.dtype, resolve_device(args.device),
+                                engine_config=EngineConfig(compile_decode=args.compile))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat \
