@@ -75,9 +75,11 @@ class AsyncEngine:
         self._thread.start()
 
     async def started(self) -> None:
-        """Wait until the engine thread is ready to step (its decode step compiled, if asked for) or has
-        failed (`alive` says which); a node calls this before it serves."""
+        """Wait until the engine thread is ready to step (its decode step compiled, if asked for); a node
+        calls this before it serves. Raises EngineDead if the thread failed first."""
         await asyncio.shield(self._started)
+        if self.error is not None:
+            raise EngineDead(f"engine failed while starting: {self.error}")
 
     def stop(self) -> None:
         with self._wake:
@@ -279,11 +281,11 @@ class AsyncEngine:
     # ---- engine thread ----------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
-        if self.threads:
-            import torch
-            torch.set_num_threads(self.threads)
         trimmed = True
         try:
+            if self.threads:
+                import torch
+                torch.set_num_threads(self.threads)
             engine.compile_decode()
             self.loop.call_soon_threadsafe(_deliver, [(self._started, True, None)])
             while True:

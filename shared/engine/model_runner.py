@@ -25,14 +25,16 @@ against 16.3 ms, 8.5 against 21.9 ms, other jobs running); on another, batch 4-8
 faster on two. Only for small models (`SINGLE_THREAD_MAX_WEIGHTS`): a step of a large one is matmuls over
 megabytes of weights, which split well over threads even at one token.
 
-Compiled decode (`compile_decode`, the nodes' `--compile`): small pure decode steps of a model that has one
-run through `CompiledDecoder` (compiled_decode.py) on all threads, every other step as above.
+Compiled decode (`compile_decode`, `edgecore edge --compile`): small pure decode steps of a model that has one
+run through `CompiledDecoder` (compiled_decode.py) on all threads, every other step as above; if a compiled
+step fails (one that would need a new graph), the runner drops it and serves eagerly from then on.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -46,9 +48,13 @@ from edgecore.shared.env import cpu_pack_enabled
 from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.malloc import retain_freed_memory
 from edgecore.shared.models.attention import AttentionMetadata, DecodeWindow, PrefillChunk
-from edgecore.shared.models.compiled_decode import CompiledDecoder
 from edgecore.shared.models.flat_decode import FlatDecoder
 from edgecore.shared.models.layers import calibrate_plain_rows, pack_for_cpu, weight_bytes
+
+if TYPE_CHECKING:
+    from edgecore.shared.models.compiled_decode import CompiledDecoder
+
+log = logging.getLogger("edgecore.engine")
 
 SINGLE_THREAD_BELOW = 16    # tokens: smaller steps may run on one thread (0: never) ...
 SINGLE_THREAD_MAX_WEIGHTS = 64 << 20    # ... of a model with at most these weight bytes (a larger model's
@@ -113,6 +119,7 @@ class ModelRunner:
 
     def compile_decode(self) -> None:
         if self.compile_pending:
+            from edgecore.shared.models.compiled_decode import CompiledDecoder   # torch's compiler: only if asked
             self.compile_pending = False
             self.compiled = CompiledDecoder.build(self.flat, self.pool.layers, self.block_size)
 
@@ -242,8 +249,16 @@ class ModelRunner:
             self.compile_decode()
         hook = (lambda layer: on_layer(layer, batch.items)) if on_layer is not None else None
         ordered, ids, positions, meta = self.prepare(batch.items, hook)
-        if self.compiled is not None and self.compiled.takes(meta, ids.shape[0]):
-            return self._sample(ordered, lambda rows: self.compiled.logits(ids, positions, meta))
+        compiled = self.compiled
+        if compiled is not None and compiled.takes(meta, ids.shape[0]) and not prompt_logprobs.wanted(ordered):
+            try:        # every row's logits first: the step writes the K/V of rows that do not sample too
+                logits = compiled.logits(ids, positions, meta)
+            except Exception as exc:    # e.g. a step that would recompile: from here on, eager (the same K/V)
+                log.warning("compiled decode step failed (%s: %s); serving eagerly from now on",
+                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                self.compiled = None
+            else:
+                return self._sample(ordered, lambda rows: logits)
         threads, chooser = torch.get_num_threads(), self.step_threads
         kind = (ids.shape[0], not meta.prefills)      # pure decode steps and steps with prefill timed apart
         small = threads > 1 and chooser.one_thread(kind)

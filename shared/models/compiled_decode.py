@@ -4,18 +4,21 @@ Life cycle: `ModelRunner` builds one when asked to (`EngineConfig.compile_decode
 and the model has a `FlatDecoder` (flat_decode.py: one rank, base attention and MLP, small float32
 weights), every layer attends fully and has no sinks. `build` compiles the step at start-up, from
 dummy steps of one row and of two rows (torch specializes a size of 1, so those are two graphs; from
-two rows on the row count is symbolic) into cache blocks 0-1, which it zeroes again. The graphs are
+two rows on the row count is symbolic) into cache blocks 0-1, whose contents it puts back. The graphs are
 cached on disk by torch (`TORCHINDUCTOR_CACHE_DIR`, default under /tmp), so a second start compiles
 much faster. Then `takes(meta, rows)` says whether a step is one it serves: pure decode, at most
 `MAX_ROWS` rows, no layer hook, the thread count it was compiled for (a different count would
 recompile mid-serving). `logits(ids, positions, meta)` returns the float32 logits of every row;
-the runner samples them as it does the eager path's.
+the runner samples them as it does the eager path's. A call that would need a new graph raises rather than
+compile while serving; the runner then drops the compiled step and serves eagerly.
 
 What the graph holds: embedding, per layer RMSNorm, QKV (+ bias, + Qwen3's per-head norms), RoPE from
 the model's own tables (`rope_inputs`, run eagerly: the tables grow on demand), the step's K/V written
 into the paged cache, attention over the rows' block tables, the output projection, the MLP; then the
-final norm and the LM head. Attention is written as sums of products, not SDPA: inductor fuses the
-block-table gather into the reductions, where SDPA would need the gathered K/V materialized. Weights
+final norm and the LM head (unless the head kept no plain copy: then the model's packed head, eagerly).
+Attention is written as sums of products, not SDPA: inductor fuses the block-table gather into the
+reductions, where SDPA would need the gathered K/V materialized (with SDPA the step was 1.15x slower at
+8 rows and 1.2x at 32). Weights
 are frozen into the graph (inductor's `freezing`) and the matmuls take inductor's C++ GEMM template
 where its autotuning finds it faster than oneDNN (`max_autotune`, backends CPP and ATEN).
 
@@ -98,7 +101,10 @@ class DecodeGraph(nn.Module):
                                 attn.q_norm.eps if norms else None, mlp.act))
         self.final_norm = _param(model.model.norm.weight)
         self.final_eps = model.model.norm.eps
-        self.lm_head = _param(_plain(model.lm_head))
+        # An LM head too large to keep a plain copy (untied, over KEEP_PLAIN_BYTES) stays out of the graph: the
+        # graph returns the hidden states and the model's own packed head makes the logits.
+        head = _plain(model.lm_head)
+        self.lm_head = _param(head) if head.numel() else None
         self.vocab = model.lm_head.vocab_size
 
     def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -130,6 +136,8 @@ class DecodeGraph(nn.Module):
             gate, up = F.linear(_norm(x, n2, eps2), gu_w, gu_b).chunk(2, dim=-1)
             y = F.linear(act(gate) * up, down_w)
             x = x + (y if down_b is None else y + down_b)
+        if self.lm_head is None:
+            return x
         return F.linear(_norm(x, self.final_norm, self.final_eps), self.lm_head)[:, :self.vocab]
 
 
@@ -142,6 +150,11 @@ class CompiledDecoder:
             for cache in pair:
                 torch._dynamo.mark_static(cache)
         self.step = torch.compile(graph, dynamic=True, fullgraph=True)
+        # While serving, a call that would recompile (tens of seconds on the engine thread, and without the
+        # settings below) raises instead; the runner then serves eagerly. Made once (a fresh one per call
+        # costs ~5 us); making it sets the stance, so it is put back at once.
+        self.no_recompile = torch.compiler.set_stance("fail_on_recompile")
+        self.no_recompile.__exit__(None, None, None)
 
     @staticmethod
     def supports(flat: FlatDecoder | None) -> bool:
@@ -161,6 +174,11 @@ class CompiledDecoder:
             return None
         start = time.perf_counter()
         log.info("compiling the decode step (torch.compile; tens of seconds the first time, cached after)")
+        # The dummy steps write blocks 0 and 1; what they held (a direct engine user may have written KV
+        # before the first step compiles) is put back after.
+        saved = [[None if c is None else c[:2 * block_size].clone() for c in pair] for pair in caches]
+        # Compiled graphs of every DecodeGraph (engines in one process) share one code object's cache entries.
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
         try:
             decoder = cls(flat, DecodeGraph(flat, caches, block_size), torch.get_num_threads())
             # No duck sizing: a dimension equal to another by chance (two blocks wide, two KV heads) would
@@ -170,17 +188,17 @@ class CompiledDecoder:
                     inductor_config.patch(INDUCTOR), dynamo_config.patch(DYNAMO), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "TypedStorage is deprecated")     # torch's own autotuner
                 for rows in (1, 2):
-                    decoder.logits(*decoder._dummy(rows))
+                    decoder.logits(*decoder._dummy(rows), compiling=True)
         except Exception as exc:        # no compiler, an unsupported build: the eager path still serves
             log.warning("--compile: compiling the decode step failed (%s: %s); serving eagerly",
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return None
         finally:
             with torch.no_grad():
-                for k_cache, v_cache in caches:        # the dummy steps wrote blocks 0 and 1
-                    for cache in (k_cache, v_cache):
+                for pair, kept in zip(caches, saved):
+                    for cache, old in zip(pair, kept):
                         if cache is not None:
-                            cache[:2 * block_size].zero_()
+                            cache[:2 * block_size].copy_(old)
         log.info("decode step compiled in %.1f s", time.perf_counter() - start)
         return decoder
 
@@ -198,9 +216,17 @@ class CompiledDecoder:
         return self.flat.takes(meta, rows) and rows <= MAX_ROWS and meta.on_layer is None and \
             not meta.decode_windows and torch.get_num_threads() == self.threads
 
-    def logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               compiling: bool = False) -> torch.Tensor:
+        """`compiling`: a warm-up step of `build`, which may compile."""
         cos, sin = self.flat.model.rope_inputs(positions, torch.float32)
         blocks = meta.decode_blocks
         if blocks.shape[1] == 1:        # at least two columns: one graph serves every context length
             blocks = F.pad(blocks, (0, 1))
-        return self.step(ids, cos, sin, positions, meta.slot_mapping, blocks)
+        args = (ids, cos, sin, positions, meta.slot_mapping, blocks)
+        if compiling:
+            out = self.step(*args)
+        else:
+            with self.no_recompile:
+                out = self.step(*args)
+        return out if self.graph.lm_head is not None else self.flat.model.compute_logits(out)

@@ -1,8 +1,10 @@
 """CompiledDecoder (`--compile`): the compiled decode step gives the eager step's logits (to float32 rounding)
 for plain Llama-family models with every option the graph handles (attention and MLP biases, a non-SiLU
-activation, tied embeddings, an odd head size, Qwen3's per-head norms), at one row and at several of different
-lengths; the bundled model generates the same tokens with it as without; and every case it does not serve
-(windowed attention, other thread counts, large steps, a layer hook, a failed compile) runs eagerly.
+activation, tied embeddings, an odd head size, Qwen3's per-head norms, an LM head too large for the graph), at
+one row and at every row count up to MAX_ROWS without a new graph; rows that sample nothing still write their
+K/V; the bundled model generates the same tokens with it as without; and every case it does not serve
+(windowed attention, other thread counts, large steps, a layer hook, a failed compile, a failed step) runs
+eagerly.
 
 Each compile takes tens of seconds on a 2-core machine (a few once torch's cache is warm): one engine per model."""
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.engine.scheduler import ScheduledBatch
 from edgecore.shared.engine.sequence import Sequence
 from edgecore.shared.models import compiled_decode
 from edgecore.shared.models.compiled_decode import MAX_ROWS, CompiledDecoder
@@ -23,7 +26,8 @@ pytest.importorskip("transformers")
 CONFIGS = {
     "llama-every-option": ("llama", {"attention_bias": True, "mlp_bias": True, "hidden_act": "gelu_new",
                                      "tie_word_embeddings": True, "head_dim": 24}),
-    "qwen3-qk-norm": ("qwen3", {"attention_bias": True}),
+    # untied, 20000 x 64 float32: an LM head over KEEP_PLAIN_BYTES keeps no plain copy, so it stays out of the graph
+    "qwen3-qk-norm-big-head": ("qwen3", {"attention_bias": True, "vocab_size": 20000}),
 }
 
 
@@ -74,6 +78,11 @@ def test_bundled_model_logits_match(bundled):
     steps_match(bundled, [13], 8)                 # one row, crossing a block boundary
     steps_match(bundled, [3], 4)                  # one row in its first block (the table padded to two)
     steps_match(bundled, [5, 40, 17, 90], 6)      # rows of different lengths: gather + mask
+    # Every row count the compiled step serves, widths 1-9 blocks: none may need a new graph (the serving
+    # call raises instead of recompiling).
+    for rows in range(1, MAX_ROWS + 1):
+        steps_match(bundled, [(7 * i + rows) % 140 + 1 for i in range(rows)], 1)
+    assert bundled.runner.compiled.graph.lm_head is not None
 
 
 @pytest.mark.slow
@@ -82,6 +91,7 @@ def test_every_option_logits_match(tmp_path, name):
     arch, overrides = CONFIGS[name]
     path, _ = random_hf_checkpoint(tmp_path, arch, **overrides)
     engine = compiled_engine(path, block_size=4, num_blocks=64)
+    assert (engine.runner.compiled.graph.lm_head is None) == name.endswith("big-head")
     steps_match(engine, [13], 6)
     steps_match(engine, [5, 17, 9], 6)
 
@@ -153,15 +163,75 @@ def test_windowed_models_and_failed_compiles_serve_eagerly(tmp_path, monkeypatch
     assert "no compiled form" in caplog.text
     assert out["token_ids"] == make_engine(path).generate([list(range(3, 30))], params)[0]["token_ids"]
 
-    def broken(self, *args):
+    def broken(self, *args, **kwargs):
         raise RuntimeError("no C++ compiler found")
     monkeypatch.setattr(CompiledDecoder, "logits", broken)
     caplog.clear()
     with caplog.at_level(logging.WARNING, "edgecore.engine"):
         engine = make_engine(model_dir, compile_decode=True)
-        engine.pool.layers[0][0][:32].fill_(7.0)          # the dummy steps' blocks are zeroed even on failure
+        engine.pool.layers[0][0][:32].fill_(7.0)          # KV written before the compile: put back as it was
         engine.compile_decode()
     assert engine.runner.compiled is None
     assert "compiling the decode step failed (RuntimeError: no C++ compiler found)" in caplog.text
-    assert engine.pool.layers[0][0][:32].abs().sum() == 0
+    assert bool((engine.pool.layers[0][0][:32] == 7.0).all()) and engine.pool.layers[0][1][:32].abs().sum() == 0
     assert not compiled_decode.CompiledDecoder.supports(None)
+
+
+@pytest.mark.slow
+def test_rows_that_do_not_sample_still_write_their_kv(bundled):
+    """One-token prompt chunks (a tight token budget makes them) are decode rows that sample nothing: the
+    compiled step must still run and write their K/V as the eager model does."""
+    runner, pool = bundled.runner, bundled.pool
+    calls = []
+    real = runner.compiled.logits
+    runner.compiled.logits = lambda *a: calls.append(1) or real(*a)
+    seqs = []
+    try:
+        for i in range(3):
+            seq = Sequence(f"p{i}", [(11 * i + j) % 300 + 2 for j in range(30)], SamplingParams(max_tokens=1))
+            bundled.block_manager.allocate_prompt(seq.table, seq.token_ids, 30)
+            with torch.inference_mode():
+                _, ids, pos, meta = runner.prepare([(seq, 10 + i)])
+                bundled.model(ids, pos, meta)
+            seq.num_computed_tokens = 10 + i
+            seqs.append(seq)
+        batch = ScheduledBatch(items=[(s, 1) for s in seqs])
+        assert runner.run(batch) == ([], None) and calls == [1]
+        slots = torch.tensor([pool.slots(s.table.blocks, s.num_computed_tokens, s.num_computed_tokens + 1)[0]
+                              for s in seqs])
+        layers = range(bundled.config.num_hidden_layers)
+        got = [pool.read(layer, slots) for layer in layers]
+        for layer in layers:
+            for cache in pool.layers[layer]:
+                cache[slots] = 0
+        with torch.inference_mode():
+            _, ids, pos, meta = runner.prepare(batch.items)
+            bundled.model(ids, pos, meta)
+        for layer, (k, v) in zip(layers, got):
+            rk, rv = pool.read(layer, slots)
+            assert k.abs().sum() > 0
+            torch.testing.assert_close(k, rk, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-5)
+    finally:
+        runner.compiled.logits = real
+        for s in seqs:
+            bundled.block_manager.free_table(s.table)
+
+
+@pytest.mark.slow
+def test_a_failing_compiled_step_falls_back_to_eager(bundled, model_dir, caplog):
+    runner = bundled.runner
+    compiled = runner.compiled
+
+    def recompile(*args):
+        raise RuntimeError("Detected recompile when torch.compile stance is 'fail_on_recompile'")
+    real, compiled.step = compiled.step, recompile
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    try:
+        with caplog.at_level(logging.WARNING, "edgecore.engine"):
+            got = bundled.generate([list(range(20, 60))], params)[0]
+        assert runner.compiled is None
+        assert "compiled decode step failed (RuntimeError: Detected recompile" in caplog.text
+    finally:
+        compiled.step, runner.compiled = real, compiled
+    assert got["token_ids"] == make_engine(model_dir).generate([list(range(20, 60))], params)[0]["token_ids"]
