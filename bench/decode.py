@@ -27,6 +27,8 @@ weights in cache: a gap that touches no memory still slows the next matmul where
 virtual CPU moves.
 `--floor`: the engine's batch-1 step against the fewest eager torch operators that compute it
 (bench/decode_floor.py), interleaved rounds: how much of a step is the engine's own work.
+`--compiled`: whole engine steps of the bundled model eager against compiled (`--compile`), alternating in
+one run at `--batches` (bench/decode_compiled.py): step times, tokens/s, speed-up, same tokens or not.
 """
 
 from __future__ import annotations
@@ -264,6 +266,8 @@ def main():
                     help="batch-1 matmul time of the bundled model's weights back to back and with idle gaps")
     ap.add_argument("--floor", action="store_true",
                     help="batch-1 engine step against a hand-written eager step of the same model (bench/decode_floor.py)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="engine steps eager against compiled (--compile) at --batches, same run (bench/decode_compiled.py)")
     ap.add_argument("--penalties", action="store_true",
                     help="throughput with penalties and logit_bias against without (same run, no transformers)")
     ap.add_argument("--batches", default="1,8,32,64")
@@ -284,6 +288,11 @@ def main():
         emit("decode_penalties", "min_ratio_with_penalties", min(r["ratio"] for r in rows), target=0.9, rows=rows,
              penalties={k: v for k, v in PENALTIES.items() if k != "logit_bias"}, logit_bias_entries=16,
              prompt_tokens=args.prompt_len, new_tokens=args.new_tokens, threads=torch.get_num_threads())
+        return
+    if args.compiled:
+        from decode_compiled import run as compiled
+        r = compiled([int(b) for b in args.batches.split(",")], args.prompt_len, 50, max(args.repeats, 4))
+        emit("decode_compiled", "speedup_batch1", r["rows"][0]["speedup"], **r)
         return
     if args.floor:
         from decode_floor import run as floor
