@@ -15,7 +15,8 @@ second and per CPU second of the process (the steadier one on a machine shared w
 `--breakdown`: where a decode step of the bundled model goes at one batch size (torch profiler,
 operator self time grouped into matmuls, attention, KV gather/write and other operators; the rest
 of the step's wall time, `between_ops`, is Python, dispatch and the profiler's own cost, which
-makes a profiled step 10-20% slower than a plain one), then unprofiled steps timed one by one (median
+makes a profiled step 10-20% slower than a plain one; with `--compile`, of the compiled step, its generated
+kernels grouped by name), then unprofiled steps timed one by one (median
 and minimum: on a machine shared with other jobs the minimum is the steadier figure). `--threads N` sets
 torch's thread count first (default: torch's own).
 `--idle-gaps`: the bundled model's batch-1 decode matmuls (its 17 weights merged as the engine holds
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -173,14 +175,19 @@ def bench_synthetic(dtype_name, steps):
             "fraction": round(ideal / step, 3)}
 
 
-OP_GROUPS = {"matmul": ("linear", "mm"), "attention": ("scaled_dot_product",),     # "mm": mm, addmm, bmm
+# Compiled steps (--compile): inductor's kernels are named after what they fuse (`gemm` for its GEMM template;
+# the attention kernel fuses the gather, the softmax and both reductions; the cache write has its own).
+OP_GROUPS = {"matmul": ("linear", "mm", "gemm"), "attention": ("scaled_dot_product", "softmax"),  # "mm": mm, addmm, bmm
              "kv_gather_write": ("index_select", "index_copy")}
 
 
-def bench_breakdown(batch: int, dtype_name: str, steps: int = 30) -> dict:
+def bench_breakdown(batch: int, dtype_name: str, steps: int = 30, compiled: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
+    if compiled:        # each generated kernel a profiler event (read when inductor's config is first imported)
+        os.environ["TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE"] = "1"
     engine = LLMEngine.from_dir(MODEL, dtype_name, "cpu", CacheConfig(num_blocks=4096),
-                                EngineConfig(max_num_batched_tokens=4096, max_num_seqs=256))
+                                EngineConfig(max_num_batched_tokens=4096, max_num_seqs=256, compile_decode=compiled))
+    engine.compile_decode()
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=2 * steps + 40, temperature=0, ignore_eos=True, detokenize=False)
     for i, prompt in enumerate(torch.randint(3, 2048, (batch, 128), generator=gen).tolist()):
@@ -206,7 +213,7 @@ def bench_breakdown(batch: int, dtype_name: str, steps: int = 30) -> dict:
     progress(f"batch {batch} {dtype_name}: step {wall * 1e3:.2f} ms (under the profiler): " +
              ", ".join(f"{g} {v * 1e3:.2f} ms" for g, v in groups.items()) +
              f"; unprofiled median {statistics.median(plain) * 1e3:.2f} ms, min {min(plain) * 1e3:.2f} ms")
-    return {"batch": batch, "dtype": dtype_name, "threads": torch.get_num_threads(),
+    return {"batch": batch, "dtype": dtype_name, "threads": torch.get_num_threads(), "compiled": compiled,
             "step_ms_profiled": round(wall * 1e3, 3),
             "step_ms_median": round(statistics.median(plain) * 1e3, 3), "step_ms_min": round(min(plain) * 1e3, 3),
             "ms_per_step": {g: round(v * 1e3, 3) for g, v in groups.items()},
@@ -266,6 +273,7 @@ def main():
                     help="batch-1 matmul time of the bundled model's weights back to back and with idle gaps")
     ap.add_argument("--floor", action="store_true",
                     help="batch-1 engine step against a hand-written eager step of the same model (bench/decode_floor.py)")
+    ap.add_argument("--compile", action="store_true", help="--breakdown: of the compiled step (--compile)")
     ap.add_argument("--compiled", action="store_true",
                     help="engine steps eager against compiled (--compile) at --batches, same run (bench/decode_compiled.py)")
     ap.add_argument("--penalties", action="store_true",
@@ -305,7 +313,7 @@ def main():
              round(r["ms_per_pass"]["in_out_mm"]["gap_50us_ms"] / r["ms_per_pass"]["in_out_mm"]["gap_0us_ms"], 2), **r)
         return
     if args.breakdown:
-        r = bench_breakdown(args.breakdown, args.dtype or "fp32")
+        r = bench_breakdown(args.breakdown, args.dtype or "fp32", compiled=args.compile)
         emit("decode_breakdown", "matmul_share_of_decode_step", r["share"]["matmul"], **r)
         return
     if args.synthetic:
