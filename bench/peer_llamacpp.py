@@ -14,6 +14,9 @@ hash maps to `gpt-2`); then alternates the engines over `--rounds` rounds:
   process apart, and the engine's own memory from its /stats: weights, the KV pool's resident part (blocks
   ever used; the pool maps its capacity lazily) and everything else (the interpreter, torch, activations).
 Both use `--threads` threads (2) and float32. Ratios are edgecore ÷ llama.cpp, medians over rounds.
+edgecore runs twice on the bundled model, eager and with its decode step compiled (`--compile`, the
+`_compiled` fields and the HTTP server `edgecore_compiled`); the ~1 GB model has no compiled step
+(its weights are too large for the compiled form), so it runs eagerly only.
 """
 
 from __future__ import annotations
@@ -245,7 +248,7 @@ def _pcts(values) -> dict:
     return {f"p{q}": round(v[min(len(v) - 1, int(q / 100 * len(v)))] * 1e3, 2) for q in (50, 90, 99)}
 
 
-def _wait_http(port: int, path: str, timeout: float = 120) -> None:
+def _wait_http(port: int, path: str, timeout: float = 300) -> None:    # --compile: a first compile
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -272,7 +275,8 @@ def serve_round(server: str, bin_dir: Path, gguf: Path, prompts, args) -> dict:
                "-c", str(ctx), "-np", str(args.clients), "--port", str(port), "--host", "127.0.0.1", "-fa", "off"]
         ready = "/health"
     else:
-        cmd = [sys.executable, "-m", "edgecore", "edge", "--listen", f"127.0.0.1:{port}", "--dtype", "fp32"]
+        cmd = [sys.executable, "-m", "edgecore", "edge", "--listen", f"127.0.0.1:{port}", "--dtype", "fp32",
+               *(["--compile"] if server == "edgecore_compiled" else [])]
         ready = "/health"
     env = {**os.environ, "EDGECORE_THREADS": str(args.threads)}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -280,12 +284,12 @@ def serve_round(server: str, bin_dir: Path, gguf: Path, prompts, args) -> dict:
         _wait_http(port, ready)
         idle = tree_rss(proc.pid) / 2**20
         parts = {}
-        if server == "edgecore":
+        if server != "llama.cpp":
             parts = {"frontend": proc.pid, "engine": _stats(port)["engine_pid"]}
         result = asyncio.run(http_load(port, prompts, args.clients, args.duration, args.max_tokens, proc.pid,
                                        parts))
         result["idle_rss_mb"] = idle
-        if server == "edgecore":       # the engine's own memory: weights, the KV pool's resident part, the rest
+        if server != "llama.cpp":      # the engine's own memory: weights, the KV pool's resident part, the rest
             stats = _stats(port)
             weights = stats["weights_bytes"] / 2**20
             kv = stats["blocks_touched"] * stats["kv_block_bytes"] / 2**20
@@ -307,11 +311,12 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--duration", type=float, default=20)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: synthetic (the ~1 GB model), decode (decode and prefill), http")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: synthetic (the ~1 GB model), "
+                    "decode (decode and prefill), http, compiled (edgecore with --compile)")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(args.threads)
-    from edgecore.shared.config import CacheConfig
+    from edgecore.shared.config import CacheConfig, EngineConfig
     from edgecore.shared.engine.engine import LLMEngine
     from edgecore.shared.tokenizer import Tokenizer
     bin_dir = build()
@@ -322,40 +327,56 @@ def main() -> None:
     report: dict = {"llama_cpp_python": VERSION, "threads": args.threads, "dtype": "f32"}
     for name, path in models.items() if "decode" not in args.skip else ():
         # No prefix cache: every timed prefill computes its prompt, as llama-batched-bench's does.
-        engine = LLMEngine.from_dir(path, "fp32", "cpu", CacheConfig(num_blocks=8192, enable_prefix_caching=False))
+        variants = ["edgecore"] + (["edgecore_compiled"] if name == "bundled" and "compiled" not in args.skip else [])
+        engines = {v: LLMEngine.from_dir(path, "fp32", "cpu", CacheConfig(num_blocks=8192, enable_prefix_caching=False),
+                                         EngineConfig(compile_decode=v.endswith("compiled")))
+                   for v in variants}
         sizes = npl if name == "bundled" else [1]
-        ours, theirs = [], []
+        ours: dict[str, list] = {v: [] for v in variants}
+        theirs = []
         for r in range(args.rounds):
             progress(f"{name}: round {r + 1}/{args.rounds}")
-            ours.append(engine_batched(engine, ids, 128, 128, sizes))
+            for v, engine in engines.items():
+                ours[v].append(engine_batched(engine, ids, 128, 128, sizes))
             theirs.append(llamacpp_batched(bin_dir, ggufs[name], args.threads, 128, 128, sizes))
-        prefill_ours = [engine_batched(engine, ids, 512, 2, [1])[1]["S_PP"] for _ in range(args.rounds)]
+        prefill_ours = [engine_batched(engines["edgecore"], ids, 512, 2, [1])[1]["S_PP"] for _ in range(args.rounds)]
         prefill_theirs = [llamacpp_batched(bin_dir, ggufs[name], args.threads, 512, 2, [1])[1]["S_PP"]
                           for _ in range(args.rounds)]
+        decode = {}
+        for b in sizes:
+            row = {"llama_cpp_tok_s": round(statistics.median(t[b]["S_TG"] for t in theirs), 1)}
+            for v in variants:
+                suffix = v[len("edgecore"):]
+                row[f"edgecore{suffix}_tok_s"] = round(statistics.median(o[b]["S_TG"] for o in ours[v]), 1)
+                row[f"ratio{suffix}"] = round(statistics.median(o[b]["S_TG"] / t[b]["S_TG"]
+                                                                for o, t in zip(ours[v], theirs)), 3)
+            decode[b] = row
         report[name] = {
-            "decode": {b: {"edgecore_tok_s": round(statistics.median(o[b]["S_TG"] for o in ours), 1),
-                           "llama_cpp_tok_s": round(statistics.median(t[b]["S_TG"] for t in theirs), 1),
-                           "ratio": round(statistics.median(o[b]["S_TG"] / t[b]["S_TG"] for o, t in zip(ours, theirs)), 3)}
-                       for b in sizes},
+            "decode": decode,
             "prefill_512": {"edgecore_tok_s": round(statistics.median(prefill_ours), 1),
                             "llama_cpp_tok_s": round(statistics.median(prefill_theirs), 1),
                             "ratio": round(statistics.median(prefill_ours) / statistics.median(prefill_theirs), 3)}}
-        del engine
+        del engines
     if "http" not in args.skip:
         rng = __import__("random").Random(1)
         prompts = [ids[s:s + n] for n, s in ((rng.randint(48, 200), rng.randint(0, len(ids) - 201)) for _ in range(200))]
-        rounds = {"edgecore": [], "llama.cpp": []}
+        servers = ["edgecore", "llama.cpp"] + (["edgecore_compiled"] if "compiled" not in args.skip else [])
+        rounds: dict[str, list] = {s: [] for s in servers}
         for r in range(args.rounds):
-            for server in (("edgecore", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "edgecore")):
+            for server in (servers if r % 2 == 0 else servers[::-1]):
                 progress(f"HTTP round {r + 1}/{args.rounds}: {server}, {args.clients} clients, {args.duration:.0f} s")
                 rounds[server].append(serve_round(server, bin_dir, ggufs["bundled"], prompts, args))
         med = {s: max(v, key=lambda x: x["tokens_per_s"]) if len(v) < 3 else sorted(v, key=lambda x: x["tokens_per_s"])[1]
                for s, v in rounds.items()}
         report["http"] = {**{s: _rounded(m) for s, m in med.items()},
-                          "tokens_per_s_ratio": round(med["edgecore"]["tokens_per_s"] / med["llama.cpp"]["tokens_per_s"], 3),
-                          "peak_rss_ratio": round(med["edgecore"]["peak_rss_mb"] / med["llama.cpp"]["peak_rss_mb"], 3)}
+                          **{f"{k}{s[len('edgecore'):]}": round(med[s][field] / med["llama.cpp"][field], 3)
+                             for s in servers if s != "llama.cpp"
+                             for k, field in (("tokens_per_s_ratio", "tokens_per_s"), ("peak_rss_ratio", "peak_rss_mb"))}}
     if "bundled" in report:
-        emit("peer_llamacpp", "batch1_decode_ratio_bundled", report["bundled"]["decode"][1]["ratio"], **report)
+        one = report["bundled"]["decode"][1]
+        compiled = "ratio_compiled" in one
+        emit("peer_llamacpp", "batch1_decode_ratio_bundled" + ("_compiled" if compiled else ""),
+             one["ratio_compiled" if compiled else "ratio"], **report)
     else:
         emit("peer_llamacpp", "http_tokens_per_s_ratio", report["http"]["tokens_per_s_ratio"], **report)
 

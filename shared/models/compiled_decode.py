@@ -29,7 +29,7 @@ generated C++ kernels per layer. Results are the eager path's to float32 roundin
 and greedy tokens equal.
 
 Costs: start-up time (tens of seconds for the first compile on a 2-core machine; a few with torch's
-cache warm), about 100 MB more resident memory (torch's compiler stack and a frozen copy of the
+cache warm), about 160 MB more resident memory (torch's compiler stack, its kernels and a frozen copy of the
 weights), and a C++ compiler on the machine. If compiling fails, `build` logs why and returns None: the
 node serves with the eager path.
 """
