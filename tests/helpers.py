@@ -51,3 +51,30 @@ def random_hf_checkpoint(tmp_path, arch: str, **overrides):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(tmp_path, safe_serialization=True)
     return tmp_path, model
+
+
+def teacher_forced_decode(engine, lengths: list[int], steps: int, check) -> int:
+    """Prefill sequences of `lengths` random tokens through the model, then decode `steps` steps of all of them
+    at once, each step through `check(items)` (which must run the step: it writes the K/V the next one reads);
+    tokens come from the prompts (teacher-forced). Returns the steps run; the blocks are freed."""
+    gen = torch.Generator().manual_seed(0)
+    seqs = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(2, engine.config.vocab_size, (n + steps,), generator=gen).tolist()
+        seq = Sequence(f"s{i}", ids, SamplingParams(max_tokens=1))
+        engine.block_manager.allocate_prompt(seq.table, ids, len(ids))
+        seqs.append(seq)
+    try:
+        with torch.inference_mode():
+            for seq, n in zip(seqs, lengths):
+                _, ids, pos, meta = engine.runner.prepare([(seq, n)])
+                engine.model(ids, pos, meta)
+                seq.num_computed_tokens += n
+            for _ in range(steps):
+                check([(s, 1) for s in seqs])
+                for s in seqs:
+                    s.num_computed_tokens += 1
+    finally:
+        for s in seqs:
+            engine.block_manager.free_table(s.table)
+    return steps

@@ -19,7 +19,7 @@ from edgecore.shared.engine.sequence import Sequence
 from edgecore.shared.models import compiled_decode
 from edgecore.shared.models.compiled_decode import MAX_ROWS, CompiledDecoder
 from tests.conftest import make_engine
-from tests.helpers import random_hf_checkpoint
+from tests.helpers import random_hf_checkpoint, teacher_forced_decode
 
 pytest.importorskip("transformers")
 
@@ -47,30 +47,15 @@ def steps_match(engine, lengths: list[int], steps: int) -> None:
     """Prefill sequences of `lengths` tokens, then decode `steps` steps of all of them at once; each step's
     logits through the compiled step and through the model (same tokens in: teacher-forced)."""
     runner = engine.runner
-    gen = torch.Generator().manual_seed(0)
-    seqs = []
-    for i, n in enumerate(lengths):
-        ids = torch.randint(2, engine.config.vocab_size, (n + steps,), generator=gen).tolist()
-        seq = Sequence(f"s{i}", ids, SamplingParams(max_tokens=1))
-        engine.block_manager.allocate_prompt(seq.table, ids, len(ids))
-        seqs.append(seq)
-    with torch.inference_mode():
-        for seq, n in zip(seqs, lengths):
-            _, ids, pos, meta = runner.prepare([(seq, n)])
-            engine.model(ids, pos, meta)
-            seq.num_computed_tokens += n
-        for _ in range(steps):
-            items = [(s, 1) for s in seqs]
-            _, ids, pos, meta = runner.prepare(items)
-            assert runner.compiled.takes(meta, ids.shape[0])
-            got = runner.compiled.logits(ids, pos, meta)
-            _, ids, pos, meta = runner.prepare(items)
-            ref = engine.model.compute_logits(engine.model(ids, pos, meta))
-            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-            for s in seqs:
-                s.num_computed_tokens += 1
-    for s in seqs:
-        engine.block_manager.free_table(s.table)
+
+    def check(items):
+        _, ids, pos, meta = runner.prepare(items)
+        assert runner.compiled.takes(meta, ids.shape[0])
+        got = runner.compiled.logits(ids, pos, meta)
+        _, ids, pos, meta = runner.prepare(items)
+        ref = engine.model.compute_logits(engine.model(ids, pos, meta))
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    teacher_forced_decode(engine, lengths, steps, check)
 
 
 @pytest.mark.slow

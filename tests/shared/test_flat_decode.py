@@ -5,10 +5,9 @@ import pytest
 import torch
 
 from edgecore.shared.engine.sampling_params import SamplingParams
-from edgecore.shared.engine.sequence import Sequence
 from edgecore.shared.models.flat_decode import FlatDecoder
 from tests.conftest import make_engine
-from tests.helpers import random_hf_checkpoint
+from tests.helpers import random_hf_checkpoint, teacher_forced_decode
 
 pytest.importorskip("transformers")
 
@@ -24,34 +23,15 @@ CONFIGS = {
 def decode_steps_equal(engine, lengths: list[int], steps: int) -> int:
     """Prefill sequences of `lengths` tokens, then decode `steps` steps of all of them at once, each step's
     hidden states through the model and through the flat decoder; returns the steps compared."""
-    flat = engine.runner.flat
-    gen = torch.Generator().manual_seed(0)
-    seqs = []
-    for i, n in enumerate(lengths):
-        ids = torch.randint(2, engine.config.vocab_size, (n + steps,), generator=gen).tolist()
-        seq = Sequence(f"s{i}", ids, SamplingParams(max_tokens=1))
-        engine.block_manager.allocate_prompt(seq.table, ids, len(ids))
-        seqs.append(seq)
-    compared = 0
-    with torch.inference_mode():
-        for seq, n in zip(seqs, lengths):
-            _, ids, pos, meta = engine.runner.prepare([(seq, n)])
-            engine.model(ids, pos, meta)
-            seq.num_computed_tokens += n
-        for _ in range(steps):
-            items = [(s, 1) for s in seqs]
-            _, ids, pos, meta = engine.runner.prepare(items)
-            assert flat.takes(meta, ids.shape[0])
-            ref = engine.model(ids, pos, meta)
-            _, ids, pos, meta = engine.runner.prepare(items)
-            got = flat.forward(ids, pos, meta)
-            assert torch.equal(got, ref)
-            compared += 1
-            for s in seqs:
-                s.num_computed_tokens += 1
-    for s in seqs:
-        engine.block_manager.free_table(s.table)
-    return compared
+    runner = engine.runner
+
+    def check(items):
+        _, ids, pos, meta = runner.prepare(items)
+        assert runner.flat.takes(meta, ids.shape[0])
+        ref = engine.model(ids, pos, meta)
+        _, ids, pos, meta = runner.prepare(items)
+        assert torch.equal(runner.flat.forward(ids, pos, meta), ref)
+    return teacher_forced_decode(engine, lengths, steps, check)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
