@@ -3,7 +3,8 @@
 Life cycle: `run_service(start, stop)` installs uvloop when available, sets
 up logging, awaits `start()`, waits for a termination signal (or for the
 future `start()` may return, e.g. a connection the node lives for), then
-awaits `stop()`; the exit status is 0, or an int that future ended with. Used by `edgecore core` and `edgecore edge`.
+awaits `stop()`; the exit status is 0, or an int that future ended with. A signal that comes while `start()`
+is still running cancels it, then awaits `stop()`. Used by `edgecore core` and `edgecore edge`.
 """
 
 from __future__ import annotations
@@ -35,8 +36,20 @@ def run_service(start: Callable[[], Awaitable[asyncio.Future | None]], stop: Cal
         done = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, done.set)
-        finished = await start()        # optionally a future: when it completes, the service ends too
-        waiters = [asyncio.ensure_future(done.wait())] + ([finished] if finished is not None else [])
+        signalled = asyncio.ensure_future(done.wait())
+        # A signal while starting (a model loading, a decode step compiling) stops the node there.
+        starting = asyncio.ensure_future(start())
+        await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            try:
+                await stop()
+            except Exception as exc:       # parts never started: stopping them may fail; leaving must not
+                logging.getLogger("edgecore").warning("stopping a node that had not started: %s", exc)
+            return 0
+        finished = starting.result()    # optionally a future: when it completes, the service ends too
+        waiters = [signalled] + ([finished] if finished is not None else [])
         try:
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         finally:
