@@ -388,8 +388,7 @@ class LLMEngine:
             blocks_used=bm.num_used,
             blocks_cached=len(bm.evictable),
             kv_cache_usage=bm.num_used / max(1, len(bm.blocks)),
-            prefix_cache_hit_tokens=bm.hits,
-            prefix_cache_query_tokens=bm.queries,
+            prefix_cache_hit_tokens=bm.hits, prefix_cache_query_tokens=bm.queries,
             preemptions=self.scheduler.num_preemptions,
             iteration_tokens=tuple(self.iteration_tokens.counts),
             iteration_tokens_sum=self.iteration_tokens.total,
@@ -397,4 +396,5 @@ class LLMEngine:
             blocks_touched=bm.touched,
             kv_block_bytes=self.pool.block_bytes,
             weights_bytes=self.weights_bytes,
+            compiled_steps=self.runner.compiled_steps,
         )

@@ -49,6 +49,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     blocks_touched: int = 0     # blocks ever used: the KV pool's resident part on CPU (it maps memory lazily)
     kv_block_bytes: int = 0     # bytes of one block (all layers, K and V)
     weights_bytes: int = 0
+    compiled_steps: int = 0     # decode steps run by the compiled step (`--compile`); 0 without it
 
     @property
     def load(self) -> int:

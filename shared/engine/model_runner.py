@@ -86,6 +86,7 @@ def first_visible(form: LayerAttention, pos: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     compiled: CompiledDecoder | None = None
     compile_pending = False        # `compile_decode` asked for and not done yet
+    compiled_steps = 0             # steps the compiled step ran
 
     def __init__(self, model, pool: KVPool, sliding_window: int | None = None, compile_decode: bool = False):
         """`sliding_window` is not used any more: each layer's attention form comes from `model.config`.
@@ -258,6 +259,7 @@ class ModelRunner:
                             type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
                 self.compiled = None
             else:
+                self.compiled_steps += 1
                 return self._sample(ordered, lambda rows: logits)
         threads, chooser = torch.get_num_threads(), self.step_threads
         kind = (ids.shape[0], not meta.prefills)      # pure decode steps and steps with prefill timed apart

@@ -7,7 +7,7 @@ import pytest
 
 from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine
-from tests.e2e.procs import Node, free_port, post_json
+from tests.e2e.procs import Node, free_port, get_json, post_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -24,6 +24,9 @@ def test_compiled_edge_serves_as_single_node(model_dir, tokenizer, heldout):
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             replies = list(pool.map(lambda p: post_json(f"http://127.0.0.1:{http}/v1/completions",
                                                         {"prompt": p, **body}), prompts))
+        # The compiled step served (at least the decode steps after the last prefill), and was never dropped.
+        assert get_json(f"http://127.0.0.1:{http}/stats")["compiled_steps"] >= 19
+        assert "serving eagerly" not in edge.logs()
     finally:
         edge.stop()
     engine = make_engine(model_dir)
