@@ -27,5 +27,11 @@ class RequestError(EdgecoreError):
         self.code = code
 
 
+def first_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, for a one-line log of an exception whose message may run on."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 class EngineDead(RuntimeError):
     """The engine failed or exited; requests in flight and new ones cannot be served."""

@@ -45,6 +45,7 @@ from edgecore.shared.engine.scheduler import ScheduledBatch
 from edgecore.shared.engine.sequence import Sequence
 from edgecore.shared.engine.step_threads import StepThreads
 from edgecore.shared.env import cpu_pack_enabled
+from edgecore.shared.errors import first_line
 from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.malloc import retain_freed_memory
 from edgecore.shared.models.attention import AttentionMetadata, DecodeWindow, PrefillChunk
@@ -255,8 +256,7 @@ class ModelRunner:
             try:        # every row's logits first: the step writes the K/V of rows that do not sample too
                 logits = compiled.logits(ids, positions, meta)
             except Exception as exc:    # e.g. a step that would recompile: from here on, eager (the same K/V)
-                log.warning("compiled decode step failed (%s: %s); serving eagerly from now on",
-                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                log.warning("compiled decode step failed (%s); serving eagerly from now on", first_line(exc))
                 self.compiled = None
             else:
                 self.compiled_steps += 1

@@ -48,8 +48,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgecore.shared.config import FULL
+from edgecore.shared.errors import first_line
 from edgecore.shared.models.attention import AttentionMetadata
-from edgecore.shared.models.flat_decode import FlatDecoder
+from edgecore.shared.models.flat_decode import FlatDecoder, rms_norm
+from edgecore.shared.models.rope import apply_rope
 from edgecore.shared.models.row_buckets import EXACT_ROWS
 
 log = logging.getLogger("edgecore.engine")
@@ -66,12 +68,8 @@ def _plain(matmul) -> torch.Tensor:
     return matmul.transposed.t() if matmul.transposed is not None else matmul.weight
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * x.pow(2).mean(-1, keepdim=True).add(eps).rsqrt() * weight
-
-
-def _param(t: torch.Tensor | None) -> nn.Parameter | None:
-    return None if t is None else nn.Parameter(t.detach(), requires_grad=False)
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.detach(), requires_grad=False)
 
 
 class DecodeGraph(nn.Module):
@@ -118,11 +116,11 @@ class DecodeGraph(nn.Module):
         for i, (heads, kvh, d, scale, index, eps1, eps2, qk_eps, act) in enumerate(self.shapes):
             n1, qkv_w, o_w, n2, gu_w, down_w, qn, kn = (w[8 * i + j] for j in range(8))
             qkv_b, o_b, gu_b, down_b = (bias[4 * i + j] if bias[4 * i + j].numel() else None for j in range(4))
-            qkv = F.linear(_norm(x, n1, eps1), qkv_w, qkv_b).view(b, heads + 2 * kvh, d)
+            qkv = F.linear(rms_norm(x, n1, eps1), qkv_w, qkv_b).view(b, heads + 2 * kvh, d)
             qk = qkv[:, :heads + kvh]
             if qk_eps is not None:
-                qk = torch.cat([_norm(qk[:, :heads], qn, qk_eps), _norm(qk[:, heads:], kn, qk_eps)], 1)
-            qk = qk * cos + qk.roll(d // 2, -1) * sin
+                qk = torch.cat([rms_norm(qk[:, :heads], qn, qk_eps), rms_norm(qk[:, heads:], kn, qk_eps)], 1)
+            qk = apply_rope(qk, cos, sin)
             k_cache, v_cache = self.caches[index]
             k_cache.index_copy_(0, slots, qk[:, heads:])
             v_cache.index_copy_(0, slots, qkv[:, heads + kvh:])
@@ -133,12 +131,12 @@ class DecodeGraph(nn.Module):
             o = (scores[..., None] * vd).sum(-2).reshape(b, heads * d)
             y = F.linear(o, o_w)
             x = x + (y if o_b is None else y + o_b)
-            gate, up = F.linear(_norm(x, n2, eps2), gu_w, gu_b).chunk(2, dim=-1)
+            gate, up = F.linear(rms_norm(x, n2, eps2), gu_w, gu_b).chunk(2, dim=-1)
             y = F.linear(act(gate) * up, down_w)
             x = x + (y if down_b is None else y + down_b)
         if self.lm_head is None:
             return x
-        return F.linear(_norm(x, self.final_norm, self.final_eps), self.lm_head)[:, :self.vocab]
+        return F.linear(rms_norm(x, self.final_norm, self.final_eps), self.lm_head)[:, :self.vocab]
 
 
 class CompiledDecoder:
@@ -195,8 +193,7 @@ class CompiledDecoder:
                 for rows in (1, 2):
                     decoder.logits(*decoder._dummy(rows), compiling=True)
         except Exception as exc:        # no compiler, an unsupported build: the eager path still serves
-            log.warning("--compile: compiling the decode step failed (%s: %s); serving eagerly",
-                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            log.warning("--compile: compiling the decode step failed (%s); serving eagerly", first_line(exc))
             return None
         finally:
             with torch.no_grad():
@@ -219,7 +216,7 @@ class CompiledDecoder:
 
     def takes(self, meta: AttentionMetadata, rows: int) -> bool:
         return self.flat.takes(meta, rows) and rows <= MAX_ROWS and meta.on_layer is None and \
-            not meta.decode_windows and torch.get_num_threads() == self.threads
+            torch.get_num_threads() == self.threads       # (no windows: `supports` took full attention only)
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                compiling: bool = False) -> torch.Tensor:

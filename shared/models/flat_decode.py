@@ -27,8 +27,8 @@ from edgecore.shared.models.rope import apply_rope
 from edgecore.shared.parallel import tensor_parallel
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """llama.RMSNorm's float32 arithmetic, op for op."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """llama.RMSNorm's float32 arithmetic, op for op (the compiled step's too)."""
     return (x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(weight)
 
 
@@ -107,14 +107,14 @@ class FlatDecoder:
         column, row = (_column, _row) if few else (packed_linear, _row_packed)
         for (n1, e1, qkv_t, qkv_b, heads, kvh, d, q_norm, k_norm, index, scale, form, sinks, o_t, o_b,
              n2, e2, gu_t, gu_b, act, down_t, down_b) in (self.few if few else self.many):
-            qkv = column(_norm(x, n1, e1), qkv_t, qkv_b).view(t, heads + 2 * kvh, d)
+            qkv = column(rms_norm(x, n1, e1), qkv_t, qkv_b).view(t, heads + 2 * kvh, d)
             if q_norm is None:
                 qk = qkv[:, :heads + kvh]
             else:
-                qk = torch.cat([_norm(qkv[:, :heads], *q_norm), _norm(qkv[:, heads:heads + kvh], *k_norm)], 1)
+                qk = torch.cat([rms_norm(qkv[:, :heads], *q_norm), rms_norm(qkv[:, heads:heads + kvh], *k_norm)], 1)
             qk = apply_rope(qk, cos, sin)
             o = paged_attention(qk[:, :heads], qk[:, heads:], qkv[:, heads + kvh:], index, meta, scale, form, sinks)
             x = x + row(o.reshape(t, heads * d), o_t, o_b)
-            gate, up = column(_norm(x, n2, e2), gu_t, gu_b).chunk(2, dim=-1)
+            gate, up = column(rms_norm(x, n2, e2), gu_t, gu_b).chunk(2, dim=-1)
             x = x + row(act(gate) * up, down_t, down_b)
         return x
