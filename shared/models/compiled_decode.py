@@ -4,7 +4,9 @@ Life cycle: `ModelRunner` builds one when asked to (`EngineConfig.compile_decode
 and the model has a `FlatDecoder` (flat_decode.py: one rank, base attention and MLP, small float32
 weights), every layer attends fully and has no sinks. `build` compiles the step at start-up, from
 dummy steps of one row and of two rows (torch specializes a size of 1, so those are two graphs; from
-two rows on the row count is symbolic) into cache blocks 0-1, whose contents it puts back. The graphs are
+two rows on the row count is symbolic), and a second module of the same step, for steps of WIDE_FROM
+rows or more, from a dummy of WIDE_DUMMY rows x blocks (inductor tunes its kernels to its inputs' sizes:
+`build`). The dummies write into the first cache blocks, whose contents it puts back. The graphs are
 cached on disk by torch (`TORCHINDUCTOR_CACHE_DIR`, default under /tmp), so a second start compiles
 much faster. Then `takes(meta, rows)` says whether a step is one it serves: pure decode, at most
 `MAX_ROWS` rows, no layer hook, the thread count it was compiled for (a different count would
@@ -18,7 +20,9 @@ into the paged cache, attention over the rows' block tables, the output projecti
 final norm and the LM head (unless the head kept no plain copy: then the model's packed head, eagerly).
 Attention is written as sums of products, not SDPA: inductor fuses the block-table gather into the
 reductions, where SDPA would need the gathered K/V materialized (with SDPA the step was 1.15x slower at
-8 rows and 1.2x at 32). Weights
+8 rows and 1.2x at 32). Past a few rows a step's attention reads more bytes of K/V than of weights, so its
+loops matter: they run block by block, the rotated queries are computed once into a buffer, and the
+softmax divides once per output (forward's comments). Weights
 are frozen into the graph (inductor's `freezing`) and the matmuls take inductor's C++ GEMM template
 where its autotuning finds it faster than oneDNN (`max_autotune`, backends CPP and ATEN).
 
@@ -29,8 +33,8 @@ generated C++ kernels per layer. Results are the eager path's to float32 roundin
 and greedy tokens equal.
 
 Costs: start-up time (tens of seconds for the first compile on a 2-core machine; a few with torch's
-cache warm), about 160 MB more resident memory (torch's compiler stack, its kernels and a frozen copy of the
-weights), and a C++ compiler on the machine. If compiling fails, `build` logs why and returns None: the
+cache warm), about 160 MB more resident memory for the bundled model (torch's compiler stack, its kernels
+and the weights frozen into each graph: three copies), and a C++ compiler on the machine. If compiling fails, `build` logs why and returns None: the
 node serves with the eager path.
 """
 
@@ -56,8 +60,10 @@ from edgecore.shared.models.row_buckets import EXACT_ROWS
 
 log = logging.getLogger("edgecore.engine")
 
-MAX_ROWS = EXACT_ROWS       # larger steps run eagerly (their matmuls are work enough; oneDNN's kernels per
+MAX_ROWS = 2 * EXACT_ROWS   # larger steps run eagerly (their matmuls are work enough; oneDNN's kernels per
                             # row count stay bounded as in row_buckets.py)
+WIDE_FROM = 9               # steps of this many rows or more take the graph compiled for many rows
+WIDE_DUMMY = (16, 8)        # rows x blocks of the dummy step that compiles it
 INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
             "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}   # nothing printed
 DYNAMO = {"specialize_float": True}      # eps and scales are constants, not tensors made at every call
@@ -104,14 +110,21 @@ class DecodeGraph(nn.Module):
         head = _plain(model.lm_head)
         self.lm_head = _param(head) if head.numel() else None
         self.vocab = model.lm_head.vocab_size
+        attn = model.model.layers[0].self_attn
+        # Each layer's rotated, scaled queries are written here (see forward); same shape in every layer
+        # (FlatDecoder's models have uniform layers).
+        self.queries = torch.zeros(MAX_ROWS, attn.num_heads, attn.head_dim)
 
     def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         b, bs = ids.shape[0], self.block_size
-        width = blocks.shape[1] * bs
         x = F.embedding(ids, self.embed)
-        # [B, 1, 1, width]: True where attended (the rows' own positions so far; padding blocks masked)
-        mask = (torch.arange(width, device=ids.device) <= positions[:, None])[:, None, None, :]
+        # Attention runs over [blocks, block size] rather than one flat context: the block-table lookup then
+        # stays in the outer loop (17% faster at 32 rows than a flat gather, 9% at 8).
+        # [B, 1, 1, blocks, bs]: True where attended (the rows' own positions so far; padding blocks masked)
+        position = torch.arange(blocks.shape[1], device=ids.device)[:, None] * bs + \
+            torch.arange(bs, device=ids.device)
+        mask = (position <= positions[:, None, None])[:, None, None]
         w, bias = self.weights, self.biases
         for i, (heads, kvh, d, scale, index, eps1, eps2, qk_eps, act) in enumerate(self.shapes):
             n1, qkv_w, o_w, n2, gu_w, down_w, qn, kn = (w[8 * i + j] for j in range(8))
@@ -124,11 +137,15 @@ class DecodeGraph(nn.Module):
             k_cache, v_cache = self.caches[index]
             k_cache.index_copy_(0, slots, qk[:, heads:])
             v_cache.index_copy_(0, slots, qkv[:, heads + kvh:])
-            kd = k_cache.view(-1, bs, kvh, d)[blocks].view(b, width, kvh, d).transpose(1, 2)[:, :, None]
-            vd = v_cache.view(-1, bs, kvh, d)[blocks].view(b, width, kvh, d).transpose(1, 2)[:, :, None]
-            q = qk[:, :heads].reshape(b, kvh, heads // kvh, 1, d)           # query heads grouped by KV head
-            scores = (q * kd).sum(-1).mul(scale).masked_fill(~mask, float("-inf")).softmax(-1)
-            o = (scores[..., None] * vd).sum(-2).reshape(b, heads * d)
+            self.queries[:b].copy_(qk[:, :heads] * scale)
+            # [B, KV heads, 1, blocks, bs, d]
+            kd = k_cache.view(-1, bs, kvh, d)[blocks].permute(0, 3, 1, 2, 4)[:, :, None]
+            vd = v_cache.view(-1, bs, kvh, d)[blocks].permute(0, 3, 1, 2, 4)[:, :, None]
+            q = self.queries[:b].reshape(b, kvh, heads // kvh, 1, 1, d)      # query heads grouped by KV head
+            scores = (q * kd).sum(-1).masked_fill(~mask, float("-inf"))
+            # Softmax with its division after the weighted sum: once per output, not per context position.
+            e = (scores - scores.amax((-1, -2), keepdim=True)).exp()
+            o = ((e[..., None] * vd).sum((-2, -3)) / e.sum((-1, -2))[..., None]).reshape(b, heads * d)
             y = F.linear(o, o_w)
             x = x + (y if o_b is None else y + o_b)
             gate, up = F.linear(rms_norm(x, n2, eps2), gu_w, gu_b).chunk(2, dim=-1)
@@ -140,14 +157,19 @@ class DecodeGraph(nn.Module):
 
 
 class CompiledDecoder:
-    def __init__(self, flat: FlatDecoder, graph: DecodeGraph, threads: int):
+    def __init__(self, flat: FlatDecoder, graph: DecodeGraph, wide: DecodeGraph, threads: int):
+        """`graph` serves steps of fewer than WIDE_FROM rows, `wide` (the same step, another module so that
+        it gets graphs of its own) the larger ones."""
         self.flat = flat
         self.graph = graph
         self.threads = threads
         for pair in graph.caches:          # fixed for the engine's life: no symbols (cheaper guards)
             for cache in pair:
                 torch._dynamo.mark_static(cache)
+        for g in (graph, wide):
+            torch._dynamo.mark_static(g.queries)
         self.step = torch.compile(graph, dynamic=True, fullgraph=True)
+        self.wide = torch.compile(wide, dynamic=True, fullgraph=True)
         # While serving, a call that would recompile (tens of seconds on the engine thread, and without the
         # settings below) raises instead; the runner then serves eagerly. Made once (a fresh one per call
         # costs ~5 us); making it sets the stance, so it is put back at once.
@@ -165,33 +187,37 @@ class CompiledDecoder:
 
     @classmethod
     def build(cls, flat: FlatDecoder | None, caches: list, block_size: int) -> "CompiledDecoder | None":
-        """Compile (one row, then two) or say why not and return None.
+        """Compile (one row, two rows, then WIDE_DUMMY for the wide module) or say why not and return None.
 
-        The dummy steps' sizes are also the hints by which inductor decides which loops to split over threads.
-        At 2 rows x 2 blocks it keeps the softmax loops on one thread. Dummy steps of 16 rows x 8 blocks split
-        them: 32-row steps then ran 1.1-1.2x faster, but 8-row steps 1.1x slower and noisier, and a busy 2-core
-        machine's HTTP tail latency looked worse (more OpenMP barriers per step). Kept small."""
+        The dummy steps' sizes are also the hints by which inductor decides which loops to split over threads
+        and which matmul kernels its autotuning picks. Hints of 2 rows x 2 blocks keep the attention loops on
+        one thread: best for a few rows, but a 32-row step ran 1.1-1.2x slower than with hints of 16 x 8, which
+        in turn made 8-row steps 1.1x slower and noisier (more OpenMP barriers per step). Hence two modules
+        compiled from different dummies, split at WIDE_FROM rows."""
         if not cls.supports(flat):
             log.warning("--compile: this model's decode step has no compiled form (a plain float32 Llama-family "
                         "model with full attention on one rank is needed); serving eagerly")
             return None
         start = time.perf_counter()
         log.info("compiling the decode step (torch.compile; tens of seconds the first time, cached after)")
-        # The dummy steps write blocks 0 and 1; what they held (a direct engine user may have written KV
-        # before the first step compiles) is put back after.
-        saved = [[None if c is None else c[:2 * block_size].clone() for c in pair] for pair in caches]
+        # The dummy steps write blocks 0 to `width` - 1; what they held (a direct engine user may have written
+        # KV before the first step compiles) is put back after.
+        slots = next(c.shape[0] for pair in caches for c in pair if c is not None)
+        wide_rows, width = WIDE_DUMMY[0], max(2, min(WIDE_DUMMY[1], slots // block_size))
+        saved = [[None if c is None else c[:width * block_size].clone() for c in pair] for pair in caches]
         # Compiled graphs of every DecodeGraph (engines in one process) share one code object's cache entries.
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
         try:
-            decoder = cls(flat, DecodeGraph(flat, caches, block_size), torch.get_num_threads())
+            decoder = cls(flat, DecodeGraph(flat, caches, block_size), DecodeGraph(flat, caches, block_size),
+                          torch.get_num_threads())
             # No duck sizing: a dimension equal to another by chance (two blocks wide, two KV heads) would
             # share its symbol and be specialized with it.
             # Inductor's settings as a patch while compiling: torch.compile's `options` did not reach freezing.
             with torch.inference_mode(), shape_config.patch(use_duck_shape=False), \
                     inductor_config.patch(INDUCTOR), dynamo_config.patch(DYNAMO), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "TypedStorage is deprecated")     # torch's own autotuner
-                for rows in (1, 2):
-                    decoder.logits(*decoder._dummy(rows), compiling=True)
+                for rows, blocks in ((1, 2), (2, 2), (wide_rows, width)):
+                    decoder.logits(*decoder._dummy(rows, blocks), compiling=True)
         except Exception as exc:        # no compiler, an unsupported build: the eager path still serves
             log.warning("--compile: compiling the decode step failed (%s); serving eagerly", first_line(exc))
             return None
@@ -200,18 +226,18 @@ class CompiledDecoder:
                 for pair, kept in zip(caches, saved):
                     for cache, old in zip(pair, kept):
                         if cache is not None:
-                            cache[:2 * block_size].copy_(old)
+                            cache[:width * block_size].copy_(old)
         log.info("decode step compiled in %.1f s", time.perf_counter() - start)
         return decoder
 
-    def _dummy(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """A decode step of `rows` rows at positions 16-17 of blocks 0-1, built as `ModelRunner.prepare`
-        builds one (ids, positions and slots are views of one tensor)."""
+    def _dummy(self, rows: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A decode step of `rows` rows over blocks 0 to `blocks` - 1, at the first two positions of the last,
+        built as `ModelRunner.prepare` builds one (ids, positions and slots are views of one tensor)."""
         bs = self.graph.block_size
-        positions = [bs + r % 2 for r in range(rows)]
-        flat = torch.tensor([1] * rows + positions + [bs + r % 2 for r in range(rows)], dtype=torch.long)
+        positions = [(blocks - 1) * bs + r % 2 for r in range(rows)]
+        flat = torch.tensor([1] * rows + positions + positions, dtype=torch.long)
         meta = AttentionMetadata(slot_mapping=flat[2 * rows:], num_decode=rows,
-                                 decode_blocks=torch.tensor([[0, 1]] * rows), block_size=bs)
+                                 decode_blocks=torch.tensor([list(range(blocks))] * rows), block_size=bs)
         return flat[:rows], flat[rows:2 * rows], meta
 
     def takes(self, meta: AttentionMetadata, rows: int) -> bool:
@@ -226,9 +252,10 @@ class CompiledDecoder:
         if blocks.shape[1] == 1:        # at least two columns: one graph serves every context length
             blocks = F.pad(blocks, (0, 1))
         args = (ids, cos, sin, positions, meta.slot_mapping, blocks)
+        step = self.wide if ids.shape[0] >= WIDE_FROM else self.step
         if compiling:
-            out = self.step(*args)
+            out = step(*args)
         else:
             with self.no_recompile:
-                out = self.step(*args)
+                out = step(*args)
         return out if self.graph.lm_head is not None else self.flat.model.compute_logits(out)

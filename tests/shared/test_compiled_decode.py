@@ -148,17 +148,20 @@ def test_windowed_models_and_failed_compiles_serve_eagerly(tmp_path, monkeypatch
     assert "no compiled form" in caplog.text
     assert out["token_ids"] == make_engine(path).generate([list(range(3, 30))], params)[0]["token_ids"]
 
-    def broken(self, *args, **kwargs):
-        raise RuntimeError("no C++ compiler found")
+    def broken(self, ids, positions, meta, compiling=False):
+        for k, v in self.graph.caches:              # the dummy steps' K/V writes (the wide one's: block 7)
+            k.index_fill_(0, meta.slot_mapping, 1.0)
+        if ids.shape[0] >= compiled_decode.WIDE_FROM:
+            raise RuntimeError("no C++ compiler found")
     monkeypatch.setattr(CompiledDecoder, "logits", broken)
     caplog.clear()
     with caplog.at_level(logging.WARNING, "edgecore.engine"):
         engine = make_engine(model_dir, compile_decode=True)
-        engine.pool.layers[0][0][:32].fill_(7.0)          # KV written before the compile: put back as it was
+        engine.pool.layers[0][0][:128].fill_(7.0)         # KV written before the compile: put back as it was
         engine.compile_decode()
     assert engine.runner.compiled is None
     assert "compiling the decode step failed (RuntimeError: no C++ compiler found)" in caplog.text
-    assert bool((engine.pool.layers[0][0][:32] == 7.0).all()) and engine.pool.layers[0][1][:32].abs().sum() == 0
+    assert bool((engine.pool.layers[0][0][:128] == 7.0).all()) and engine.pool.layers[0][1][:128].abs().sum() == 0
     assert not compiled_decode.CompiledDecoder.supports(None)
 
 
