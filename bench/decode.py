@@ -176,8 +176,8 @@ def bench_synthetic(dtype_name, steps):
 
 
 # Compiled steps (--compile): inductor's kernels are named after what they fuse (`gemm` for its GEMM template;
-# the attention kernel fuses the gather, the softmax and both reductions; the cache write has its own).
-OP_GROUPS = {"matmul": ("linear", "mm", "gemm"), "attention": ("scaled_dot_product", "softmax"),  # "mm": mm, addmm, bmm
+# the attention kernel fuses the cache write, the gather, the softmax (written out: `amax`) and both reductions).
+OP_GROUPS = {"matmul": ("linear", "mm", "gemm"), "attention": ("scaled_dot_product", "softmax", "amax"),  # "mm": mm, addmm, bmm
              "kv_gather_write": ("index_select", "index_copy")}
 
 
