@@ -9,7 +9,7 @@ rows or more, from a dummy of WIDE_DUMMY rows x blocks (inductor tunes its kerne
 `build`). The dummies write into the first cache blocks, whose contents it puts back. The graphs are
 cached on disk by torch (`TORCHINDUCTOR_CACHE_DIR`, default under /tmp), so a second start compiles
 much faster. Then `takes(meta, rows)` says whether a step is one it serves: pure decode, at most
-`MAX_ROWS` rows, no layer hook, the thread count it was compiled for (a different count would
+`MAX_ROWS` rows and `MAX_CONTEXT` positions of block table, no layer hook, the thread count it was compiled for (a different count would
 recompile mid-serving). `logits(ids, positions, meta)` returns the float32 logits of every row;
 the runner samples them as it does the eager path's. A call that would need a new graph raises rather than
 compile while serving; the runner then drops the compiled step and serves eagerly.
@@ -34,7 +34,8 @@ and greedy tokens equal.
 
 Costs: start-up time (tens of seconds for the first compile on a 2-core machine; a few with torch's
 cache warm), about 160 MB more resident memory for the bundled model (torch's compiler stack, its kernels
-and the weights frozen into each graph: three copies), and a C++ compiler on the machine. If compiling fails, `build` logs why and returns None: the
+and the weights frozen into each graph: three copies; oneDNN's kernels for the matmuls autotuning gives it,
+one per row count, at most 8 + 14 of them: `DecodeGraph.linear`), and a C++ compiler on the machine. If compiling fails, `build` logs why and returns None: the
 node serves with the eager path.
 """
 
@@ -61,9 +62,13 @@ from edgecore.shared.models.row_buckets import EXACT_ROWS
 log = logging.getLogger("edgecore.engine")
 
 MAX_ROWS = 2 * EXACT_ROWS   # larger steps run eagerly (their matmuls are work enough; oneDNN's kernels per
-                            # row count stay bounded as in row_buckets.py)
+                            # row count stay bounded as in row_buckets.py; below, see DecodeGraph.linear)
 WIDE_FROM = 9               # steps of this many rows or more take the graph compiled for many rows
 WIDE_DUMMY = (16, 8)        # rows x blocks of the dummy step that compiles it
+MAX_CONTEXT = 4096          # longer block tables run eagerly: the graphs' attention sums are guarded to at most
+                            # this many positions (inductor switches to a cascaded float sum above it)
+WIDE_ROW_MULTIPLE = 4       # its matmuls run at a multiple of this many rows (DecodeGraph.linear)
+assert WIDE_FROM <= WIDE_DUMMY[0] <= MAX_ROWS      # the wide dummy compiles the wide module
 INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
             "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}   # nothing printed
 DYNAMO = {"specialize_float": True}      # eps and scales are constants, not tensors made at every call
@@ -82,7 +87,7 @@ class DecodeGraph(nn.Module):
     """The step as one module: parameters are frozen into the compiled graph; the KV caches are a plain
     list (mutated in place: never frozen)."""
 
-    def __init__(self, flat: FlatDecoder, caches: list, block_size: int):
+    def __init__(self, flat: FlatDecoder, caches: list, block_size: int, row_multiple: int = 1):
         super().__init__()
         model = flat.model
         self.block_size = block_size
@@ -114,6 +119,7 @@ class DecodeGraph(nn.Module):
         # Each layer's rotated, scaled queries are written here (see forward); same shape in every layer
         # (FlatDecoder's models have uniform layers).
         self.queries = torch.zeros(MAX_ROWS, attn.num_heads, attn.head_dim)
+        self.row_multiple = row_multiple
 
     def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -129,7 +135,7 @@ class DecodeGraph(nn.Module):
         for i, (heads, kvh, d, scale, index, eps1, eps2, qk_eps, act) in enumerate(self.shapes):
             n1, qkv_w, o_w, n2, gu_w, down_w, qn, kn = (w[8 * i + j] for j in range(8))
             qkv_b, o_b, gu_b, down_b = (bias[4 * i + j] if bias[4 * i + j].numel() else None for j in range(4))
-            qkv = F.linear(rms_norm(x, n1, eps1), qkv_w, qkv_b).view(b, heads + 2 * kvh, d)
+            qkv = self.linear(rms_norm(x, n1, eps1), qkv_w, qkv_b).view(b, heads + 2 * kvh, d)
             qk = qkv[:, :heads + kvh]
             if qk_eps is not None:
                 qk = torch.cat([rms_norm(qk[:, :heads], qn, qk_eps), rms_norm(qk[:, heads:], kn, qk_eps)], 1)
@@ -146,14 +152,24 @@ class DecodeGraph(nn.Module):
             # Softmax with its division after the weighted sum: once per output, not per context position.
             e = (scores - scores.amax((-1, -2), keepdim=True)).exp()
             o = ((e[..., None] * vd).sum((-2, -3)) / e.sum((-1, -2))[..., None]).reshape(b, heads * d)
-            y = F.linear(o, o_w)
+            y = self.linear(o, o_w)
             x = x + (y if o_b is None else y + o_b)
-            gate, up = F.linear(rms_norm(x, n2, eps2), gu_w, gu_b).chunk(2, dim=-1)
-            y = F.linear(act(gate) * up, down_w)
+            gate, up = self.linear(rms_norm(x, n2, eps2), gu_w, gu_b).chunk(2, dim=-1)
+            y = self.linear(act(gate) * up, down_w)
             x = x + (y if down_b is None else y + down_b)
         if self.lm_head is None:
             return x
-        return F.linear(rms_norm(x, self.final_norm, self.final_eps), self.lm_head)[:, :self.vocab]
+        return self.linear(rms_norm(x, self.final_norm, self.final_eps), self.lm_head)[:, :self.vocab]
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear with the rows padded to a multiple of `row_multiple` (sliced off after): the matmuls that
+        autotuning gives to oneDNN keep a kernel per row count, about 0.5 MB each, never freed; padded, the
+        wide module's steps of 9-64 rows make 14 of them rather than 56 (measured: 8 MB of growth against 53;
+        steps 1-4% slower)."""
+        if self.row_multiple == 1:
+            return F.linear(x, w, b)
+        n = x.shape[0]
+        return F.linear(F.pad(x, (0, 0, 0, (-n) % self.row_multiple)), w, b)[:n]
 
 
 class CompiledDecoder:
@@ -183,7 +199,8 @@ class CompiledDecoder:
             return False            # a family with its own logits (a scale, a soft cap): the model's path
         layers = flat.model.model.layers
         return all(l.self_attn.form == FULL and l.self_attn.sinks is None for l in layers) and \
-            flat.model.lm_head.weight.dtype == torch.float32
+            flat.model.lm_head.weight.dtype == torch.float32 and \
+            len({(l.self_attn.num_heads, l.self_attn.head_dim) for l in layers}) == 1   # one `queries` buffer
 
     @classmethod
     def build(cls, flat: FlatDecoder | None, caches: list, block_size: int) -> "CompiledDecoder | None":
@@ -202,14 +219,14 @@ class CompiledDecoder:
         log.info("compiling the decode step (torch.compile; tens of seconds the first time, cached after)")
         # The dummy steps write blocks 0 to `width` - 1; what they held (a direct engine user may have written
         # KV before the first step compiles) is put back after.
-        slots = next(c.shape[0] for pair in caches for c in pair if c is not None)
+        slots = next((c.shape[0] for pair in caches for c in pair if c is not None), 2 * block_size)
         wide_rows, width = WIDE_DUMMY[0], max(2, min(WIDE_DUMMY[1], slots // block_size))
         saved = [[None if c is None else c[:width * block_size].clone() for c in pair] for pair in caches]
         # Compiled graphs of every DecodeGraph (engines in one process) share one code object's cache entries.
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
         try:
-            decoder = cls(flat, DecodeGraph(flat, caches, block_size), DecodeGraph(flat, caches, block_size),
-                          torch.get_num_threads())
+            decoder = cls(flat, DecodeGraph(flat, caches, block_size),
+                          DecodeGraph(flat, caches, block_size, WIDE_ROW_MULTIPLE), torch.get_num_threads())
             # No duck sizing: a dimension equal to another by chance (two blocks wide, two KV heads) would
             # share its symbol and be specialized with it.
             # Inductor's settings as a patch while compiling: torch.compile's `options` did not reach freezing.
@@ -242,6 +259,7 @@ class CompiledDecoder:
 
     def takes(self, meta: AttentionMetadata, rows: int) -> bool:
         return self.flat.takes(meta, rows) and rows <= MAX_ROWS and meta.on_layer is None and \
+            meta.decode_blocks.shape[1] * meta.block_size <= MAX_CONTEXT and \
             torch.get_num_threads() == self.threads       # (no windows: `supports` took full attention only)
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -136,6 +136,22 @@ def test_steps_it_does_not_serve_run_eagerly(bundled):
     finally:
         for s in seqs:
             bundled.block_manager.free_table(s.table)
+    # The longest context the graphs serve runs without a new graph; a longer one is not taken.
+    compiled, bs = runner.compiled, bundled.pool.block_size
+    widest = compiled_decode.MAX_CONTEXT // bs
+    kept = [[c[(widest - 1) * bs:widest * bs].clone() for c in pair] for pair in bundled.pool.layers]
+    try:
+        for rows in (1, 2, 12):
+            _, _, meta = compiled._dummy(rows, widest + 1)
+            assert not compiled.takes(meta, rows)
+            with torch.inference_mode():                    # as the runner builds and runs a step
+                ids, pos, meta = compiled._dummy(rows, widest)
+                assert compiled.takes(meta, rows)
+                assert torch.isfinite(compiled.logits(ids, pos, meta)).all()
+    finally:
+        for pair, old in zip(bundled.pool.layers, kept):
+            for c, o in zip(pair, old):
+                c[(widest - 1) * bs:widest * bs].copy_(o)
 
 
 def test_windowed_models_and_failed_compiles_serve_eagerly(tmp_path, monkeypatch, caplog, model_dir):
@@ -151,17 +167,21 @@ def test_windowed_models_and_failed_compiles_serve_eagerly(tmp_path, monkeypatch
     def broken(self, ids, positions, meta, compiling=False):
         for k, v in self.graph.caches:              # the dummy steps' K/V writes (the wide one's: block 7)
             k.index_fill_(0, meta.slot_mapping, 1.0)
+            v.index_fill_(0, meta.slot_mapping, 1.0)
         if ids.shape[0] >= compiled_decode.WIDE_FROM:
             raise RuntimeError("no C++ compiler found")
     monkeypatch.setattr(CompiledDecoder, "logits", broken)
     caplog.clear()
     with caplog.at_level(logging.WARNING, "edgecore.engine"):
         engine = make_engine(model_dir, compile_decode=True)
-        engine.pool.layers[0][0][:128].fill_(7.0)         # KV written before the compile: put back as it was
+        for k, v in engine.pool.layers:               # KV written before the compile: put back as it was
+            k[:128].fill_(7.0)
+            v[:128].fill_(5.0)
         engine.compile_decode()
     assert engine.runner.compiled is None
     assert "compiling the decode step failed (RuntimeError: no C++ compiler found)" in caplog.text
-    assert bool((engine.pool.layers[0][0][:128] == 7.0).all()) and engine.pool.layers[0][1][:128].abs().sum() == 0
+    for k, v in engine.pool.layers:
+        assert bool((k[:128] == 7.0).all()) and bool((v[:128] == 5.0).all()) and k[128:].abs().sum() == 0
     assert not compiled_decode.CompiledDecoder.supports(None)
 
 
