@@ -20,7 +20,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_compile_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile the decode step with torch.compile (CPU, small float32 Llama-family models: about "
-                        "1.5-1.9x faster steps at 1-64 sequences; a minute of start-up the first time, cached after; "
+                        "1.3-1.9x faster steps at 1-64 sequences; a minute of start-up the first time, cached after; "
                         "needs a C++ compiler)")
 
 
