@@ -164,7 +164,7 @@ def edge_manifests(topo: Topology, edge: EdgeNode) -> list[dict]:
     lab, sel = labels("edge", edge.name, edge.region), selector("edge", edge.name)
     args = ["edge", "--listen", f"0.0.0.0:{edge.port}", "--name", edge.name, "--served-model-name", topo.model_name,
             "--secret-file", f"{SECRET_MOUNT}/cluster-secret", "--api-key-file", f"{SECRET_MOUNT}/api-keys",
-            "--transfer-timeout", str(edge.transfer_timeout)]
+            "--transfer-timeout", str(edge.transfer_timeout)] + (["--compile"] if edge.compile else [])
     mounts = [{"name": "secrets", "mountPath": SECRET_MOUNT, "readOnly": True},
               {"name": "cache", "mountPath": "/cache"}]
     volumes = [_secret_volume(topo), {"name": "cache", "emptyDir": {}}]

@@ -27,6 +27,8 @@ from pathlib import Path
 from edgecore.deploy.topology import Topology
 from edgecore.shared.errors import EdgecoreError
 
+COMPILE_WAIT = 300.0     # seconds more to wait for edges with `compile = true` (a first compile; cached after)
+
 
 @dataclass
 class Proc:
@@ -73,8 +75,8 @@ class Launcher:
         self.procs.append(proc)
         return proc
 
-    def _wait_ready(self, procs: list[Proc]) -> None:
-        deadline = time.monotonic() + self.ready_timeout
+    def _wait_ready(self, procs: list[Proc], extra: float = 0.0) -> None:
+        deadline = time.monotonic() + self.ready_timeout + extra
         pending = list(procs)
         while pending:
             for proc in list(pending):
@@ -87,7 +89,8 @@ class Launcher:
                 except OSError:
                     pass
             if pending and time.monotonic() > deadline:
-                raise EdgecoreError(f"{', '.join(p.label for p in pending)} not ready after {self.ready_timeout:.0f} s")
+                raise EdgecoreError(f"{', '.join(p.label for p in pending)} not ready after "
+                                    f"{self.ready_timeout + extra:.0f} s")
             time.sleep(0.2)
 
     def _secret_file(self) -> str:
@@ -147,10 +150,13 @@ class Launcher:
             for codec in edge.codecs:
                 args += ["--codec", codec]
             args += ["--transfer-timeout", str(edge.transfer_timeout)]
+            if edge.compile:
+                args.append("--compile")
             edges.append(self._spawn(f"{edge.region}/{edge.name}", args, f"http://{host}:{edge.port}/ready",
                                      self.wan.netns(edge.region) if self.wan else None))
             self.edge_urls[edge.name] = f"http://{host}:{edge.port}/v1"
-        self._wait_ready(edges)
+        # A first --compile takes a minute or more per edge on a small machine, several at once longer.
+        self._wait_ready(edges, COMPILE_WAIT if any(e.compile for e in topo.edges) else 0.0)
         self.say("edgecore is up:")
         for name, url in self.edge_urls.items():
             self.say(f"  {name}: {url}")

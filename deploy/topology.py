@@ -77,6 +77,7 @@ class EdgeSpec(_Spec, frozen=True):
     max_replicas: Count = 4
     codecs: tuple[Codec, ...] = ("lossless",)
     transfer_timeout: Annotated[float, Meta(ge=0.1)] = 30.0   # seconds without KV progress before giving up
+    compile: bool = False           # `edgecore edge --compile`: the decode step through torch.compile
     resources: Resources = msgspec.field(default_factory=lambda: Resources(memory="4Gi"))
 
 

@@ -132,7 +132,8 @@ def test_parallel_core_gets_its_layout_and_parses(tmp_path):
     every rendered command line is accepted by edgecore's own parser."""
     from edgecore.deploy.cli import build_parser
     text = (ROOT / "deploy" / "topology.toml").read_text().replace("tp = 1 ", "tp = 2 ", 1)
-    assert "tp = 2 " in text
+    text = text.replace("compile = false", "compile = true", 1)             # edge-west: --compile
+    assert "tp = 2 " in text and "compile = true" in text
     (tmp_path / "topology.toml").write_text(text)
     files = render(load_topology(tmp_path / "topology.toml"), tmp_path / "out")
     cores = [d for f in files if f.suffix == ".yaml" for d in yaml.safe_load_all(f.read_text())
@@ -140,11 +141,15 @@ def test_parallel_core_gets_its_layout_and_parses(tmp_path):
     args = cores[0]["spec"]["template"]["spec"]["containers"][0]["args"]
     parsed = build_parser().parse_args(args)
     assert (parsed.tp, parsed.pp, parsed.gather_kv) == (2, 1, True)
+    compiles = {}
     for f in files:
         if f.suffix == ".yaml":
             for doc in yaml.safe_load_all(f.read_text()):
                 if doc["kind"] in ("StatefulSet", "Deployment"):
-                    build_parser().parse_args(doc["spec"]["template"]["spec"]["containers"][0]["args"])
+                    parsed = build_parser().parse_args(doc["spec"]["template"]["spec"]["containers"][0]["args"])
+                    if doc["kind"] == "Deployment":
+                        compiles[doc["metadata"]["name"]] = parsed.compile
+    assert compiles == {"edge-west": True, "edge-south": False}
 
 
 def test_any_valid_topology_renders_manifests_that_check(tmp_path):
