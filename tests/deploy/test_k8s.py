@@ -128,8 +128,9 @@ def test_render_cli(tmp_path):
 
 
 def test_parallel_core_gets_its_layout_and_parses(tmp_path):
-    """A TP×PP core in the topology runs with --tp/--pp (and --gather-kv: its Service has one KV port);
-    every rendered command line is accepted by edgecore's own parser."""
+    """A TP×PP core in the topology runs with --tp/--pp (and --gather-kv: its Service has one KV port), an
+    edge with `compile = true` with --compile; every rendered command line is accepted by edgecore's own
+    parser and the manifests check."""
     from edgecore.deploy.cli import build_parser
     text = (ROOT / "deploy" / "topology.toml").read_text().replace("tp = 1 ", "tp = 2 ", 1)
     text = text.replace("compile = false", "compile = true", 1)             # edge-west: --compile
@@ -148,8 +149,11 @@ def test_parallel_core_gets_its_layout_and_parses(tmp_path):
                 if doc["kind"] in ("StatefulSet", "Deployment"):
                     parsed = build_parser().parse_args(doc["spec"]["template"]["spec"]["containers"][0]["args"])
                     if doc["kind"] == "Deployment":
+                        container = doc["spec"]["template"]["spec"]["containers"][0]
+                        assert parsed.compile == ("env" in container)    # its compile cache on the pod's volume
                         compiles[doc["metadata"]["name"]] = parsed.compile
     assert compiles == {"edge-west": True, "edge-south": False}
+    assert check(tmp_path / "out") == []                                    # strict schemas, references
 
 
 def test_any_valid_topology_renders_manifests_that_check(tmp_path):
