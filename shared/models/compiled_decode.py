@@ -9,8 +9,8 @@ rows or more, from a dummy of WIDE_DUMMY rows x blocks (inductor tunes its kerne
 `build`). The dummies write into the first cache blocks, whose contents it puts back. The graphs are
 cached on disk by torch (`TORCHINDUCTOR_CACHE_DIR`, default under /tmp), so a second start compiles
 much faster. Then `takes(meta, rows)` says whether a step is one it serves: pure decode, at most
-`MAX_ROWS` rows and `MAX_CONTEXT` positions of block table, no layer hook, the thread count it was compiled for (a different count would
-recompile mid-serving). `logits(ids, positions, meta)` returns the float32 logits of every row;
+`MAX_ROWS` rows and `MAX_CONTEXT` positions of block table, no layer hook, the thread count it was
+compiled for (a different count would recompile mid-serving). `logits(ids, positions, meta)` returns the float32 logits of every row;
 the runner samples them as it does the eager path's. A call that would need a new graph raises rather than
 compile while serving; the runner then drops the compiled step and serves eagerly.
 
@@ -35,8 +35,8 @@ and greedy tokens equal.
 Costs: start-up time (tens of seconds for the first compile on a 2-core machine; a few with torch's
 cache warm), about 160 MB more resident memory for the bundled model (torch's compiler stack, its kernels
 and the weights frozen into each graph: three copies; oneDNN's kernels for the matmuls autotuning gives it,
-one per row count, at most 8 + 14 of them: `DecodeGraph.linear`), and a C++ compiler on the machine. If compiling fails, `build` logs why and returns None: the
-node serves with the eager path.
+one per row count, at most 8 + 14 of them: `DecodeGraph.linear`), and a C++ compiler on the machine. If
+compiling fails, `build` logs why and returns None: the node serves with the eager path.
 """
 
 from __future__ import annotations

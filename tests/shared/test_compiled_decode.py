@@ -58,6 +58,27 @@ def steps_match(engine, lengths: list[int], steps: int) -> None:
     teacher_forced_decode(engine, lengths, steps, check)
 
 
+def widest_table_is_served(engine) -> None:
+    """The longest context the graphs serve (MAX_CONTEXT positions of block table) runs without a new graph at
+    one row, a few and the wide module's row counts; one block more is not taken. The dummy steps write the
+    last block's first two slots: put back after."""
+    compiled, bs = engine.runner.compiled, engine.pool.block_size
+    widest = compiled_decode.MAX_CONTEXT // bs
+    kept = [[c[(widest - 1) * bs:widest * bs].clone() for c in pair] for pair in engine.pool.layers]
+    try:
+        for rows in (1, 2, 10):
+            _, _, meta = compiled._dummy(rows, widest + 1)
+            assert not compiled.takes(meta, rows)
+            with torch.inference_mode():                    # as the runner builds and runs a step
+                ids, pos, meta = compiled._dummy(rows, widest)
+                assert compiled.takes(meta, rows)
+                assert torch.isfinite(compiled.logits(ids, pos, meta)).all()
+    finally:
+        for pair, old in zip(engine.pool.layers, kept):
+            for c, o in zip(pair, old):
+                c[(widest - 1) * bs:widest * bs].copy_(o)
+
+
 @pytest.mark.slow
 def test_bundled_model_logits_match(bundled):
     steps_match(bundled, [13], 8)                 # one row, crossing a block boundary
@@ -75,10 +96,13 @@ def test_bundled_model_logits_match(bundled):
 def test_every_option_logits_match(tmp_path, name):
     arch, overrides = CONFIGS[name]
     path, _ = random_hf_checkpoint(tmp_path, arch, **overrides)
-    engine = compiled_engine(path, block_size=4, num_blocks=64)
+    # block size 4: the widest table served is 1024 blocks
+    engine = compiled_engine(path, block_size=4, num_blocks=1100)
     assert (engine.runner.compiled.graph.lm_head is None) == name.endswith("big-head")
     steps_match(engine, [13], 6)
     steps_match(engine, [5, 17, 9], 6)
+    steps_match(engine, [3 + 4 * i for i in range(10)], 3)    # the wide module, its matmul rows padded 10 -> 12
+    widest_table_is_served(engine)
 
 
 @pytest.mark.slow
@@ -136,22 +160,7 @@ def test_steps_it_does_not_serve_run_eagerly(bundled):
     finally:
         for s in seqs:
             bundled.block_manager.free_table(s.table)
-    # The longest context the graphs serve runs without a new graph; a longer one is not taken.
-    compiled, bs = runner.compiled, bundled.pool.block_size
-    widest = compiled_decode.MAX_CONTEXT // bs
-    kept = [[c[(widest - 1) * bs:widest * bs].clone() for c in pair] for pair in bundled.pool.layers]
-    try:
-        for rows in (1, 2, 12):
-            _, _, meta = compiled._dummy(rows, widest + 1)
-            assert not compiled.takes(meta, rows)
-            with torch.inference_mode():                    # as the runner builds and runs a step
-                ids, pos, meta = compiled._dummy(rows, widest)
-                assert compiled.takes(meta, rows)
-                assert torch.isfinite(compiled.logits(ids, pos, meta)).all()
-    finally:
-        for pair, old in zip(bundled.pool.layers, kept):
-            for c, o in zip(pair, old):
-                c[(widest - 1) * bs:widest * bs].copy_(o)
+    widest_table_is_served(bundled)
 
 
 def test_windowed_models_and_failed_compiles_serve_eagerly(tmp_path, monkeypatch, caplog, model_dir):
