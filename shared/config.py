@@ -196,6 +196,7 @@ class ModelConfig:
             if not isinstance(text, dict):
                 raise ConfigError(f"{source}: field '{spec.sub_config}' must be an object")
             text = {**text, "architectures": archs}
+        text = _with_defaults(text, spec.defaults)
         mla = None
         if spec.mla:                      # DeepSeek: its own fields (shared/models/mla_config.py)
             from edgecore.shared.models.mla_config import generic_fields, parse_deepseek
@@ -218,6 +219,16 @@ def _decode(raw: dict, kind: type, source: str):
         raise ConfigError(f"{source}: field '{name}': {message}") from None
 
 
+def _with_defaults(raw: dict, defaults: dict) -> dict:
+    """config.json with the family's defaults for the fields it lacks (or sets to null), as transformers'
+    config class fills them; a default RoPE dict only when the file has neither `rope_scaling` nor
+    `rope_parameters`."""
+    rope_keys = ("rope_scaling", "rope_parameters")
+    missing = {k: v for k, v in defaults.items() if raw.get(k) is None
+               and not (k in rope_keys and any(raw.get(r) is not None for r in rope_keys))}
+    return {**raw, **missing} if missing else raw
+
+
 def _legacy_rope_keys(raw: dict) -> dict:
     """Old checkpoints spell `rope_scaling.rope_type` as `type`."""
     rope = raw.get("rope_scaling")
@@ -228,9 +239,10 @@ def _legacy_rope_keys(raw: dict) -> dict:
 
 
 def _rope(hf: HFConfig, source: str) -> tuple[float, RopeScaling]:
-    """rope_theta and the scaling, from either layout (`rope_scaling` wins when both are set)."""
+    """rope_theta and the scaling, from either layout, as transformers reads them: `rope_scaling` wins when
+    both dicts are set, and the dict's `rope_theta` wins over a top-level one."""
     params = hf.rope_scaling or hf.rope_parameters or RopeParams()
-    theta = hf.rope_theta or params.rope_theta or (hf.rope_parameters.rope_theta if hf.rope_parameters else None)
+    theta = params.rope_theta or hf.rope_theta
     kind = params.rope_type
     if kind in ("linear", "llama3") and params.factor is None:
         raise ConfigError(f"{source}: field 'rope_scaling.factor' is required for rope_type '{kind}'")

@@ -1,6 +1,6 @@
-"""Config fields read as transformers reads them, family by family: which layers slide (and with which
-window when the key is absent), RoPE's original length, biases a family does not have, and DeepSeek's
-router. Each case edits a saved checkpoint's config.json the way published checkpoints differ, reloads it
+"""Config fields read as transformers reads them, family by family: fields config.json lacks (the family's
+defaults), which layers slide (and with which window when the key is absent), RoPE's original length and
+theta, biases a family does not have, and DeepSeek's router. Each case edits a saved checkpoint's config.json the way published checkpoints differ, reloads it
 in transformers, and compares logits (prefill, then teacher-forced decode steps) within 1e-4."""
 
 import json
@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 DROP = object()
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+NO_ROPE_NO_EPS = {"rope_parameters": DROP, "rope_scaling": DROP, "rope_theta": DROP, "rms_norm_eps": DROP}
 
 # name: (builder, arch or config name, build overrides, config.json edits, the layer kinds we must read)
 CASES = {
@@ -38,6 +39,12 @@ CASES = {
                                                        "FF"),
     "llama3-rope-top-level-original-wins": ("dense", "llama", {"rope_theta": 500000.0, "rope_scaling": {
         **LLAMA3, "original_max_position_embeddings": 64}}, {"original_max_position_embeddings": 128}, "FF"),
+    # a RoPE dict's theta wins over a top-level one; a field config.json lacks takes the family's default
+    "rope-dict-theta-wins-over-top-level": ("dense", "llama", {}, {"rope_theta": 10.0}, "FF"),
+    "mixtral-absent-fields-take-its-defaults": ("moe", "mixtral-sliding", {}, NO_ROPE_NO_EPS, "SSS"),
+    "gpt-oss-absent-fields-take-its-defaults": ("moe", "gpt_oss", {"attention_bias": True},
+                                                {**NO_ROPE_NO_EPS, "attention_bias": DROP}, "SFSF"),
+    "llama4-absent-fields-take-its-defaults": ("moe", "llama4", {}, NO_ROPE_NO_EPS, "CFCF"),
 }
 
 
@@ -73,8 +80,10 @@ def test_config_read_as_transformers_reads_it(tmp_path, name):
     _edit(path, edits)
     ids = torch.randint(2, 257, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     engine, err = _compare(path, ids, prefill=30)
-    assert "".join("S" if a.kind == "sliding" else "F" for a in engine.config.layer_attention) == kinds
+    assert "".join({"sliding": "S", "chunked": "C"}.get(a.kind, "F") for a in engine.config.layer_attention) == kinds
     assert err <= 1e-4
+    hf_config = transformers.AutoConfig.from_pretrained(path)
+    assert engine.config.rms_norm_eps == getattr(hf_config, "text_config", hf_config).rms_norm_eps
 
 
 @pytest.mark.parametrize("name, version, overrides", [
