@@ -1,7 +1,8 @@
 """Config fields read as transformers reads them, family by family: fields config.json lacks (the family's
 defaults), which layers slide (and with which window when the key is absent), RoPE's original length and
-theta, biases a family does not have, and DeepSeek's router. Each case edits a saved checkpoint's config.json the way published checkpoints differ, reloads it
-in transformers, and compares logits (prefill, then teacher-forced decode steps) within 1e-4."""
+theta, biases a family does not have, and DeepSeek's router. Each case edits a saved checkpoint's
+config.json the way published checkpoints differ, reloads it in transformers, and compares logits
+(prefill, then teacher-forced decode steps) within 1e-4."""
 
 import json
 
