@@ -1,7 +1,8 @@
 """Build a model for a checkpoint directory and fill its weights.
 
-Life cycle: `load_model(dir, dtype, device)` reads the config, picks the
-architecture class, allocates the parameters directly in the target dtype on
+Life cycle: `load_model(dir, dtype, device)` reads the config (untied where it
+ties the LM head over a checkpoint holding a different one, as transformers reads
+it), picks the architecture class, allocates the parameters directly in the target dtype on
 the target device, streams the checkpoint tensors into them, and checks that
 every expected tensor arrived. All failures are `ModelLoadError`/`ConfigError`
 naming the file or tensor.
@@ -9,6 +10,7 @@ naming the file or tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -53,7 +55,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str, layers: ra
 
 def load_model(model_dir: str | Path, dtype="auto", device: str = "cpu",
                layers: range | None = None, config: ModelConfig | None = None):
-    config = config or ModelConfig.from_dir(model_dir)
+    config = _tied_as_transformers_ties(model_dir, config or ModelConfig.from_dir(model_dir))
     if str(device).startswith("cpu"):
         retain_freed_memory()     # as a CPU ModelRunner would: loading's temporary buffers reuse heap pages
     model = build_model(config, resolve_dtype(dtype, device), device, layers)
@@ -72,6 +74,24 @@ def load_model(model_dir: str | Path, dtype="auto", device: str = "cpu",
         log.warning("%s: %d checkpoint tensor(s) match nothing in %s and are ignored: %s", model_dir, len(unused),
                     config.architecture, ", ".join(unused[:5]) + (" …" if len(unused) > 5 else ""))
     return model
+
+
+def _tied_as_transformers_ties(model_dir, config: ModelConfig) -> ModelConfig:
+    """`config`, untied when config.json says `tie_word_embeddings` but the checkpoint holds an LM head of
+    its own that differs from the embedding table: transformers then keeps that head (a tied model would drop it
+    and answer differently). Reads the two tensors only in that case."""
+    if not config.tie_word_embeddings:
+        return config
+    found = {}
+    for name, source in _text_weights(iter_weights(model_dir), ARCHITECTURES[config.architecture].text_prefix):
+        if name in ("lm_head.weight", "model.embed_tokens.weight"):
+            found[name] = source
+    head, embed = found.get("lm_head.weight"), found.get("model.embed_tokens.weight")
+    if head is None or (embed is not None and torch.equal(head[:], embed[:])):
+        return config
+    log.warning("%s: config.json ties the LM head to the embeddings, but the checkpoint has a head of its own "
+                "that differs: served with that head, as transformers does", model_dir)
+    return dataclasses.replace(config, tie_word_embeddings=False)
 
 
 def _named(weights, seen: list[str]):

@@ -46,6 +46,9 @@ CASES = {
     "gpt-oss-absent-fields-take-its-defaults": ("moe", "gpt_oss", {"attention_bias": True},
                                                 {**NO_ROPE_NO_EPS, "attention_bias": DROP}, "SFSF"),
     "llama4-absent-fields-take-its-defaults": ("moe", "llama4", {}, NO_ROPE_NO_EPS, "CFCF"),
+    # tie_word_embeddings over a checkpoint with a head of its own: transformers keeps that head
+    "tied-config-over-a-distinct-head-stays-untied": ("dense", "llama", {"tie_word_embeddings": False},
+                                                      {"tie_word_embeddings": True}, "FF"),
 }
 
 
@@ -134,3 +137,14 @@ def test_deepseek_v3_absent_routing_keys_take_transformers_defaults(tmp_path):
             mla.first_k_dense_replace) == (8, 4, True, 2.5, 3)
     with pytest.raises(ConfigError, match="topk_group"):     # explicit null: transformers' router would fail
         ModelConfig.from_dict({**raw, "n_group": 4, "topk_group": None})
+
+
+def test_tied_config_over_a_copy_of_the_embeddings_stays_tied(tmp_path):
+    """A checkpoint that stores the tied head as a copy of the embedding table: one tensor, shared."""
+    from safetensors.torch import load_file, save_file
+    path, _ = random_hf_checkpoint(tmp_path, "llama", tie_word_embeddings=True)
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    model = make_engine(path, block_size=4, num_blocks=16).model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
