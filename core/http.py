@@ -53,7 +53,10 @@ def build_app(core) -> web.Application:
     app = web.Application(client_max_size=1 << 20, middlewares=[error_middleware(core.config.api_keys, 1 << 20,
                                                                                  count)])
 
-    async def health(_):
+    async def health(_):      # alive unless failed: a supervisor (Kubernetes' liveness probe) restarts it
+        failure = getattr(core, "failure", None)
+        if failure is not None:
+            return web.json_response({"status": "failed", "failure": failure}, status=503)
         return web.json_response({"status": "ok"})
 
     async def ready(_):

@@ -6,8 +6,9 @@ the engine thread, the `LayerStreamer` (its per-layer hook), the
 `PrefillService` (core/prefill_service.py: edges' sessions and their KV
 transfers) behind the protocol server, the batch subsystem (store, contexts,
 runner, API routes) and the control port (core/http.py). Each of them receives
-the handle, not the node. A rank that dies marks the node failed (`mark_failed`:
-it stops serving, edges fail over); `stop()` takes everything down in reverse.
+the handle, not the node. A rank that dies, or an engine thread that fails, marks
+the node failed (`mark_failed`: it stops serving, edges fail over, /health turns
+503 so a supervisor restarts it); `stop()` takes everything down in reverse.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class CoreServer:
         self.streamer = LayerStreamer(engine.pool, engine.model, None, "stream" if config.stream_layers else "hold")
         self.streamer.step_scales = codec_step_scales(config.model_dir)
         self.handle = AsyncEngine(engine, on_layer=self.streamer.on_layer, threads=config.engine_threads)
+        self.handle.on_failure = lambda exc: self.mark_failed(f"engine failed: {exc}")
         self.fingerprint = model_fingerprint(config.model_dir, self.handle.config)
         self.metrics = CoreMetrics(model_name(config.model_dir), self.handle.stats, self.handle.block_size)
         self.encoder_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edgecore-encode")
@@ -156,7 +158,8 @@ class CoreServer:
                                              c.max_file_bytes).routes)
 
     def mark_failed(self, why: str) -> None:
-        """A rank died: stop serving (edges fail over), report unhealthy on /ready and /stats."""
+        """A rank died or the engine thread failed: stop serving (edges fail over), report unhealthy on /health,
+        /ready and /stats."""
         log.error("core %s is unhealthy: %s", self.config.name, why)
         self.failure = why
         if self.server is not None:

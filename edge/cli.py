@@ -109,10 +109,9 @@ def run_edge(args: argparse.Namespace) -> int:
 
     async def start():
         import asyncio
-        finished = None
-        if not args.engine_in_process:          # the engine process is gone: stop this one too
-            finished = asyncio.get_running_loop().create_future()
-            edge.on_death = lambda: finished.done() or finished.set_result(1)
+        # The engine (its thread here, or the engine process) is gone: stop, exit status 1, for a supervisor.
+        finished = asyncio.get_running_loop().create_future()
+        edge.on_death = lambda: finished.done() or finished.set_result(1)
         await edge.start()
         state["runner"], bound = await start_http(http, host, port)
         print(f"edgecore edge '{args.name}' ready: http://{host}:{bound}/v1 (model {http.served_model}, "
@@ -218,10 +217,20 @@ def _run_engine_process(args: argparse.Namespace, model_dir: str, codecs: list[s
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     sock = socket.socket(fileno=args.engine_fd)
     edge = _edge_engine(args, model_dir, codecs, local_below)
+    tasks: list = []
 
     async def start():
         await edge.start()
-        return asyncio.create_task(EngineServer(edge, sock).run())    # ends when the frontend goes away
+        finished = asyncio.get_running_loop().create_future()
+        edge.on_death = lambda: finished.done() or finished.set_result(1)   # the frontend sees it and exits too
+
+        def served(task: asyncio.Task) -> None:     # the frontend went away
+            if not finished.done():
+                error = None if task.cancelled() else task.exception()
+                finished.set_exception(error) if error else finished.set_result(0)
+        tasks.append(asyncio.create_task(EngineServer(edge, sock).run()))      # held: a task is weakly referenced
+        tasks[0].add_done_callback(served)
+        return finished
 
     return run_service(start, edge.stop)
 

@@ -96,6 +96,8 @@ class EdgeEngine:
         engine = engine or LLMEngine.from_dir(config.model_dir, config.dtype, config.device,
                                               config.cache, config.engine)
         self.handle = AsyncEngine(engine, threads=config.engine_threads)   # all this node knows of the engine
+        self.on_death: Callable[[], None] | None = None   # the engine thread failed (the CLI exits: a supervisor
+        self.handle.on_failure = lambda exc: self.on_death and self.on_death()   # restarts the node)
         self.tokenizer = self.handle.tokenizer
         self.metrics = EdgeMetrics(config.served_model_name or Path(config.model_dir).name, self.handle.stats,
                                    self.handle.block_size)

@@ -13,7 +13,8 @@ thread steps while there is work and sleeps on a condition otherwise; each
 step's outputs reach the event loop in one `call_soon_threadsafe` (outputs of
 requests opened with `collect` stay on the engine thread until the request
 finishes). `stop()` ends the thread. A failure inside a step is delivered to
-every waiting stream and command, so no caller hangs.
+every waiting stream and command, so no caller hangs; the thread stays dead and
+`on_failure` tells the node (a core stops serving, an edge exits for its supervisor).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class AsyncEngine:
         self._stopping = False
         self.error: BaseException | None = None
         self.on_outputs: Callable[[list[RequestOutput]], None] | None = None   # observer (metrics)
+        self.on_failure: Callable[[BaseException], None] | None = None   # the node's reaction to a dead thread
         # Facts that never change (EngineHandle); everything else is asked of the engine thread.
         self.config = engine.config
         self.tokenizer = engine.tokenizer
@@ -379,6 +381,8 @@ class AsyncEngine:
         for _, fut in pending:
             if fut is not None and not fut.done():
                 fut.set_exception(EngineDead(f"engine failed: {exc}"))
+        if self.on_failure is not None:
+            self.on_failure(exc)
 
 
 def _deliver(replies: list[tuple[asyncio.Future, bool, Any]]) -> None:

@@ -56,7 +56,7 @@ class _Checked(msgspec.Struct):
     detokenize: bool
     presence_penalty: Annotated[float, Meta(ge=-2, le=2)]
     frequency_penalty: Annotated[float, Meta(ge=-2, le=2)]
-    repetition_penalty: Annotated[float, Meta(gt=0, le=100)]
+    repetition_penalty: Annotated[float, Meta(ge=0.01, le=100)]   # beyond: logits overflow float32
     logit_bias: dict[Annotated[int, Meta(ge=0)], Annotated[float, Meta(ge=-100, le=100)]] | None
     min_p: Annotated[float, Meta(ge=0, le=1)]
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None

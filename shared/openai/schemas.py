@@ -50,7 +50,7 @@ class SamplingFields(Struct, kw_only=True):
     ignore_eos: bool | None = False
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=100.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(ge=0.01, le=100.0)] | None = None   # as SamplingParams
     logit_bias: Annotated[dict[str, Bias], Meta(max_length=1024)] | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     stream: bool | None = False

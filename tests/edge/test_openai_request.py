@@ -37,6 +37,7 @@ def rejected(fn, tokenizer, **kw) -> ApiError:
     ({"min_p": 5}, "min_p", "invalid_value"),
     ({"presence_penalty": 3}, "presence_penalty", "invalid_value"),
     ({"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty", "invalid_value"),   # 1/r overflows float32
     ({"logit_bias": {"5": 101}}, "logit_bias", "invalid_value"),
     ({"logit_bias": {"abc": 1}}, "logit_bias", "invalid_value"),
     ({"logit_bias": {"99999": 1}}, "logit_bias", "invalid_value"),

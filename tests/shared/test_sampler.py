@@ -121,3 +121,17 @@ def test_a_vanishing_temperature_samples_greedily():
         assert all(s.params.greedy for s in seqs)
         assert sample(logits, seqs).token_ids == logits.argmax(-1).tolist()
     assert not seq([1], [], temperature=1e-4).params.greedy
+
+
+def test_repetition_penalty_is_bounded_where_logits_stay_finite():
+    """A penalty so small that 1/r overflows float32 would turn logits to inf/NaN (and failed the whole step):
+    it is refused; the smallest and largest accepted ones keep every logit finite."""
+    import pytest
+
+    from edgecore.shared.errors import RequestError
+    for bad in (0.0, 1e-300, 1e-38, 0.009, 101.0):
+        with pytest.raises(RequestError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=bad).validate()
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0)) * 30
+    seqs = [seq([1, 2, 3], [4, 5], repetition_penalty=0.01), seq([1, 2, 3], [4, 5], repetition_penalty=100.0)]
+    assert torch.isfinite(adjust(logits, seqs, [0, 1])).all()
