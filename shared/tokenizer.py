@@ -136,8 +136,10 @@ class Tokenizer:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          tools=tools, bos_token=self.bos_token or "",
                                          eos_token=self.eos_token or "", **extra)
-        except TemplateError as exc:
-            raise RequestError(f"chat template failed: {exc}", param="messages") from None
+        except (TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
+            # what a template's own code raises on input it did not expect (a wrong type in a message or a
+            # template variable): the request's fault, not the server's
+            raise RequestError(f"chat template failed: {type(exc).__name__}: {exc}", param="messages") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, limit: int | None = None,
                     **extra) -> list[int]:

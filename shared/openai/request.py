@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from jinja2.defaults import DEFAULT_NAMESPACE
+
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
 from edgecore.shared.openai.errors import ApiError
@@ -209,7 +211,7 @@ def render_message(msg, i: int) -> dict:
 
 
 TEMPLATE_OWN = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
-                          "strftime_now", "limit"})
+                          "strftime_now", "limit"}) | frozenset(DEFAULT_NAMESPACE)   # and Jinja's (`namespace`, `range`)
 
 
 def _template_kwargs(kwargs: dict | None) -> dict:

@@ -153,5 +153,14 @@ def test_chat_template_kwargs_reach_the_template(tokenizer, monkeypatch):
     monkeypatch.setattr(tokenizer, "apply_chat_template", recording)
     assert chat(tokenizer, chat_template_kwargs={"enable_thinking": False}).params
     assert seen == {"enable_thinking": False}
-    for bad in ({"messages": []}, {"bos_token": "x"}, {"not an identifier": 1}, {"_private": 1}):
+    for bad in ({"messages": []}, {"bos_token": "x"}, {"not an identifier": 1}, {"_private": 1},
+                {"namespace": 1}, {"range": "x"}):          # Jinja's globals, which templates call
         assert rejected(chat, tokenizer, chat_template_kwargs=bad).param == "chat_template_kwargs"
+
+
+def test_a_template_that_raises_on_its_input_is_a_400(tokenizer, monkeypatch):
+    """A template's own code failing on a value it did not expect (here a number where it does string
+    arithmetic) is the request's fault: a 400, not a 500."""
+    monkeypatch.setattr(tokenizer, "chat_template", "{{ messages[0]['content'] ~ (flag + 1) }}")
+    monkeypatch.setattr(tokenizer, "_template", None)
+    assert rejected(chat, tokenizer, chat_template_kwargs={"flag": "text"}).param == "messages"
