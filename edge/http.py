@@ -238,7 +238,7 @@ class EdgeHTTP:
                                                  "logprobs": None, "finish_reason": None}]})
         ntoks, cached = 0, {}
         offsets = [0] * count
-        tool_streams = [ToolStream() for _ in range(count)] if parsed.tools is not None else []
+        tool_streams = [ToolStream(parsed.tools.parallel) for _ in range(count)] if parsed.tools is not None else []
         try:
             async for i, out in outputs:
                 cached.setdefault(i // parsed.n, out.num_cached_tokens)

@@ -228,6 +228,8 @@ def parse_chat(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len: int)
     tools = tool_set(req, tokenizer.chat_template)
     rendered = [render_message(msg, i) for i, msg in enumerate(req.messages)]
     extra = _template_kwargs(req.chat_template_kwargs)
+    if req.reasoning_effort is not None:      # as vLLM: a template variable (gpt-oss's templates read it)
+        extra.setdefault("reasoning_effort", req.reasoning_effort)
     try:
         ids = _encode(lambda: tokenizer.encode_chat(rendered, add_generation_prompt=True, limit=max_model_len,
                                                     tools=tools.tools if tools else None, **extra),

@@ -128,7 +128,7 @@ def response_body(parsed: ParsedRequest, results: list[ChoiceResult], chat: bool
             message: dict = {"role": "assistant", "content": r.text}
             reason = r.finish_reason
             if parsed.tools is not None:
-                content, calls = split_calls(r.text)
+                content, calls = split_calls(r.text, parsed.tools.parallel)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     reason = "tool_calls" if reason == "stop" else reason

@@ -33,12 +33,13 @@ Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 
 class StreamOptions(Struct):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False     # vLLM's usage in every chunk: not implemented (a 400)
 
 
 class SamplingFields(Struct, kw_only=True):
     """Fields shared by both endpoints (vLLM's extras included)."""
     model: str | None = None
-    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = 1     # null: 1, as OpenAI reads it
     max_tokens: Count | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
@@ -61,6 +62,7 @@ class SamplingFields(Struct, kw_only=True):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    structured_outputs: Any = None          # vLLM's newer form of the four above
     # Known but not implemented: any value other than the default is a 400 naming the field.
     use_beam_search: Any = None
     min_tokens: Any = None
@@ -75,6 +77,8 @@ class SamplingFields(Struct, kw_only=True):
     logits_processors: Any = None
     return_tokens_as_token_ids: Any = None
     priority: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -104,8 +108,10 @@ class ChatRequest(SamplingFields, kw_only=True):
     max_completion_tokens: Count | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    tools: Any = None                 # tools.py reads and checks these two
+    tools: Any = None                 # tools.py reads and checks these three
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None   # to the chat template
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -132,6 +138,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "allowed_token_ids": (None,), "length_penalty": (None, 1.0), "early_stopping": (None, False),
     "logits_processors": (None, []), "return_tokens_as_token_ids": (None, False), "priority": (None, 0),
     "add_special_tokens": (None, True),                      # completions: the tokenizer's own, as vLLM
+    "guided_whitespace_pattern": (None,), "guided_decoding_backend": (None,),
 }
 # Chat only (the completions endpoint implements its own `best_of` and `echo`).
 CHAT_UNSUPPORTED: dict[str, tuple] = {
@@ -171,4 +178,13 @@ def decode_body(body: dict, schema: type[Struct]) -> Any:
         value = getattr(req, name, None)
         if not any(value == a for a in accepted):
             raise ApiError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")
+    if req.stream_options is not None:
+        if not req.stream:
+            raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options",
+                           "invalid_value")
+        if req.stream_options.continuous_usage_stats:
+            raise ApiError(400, "'stream_options.continuous_usage_stats' is not supported by this server",
+                           "stream_options.continuous_usage_stats", "unsupported_parameter")
+    if req.n is None:
+        req.n = 1
     return req

@@ -38,6 +38,7 @@ class ToolSet:
     tools: list[dict]                 # as the chat template takes them ({"type": "function", "function": {...}})
     choice: str                       # "auto", "required", or a function's name
     guided: GuidedSpec | None         # required / named: the one-call grammar
+    parallel: bool = True             # `parallel_tool_calls`: false keeps the first call of a choice only
 
 
 def _function(tool: Any, i: int) -> dict:
@@ -101,7 +102,8 @@ def tool_set(req, chat_template: str | None) -> ToolSet | None:
     if choice != "auto":
         chosen = functions if choice == "required" else [f for f in functions if f["name"] == choice]
         guided = _grammar(chosen)
-    return ToolSet([{"type": "function", "function": f} for f in functions], choice, guided)
+    parallel = getattr(req, "parallel_tool_calls", None)
+    return ToolSet([{"type": "function", "function": f} for f in functions], choice, guided, parallel is not False)
 
 
 def _arguments(text: Any, param: str) -> Any:
@@ -129,9 +131,10 @@ def render_tool_calls(calls: Any, i: int) -> list[dict]:
     return out
 
 
-def split_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content before the first call, or None if empty; the OpenAI `tool_calls`) of a generated text. A
-    `<tool_call>` whose body is not a {"name", "arguments"} object stays content."""
+def split_calls(text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
+    """(content before the first call, or None if blank; the OpenAI `tool_calls`: the first only unless
+    `parallel`) of a generated text. A `<tool_call>` whose body is not a {"name", "arguments"} object stays
+    content."""
     calls, first = [], None
     for match in _CALL.finditer(text):
         try:
@@ -146,17 +149,18 @@ def split_calls(text: str) -> tuple[str | None, list[dict]]:
                       "function": {"name": body["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
     if not calls:
         return text, []
-    content = text[:first].strip()
-    return content or None, calls
+    content = text[:first]          # as streamed: the text before the first call, unstripped
+    return (content if content.strip() else None), (calls if parallel else calls[:1])
 
 
 class ToolStream:
     """One streamed choice: content deltas pass through until text that may open a call; the rest is held
     and split into calls when the choice finishes."""
 
-    def __init__(self):
+    def __init__(self, parallel: bool = True):
         self.held = ""
         self.calling = False
+        self.parallel = parallel
 
     def push(self, delta: str) -> str:
         """The part of `delta` that can be shown as content now."""
@@ -175,7 +179,7 @@ class ToolStream:
     def finish(self) -> tuple[str, list[dict]]:
         """(content still to show, tool calls) at the end of the choice."""
         held, self.held = self.held, ""
-        content, calls = split_calls(held)
+        content, calls = split_calls(held, self.parallel)
         if not calls:
             return held, []
         return content or "", calls

@@ -28,6 +28,11 @@ def chat(tokenizer, **kw):
     ({"guided_json": SCHEMA}, "json_schema"), ({"guided_json": json.dumps(SCHEMA)}, "json_schema"),
     ({"guided_regex": "[0-9]+"}, "regex"), ({"guided_choice": ["yes", "no"]}, "choice"),
     ({"guided_grammar": 'start: "a" | "b"'}, "lark"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, "choice"),        # vLLM's newer form
+    ({"structured_outputs": {"json": SCHEMA, "regex": None}}, "json_schema"),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, "regex"),
+    ({"structured_outputs": {"json_object": True}}, "json_object"),
+    ({"structured_outputs": {"grammar": 'start: "a" | "b"'}}, "lark"),
 ])
 def test_fields_become_one_spec(tokenizer, kw, kind):
     params = chat(tokenizer, n=2, **kw).params
@@ -44,6 +49,10 @@ def test_fields_become_one_spec(tokenizer, kw, kind):
     ({"guided_choice": []}, "guided_choice"), ({"guided_choice": ["a", ""]}, "guided_choice"),
     ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
     ({"guided_regex": "a", "guided_json": {}}, "guided_regex"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": [1]}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "structured_outputs.regex"),
 ])
 def test_bad_grammars_are_400_naming_the_field(tokenizer, kw, param):
     with pytest.raises(ApiError) as e:

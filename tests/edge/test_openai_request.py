@@ -50,6 +50,13 @@ def rejected(fn, tokenizer, **kw) -> ApiError:
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]",
      "unsupported_parameter"),
     ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),   # without stream
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats",
+     "unsupported_parameter"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "unsupported_parameter"),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "unsupported_parameter"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort", "invalid_value"),
+    ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "invalid_type"),
 ])
 def test_chat_errors_name_the_parameter(tokenizer, kw, param, code):
     err = rejected(chat, tokenizer, **kw)
@@ -164,3 +171,18 @@ def test_a_template_that_raises_on_its_input_is_a_400(tokenizer, monkeypatch):
     monkeypatch.setattr(tokenizer, "chat_template", "{{ messages[0]['content'] ~ (flag + 1) }}")
     monkeypatch.setattr(tokenizer, "_template", None)
     assert rejected(chat, tokenizer, chat_template_kwargs={"flag": "text"}).param == "messages"
+
+
+def test_null_n_is_one_and_reasoning_effort_reaches_the_template(tokenizer, monkeypatch):
+    """The openai client sends `n: null` for n=None; `reasoning_effort` is a template variable (as vLLM passes it:
+    gpt-oss's templates read it)."""
+    assert chat(tokenizer, n=None).n == 1 and comp(tokenizer, n=None).n == 1
+    seen = {}
+    render = tokenizer.apply_chat_template
+
+    def recording(messages, add_generation_prompt=True, tools=None, **extra):
+        seen.update(extra)
+        return render(messages, add_generation_prompt, tools=tools, **extra)
+    monkeypatch.setattr(tokenizer, "apply_chat_template", recording)
+    chat(tokenizer, reasoning_effort="low")
+    assert seen == {"reasoning_effort": "low"}

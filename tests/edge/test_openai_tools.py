@@ -75,12 +75,22 @@ def test_split_calls():
     text = 'Let me check.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n' \
            '<tool_call>{"name": "b", "arguments": {}}</tool_call>'
     content, calls = split_calls(text)
-    assert content == "Let me check."
+    assert content == "Let me check.\n"         # as streamed (and as vLLM's Hermes parser): unstripped
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("a", {"x": 1}),
                                                                                                  ("b", {})]
     assert len({c["id"] for c in calls}) == 2 and all(c["type"] == "function" for c in calls)
     assert split_calls("<tool_call>{not json}</tool_call>") == ("<tool_call>{not json}</tool_call>", [])
     assert split_calls("plain") == ("plain", [])
+    assert [c["function"]["name"] for c in split_calls(text, parallel=False)[1]] == ["a"]
+    assert split_calls("\n <tool_call>{\"name\": \"a\"}</tool_call>")[0] is None
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(tool_tokenizer):
+    assert chat(tool_tokenizer, tools=[WEATHER]).tools.parallel
+    assert not chat(tool_tokenizer, tools=[WEATHER], parallel_tool_calls=False).tools.parallel
+    stream = ToolStream(parallel=False)
+    stream.push('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b"}</tool_call>')
+    assert [c["function"]["name"] for c in stream.finish()[1]] == ["a"]
 
 
 @pytest.mark.parametrize("cut", [1, 3, 7])
