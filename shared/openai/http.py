@@ -2,8 +2,9 @@
 
 `error_middleware(api_keys, max_body, on_error)` checks the bearer key on
 `/v1/` paths and `/stats` (the scheme case-insensitively, the key against every
-configured key in constant time) and turns `ApiError`, oversized bodies (413), bodies
-that cannot be read (400: a cut or undecodable Content-Encoding),
+configured key in constant time), refuses a declared Content-Length over the limit (413
+at once) and a Content-Encoding it cannot decode (415), and turns `ApiError`, oversized bodies
+(413), bodies that cannot be read (400: a cut or corrupt compressed body),
 aiohttp's own HTTP errors (404, 405, …) and, as a last resort, any exception of
 ours (500 "internal error" with a request id; traceback logged, rate-limited)
 into OpenAI error objects, each counted through `on_error`, so no client ever
@@ -53,6 +54,7 @@ def error_middleware(api_keys: list[bytes], max_body: int, on_error: Callable[[i
         try:
             if request.path.startswith(PROTECTED):
                 check_bearer(request, api_keys)
+            _check_body_headers(request, max_body)
             return await handler(request)
         except ApiError as exc:
             err = exc
@@ -78,10 +80,28 @@ def error_middleware(api_keys: list[bytes], max_body: int, on_error: Callable[[i
         if on_error is not None:
             on_error(err.status)
         resp = web.json_response(err.body(), status=err.status, headers=err.headers)
-        if err.status == 408:
-            resp.force_close()          # a client too slow to send its body does not keep the connection
+        if err.status == 408 or (err.status in (413, 415) and request.body_exists):
+            resp.force_close()          # a body too slow, too large or unreadable is not read to its end
         return resp
     return middleware
+
+
+# What aiohttp decodes (it reads any other Content-Encoding as identity): br and zstd need optional packages.
+ENCODINGS = frozenset({"", "identity", "gzip", "deflate"})
+
+
+def _check_body_headers(request: web.Request, max_body: int) -> None:
+    """413 at once for a declared Content-Length over the limit (not after waiting for the body), 415 for a
+    Content-Encoding this server cannot decode (it would be read as plain bytes)."""
+    if not request.body_exists:
+        return
+    streamed = request.content_type.startswith("multipart/")     # uploads, limited where they are streamed
+    if request.content_length is not None and request.content_length > max_body and not streamed:
+        raise ApiError(413, f"Request body exceeds the limit of {max_body} bytes", None, "request_too_large")
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in ENCODINGS:
+        raise ApiError(415, f"Content-Encoding {encoding!r} is not supported (use gzip or deflate)", None,
+                       "unsupported_content_encoding")
 
 
 async def json_body(request: web.Request) -> dict:

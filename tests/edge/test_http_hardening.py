@@ -262,6 +262,22 @@ async def test_a_body_its_content_encoding_cannot_decode_is_a_json_400(server, e
     assert server["edge"].errors[before:] == ["400"]
 
 
+async def test_a_content_encoding_it_cannot_decode_is_a_415_not_read_as_plain_bytes(server):
+    status, _, raw = await post_raw(server["session"], "/v1/completions", b'{"prompt": "x"}',
+                                    headers={"Content-Encoding": "foo"})
+    assert status == 415 and json.loads(raw)["error"]["code"] == "unsupported_content_encoding"
+
+
+async def test_a_declared_body_over_the_limit_is_a_413_before_it_is_sent(server):
+    reader, writer = await asyncio.open_connection("127.0.0.1", server["port"])
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                 b"\r\nContent-Type: application/json\r\nContent-Length: 100000000\r\n\r\n")   # no body follows
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.split(b" ")[1] == b"413"
+    writer.close()
+
+
 async def test_a_huge_prompt_is_refused_without_stalling_other_requests(server):
     """Megabytes of prompt: the context-length error comes from a prefix (no full encode), parsed off the
     event loop, while /health keeps answering."""
