@@ -17,40 +17,39 @@ from functools import lru_cache
 from edgecore.shared.engine.output import RequestOutput, TokenLogprob
 from edgecore.shared.openai.request import ParsedRequest
 from edgecore.shared.openai.tools import split_calls
+from edgecore.shared.token_bytes import TokenBytes
 from edgecore.shared.tokenizer import Tokenizer
 
 
 class TokenText:
+    """Tokens as logprobs show them: the text of each alone (U+FFFD for part of a character), its raw bytes
+    (`TokenBytes`), and offsets into the text they decode to together."""
+
     def __init__(self, tokenizer: Tokenizer):
         @lru_cache(maxsize=65536)
         def text(token_id: int) -> str:
             return tokenizer.decode([token_id], skip_special_tokens=False)
         self.text = text
+        self.bytes = TokenBytes(tokenizer).of
 
     def completion_logprobs(self, lps: list[TokenLogprob], offset: int = 0) -> dict:
+        """`text_offset`: where each token starts in the text, in characters (a token inside a character that
+        takes several tokens: where that character starts)."""
         tokens, token_lps, tops, offsets = [], [], [], []
+        raw = b""
         for lp in lps:
-            s = self.text(lp.token_id)
-            tokens.append(s)
+            tokens.append(self.text(lp.token_id))
             token_lps.append(lp.logprob)
             tops.append({self.text(t): v for t, v in lp.top})
-            offsets.append(offset)
-            offset += len(s)
+            offsets.append(offset + len(raw.decode("utf-8", errors="ignore")))
+            raw += self.bytes(lp.token_id)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     def echo_logprobs(self, plps: list[TokenLogprob | None], lps: list[TokenLogprob]) -> dict:
         """Completions `echo` + `logprobs`: the prompt tokens' entries (the first has none), then the output's."""
-        prompt = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = 0
-        for lp in plps:
-            if lp is None:
-                continue
-            s = self.text(lp.token_id)
-            prompt["tokens"].append(s)
-            prompt["token_logprobs"].append(lp.logprob)
-            prompt["top_logprobs"].append({self.text(t): v for t, v in lp.top})
-            prompt["text_offset"].append(offset)
-            offset += len(s)
+        prompt = self.completion_logprobs([lp for lp in plps if lp is not None])
+        raw = b"".join(self.bytes(lp.token_id) for lp in plps if lp is not None)
+        offset = len(raw.decode("utf-8", errors="replace"))
         return {key: prompt[key] + value for key, value in self.completion_logprobs(lps, offset).items()}
 
     def prompt_logprobs(self, plps: list[TokenLogprob | None]) -> list[dict | None]:
@@ -72,9 +71,9 @@ class TokenText:
         content = []
         for lp in lps:
             s = self.text(lp.token_id)
-            content.append({"token": s, "logprob": lp.logprob, "bytes": list(s.encode()),
+            content.append({"token": s, "logprob": lp.logprob, "bytes": list(self.bytes(lp.token_id)),
                             "top_logprobs": [{"token": self.text(t), "logprob": v,
-                                              "bytes": list(self.text(t).encode())} for t, v in lp.top]})
+                                              "bytes": list(self.bytes(t))} for t, v in lp.top]})
         return {"content": content}
 
 
