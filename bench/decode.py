@@ -184,6 +184,8 @@ OP_GROUPS = {"matmul": ("linear", "mm", "gemm"), "attention": ("scaled_dot_produ
 def bench_breakdown(batch: int, dtype_name: str, steps: int = 30, compiled: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
     if compiled:        # each generated kernel a profiler event (read when inductor's config is first imported)
+        # Partial: with it, torch 2.13 writes a padded row count into a C++ name and the wide module's CPP GEMM
+        # candidates fail to compile (logged as errors, skipped), so its matmul choices may differ from serving.
         os.environ["TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE"] = "1"
     engine = LLMEngine.from_dir(MODEL, dtype_name, "cpu", CacheConfig(num_blocks=4096),
                                 EngineConfig(max_num_batched_tokens=4096, max_num_seqs=256, compile_decode=compiled))
