@@ -118,6 +118,13 @@ class CoreClient:
             log.warning("core %s: %s", self.address, exc)
             for queue in self.inflight.values():
                 queue.put_nowait(exc)
+        except Exception as exc:       # a bug of ours: the requests fail over now, not at their transfer timeout
+            log.exception("core %s: the connection's reader failed", self.address)
+            error = PeerError(f"connection reader failed: {exc}")
+            self.last_error = str(error)
+            await peer.fail(str(error))
+            for queue in self.inflight.values():
+                queue.put_nowait(error)
 
     async def prefill(self, request: m.PrefillRequest) -> asyncio.Queue:
         if not self.healthy:

@@ -93,8 +93,16 @@ class _Stream(asyncio.BufferedProtocol):
         self._data.set()
 
     def taken(self) -> None:
-        """A frame was consumed: receive again if reading was paused for it."""
-        if self.paused and not self.conn.full and not self.closed:
+        """A frame was consumed: receive again if reading was paused for it. Asking whether the buffer is
+        full parses the next frame's fixed header: a bad one is kept for `recv` to report (Error frame, close),
+        as in `buffer_updated`."""
+        try:
+            full = self.conn.full
+        except ProtocolError as exc:
+            self.protocol_error = exc
+            self.transport.pause_reading()
+            return
+        if self.paused and not full and not self.closed:
             self.paused = False
             self.transport.resume_reading()
 
@@ -320,11 +328,18 @@ async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0, sec
             log.warning("refused %s: %s", peer.peername, exc)
             await peer.close()
             return
+        except Exception:               # a bug of ours: the peer still gets an Error frame and a closed socket
+            log.exception("handshake from %s failed", peer.peername)
+            await peer.fail("internal error during the handshake", ErrorCode.INTERNAL)
+            return
         peer.start_heartbeat()
         try:
             await handler(peer)
         except PeerError as exc:
             log.info("peer %s: %s", peer.peername, exc)
+        except Exception:
+            log.exception("serving %s failed", peer.peername)
+            await peer.fail("internal error", ErrorCode.INTERNAL)
         finally:
             await peer.close()
 

@@ -121,3 +121,65 @@ async def test_an_old_edge_is_told_in_a_frame_it_can_read():
         tag, code, message = msgspec.msgpack.decode(data[16:])[:3]
         assert code == ErrorCode.VERSION_MISMATCH and "version 2, the peer version 1" in message
         writer.close()
+
+
+class _Paused:
+    """A transport that records what the stream asks of it (no socket)."""
+
+    def __init__(self):
+        self.paused, self.closed, self.written = False, False, []
+
+    def pause_reading(self):
+        self.paused = True
+
+    def resume_reading(self):
+        self.paused = False
+
+    def write(self, data):
+        self.written.append(bytes(data))
+
+    def writelines(self, parts):
+        self.written += [bytes(p) for p in parts]
+
+    def close(self):
+        self.closed = True
+
+    def get_extra_info(self, _):
+        return None
+
+
+async def test_a_bad_header_behind_a_large_frame_is_an_error_frame_and_a_close():
+    """Reads that end inside a bad frame's fixed header while a large frame fills the buffer: the header is
+    first parsed when the large frame is taken (`_Stream.taken`). That must end as any bad frame does (a
+    PeerError, an Error frame, the connection closed), not as an exception out of `recv` that leaves the
+    connection open and its reader dead."""
+    from tests.protocol.pairs import handshake, new_pair
+    client, server = new_pair()
+    handshake(client, server)
+    chunk = m.KVChunk("r", 0, 1, 0, 10, 0, 1, 64, "float32", "raw", 100_000, 200_000)
+    small, large = server.send_bytes(m.PrefillDone("other", 1)), server.send_bytes(KVData(chunk, bytes(200_000)))
+    bad = bytearray(server.send_bytes(m.PrefillDone("r", 5)))
+    bad[9] ^= 1                                            # a length bit: the fixed header's CRC fails
+    data = small + large + bytes(bad)
+    stream, tr = transport._Stream(client), _Paused()
+    stream.transport = tr
+    peer = transport.Peer(client, stream, transport.Timeouts(heartbeat=0))
+    pos = 0
+
+    def arrive(upto: int) -> None:
+        nonlocal pos
+        while pos < upto and not tr.paused:
+            buf = stream.get_buffer(-1)
+            n = min(len(buf), upto - pos)
+            buf[:n] = data[pos:pos + n]
+            buf.release()
+            pos += n
+            stream.buffer_updated(n)
+
+    arrive(len(small) + len(large) + 10)             # the bad frame's first bytes only
+    assert isinstance(await peer.recv(1), m.PrefillDone)
+    arrive(len(data))
+    assert isinstance(await peer.recv(1), KVData)
+    with pytest.raises(transport.PeerError, match="CRC"):
+        await peer.recv(1)
+    assert tr.closed and tr.written        # the Error frame, then the close
