@@ -1,10 +1,11 @@
 """Runs batches on the core's engine: validate → in_progress → finalizing → completed/cancelled/failed/expired.
 
-Life cycle of a batch: `validating` reads the input file line by line (JSON
-object, unique `custom_id`, `method` POST, `url` = the batch endpoint, body
-valid for it); invalid lines become error-file entries with their line
-numbers, the rest are stored as pending; a file with no JSON line at all
-fails the batch (`errors.data`). `in_progress` runs pending requests at batch
+Life cycle of a batch: `validating` reads the input file line by line on a
+worker thread (JSON object, unique `custom_id`, `method` POST, `url` = the
+batch endpoint, body valid for it); invalid lines become error-file entries
+with their line numbers, the rest are stored as pending; a file with no JSON
+line at all fails the batch (`errors.data`); a batch cancelled meanwhile
+starts no request. `in_progress` runs pending requests at batch
 priority (interactive prefill from edges is always admitted first) with at
 most `max_inflight` in the engine; each finished request's response line is
 committed with its state (grouped, one transaction per `COMMIT_EVERY` results
@@ -39,8 +40,9 @@ COMMIT_DELAY = 0.05
 
 class BatchRunner:
     def __init__(self, handle: EngineHandle, store: BatchStore, model_name: str, max_inflight: int = 64,
-                 metrics: CoreMetrics | None = None):
+                 metrics: CoreMetrics | None = None, parallel: bool = False):
         self.handle = handle
+        self.parallel = parallel        # a parallel core computes no prompt logprobs
         self.metrics = metrics or CoreMetrics(model_name)
         self.store = store
         self.model_name = model_name
@@ -89,9 +91,11 @@ class BatchRunner:
     async def _process(self, batch_id: str) -> None:
         row = self.store.batch_row(batch_id)
         if row["status"] == "validating":
-            if not self._validate(row):
+            if not await self._validate(row):
                 return
-            self.store.set_status(batch_id, "in_progress")
+            # cancelled while it was validated: no request starts
+            cancelled = batch_id in self._cancelled or self.store.batch_row(batch_id)["cancelling_at"]
+            self.store.set_status(batch_id, "cancelling" if cancelled else "in_progress")
             row = self.store.batch_row(batch_id)
         if row["status"] == "in_progress":
             outcome = await self._run(row)
@@ -106,19 +110,29 @@ class BatchRunner:
         self._cancelled.discard(batch_id)
 
     # ---- validation -------------------------------------------------------------
-    def _validate(self, row) -> bool:
-        batch_id, endpoint = row["id"], row["endpoint"]
-        path = self.store.file_path(row["input_file_id"])
+    async def _validate(self, row) -> bool:
+        """Check the input file's lines on a worker thread (parsing tokenizes every prompt: seconds for a large
+        file, during which the event loop keeps serving edges); store them here, on the loop."""
+        batch_id = row["id"]
         try:
-            data = path.read_bytes()
+            rows, json_lines = await asyncio.to_thread(self._check_lines, self.store.file_path(row["input_file_id"]),
+                                                       row["endpoint"])
         except OSError:
             self._fail(batch_id, "file_not_found", f"input file {row['input_file_id']} is gone", None)
             return False
-        lines = data.split(b"\n")
+        if json_lines == 0:
+            self._fail(batch_id, "invalid_file", "the input file is not JSONL: no line holds a JSON object", 1)
+            return False
+        self.store.add_requests(batch_id, rows)
+        return True
+
+    def _check_lines(self, path, endpoint: str) -> tuple[list[tuple], int]:
+        """Worker thread: the store's rows for the file's lines (pending, or error with its message), and how
+        many lines held JSON."""
         parse, _ = ENDPOINTS[endpoint]
         engine = self.handle
         rows, seen, json_lines = [], set(), 0
-        for number, raw in enumerate(lines, start=1):
+        for number, raw in enumerate(_lines(path), start=1):
             if not raw.strip():
                 continue
             custom_id = None
@@ -141,7 +155,7 @@ class BatchRunner:
                     raise ValueError("'body' must be an object")
                 check_model(body, self.model_name)
                 parsed = parse(body, engine.tokenizer, engine.config.vocab_size, engine.max_model_len)
-                if parsed.prompt_logprobs is not None and getattr(self.core, "parallel", False):
+                if parsed.prompt_logprobs is not None and self.parallel:
                     raise ValueError("prompt logprobs (echo with logprobs, prompt_logprobs) need a single-rank core")
             except (ValueError, ApiError) as exc:   # json.JSONDecodeError is a ValueError
                 message = f"line {number}: {exc}"
@@ -154,11 +168,7 @@ class BatchRunner:
                 continue
             seen.add(custom_id)
             rows.append((number, custom_id, json.dumps(body), "pending", None))
-        if json_lines == 0:
-            self._fail(batch_id, "invalid_file", "the input file is not JSONL: no line holds a JSON object", 1)
-            return False
-        self.store.add_requests(batch_id, rows)
-        return True
+        return rows, json_lines
 
     def _fail(self, batch_id: str, code: str, message: str, line: int | None) -> None:
         errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": line}]}
@@ -263,3 +273,9 @@ class BatchRunner:
                 self.store.write_file(f"{batch_id}_{suffix}.jsonl", "batch_output", data, file_id)
                 fields[key] = file_id
         self.store.set_status(batch_id, final, **fields)
+
+
+def _lines(path):
+    """The file's lines (bytes), read as they are needed."""
+    with open(path, "rb") as f:
+        yield from f

@@ -152,7 +152,7 @@ class CoreServer:
         self.contexts = Contexts(self.handle, self.store, self.config.control)
         await self.contexts.restore()
         self.batches = BatchRunner(self.handle, self.store, model_name(c.model_dir), c.batch_inflight,
-                                   self.metrics)
+                                   self.metrics, self.parallel)
         self.batches.start()
         self.http_extensions.append(BatchAPI(self.handle, self.store, self.batches, self.contexts,
                                              c.max_file_bytes).routes)

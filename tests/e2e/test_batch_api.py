@@ -72,6 +72,36 @@ def test_batch_results_equal_direct_generation(client, tokenizer):
     assert batch.id in [b.id for b in client.batches.list(limit=10).data]
 
 
+def test_prompt_logprobs_and_echo_lines_run(client):
+    """Lines asking for prompt logprobs run on a single-rank core, beside the others (one such line failed the
+    whole batch)."""
+    rows = [completion_line("plp", "The for statement", max_tokens=2, prompt_logprobs=1),
+            completion_line("echo", "A list", max_tokens=2, echo=True, logprobs=1),
+            completion_line("plain", "import os", max_tokens=2)]
+    f = client.files.create(file=("plp.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
+    done = wait_batch(client, client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                                    completion_window="24h").id)
+    assert done.status == "completed" and done.request_counts.completed == 3, done
+    by_id = {o["custom_id"]: o["response"]["body"]["choices"][0]
+             for o in map(json.loads, client.files.content(done.output_file_id).text.splitlines())}
+    plps = by_id["plp"]["prompt_logprobs"]
+    assert plps[0] is None and len(plps) > 1 and all(isinstance(e, dict) for e in plps[1:])
+    assert by_id["echo"]["text"].startswith("A list") and by_id["echo"]["logprobs"]["token_logprobs"]
+
+
+def test_cancelled_while_validating_runs_no_request(client):
+    """Validation runs off the event loop, so a cancel is answered at once; once acknowledged, no request
+    of the batch starts."""
+    rows = [completion_line(f"v{i}", "x", max_tokens=1) for i in range(6000)]
+    data = jsonl(rows)
+    assert len(data) < 1 << 20                       # under this core's --max-file-mb 1
+    f = client.files.create(file=("many.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    done = wait_batch(client, batch.id)
+    assert done.status == "cancelled" and done.request_counts.completed == 0, done.request_counts
+
+
 def test_chat_batch_and_listing(client):
     rows = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
              "body": {"messages": [{"role": "user", "content": f"Question {i}"}], "max_tokens": 5,
