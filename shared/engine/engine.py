@@ -103,6 +103,8 @@ class LLMEngine:
         vocab = self.config.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if params.logit_bias and max(params.logit_bias) >= vocab:     # (keys are checked ≥ 0 by validate)
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         need = len(ids) + (1 if prefill_only else params.max_tokens)
         if need > self.max_model_len:
             raise RequestError(

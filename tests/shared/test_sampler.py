@@ -135,3 +135,17 @@ def test_repetition_penalty_is_bounded_where_logits_stay_finite():
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0)) * 30
     seqs = [seq([1, 2, 3], [4, 5], repetition_penalty=0.01), seq([1, 2, 3], [4, 5], repetition_penalty=100.0)]
     assert torch.isfinite(adjust(logits, seqs, [0, 1])).all()
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_by_the_engine():
+    """The HTTP layer checks it, but a protocol peer's sampling spec reaches the engine directly."""
+    import pytest
+
+    from edgecore.shared.errors import RequestError
+    from tests.conftest import make_engine
+    engine = make_engine(num_blocks=16)
+    vocab = engine.config.vocab_size
+    with pytest.raises(RequestError) as e:
+        engine.add_request("r", [5, 6], SamplingParams(max_tokens=2, logit_bias={vocab + 10 ** 9: 1.0}))
+    assert e.value.param == "logit_bias"
+    engine.add_request("ok", [5, 6], SamplingParams(max_tokens=2, logit_bias={vocab - 1: 1.0}))
