@@ -41,8 +41,17 @@ CHUNK_VALUES = 1 << 18        # 256 Ki values: a chunk and its output stay in a 
 
 # safetensors dtype → (numpy container of the raw bits, float?)
 BITS = {"BF16": np.uint16, "F16": np.uint16, "F32": np.uint32}
+# safetensors dtype → numpy dtype read from the bytes (BF16 and FP8 as their bits; the reader views them as torch's)
 NUMPY = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "I64": np.int64,
-         "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+         "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+         "U16": np.uint16, "U32": np.uint32, "U64": np.uint64, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8}
+
+
+def plain_name(name) -> bool:
+    """A file name a manifest may use: no directory part, not hidden or special (nothing can land outside
+    the directory it is written to or read from)."""
+    return (isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name and "\0" not in name
+            and not name.startswith("."))
 
 
 def is_packed(model_dir: str | Path) -> bool:

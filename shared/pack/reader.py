@@ -1,6 +1,8 @@
 """Reading packed checkpoints: tensors for the model loader, byte-identical unpack.
 
-Life cycle: `PackedCheckpoint(dir)` validates the manifest and memory-maps the
+Life cycle: `PackedCheckpoint(dir)` validates the manifest (plain file names;
+each tensor's dtype, shape and byte range as the original header it stores says,
+so a corrupt manifest cannot load bytes as another dtype) and memory-maps the
 pack file. `lazy()` yields (name, PackedTensor) in file order: each decodes on
 slicing, or straight into a destination as per-chunk jobs (`decode_jobs`)
 that the model loader spreads over a thread pool;
@@ -29,7 +31,10 @@ import zstandard
 from edgecore.protocol.codecs.base import zstd_frame_fits
 from edgecore.protocol.codecs.planes import join_top_byte
 from edgecore.shared.errors import ModelLoadError
-from edgecore.shared.pack.format import BITS, FORMAT, MAGIC, MANIFEST, NUMPY, PACK_FILE, VERSION, sha256_file
+from edgecore.shared.pack.format import (BITS, FORMAT, MAGIC, MANIFEST, NUMPY, PACK_FILE, VERSION, plain_name,
+                                        sha256_file)
+
+_FP8 = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 class PackedCheckpoint:
@@ -39,9 +44,15 @@ class PackedCheckpoint:
             self.manifest = json.loads((self.dir / MANIFEST).read_text())
         except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ModelLoadError(f"{self.dir / MANIFEST} is unreadable: {exc}") from None
-        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT \
+                or self.manifest.get("version") != VERSION:
+            found = self.manifest if isinstance(self.manifest, dict) else {}
             raise ModelLoadError(f"{self.dir} holds an unsupported pack format "
-                                 f"{self.manifest.get('format')} v{self.manifest.get('version')}")
+                                 f"{found.get('format')} v{found.get('version')}")
+        try:
+            self._check_manifest()
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise ModelLoadError(f"{self.dir / MANIFEST} is malformed: {type(exc).__name__}: {exc}") from None
         path = self.dir / PACK_FILE
         try:
             self._file = open(path, "rb")
@@ -53,6 +64,30 @@ class PackedCheckpoint:
         if self._map[:8] != MAGIC or struct.unpack_from("<I", self._map, 8)[0] != VERSION:
             raise ModelLoadError(f"{path} is not an edgecore pack file")
         self.tensors = self.manifest["tensors"]
+
+    def _check_manifest(self) -> None:
+        m = self.manifest
+        headers = []
+        for shard in m["shards"]:
+            if not plain_name(shard["file"]):
+                raise ModelLoadError(f"{self.dir / MANIFEST} names an unsafe shard file {shard['file']!r}")
+            headers.append(json.loads(base64.b64decode(shard["header"], validate=True)))
+        for name in m["files"]:
+            if not plain_name(name):
+                raise ModelLoadError(f"{self.dir / MANIFEST} names an unsafe file {name!r}")
+        for t in m["tensors"]:
+            shard = t["shard"]
+            if not isinstance(shard, int) or not 0 <= shard < len(headers):
+                raise ValueError(f"tensor {t['name']!r} names shard {shard!r}")
+            original = headers[shard][t["name"]]
+            if (t["dtype"], list(t["shape"]), [t["begin"], t["end"]]) != \
+                    (original["dtype"], list(original["shape"]), list(original["data_offsets"])):
+                raise ModelLoadError(f"packed tensor '{t['name']}': the manifest's dtype, shape or byte range "
+                                     "differs from the original header it stores (corrupt manifest)")
+            if not all(isinstance(t[k], int) and t[k] >= 0 for k in ("offset", "length")):
+                raise ValueError(f"tensor {t['name']!r} has a bad offset or length")
+            if not (isinstance(t.get("crc32"), int) if t["encoding"] == "raw" else isinstance(t.get("chunks"), list)):
+                raise ValueError(f"tensor {t['name']!r} has no checksums")
 
     def close(self) -> None:
         try:
@@ -120,7 +155,12 @@ class PackedCheckpoint:
         arr = np.frombuffer(data, dtype=NUMPY[dtype]).copy() if entry["encoding"] == "raw" \
             else np.frombuffer(data, dtype=NUMPY[dtype])
         t = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) if dtype == "BF16" else torch.from_numpy(arr)
-        return t.reshape(entry["shape"])
+        if dtype in _FP8:
+            t = t.view(_FP8[dtype])
+        try:
+            return t.reshape(entry["shape"])
+        except RuntimeError as exc:
+            raise ModelLoadError(f"packed tensor '{entry['name']}' does not fit its shape: {exc}") from None
 
     def lazy(self) -> Iterator[tuple[str, "PackedTensor"]]:
         """(name, lazy tensor) pairs: a loader can decode each straight into its parameter."""
@@ -129,12 +169,14 @@ class PackedCheckpoint:
 
     def unpack(self, out: str | Path, progress: Callable[[str], None] | None = None) -> None:
         out = Path(out)
+        if out.resolve() == self.dir.resolve():
+            raise ModelLoadError("the output directory must differ from the packed directory")
         out.mkdir(parents=True, exist_ok=True)
         by_shard: dict[int, list[dict]] = {}
         for entry in self.tensors:
             by_shard.setdefault(entry["shard"], []).append(entry)
         for index, shard in enumerate(self.manifest["shards"]):
-            path = out / shard["file"]
+            path, final = out / (shard["file"] + ".partial"), out / shard["file"]
             header = base64.b64decode(shard["header"])
             with open(path, "wb") as f:
                 f.write(struct.pack("<Q", len(header)) + header)
@@ -147,7 +189,9 @@ class PackedCheckpoint:
                     if progress:
                         progress(f"{shard['file']}: {entry['name']}")
             if sha256_file(path) != shard["sha256"]:
+                path.unlink()
                 raise ModelLoadError(f"unpacked {shard['file']} differs from the original (checksum)")
+            path.rename(final)              # only a verified shard takes its name
         for name in self.manifest["files"]:
             if name != PACK_FILE and (self.dir / name).is_file():
                 shutil.copyfile(self.dir / name, out / name)
@@ -162,6 +206,10 @@ class PackedTensor:
 
     def get_shape(self) -> tuple[int, ...]:
         return self.shape
+
+    def get_dtype(self) -> str:
+        """The safetensors dtype name, as a safetensors slice reports it (fp8 loading asks)."""
+        return self.entry["dtype"]
 
     def __getitem__(self, item):
         return self.checkpoint.tensor(self.entry)[item]

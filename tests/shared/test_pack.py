@@ -137,3 +137,59 @@ def test_a_manifest_whose_chunks_do_not_add_up_is_refused(model_dir, tmp_path):
     path.write_text(json.dumps(manifest))
     with pytest.raises(ModelLoadError, match=f"'{victim['name']}' is corrupt"):
         load_model(tmp_path / "packed")
+
+
+def _edit_manifest(packed, edit) -> None:
+    path = packed / "edgecore-pack.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("field, value", [("dtype", "F16"), ("shape", [1, -1]), ("begin", 0)])
+def test_a_manifest_that_disagrees_with_the_original_header_is_refused(model_dir, tmp_path, field, value):
+    """BF16 bytes read as F16 would load wrong weights without a checksum error: the manifest's dtype, shape
+    and byte range must be the original header's."""
+    pack_model(model_dir, tmp_path / "packed")
+    victim = {}
+
+    def edit(manifest):
+        t = next(t for t in manifest["tensors"] if t["begin"] > 0 and t[field] != value)
+        t[field] = value
+        victim["name"] = t["name"]
+    _edit_manifest(tmp_path / "packed", edit)
+    with pytest.raises(ModelLoadError, match=f"'{victim['name']}'.*original header"):
+        load_model(tmp_path / "packed")
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m["shards"][0].update(file="../../outside.safetensors"),
+    lambda m: m["shards"][0].update(file="/tmp/absolute.safetensors"),
+    lambda m: m["files"].update({"../private.txt": {"size": 1, "sha256": "0"}}),
+])
+def test_unsafe_file_names_in_a_manifest_are_refused_before_anything_is_written(model_dir, tmp_path, edit):
+    pack_model(model_dir, tmp_path / "packed")
+    _edit_manifest(tmp_path / "packed", edit)
+    out = tmp_path / "deep" / "er" / "out"
+    with pytest.raises(ModelLoadError, match="unsafe"):
+        PackedCheckpoint(tmp_path / "packed").unpack(out)
+    assert not (tmp_path / "deep").exists() and not (tmp_path / "outside.safetensors").exists()
+
+
+def test_a_malformed_manifest_is_one_error_naming_it(model_dir, tmp_path):
+    pack_model(model_dir, tmp_path / "packed")
+    _edit_manifest(tmp_path / "packed", lambda m: m.pop("tensors"))
+    with pytest.raises(ModelLoadError, match="edgecore-pack.json is malformed"):
+        load_model(tmp_path / "packed")
+    pack_model(model_dir, tmp_path / "p2")
+    with pytest.raises(ModelLoadError, match="must differ"):          # unpacking over its own files
+        PackedCheckpoint(tmp_path / "p2").unpack(tmp_path / "p2")
+
+
+def test_a_packed_fp8_checkpoint_loads_as_the_unpacked_one(tmp_path):
+    from tests.shared.test_deepseek_fp8 import fp8_checkpoint
+    path, _, _ = fp8_checkpoint(tmp_path)
+    pack_model(path, tmp_path / "packed")
+    ours, packed = load_model(path), load_model(tmp_path / "packed")
+    for (name, a), (_, b) in zip(ours.state_dict().items(), packed.state_dict().items()):
+        assert torch.equal(a, b), name
