@@ -1,8 +1,9 @@
 """Serving the core's model, packed, to edges: `/v1/model/manifest` and `/v1/model/files/{name}`.
 
 Life cycle: on the first request the core makes sure a packed copy of its
-model exists (its model directory if already packed, else it packs it once
-into its data directory, in a worker thread); files are then served with
+model exists (its model directory if already packed, else it packs it into
+its data directory, in a worker thread, once per version of the model
+directory: a copy packed from files that have changed since is packed again); files are then served with
 aiohttp's FileResponse, which honours Range requests so edges can resume.
 Only names listed in the manifest are served.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from edgecore.shared.pack import MANIFEST, is_packed, pack_model
+from edgecore.shared.pack import MANIFEST, is_packed, pack_model, packed_from
 
 log = logging.getLogger("edgecore.core")
 
@@ -29,8 +30,9 @@ class ModelServer:
 
     async def ensure_packed(self) -> Path:
         async with self._lock:
-            if not is_packed(self.packed_dir):
-                log.info("packing %s into %s for distribution", self.model_dir, self.packed_dir)
+            if self.packed_dir != self.model_dir and not packed_from(self.packed_dir, self.model_dir):
+                log.info("packing %s into %s for distribution%s", self.model_dir, self.packed_dir,
+                         " (the model changed since it was last packed)" if is_packed(self.packed_dir) else "")
                 await asyncio.get_running_loop().run_in_executor(None, pack_model, self.model_dir, self.packed_dir)
         return self.packed_dir
 

@@ -7,6 +7,6 @@ original safetensors files byte for byte with `unpack`. See `format.py`.
 
 from edgecore.shared.pack.format import MANIFEST, is_packed
 from edgecore.shared.pack.reader import PackedCheckpoint
-from edgecore.shared.pack.writer import pack_model
+from edgecore.shared.pack.writer import pack_model, packed_from
 
-__all__ = ["MANIFEST", "PackedCheckpoint", "is_packed", "pack_model"]
+__all__ = ["MANIFEST", "PackedCheckpoint", "is_packed", "pack_model", "packed_from"]

@@ -90,6 +90,7 @@ def pack_model(src: str | Path, out: str | Path, level: int | None = None, threa
         raise ModelLoadError("the output directory must differ from the model directory")
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
+    source = source_state(src)          # before reading: a file changed meanwhile reads as stale later
     shards, tensors, jobs = [], [], []
     maps = []
     for index, path in enumerate(checkpoint_files(src)):
@@ -146,8 +147,24 @@ def pack_model(src: str | Path, out: str | Path, level: int | None = None, threa
     files[PACK_FILE] = {"size": (out / PACK_FILE).stat().st_size, "sha256": sha256_file(out / PACK_FILE)}
     manifest = {"format": FORMAT, "version": VERSION, "name": src.resolve().name, "level": level,
                 "chunk_values": CHUNK_VALUES, "shards": shards, "tensors": tensors,
-                "files": files}
+                "files": files, "source": source}
     tmp = out / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     tmp.rename(out / MANIFEST)
     return manifest
+
+
+def source_state(src: str | Path) -> dict[str, list[int]]:
+    """Size and modification time (ns) of each file of a model directory: what `packed_from` compares."""
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(Path(src).iterdir())
+            if p.is_file() and p.name != MANIFEST}
+
+
+def packed_from(packed: str | Path, src: str | Path) -> bool:
+    """Whether `packed` holds a pack of `src` as its files are now (a checkpoint retrained, edited or
+    replaced since is not: it must be packed again)."""
+    try:
+        recorded = json.loads((Path(packed) / MANIFEST).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return recorded == source_state(src)

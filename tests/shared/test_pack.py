@@ -193,3 +193,27 @@ def test_a_packed_fp8_checkpoint_loads_as_the_unpacked_one(tmp_path):
     ours, packed = load_model(path), load_model(tmp_path / "packed")
     for (name, a), (_, b) in zip(ours.state_dict().items(), packed.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_a_core_packs_its_model_again_once_the_checkpoint_changed(model_dir, tmp_path):
+    """The copy a core ships to edges is of the checkpoint it serves now: retrained weights in the same model
+    directory are packed again (edges would otherwise decode with the old weights), an unchanged one is not."""
+    import asyncio
+    import os
+
+    from edgecore.core.model_server import ModelServer
+    src = tmp_path / "model"
+    shutil.copytree(model_dir, src)
+    server = ModelServer(str(src), tmp_path / "data")
+    manifest = asyncio.run(server.ensure_packed()) / "edgecore-pack.json"
+    first = json.loads(manifest.read_text())
+    stamp = manifest.stat().st_mtime_ns
+    asyncio.run(server.ensure_packed())
+    assert manifest.stat().st_mtime_ns == stamp                       # unchanged: not packed again
+    from safetensors.torch import load_file
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 2   # "retrained": same shapes, new weights
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    os.utime(src / "model.safetensors", ns=(stamp + 10**9, stamp + 10**9))
+    asyncio.run(server.ensure_packed())
+    assert json.loads(manifest.read_text())["shards"][0]["sha256"] != first["shards"][0]["sha256"]
