@@ -1,17 +1,23 @@
 """Fetching a packed model from a core: `edgecore edge --model-from URL`.
 
-Life cycle: GET the manifest; for each listed file, keep a complete local copy
-whose SHA-256 matches, resume a partial one with a Range request, or
-download it; verify every file's SHA-256 and re-fetch (up to `retries`
-times) on mismatch or truncation; only then write the manifest into the cache
-directory, so a half-fetched model is never loaded. Tensors are verified again
-(CRC-32) when the model loads.
+Life cycle: GET the manifest (waiting while the core packs its model) and
+check it (plain file names, sizes, digests); a cached copy whose manifest
+and file sizes match is used as it is. Otherwise, for each listed file, keep a
+complete local copy whose SHA-256 matches, or download it: never past its
+listed size, resuming a cut or stalled transfer with a Range request while
+attempts make progress, re-fetching a copy that fails its SHA-256; `retries`
+attempts without progress, or a transfer slower than `MIN_RATE`, fail with one
+line. Only then is the manifest written into the cache directory, so a
+half-fetched model is never loaded. Tensors are verified again (CRC-32) when
+the model loads.
 """
 
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,15 +25,20 @@ from typing import Callable
 
 from edgecore.shared.errors import ConfigError, ModelLoadError
 from edgecore.shared.pack import MANIFEST
-from edgecore.shared.pack.format import sha256_file
+from edgecore.shared.pack.format import plain_name, sha256_file
 
 
-def _get(url: str, headers: dict | None = None, timeout: float = 60):
+MANIFEST_TIMEOUT = 3600     # seconds: a core packs its model when first asked (minutes for a large one)
+READ_TIMEOUT = 60           # seconds without a byte from the core: the attempt failed (resumed next)
+MIN_RATE = 1024             # bytes/s: a download slower than this over its first READ_TIMEOUT s is given up
+
+
+def _get(url: str, headers: dict | None = None, timeout: float = READ_TIMEOUT):
     try:
         return urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout)
     except urllib.error.HTTPError as exc:
         raise ModelLoadError(f"{url}: HTTP {exc.code}") from None
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, ValueError) as exc:     # ValueError: a malformed URL
         raise ModelLoadError(f"cannot reach {url}: {exc}") from None
 
 
@@ -38,21 +49,20 @@ def fetch_model(base_url: str, cache_dir: str | Path, progress: Callable[[str], 
     base = base_url.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise ConfigError(f"--model-from needs an http(s) URL of a core's control port, got '{base_url}'")
-    with _get(f"{base}/v1/model/manifest", auth) as r:
-        raw = r.read()
     try:
-        manifest = json.loads(raw)
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ModelLoadError(f"{base}: malformed model manifest: {exc}") from None
+        with _get(f"{base}/v1/model/manifest", auth, MANIFEST_TIMEOUT) as r:
+            raw = r.read()
+    except (OSError, http.client.HTTPException) as exc:
+        raise ModelLoadError(f"{base}: reading the model manifest failed: {exc}") from None
+    files = _listed_files(base, raw)
     digest = hashlib.sha256(raw).hexdigest()[:16]
     target = Path(cache_dir) / digest
     target.mkdir(parents=True, exist_ok=True)
-    if (target / MANIFEST).is_file() and (target / MANIFEST).read_bytes() == raw:
-        return target
+    if (target / MANIFEST).is_file() and (target / MANIFEST).read_bytes() == raw and all(
+            (target / name).is_file() and (target / name).stat().st_size == meta["size"] for name, meta in files.items()):
+        return target               # (the tensors' checksums are verified again when the model loads)
+    (target / MANIFEST).unlink(missing_ok=True)
     for name, meta in files.items():
-        if "/" in name or name.startswith("."):
-            raise ModelLoadError(f"manifest names an unsafe file '{name}'")
         _fetch_file(f"{base}/v1/model/files/{name}", target / name, meta["size"], meta["sha256"], progress, retries,
                     auth)
     (target / (MANIFEST + ".tmp")).write_bytes(raw)
@@ -60,25 +70,61 @@ def fetch_model(base_url: str, cache_dir: str | Path, progress: Callable[[str], 
     return target
 
 
+def _listed_files(base: str, raw: bytes) -> dict[str, dict]:
+    """The manifest's `files` (name → size, SHA-256), checked: plain names, integer sizes, hex digests."""
+    try:
+        files = json.loads(raw)["files"]
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not an object")
+        for name, meta in files.items():
+            if not plain_name(name):
+                raise ModelLoadError(f"{base}: the model manifest names an unsafe file {name!r}")
+            if not (isinstance(meta["size"], int) and meta["size"] >= 0 and isinstance(meta["sha256"], str)):
+                raise TypeError(f"file {name!r} has no valid size and sha256")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{base}: malformed model manifest: {type(exc).__name__}: {exc}") from None
+    return files
+
+
 def _fetch_file(url: str, path: Path, size: int, sha256: str, progress, retries: int, auth: dict) -> None:
-    for attempt in range(retries + 1):
+    """Download `path` until its SHA-256 matches: a short copy is resumed (Range) for as long as attempts make
+    progress; one that makes none, or a complete copy that fails the check (fetched again from scratch),
+    counts against `retries`."""
+    failures, why = 0, "no attempt"
+    while failures <= retries:
         have = path.stat().st_size if path.exists() else 0
-        if have == size and sha256_file(path) == sha256:
-            return
-        if have > size:
+        if have == size:
+            if sha256_file(path) == sha256:
+                return
             path.unlink()
+            failures, why = failures + 1, "its SHA-256 did not match"
+            continue
+        try:
+            got = _download(url, path, have, size, progress, auth)
+        except (OSError, http.client.HTTPException) as exc:    # dropped, stalled, cut short: resumed next time
+            got, why = (path.stat().st_size if path.exists() else 0), f"{type(exc).__name__}: {exc}"
+        else:
+            why = "the server sent fewer bytes than the manifest lists"
+        if got <= have:
+            failures += 1
+    path.unlink(missing_ok=True)
+    raise ModelLoadError(f"{path.name} from {url} failed verification {retries + 1} times ({why})")
+
+
+def _download(url: str, path: Path, have: int, size: int, progress, auth: dict) -> int:
+    """One GET from byte `have` (a Range request) to `size`, and never past it; the bytes held after it."""
+    headers = {**auth, "Range": f"bytes={have}-"} if have else auth
+    started, first = time.monotonic(), have
+    with _get(url, headers, READ_TIMEOUT) as r:
+        if have and r.status != 206:       # the server ignored the range: start over
             have = 0
-        if have < size:
-            headers = {**auth, "Range": f"bytes={have}-"} if have else auth
-            with _get(url, headers) as r, open(path, "ab" if have and r.status == 206 else "wb") as f:
-                if have and r.status != 206:
-                    have = 0
-                while chunk := r.read(1 << 20):
-                    f.write(chunk)
-                    have += len(chunk)
-                    if progress:
-                        progress(f"{path.name} {have / 1e6:.1f}/{size / 1e6:.1f} MB")
-        if path.stat().st_size == size and sha256_file(path) == sha256:
-            return
-        path.unlink(missing_ok=True)   # corrupt or truncated: fetch again from scratch
-    raise ModelLoadError(f"{path.name} from {url} failed verification {retries + 1} times")
+        with open(path, "ab" if have else "wb") as f:
+            while have < size and (chunk := r.read1(min(1 << 20, size - have))):   # what has arrived
+                f.write(chunk)
+                have += len(chunk)
+                if progress:
+                    progress(f"{path.name} {have / 1e6:.1f}/{size / 1e6:.1f} MB")
+                elapsed = time.monotonic() - started
+                if elapsed > READ_TIMEOUT and (have - first) / elapsed < MIN_RATE:
+                    raise ModelLoadError(f"{url}: the download is too slow ({(have - first) / elapsed:.0f} B/s)")
+    return have

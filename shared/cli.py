@@ -128,8 +128,16 @@ def run_pack(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from edgecore.shared.pack import pack_model
+    from edgecore.shared.errors import ConfigError, ModelLoadError
+    if args.threads < 1:
+        raise ConfigError(f"--threads must be at least 1, not {args.threads}")
+    if args.level is not None and not -(1 << 17) <= args.level <= 22:
+        raise ConfigError(f"--level must be a zstd level from -131072 to 22, not {args.level}")
     progress = Progress("pack")
-    manifest = pack_model(args.model_dir, args.out_dir, args.level, args.threads, progress)
+    try:
+        manifest = pack_model(args.model_dir, args.out_dir, args.level, args.threads, progress)
+    except OSError as exc:           # an output path that is a file, unwritable, ...
+        raise ModelLoadError(f"packing into {args.out_dir} failed: {exc}") from None
     original = sum(s["size"] for s in manifest["shards"])
     packed = manifest["files"]["model.edgepack"]["size"]
     progress.done(f"{len(manifest['tensors'])} tensors, {original / 1e6:.1f} MB → {packed / 1e6:.1f} MB "
@@ -146,6 +154,8 @@ def run_unpack(args: argparse.Namespace) -> int:
     packed = PackedCheckpoint(args.packed_dir)
     try:
         packed.unpack(args.out_dir, progress)
+    except OSError as exc:
+        raise ModelLoadError(f"unpacking into {args.out_dir} failed: {exc}") from None
     finally:
         packed.close()
     progress.done(f"restored {len(packed.manifest['shards'])} safetensors file(s) in {args.out_dir}")

@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+from tests.conftest import MODEL_DIR
+
 
 def run(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "edgecore", *args], capture_output=True, text=True,
@@ -26,6 +28,9 @@ def test_generate_streams_the_golden_continuation(golden):
     (["edge", "--kv-cache-memory", "lots"], "--kv-cache-memory: 'lots' is not a size"),
     (["core", "--kv-cache-memory", "100B", "--secret-file", "/dev/null"], "holds no block"),
     (["core", "--kv-blocks", "0", "--secret-file", "/dev/null"], "--kv-blocks must be at least 1"),
+    (["pack", "/nonexistent", "/tmp/x", "--threads", "0"], "--threads must be at least 1"),
+    (["pack", "/nonexistent", "/tmp/x", "--level", "99"], "--level must be a zstd level"),
+    (["pack", str(MODEL_DIR), "/dev/null/out"], "packing into /dev/null/out failed"),
 ])
 def test_user_errors_are_one_line_and_non_zero(args, needle):
     r = run(*args)

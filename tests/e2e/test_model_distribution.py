@@ -77,3 +77,64 @@ def test_unknown_file_and_bad_url(core, tmp_path):
     assert exc.value.code == 404
     with pytest.raises(ModelLoadError, match="cannot reach"):
         fetch_model("http://127.0.0.1:9", tmp_path / "c")
+
+
+class LyingCore:
+    """A model server that misbehaves on the one file it lists: `drop` cuts every response after 1,000 bytes
+    (honouring Range requests), `endless` sends bytes forever."""
+
+    def __init__(self, mode: str, data: bytes):
+        import http.server
+        manifest = json.dumps({"files": {"w.bin": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}})
+        self.requests = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *_):
+                pass
+
+            def do_GET(self):
+                if self.path.endswith("manifest"):
+                    body = manifest.encode()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                outer.requests += 1
+                start = int(self.headers.get("Range", "bytes=0-")[6:].rstrip("-") or 0)
+                self.send_response(206 if start else 200)
+                if mode == "endless":
+                    self.end_headers()
+                    while True:
+                        self.wfile.write(b"x" * 65536)
+                self.send_header("Content-Length", str(len(data) - start))
+                self.end_headers()
+                self.wfile.write(data[start:start + 1000])
+                self.wfile.flush()
+                self.close_connection = True
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+def test_a_cut_transfer_is_resumed_while_it_progresses_and_an_endless_one_stops_at_the_listed_size(tmp_path):
+    data = bytes(range(256)) * 20                       # 5,120 bytes: six cut responses of 1,000
+    core = LyingCore("drop", data)
+    try:
+        got = fetch_model(core.url, tmp_path / "a", retries=1)
+        assert (got / "w.bin").read_bytes() == data and core.requests == 6
+    finally:
+        core.close()
+    core = LyingCore("endless", data)
+    try:
+        with pytest.raises(ModelLoadError, match="w.bin .*failed verification 2 times"):
+            fetch_model(core.url, tmp_path / "b", retries=1)
+        assert not any(p.stat().st_size > len(data) for p in (tmp_path / "b").rglob("*") if p.is_file())
+    finally:
+        core.close()
