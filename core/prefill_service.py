@@ -214,7 +214,7 @@ class PrefillService:
         if direct:      # the other ranks learn the route with the first step that computes this request
             self.handle.add_stream_route(req.internal_id, StreamRoute(rid, peer.conn.session, codec, msg.skip_tokens,
                                                                       len(msg.token_ids), msg.edge_layers))
-        limit, why_not = self._decode_limit(msg)
+        limit, why_not = self._decode_limit(msg, req.gather)
         if limit:
             req.decode = asyncio.current_task()
             await self._decode(session, req, list(msg.token_ids), SamplingParams.from_spec(s, max_tokens=1 + limit, ignore_eos=True),
@@ -230,11 +230,15 @@ class PrefillService:
                 session.queue.put_urgent(m.DecodeStop(rid, 1, why_not))
 
     # ---- decode handover --------------------------------------------------------------
-    def _decode_limit(self, msg: m.PrefillRequest) -> tuple[int, str]:
+    def _decode_limit(self, msg: m.PrefillRequest, gather: bool) -> tuple[int, str]:
         """(tokens after the first this core decodes for the request, why none when 0): "refused" under
-        prefill pressure, "bound" when the limits or the context leave none."""
+        prefill pressure, "bound" when the limits or the context leave none. None either when the KV is
+        gathered after the prefill from a model whose every layer is windowed: decoding on would release the
+        blocks the edge still needs before they are read."""
         if msg.core_decode <= 0:
             return 0, "refused"
+        if gather and self.handle.config.first_needed_position(1 << 40) > 0:
+            return 0, "bound"
         if self.handle.stats().waiting >= self.limits.refuse_waiting:
             return 0, "refused"
         limit = min(msg.core_decode, self.limits.max_tokens, self.handle.max_model_len - len(msg.token_ids) - 1)

@@ -30,7 +30,12 @@ class TokenText:
         def text(token_id: int) -> str:
             return tokenizer.decode([token_id], skip_special_tokens=False)
         self.text = text
-        self.bytes = TokenBytes(tokenizer).of
+        self._tokenizer, self._bytes = tokenizer, None
+
+    def bytes(self, token_id: int) -> bytes:
+        if self._bytes is None:          # built when first asked: a node may serve a model without a tokenizer
+            self._bytes = TokenBytes(self._tokenizer).of
+        return self._bytes(token_id)
 
     def completion_logprobs(self, lps: list[TokenLogprob], offset: int = 0) -> dict:
         """`text_offset`: where each token starts in the text, in characters (a token inside a character that

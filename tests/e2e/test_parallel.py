@@ -143,3 +143,31 @@ def test_killing_a_rank_makes_core_unhealthy_and_edge_fail_over(secret_file, tok
     finally:
         edge.stop()
         core.stop()
+
+
+async def test_gathered_kv_of_a_model_windowed_everywhere_is_read_before_any_block_is_released(secret_file, tmp_path):
+    """A parallel core that gathers the KV after the prefill (here: --gather-kv) must not decode on for a
+    handover when every layer is windowed: its decode steps release the blocks the edge still needs before
+    they are read (the ranks crashed on them). It answers DecodeStop instead and stays healthy."""
+    from edgecore.edge.engine import EdgeConfig, EdgeEngine
+    from edgecore.shared.engine.sampling_params import SamplingParams
+    from tests.conftest import make_engine
+    from tests.helpers import random_hf_checkpoint
+    path, _ = random_hf_checkpoint(tmp_path / "mistral", "mistral", sliding_window=8, num_hidden_layers=3)
+    core, port, core_http = start_core(secret_file, "--model", str(path), "--dtype", "fp32", "--tp", "2",
+                                       "--gather-kv", ready_timeout=240)
+    edge = EdgeEngine(EdgeConfig(str(path), cores=[("127.0.0.1", port)], secret=open(secret_file, "rb").read().strip(),
+                                 local_prefill_below=0, max_core_attempts=1, handover_tokens=4, dtype="fp32"),
+                      engine=make_engine(path))
+    await edge.start()
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        for prompt in (list(range(2, 42)), list(range(50, 83))):      # past the window and a 16-token block
+            got = [t async for out in edge.generate(f"r{prompt[0]}", prompt, params) for t in out.new_token_ids]
+            assert got == make_engine(path).generate([prompt], params)[0]["token_ids"]
+        assert edge.metrics.failovers._value.get() == 0           # both prefilled at the core, none locally
+        stats = get_json(f"http://127.0.0.1:{core_http}/stats")
+        assert stats["engine_alive"] and stats["handover"]["decode_requests"] == 0
+    finally:
+        await edge.stop()
+        core.stop()
