@@ -132,6 +132,8 @@ class CoreServer:
                                   ssl=c.ssl, name=c.name, layout=self.layout, load_fn=self.load,
                                   streams=self.stream_ports)
         self.port = self.server.sockets[0].getsockname()[1]
+        if self.failure is not None:     # failed while starting: the port opens closed
+            self.server.close()
         if self.workers:
             from edgecore.core.ranks import RankWatch
             self.watch = RankWatch(self.workers, lambda why: loop.call_soon_threadsafe(self.mark_failed, why))
@@ -160,11 +162,14 @@ class CoreServer:
     def mark_failed(self, why: str) -> None:
         """A rank died or the engine thread failed: stop serving (edges fail over), report unhealthy on /health,
         /ready and /stats."""
+        if self.failure is not None:     # the first cause stays (a dead rank, then the engine thread it stops)
+            log.error("core %s: also %s", self.config.name, why)
+            return
         log.error("core %s is unhealthy: %s", self.config.name, why)
         self.failure = why
         if self.server is not None:
             self.server.close()
-        asyncio.ensure_future(self.prefill.fail_all(f"core failed: {why}"))
+        self._failing = asyncio.ensure_future(self.prefill.fail_all(f"core failed: {why}"))   # held
 
     async def stop(self) -> None:
         if self.workers and self.failure is None and self.started and self.handle.alive:

@@ -31,13 +31,14 @@ from edgecore.shared.pack.format import plain_name, sha256_file
 MANIFEST_TIMEOUT = 3600     # seconds: a core packs its model when first asked (minutes for a large one)
 READ_TIMEOUT = 60           # seconds without a byte from the core: the attempt failed (resumed next)
 MIN_RATE = 1024             # bytes/s: a download slower than this over its first READ_TIMEOUT s is given up
+MAX_MANIFEST = 256 << 20    # bytes: a larger manifest is refused (it lists tensors, not their data)
 
 
 def _get(url: str, headers: dict | None = None, timeout: float = READ_TIMEOUT):
     try:
         return urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout)
     except urllib.error.HTTPError as exc:
-        raise ModelLoadError(f"{url}: HTTP {exc.code}") from None
+        raise ModelLoadError(f"{url}: HTTP {exc.code}{_error_message(exc)}") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:     # ValueError: a malformed URL
         raise ModelLoadError(f"cannot reach {url}: {exc}") from None
 
@@ -51,9 +52,11 @@ def fetch_model(base_url: str, cache_dir: str | Path, progress: Callable[[str], 
         raise ConfigError(f"--model-from needs an http(s) URL of a core's control port, got '{base_url}'")
     try:
         with _get(f"{base}/v1/model/manifest", auth, MANIFEST_TIMEOUT) as r:
-            raw = r.read()
+            raw = r.read(MAX_MANIFEST + 1)
     except (OSError, http.client.HTTPException) as exc:
         raise ModelLoadError(f"{base}: reading the model manifest failed: {exc}") from None
+    if len(raw) > MAX_MANIFEST:
+        raise ModelLoadError(f"{base}: the model manifest is larger than {MAX_MANIFEST >> 20} MiB")
     files = _listed_files(base, raw)
     digest = hashlib.sha256(raw).hexdigest()[:16]
     target = Path(cache_dir) / digest
@@ -93,6 +96,9 @@ def _fetch_file(url: str, path: Path, size: int, sha256: str, progress, retries:
     failures, why = 0, "no attempt"
     while failures <= retries:
         have = path.stat().st_size if path.exists() else 0
+        if have > size:                  # not this file (a copy left by an older fetch): start over
+            path.unlink()
+            continue
         if have == size:
             if sha256_file(path) == sha256:
                 return
@@ -114,10 +120,14 @@ def _fetch_file(url: str, path: Path, size: int, sha256: str, progress, retries:
 def _download(url: str, path: Path, have: int, size: int, progress, auth: dict) -> int:
     """One GET from byte `have` (a Range request) to `size`, and never past it; the bytes held after it."""
     headers = {**auth, "Range": f"bytes={have}-"} if have else auth
-    started, first = time.monotonic(), have
-    with _get(url, headers, READ_TIMEOUT) as r:
+    try:
+        response = _get(url, headers, READ_TIMEOUT)
+    except ModelLoadError as exc:       # unreachable, refused, 5xx: an attempt without progress, retried
+        raise ConnectionError(str(exc)) from None
+    with response as r:
         if have and r.status != 206:       # the server ignored the range: start over
             have = 0
+        started, first = time.monotonic(), have
         with open(path, "ab" if have else "wb") as f:
             while have < size and (chunk := r.read1(min(1 << 20, size - have))):   # what has arrived
                 f.write(chunk)
@@ -128,3 +138,11 @@ def _download(url: str, path: Path, have: int, size: int, progress, auth: dict) 
                 if elapsed > READ_TIMEOUT and (have - first) / elapsed < MIN_RATE:
                     raise ModelLoadError(f"{url}: the download is too slow ({(have - first) / elapsed:.0f} B/s)")
     return have
+
+
+def _error_message(exc: urllib.error.HTTPError) -> str:
+    """": message" of an OpenAI-style error body (a core says why it refuses), else nothing."""
+    try:
+        return ": " + str(json.loads(exc.read(65536))["error"]["message"])
+    except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException):
+        return ""

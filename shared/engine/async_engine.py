@@ -370,19 +370,24 @@ class AsyncEngine:
             self.on_outputs(delivered)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for queue in self._streams.values():
-            queue.put_nowait(exc)
-        dead = EngineDead(f"engine failed: {exc}")
-        for sink in list(self._sinks.values()):
-            sink(dead)
-        with self._wake:
-            pending = list(self._commands)
-            self._commands.clear()
-        for _, fut in pending:
-            if fut is not None and not fut.done():
-                fut.set_exception(EngineDead(f"engine failed: {exc}"))
-        if self.on_failure is not None:
-            self.on_failure(exc)
+        try:
+            for queue in self._streams.values():
+                queue.put_nowait(exc)
+            dead = EngineDead(f"engine failed: {exc}")
+            for sink in list(self._sinks.values()):
+                try:
+                    sink(dead)
+                except Exception:       # one consumer's bug must not keep the others (or the node) waiting
+                    log.exception("output sink failed on the engine's failure")
+            with self._wake:
+                pending = list(self._commands)
+                self._commands.clear()
+            for _, fut in pending:
+                if fut is not None and not fut.done():
+                    fut.set_exception(EngineDead(f"engine failed: {exc}"))
+        finally:
+            if self.on_failure is not None:
+                self.on_failure(exc)
 
 
 def _deliver(replies: list[tuple[asyncio.Future, bool, Any]]) -> None:

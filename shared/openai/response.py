@@ -11,6 +11,7 @@ OpenAI returns (chat with tools: the text split into content and
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -38,23 +39,29 @@ class TokenText:
         return self._bytes(token_id)
 
     def completion_logprobs(self, lps: list[TokenLogprob], offset: int = 0) -> dict:
-        """`text_offset`: where each token starts in the text, in characters (a token inside a character that
-        takes several tokens: where that character starts)."""
+        """`text_offset`: where each token starts in the text, in characters of the tokens' bytes decoded
+        together (U+FFFD for invalid bytes; a token inside a character that takes several tokens: where that
+        character starts). Linear in the tokens."""
+        return self._logprobs(lps, offset)[0]
+
+    def _logprobs(self, lps: list[TokenLogprob], offset: int) -> tuple[dict, int]:
+        """(the completions logprobs object, the offset after the last token)."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        raw = b""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         for lp in lps:
             tokens.append(self.text(lp.token_id))
             token_lps.append(lp.logprob)
             tops.append({self.text(t): v for t, v in lp.top})
-            offsets.append(offset + len(raw.decode("utf-8", errors="ignore")))
-            raw += self.bytes(lp.token_id)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+            offsets.append(offset)
+            offset += len(decoder.decode(self.bytes(lp.token_id)))
+        offset += len(decoder.decode(b"", final=True))
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
     def echo_logprobs(self, plps: list[TokenLogprob | None], lps: list[TokenLogprob]) -> dict:
-        """Completions `echo` + `logprobs`: the prompt tokens' entries (the first has none), then the output's."""
-        prompt = self.completion_logprobs([lp for lp in plps if lp is not None])
-        raw = b"".join(self.bytes(lp.token_id) for lp in plps if lp is not None)
-        offset = len(raw.decode("utf-8", errors="replace"))
+        """Completions `echo` + `logprobs`: the prompt tokens' entries (the first has none), then the output's.
+        (Offsets count the tokens' bytes: with a tokenizer that strips a leading space when decoding, as
+        SentencePiece's do, they run one character ahead of the echoed text.)"""
+        prompt, offset = self._logprobs([lp for lp in plps if lp is not None], 0)
         return {key: prompt[key] + value for key, value in self.completion_logprobs(lps, offset).items()}
 
     def prompt_logprobs(self, plps: list[TokenLogprob | None]) -> list[dict | None]:

@@ -195,25 +195,32 @@ def test_a_packed_fp8_checkpoint_loads_as_the_unpacked_one(tmp_path):
         assert torch.equal(a, b), name
 
 
-def test_a_core_packs_its_model_again_once_the_checkpoint_changed(model_dir, tmp_path):
-    """The copy a core ships to edges is of the checkpoint it serves now: retrained weights in the same model
-    directory are packed again (edges would otherwise decode with the old weights), an unchanged one is not."""
+def test_a_core_ships_the_weights_it_serves_packed_again_for_a_new_checkpoint(model_dir, tmp_path):
+    """The copy a core ships to edges is of the checkpoint it loaded: a core restarted on retrained weights
+    (same shapes, same data directory) packs them again; an unchanged one is not packed again; a core whose
+    model directory changed under it answers 503 rather than ship weights it does not serve."""
     import asyncio
     import os
 
     from edgecore.core.model_server import ModelServer
+    from edgecore.shared.openai.errors import ApiError
     src = tmp_path / "model"
     shutil.copytree(model_dir, src)
-    server = ModelServer(str(src), tmp_path / "data")
-    manifest = asyncio.run(server.ensure_packed()) / "edgecore-pack.json"
+    running = ModelServer(str(src), tmp_path / "data")
+    manifest = asyncio.run(running.ensure_packed()) / "edgecore-pack.json"
     first = json.loads(manifest.read_text())
     stamp = manifest.stat().st_mtime_ns
-    asyncio.run(server.ensure_packed())
+    asyncio.run(running.ensure_packed())
     assert manifest.stat().st_mtime_ns == stamp                       # unchanged: not packed again
     from safetensors.torch import load_file
     tensors = load_file(src / "model.safetensors")
     tensors["model.norm.weight"] = tensors["model.norm.weight"] * 2   # "retrained": same shapes, new weights
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     os.utime(src / "model.safetensors", ns=(stamp + 10**9, stamp + 10**9))
-    asyncio.run(server.ensure_packed())
+    with pytest.raises(ApiError) as e:
+        asyncio.run(running.ensure_packed())
+    assert e.value.status == 503 and json.loads(manifest.read_text()) == first
+    restarted = ModelServer(str(src), tmp_path / "data")
+    asyncio.run(restarted.ensure_packed())
     assert json.loads(manifest.read_text())["shards"][0]["sha256"] != first["shards"][0]["sha256"]
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["packed-model"]    # swapped in, no leftovers

@@ -35,6 +35,8 @@ def test_sentencepiece_byte_fallback_tokens_join_to_the_texts_bytes():
     ids = tok.encode(text, add_special_tokens=False)
     assert "<0xC3>" in [hf.id_to_token(i) for i in ids]
     assert b"".join(of(i) for i in ids) == (" " + text).encode()      # the prepended ▁ is a space
+    lone = [TokenLogprob(vocab["<0x80>"], -1.0, []), TokenLogprob(vocab["a"], -1.0, [])]   # invalid UTF-8
+    assert TokenText(tok).completion_logprobs(lone)["text_offset"] == [0, 1]     # U+FFFD, then "a"
 
 
 def test_logprobs_carry_the_bytes_and_offsets_of_split_characters(tokenizer):
