@@ -98,20 +98,18 @@ class LLMEngine:
                 raise RequestError("this engine has no tokenizer; pass token ids", param="prompt")
             prompt = self.tokenizer.encode(prompt)
         ids = list(prompt)
-        if not ids:
-            raise RequestError("the prompt is empty", param="prompt")
         vocab = self.config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if not ids or any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise RequestError(f"the prompt must be token ids in [0, {vocab})" + ("" if ids else ": it is empty"),
+                               param="prompt")
         if params.logit_bias and max(params.logit_bias) >= vocab:     # (keys are checked ≥ 0 by validate)
             raise RequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         need = len(ids) + (1 if prefill_only else params.max_tokens)
         if need > self.max_model_len:
-            raise RequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the request "
-                f"needs {len(ids)} prompt tokens + {need - len(ids)} completion tokens",
-                param="max_tokens" if len(ids) < self.max_model_len else "prompt",
-                code="context_length_exceeded")
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the request "
+                               f"needs {len(ids)} prompt tokens + {need - len(ids)} completion tokens",
+                               param="max_tokens" if len(ids) < self.max_model_len else "prompt",
+                               code="context_length_exceeded")
         capacity = self.cache_config.num_blocks * self.cache_config.block_size
         if need > capacity:
             raise RequestError(f"the request needs {need} tokens of KV cache but the cache holds {capacity}",
