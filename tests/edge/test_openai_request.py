@@ -149,7 +149,8 @@ def test_echo_logprobs_and_prompt_logprobs_bodies(tokenizer):
     assert body["prompt_logprobs"] == [None, {"5": {"logprob": -2.0, "rank": 7, "decoded_token": texts.text(5)}}]
 
 
-def test_chat_template_kwargs_reach_the_template(tokenizer, monkeypatch):
+def template_variables(tokenizer, monkeypatch) -> dict:
+    """The extra variables the chat template receives from now on (filled as requests are parsed)."""
     seen = {}
     render = tokenizer.apply_chat_template
 
@@ -158,6 +159,11 @@ def test_chat_template_kwargs_reach_the_template(tokenizer, monkeypatch):
         return render(messages, add_generation_prompt, tools=tools, **extra)
 
     monkeypatch.setattr(tokenizer, "apply_chat_template", recording)
+    return seen
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer, monkeypatch):
+    seen = template_variables(tokenizer, monkeypatch)
     assert chat(tokenizer, chat_template_kwargs={"enable_thinking": False}).params
     assert seen == {"enable_thinking": False}
     for bad in ({"messages": []}, {"bos_token": "x"}, {"not an identifier": 1}, {"_private": 1},
@@ -177,12 +183,6 @@ def test_null_n_is_one_and_reasoning_effort_reaches_the_template(tokenizer, monk
     """The openai client sends `n: null` for n=None; `reasoning_effort` is a template variable (as vLLM passes it:
     gpt-oss's templates read it)."""
     assert chat(tokenizer, n=None).n == 1 and comp(tokenizer, n=None).n == 1
-    seen = {}
-    render = tokenizer.apply_chat_template
-
-    def recording(messages, add_generation_prompt=True, tools=None, **extra):
-        seen.update(extra)
-        return render(messages, add_generation_prompt, tools=tools, **extra)
-    monkeypatch.setattr(tokenizer, "apply_chat_template", recording)
+    seen = template_variables(tokenizer, monkeypatch)
     chat(tokenizer, reasoning_effort="low")
     assert seen == {"reasoning_effort": "low"}
