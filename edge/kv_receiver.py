@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from edgecore.protocol import messages as m
+from edgecore.protocol.codecs.base import BITS_DTYPES
 
 
 class ReceiveState(enum.Enum):
@@ -62,9 +63,12 @@ class _Box:
 
 class KVReceiver:
     def __init__(self, request_id: str, num_layers: int, num_kv_heads: int, total_tokens: int,
-                 skip_tokens: int = 0, direct: bool = False, needed_from: Sequence[int] | None = None):
+                 skip_tokens: int = 0, direct: bool = False, needed_from: Sequence[int] | None = None,
+                 values_per_head: int | None = None):
         """`needed_from`: per layer, the first token it needs (shared/kv/transfer.py `needed_from`); None:
-        every layer needs every token from `skip_tokens`."""
+        every layer needs every token from `skip_tokens`. `values_per_head`: K and V values per layer, token
+        and KV head in this model (the latent's, for MLA): a chunk whose `raw_len` says otherwise is refused
+        before it is decoded (its decoder would allocate what the header declares)."""
         if not 0 <= skip_tokens < total_tokens:
             raise ValueError(f"skip_tokens {skip_tokens} must be below the prompt length {total_tokens}")
         if needed_from is not None and len(needed_from) != num_layers:
@@ -73,6 +77,7 @@ class KVReceiver:
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
         self.total_tokens, self.skip_tokens = total_tokens, skip_tokens
         self.direct = direct
+        self.values_per_head = values_per_head
         self.state = ReceiveState.RECEIVING
         self.done: m.PrefillDone | None = None
         self.failure: str | None = None
@@ -110,6 +115,12 @@ class KVReceiver:
                 and self.skip_tokens <= c.token_start < c.token_end <= self.total_tokens
                 and 0 <= c.head_start < c.head_end <= self.num_kv_heads):
             self.fail(f"chunk outside the request: {c}")
+        if self.values_per_head is not None:
+            values = (c.layer_end - c.layer_start) * (c.token_end - c.token_start) * (c.head_end - c.head_start)
+            bits = BITS_DTYPES.get(c.dtype)
+            expected = values * self.values_per_head * (bits().itemsize if bits else 0)
+            if c.raw_len != expected:
+                self.fail(f"a {c.dtype} chunk of {c.raw_len} raw bytes where this model's KV takes {expected}: {c}")
         box = _Box(c.token_start, c.token_end, c.head_start, c.head_end)
         for layer in range(c.layer_start, c.layer_end):
             if any(box.overlaps(b) for b in self._boxes[layer]):

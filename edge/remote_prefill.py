@@ -100,7 +100,9 @@ class RemotePrefill:
                                           self.first_layer_budget, get_codec(codec).lossless)
         receiver = self.receiver = KVReceiver(rid, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                               len(self.prompt_ids), cached, direct=client.direct or limit > 0,
-                                              needed_from=needed_from(cfg, len(self.prompt_ids), self.edge_layers))
+                                              needed_from=needed_from(cfg, len(self.prompt_ids), self.edge_layers),
+                                              values_per_head=cfg.kv_bytes_per_token(1) // (
+                                                  cfg.num_hidden_layers * cfg.num_key_value_heads))
         started = time.perf_counter()
         try:
             if limit > 0:

@@ -151,3 +151,18 @@ def test_bandwidth_sample_counts_bytes_after_the_first_chunk():
 def test_skip_tokens_must_leave_something_to_receive():
     with pytest.raises(ValueError, match="skip_tokens"):
         KVReceiver("r", LAYERS, HEADS, TOTAL, TOTAL)
+
+
+def test_a_chunk_declaring_more_kv_than_the_model_holds_fails_before_it_is_decoded():
+    """A chunk's header sizes what its decoder allocates: 2^40 values per head would be terabytes. Its raw_len
+    must be exactly what this model's K and V take for the box (here head dim 16, so 32 values per head)."""
+    rx = KVReceiver("r", LAYERS, HEADS, TOTAL, SKIP, values_per_head=32)
+    tokens = TOTAL - SKIP
+    good = m.KVChunk("r", 0, 1, SKIP, TOTAL, 0, HEADS, 16, "bfloat16", "q4e", 10, tokens * HEADS * 32 * 2, TOTAL)
+    rx.on_chunk(good, 10, 0.0)
+    for bad in (m.KVChunk("r", 1, 2, SKIP, TOTAL, 0, HEADS, 1 << 40, "bfloat16", "q4e", 10, 1 << 46, TOTAL),
+                m.KVChunk("r", 1, 2, SKIP, TOTAL, 0, HEADS, 16, "float32", "q4e", 10, good.raw_len, TOTAL),
+                m.KVChunk("r", 1, 2, SKIP, TOTAL, 0, HEADS, 16, "int8", "q4e", 10, good.raw_len, TOTAL)):
+        rx = KVReceiver("r", LAYERS, HEADS, TOTAL, SKIP, values_per_head=32)
+        with pytest.raises(TransferFailed, match="raw bytes where this model's KV takes"):
+            rx.on_chunk(bad, 10, 0.0)
