@@ -102,9 +102,17 @@ def bits_to_f32(bits: np.ndarray, dtype: str, out: np.ndarray) -> np.ndarray:
     return out
 
 
+# The largest finite value of each dtype, as float32: a lossy reconstruction past it (a group's centre plus its
+# largest offset can exceed the input's range) is clamped there, never turned into an infinity.
+FINITE_MAX = {"float16": 65504.0, "bfloat16": float(np.uint32(0x7F7F0000).view(np.float32)),
+              "float32": float(np.finfo(np.float32).max)}
+
+
 def store_f32(x: np.ndarray, dtype: str, dst: np.ndarray) -> None:
     """Lossy codecs' from_float32 into `dst` (a view of the output plane); x (float32, a scratch array) is
-    clobbered. bfloat16 rounds half away from zero (ties are not worth a pass in a lossy codec)."""
+    clobbered: clamped to the dtype's finite range, and for bfloat16 rounded half away from zero (ties are not
+    worth a pass in a lossy codec)."""
+    np.clip(x, -FINITE_MAX[dtype], FINITE_MAX[dtype], out=x)
     if dtype != "bfloat16":
         dst[...] = from_float32(x, dtype)
         return

@@ -185,6 +185,24 @@ def test_constant_and_extreme_planes():
                 assert np.abs(y - to_float32(bits, dtype)).max() <= 0.02 * abs(v) + 1e-6, (dtype, v, name)
 
 
+@pytest.mark.parametrize("dtype, top", [("float16", 65504.0), ("float16", 62000.0)])
+def test_finite_values_near_the_dtype_limit_never_decode_to_infinity(dtype, top):
+    """A group's centre plus its largest offset can pass the dtype's range (q4e put -62000 at -66532 in
+    float16, an infinity): every lossy codec clamps its reconstruction to the finite range. (Not covered: groups
+    spanning more than float32's range, ±3e38 together, whose parameters overflow.)"""
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-top, top, (2, 64, 2, 16)).astype(np.float32)
+    x[:, ::5, :, ::3] = -top
+    x[:, 1::5, :, 1::3] = top
+    bits = from_float32(x, dtype)
+    assert np.isfinite(to_float32(bits, dtype)).all()
+    for name in [c for c in CODECS if not get_codec(c).lossless]:
+        for kind in ("k", "v"):
+            info = PlaneInfo(dtype, bits.shape, kind, 0, 64)
+            y = to_float32(get_codec(name).decode(get_codec(name).encode(bits, info), info), dtype)
+            assert np.isfinite(y).all(), (name, kind)
+
+
 def test_column_and_row_reductions_match_numpy():
     """The codecs' fast statistics (columns.py) equal numpy's reductions on every shape they meet."""
     from edgecore.protocol.codecs.columns import column_mean_std, column_reduce, row_reduce
