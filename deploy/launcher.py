@@ -3,9 +3,9 @@
 Life cycle: make or read the cluster secret → start every core (its own
 process group), wait until each answers /ready → start every edge pointed at
 its cores, nearest first, wait for /ready → print each edge's URL and an
-example request → wait for SIGINT/SIGTERM or a node dying → SIGTERM every
-node, SIGKILL what is still alive after a grace period, remove temporary
-files. Each node's output is echoed with a `[region/node]` prefix. With
+example request → wait for SIGINT/SIGTERM/SIGHUP or a node dying (a signal
+while starting stops the start there) → SIGTERM every node, SIGKILL what is
+still alive after a grace period, remove temporary files. Each node's output is echoed with a `[region/node]` prefix. With
 `--emulate-wan` the nodes run inside per-region network namespaces
 (deploy/wan.py) and reach each other through emulated links.
 """
@@ -167,20 +167,15 @@ class Launcher:
                      f"\"content\": \"What does the for statement do?\"}}], \"max_tokens\": 40}}'")
         self.say("Ctrl-C stops everything.")
 
-    def wait(self) -> int:
-        stop = threading.Event()
-        handlers = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            while not stop.is_set():
-                for proc in self.procs:
-                    if proc.popen.poll() is not None:
-                        self.say(f"{proc.label} exited with code {proc.popen.returncode}; stopping")
-                        return 1
-                stop.wait(0.5)
-            return 0
-        finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
+    def wait(self, stop: threading.Event) -> int:
+        """Until `stop` (a signal) or a node exits."""
+        while not stop.is_set():
+            for proc in self.procs:
+                if proc.popen.poll() is not None:
+                    self.say(f"{proc.label} exited with code {proc.popen.returncode}; stopping")
+                    return 1
+            stop.wait(0.5)
+        return 0
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -208,8 +203,20 @@ class Launcher:
         self.tmp.cleanup()
 
     def run(self) -> int:
+        """Start, wait, stop. SIGINT, SIGTERM or SIGHUP stop every node whenever they come: while waiting they
+        end the wait; while starting they interrupt it (as Ctrl-C does), so no node outlives the launcher."""
+        stop, waiting = threading.Event(), threading.Event()
+
+        def on_signal(*_):
+            stop.set()
+            if not waiting.is_set():
+                raise KeyboardInterrupt
+        handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             self.start()
-            return self.wait()
+            waiting.set()
+            return self.wait(stop)
         finally:
             self.stop()
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)

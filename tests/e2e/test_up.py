@@ -93,6 +93,44 @@ delay_ms = 30
             proc.kill()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_while_starting_stops_every_node_started(tmp_path, sig):
+    """SIGTERM or SIGHUP while the nodes start (here: the core is up, the edge is loading) stops what was
+    started: it used to kill the launcher only, leaving the core running with nobody to stop it."""
+    core_port, core_http, edge_port = free_port(), free_port(), free_port()
+    topo = tmp_path / "topology.toml"
+    topo.write_text(f"""
+[model]
+path = "{ROOT / 'models' / 'pydoc-llama'}"
+[[regions.dc.cores]]
+name = "core-dc"
+port = {core_port}
+http_port = {core_http}
+[[regions.west.edges]]
+name = "edge-west"
+port = {edge_port}
+""")
+    proc = subprocess.Popen([sys.executable, "-m", "edgecore", "up", "--topology", str(topo)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "EDGECORE_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    try:
+        seen, deadline = [], time.monotonic() + 120
+        while time.monotonic() < deadline and not any("[west/edge-west]" in line for line in seen):
+            seen.append(proc.stdout.readline())            # the core is ready once the edge starts
+        children = descendants(proc.pid)
+        assert children and "Ctrl-C stops everything" not in "".join(seen), "".join(seen)
+        proc.send_signal(sig)
+        proc.stdout.read()
+        assert proc.wait(60) != 0
+        time.sleep(0.5)
+        alive = [p for p in children if os.path.exists(f"/proc/{p}") and
+                 "zombie" not in open(f"/proc/{p}/status").read().lower()]
+        assert alive == [], f"orphans: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_dns_discovery_and_context_prefetch(secret_file, tokenizer, heldout):
     http = free_port()
     core, port, core_http = start_core(secret_file, "--push-edge", f"west=http://127.0.0.1:{http}")
