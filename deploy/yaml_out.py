@@ -1,7 +1,7 @@
 """A minimal YAML writer for manifests (maps, lists, strings, numbers, booleans, null).
 
-Strings are always double-quoted JSON strings, which YAML reads verbatim, so
-no value can change meaning (`on`, `yes`, `1e3`, `:`).
+Strings are always double-quoted, escaped to ASCII, which YAML reads verbatim,
+so no value can change meaning (`on`, `yes`, `1e3`, `:`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,25 @@ def _scalar(value) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return json.dumps(value)
-    return json.dumps(str(value))
+    return _quoted(str(value))
+
+
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _quoted(text: str) -> str:
+    """A YAML double-quoted scalar in ASCII: printable ASCII as is, the rest escaped (`\\uXXXX`, and
+    `\\UXXXXXXXX` beyond U+FFFF, where JSON's surrogate pairs are refused by YAML parsers, kustomize's too)."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif 0x20 <= code < 0x7F:
+            out.append(ch)
+        else:
+            out.append(f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08X}")
+    return '"' + "".join(out) + '"'
 
 
 def _lines(value, indent: int):
