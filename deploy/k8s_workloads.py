@@ -15,7 +15,7 @@ import math
 import re
 from pathlib import Path
 
-from edgecore.deploy.topology import CoreNode, EdgeNode, Resources, Topology
+from edgecore.deploy.topology import CoreNode, EdgeNode, Resources, Topology, kube_name
 
 APP = "edgecore"
 MODEL_MOUNT = "/models"
@@ -35,11 +35,11 @@ def selector(component: str, node: str) -> dict:
 
 
 def core_name(core: CoreNode) -> str:
-    return core.name if core.name.startswith("core") else f"core-{core.name}"
+    return kube_name("core", core.name)
 
 
 def edge_name(edge: EdgeNode) -> str:
-    return edge.name if edge.name.startswith("edge") else f"edge-{edge.name}"
+    return kube_name("edge", edge.name)
 
 
 def models_claim(region: str) -> str:

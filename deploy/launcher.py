@@ -5,9 +5,11 @@ process group), wait until each answers /ready → start every edge pointed at
 its cores, nearest first, wait for /ready → print each edge's URL and an
 example request → wait for SIGINT/SIGTERM/SIGHUP or a node dying (a signal
 while starting stops the start there) → SIGTERM every node, SIGKILL what is
-still alive after a grace period, remove temporary files. Each node's output is echoed with a `[region/node]` prefix. With
-`--emulate-wan` the nodes run inside per-region network namespaces
-(deploy/wan.py) and reach each other through emulated links.
+still alive after a grace period, remove temporary files. Nodes that would
+share a port on one host are refused first. Each node's output is echoed
+with a `[region/node]` prefix. With `--emulate-wan` the nodes run inside
+per-region network namespaces (deploy/wan.py) and reach each other through
+emulated links.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgecore.deploy.topology import Topology
+from edgecore.deploy.topology import CoreNode, Topology
 from edgecore.shared.errors import EdgecoreError
 
 COMPILE_WAIT = 300.0     # seconds more to wait for edges with `compile = true` (a first compile; cached after)
@@ -108,7 +110,20 @@ class Launcher:
             path.chmod(0o600)
         return str(path)
 
+    def _check_ports(self) -> None:
+        """Nodes share this host (or, with --emulate-wan, their region's namespace): one port each."""
+        used: dict[tuple[str, int], str] = {}
+        for node in (*self.topology.cores, *self.topology.edges):
+            ports = (node.port, node.http_port) if isinstance(node, CoreNode) else (node.port,)
+            for port in ports:
+                key = (node.region if self.emulate_wan else "", port)
+                if key in used:
+                    raise EdgecoreError(f"port {port} is used by both {used[key]} and {node.name}, which would "
+                                        "run on one host: give them different ports")
+                used[key] = node.name
+
     def start(self) -> None:
+        self._check_ports()
         topo = self.topology
         secret = self._secret_file()
         addr = {}

@@ -24,12 +24,12 @@ from edgecore.deploy.schema_errors import explain
 from edgecore.deploy.toml_lines import TomlLines
 from edgecore.shared.errors import ConfigError
 
-NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$"
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?\Z"     # \Z: `$` would let a final newline in
 NAME_WORDS = "a valid name (lowercase letters, digits, '-'; at most 32, no '-' at either end)"
-QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
-RELATIVE_PATTERN = r"^(?!/)(?!.*\.\.)[A-Za-z0-9._/-]+$"
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?\Z"
+RELATIVE_PATTERN = r"^(?!/)(?!.*\.\.)[A-Za-z0-9._/-]+\Z"
 CORE_DNS_PATTERN = r"\{service\}"
-LABEL_PATTERN = r"^([a-z0-9.-]{1,253}/)?[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$"
+LABEL_PATTERN = r"^([a-z0-9.-]{1,253}/)?[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?\Z"
 _WORDS = {NAME_PATTERN: NAME_WORDS,
           QUANTITY_PATTERN: "a Kubernetes quantity (e.g. 500m, 2, 8Gi)",
           RELATIVE_PATTERN: "a relative path without '..'",
@@ -227,8 +227,11 @@ def _shown(path: tuple[str | int, ...]) -> str:
 def load_topology(path: str | Path) -> Topology:
     path = example_topology_path() if str(path) == EXAMPLE else Path(path)
     if not path.is_file():
-        raise TopologyError(f"topology file {path} does not exist")
-    text = path.read_text()
+        raise TopologyError(f"topology file {path} " + ("is not a file" if path.exists() else "does not exist"))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TopologyError(f"{path} cannot be read as UTF-8 text: {exc}") from None
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -248,6 +251,11 @@ def _build(path: Path, spec: TopologyFile, fail) -> Topology:
     cores: list[CoreNode] = []
     edges: list[EdgeNode] = []
     seen: set[str] = set()
+    kube_names: dict[str, str] = {}
+    for region in spec.regions:
+        if f"{region}-monitoring" in spec.regions:   # its overlay directory is that region's monitoring overlay
+            fail(("regions", f"{region}-monitoring"), f"clashes with the monitoring overlay of region {region!r} "
+                 f"(overlays/{region}-monitoring)")
     for region, table in spec.regions.items():
         nodes: list[tuple[str, Sequence[CoreSpec | EdgeSpec]]] = [("cores", table.cores), ("edges", table.edges)]
         for kind, items in nodes:
@@ -256,6 +264,13 @@ def _build(path: Path, spec: TopologyFile, fail) -> Topology:
                 if name in seen:
                     fail(("regions", region, kind, i, "name"), f"repeats node name {name!r}")
                 seen.add(name)
+                kube = kube_name(kind[:-1], name)
+                if kube in kube_names:
+                    fail(("regions", region, kind, i, "name"), f"is named {kube!r} in Kubernetes, as node "
+                         f"{kube_names[kube]!r} is")
+                kube_names[kube] = name
+                if isinstance(node, CoreSpec) and node.port == node.http_port:
+                    fail(("regions", region, kind, i, "http_port"), f"is the core's KV port too ({node.port})")
                 fields = {**msgspec.structs.asdict(node), "name": name, "region": region}
                 if isinstance(node, EdgeSpec):
                     fields["max_replicas"] = max(node.replicas, node.max_replicas)
@@ -280,6 +295,11 @@ def _build(path: Path, spec: TopologyFile, fail) -> Topology:
                     spec.secrets.cluster_secret_file, spec.secrets.kubernetes_secret, spec.secrets.api_keys_file,
                     tuple(spec.regions), tuple(cores), tuple(edges), tuple(spec.links), spec.model.cuda_image,
                     spec.kubernetes)
+
+
+def kube_name(kind: str, name: str) -> str:
+    """A node's Kubernetes name (Deployment, Service): `kind-name` unless the name starts with the kind."""
+    return name if name.startswith(kind) else f"{kind}-{name}"
 
 
 def _model_path(topology: Path, given: str | None) -> str:

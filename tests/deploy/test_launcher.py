@@ -35,3 +35,13 @@ def test_compile_reaches_the_edge_command(tmp_path, monkeypatch):
     west, south = spawned["edge-west/edge-west"], spawned["edge-south/edge-south"]
     assert build_parser().parse_args(west).compile and not build_parser().parse_args(south).compile
     assert waits == [0.0, COMPILE_WAIT] and launcher_mod.COMPILE_WAIT >= 120
+
+
+def test_nodes_sharing_a_port_on_one_host_are_refused_before_any_starts(tmp_path, monkeypatch):
+    import pytest
+
+    from edgecore.shared.errors import EdgecoreError
+    text = ('[[regions.a.cores]]\nname = "c"\nport = 9100\nhttp_port = 9101\n'
+            '[[regions.b.edges]]\nname = "e"\nport = 9101\n')
+    with pytest.raises(EdgecoreError, match="port 9101 is used by both c and e"):
+        command_lines(tmp_path, monkeypatch, text)

@@ -23,6 +23,14 @@ def test_example_topology_loads():
     ('[[regions.East.cores]]\nname = "c"\n', "'regions.East' is not a valid name"),
     ('[[regions.a.cores]]\nname = "x"\n[[regions.b.edges]]\nname = "x"\n', ":4: 'regions.b.edges[0].name' repeats"),
     ("[regions\n", "Expected"),
+    # names that would collide as Kubernetes objects or overlays, a port used twice by one pod, a final newline
+    ('[[regions.a.cores]]\nname = "core-x"\n[[regions.b.cores]]\nname = "x"\n',
+     ":4: 'regions.b.cores[0].name' is named 'core-x' in Kubernetes"),
+    ('[[regions.r1.edges]]\nname = "e"\n[[regions.r1-monitoring.edges]]\nname = "f"\n',
+     "'regions.r1-monitoring' clashes with the monitoring overlay of region 'r1'"),
+    ('[[regions.a.cores]]\nname = "c"\nport = 9000\nhttp_port = 9000\n',
+     ":4: 'regions.a.cores[0].http_port' is the core's KV port too"),
+    ('[[regions.a.cores]]\nname = "c\\n"\n', ":2: 'regions.a.cores[0].name' is not a valid name"),
 ])
 def test_errors_name_key_and_line(tmp_path, text, needle):
     path = tmp_path / "t.toml"
@@ -136,3 +144,11 @@ def test_any_value_in_the_example_is_loaded_or_named_at_its_line(tmp_path):
             if not key.isdigit() and any(line.startswith(f"{key} = ") for line in text):
                 assert text[number - 1].lstrip().startswith(key), (message, changes)
     check()
+
+
+def test_a_file_that_is_not_utf8_or_not_a_file_is_one_error(tmp_path):
+    (tmp_path / "latin1.toml").write_bytes(b'[model]\nname = "caf\xe9"\n')
+    with pytest.raises(TopologyError, match="cannot be read as UTF-8"):
+        load_topology(tmp_path / "latin1.toml")
+    with pytest.raises(TopologyError, match="is not a file"):
+        load_topology(tmp_path)

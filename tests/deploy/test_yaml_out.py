@@ -4,8 +4,8 @@ import yaml
 
 from edgecore.deploy.yaml_out import dump
 
-TEXTS = ["rocket 🚀 and é\n", "x😀y", 'quote " and backslash \\ and \\ud83d typed out', "tab\tcr\r", "\x01\x7f\u2028\ufeff",
-         "on", "yes", "1e3", ": x", "", "# not a comment"]
+TEXTS = ["rocket 🚀 and é\n", "x😀y", 'quote " and backslash \\ and \\ud83d typed out', "tab\tcr\r",
+         "\x01\x7f\u2028\ufeff", "on", "yes", "1e3", ": x", "", "# not a comment"]
 
 
 def test_strings_read_back_verbatim_and_the_output_is_ascii():
