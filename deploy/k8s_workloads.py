@@ -34,6 +34,11 @@ def selector(component: str, node: str) -> dict:
     return {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": component, "edgecore.dev/node": node}
 
 
+# Kubernetes pulls a `:latest` image on every start by default, so an image loaded into kind or minikube (what
+# `make image` tags) would never start; a registry's pinned tag is pulled once either way.
+PULL_POLICY = "IfNotPresent"
+
+
 def core_name(core: CoreNode) -> str:
     return kube_name("core", core.name)
 
@@ -139,7 +144,8 @@ def core_manifests(topo: Topology, core: CoreNode) -> list[dict]:
         mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": models_claim(core.region),
                                                                     "readOnly": True}})
-    container = {"name": "core", "image": topo.cuda_image if core.device == "cuda" else topo.image, "args": args,
+    container = {"name": "core", "image": topo.cuda_image if core.device == "cuda" else topo.image,
+                 "imagePullPolicy": PULL_POLICY, "args": args,
                  "ports": [{"name": "kv", "containerPort": core.port},
                            {"name": "http", "containerPort": core.http_port}],
                  "resources": _resources(core.resources, core.gpus), "volumeMounts": mounts}
@@ -183,7 +189,7 @@ def edge_manifests(topo: Topology, edge: EdgeNode) -> list[dict]:
                                                                         "readOnly": True}})
     for codec in edge.codecs:
         args += ["--codec", codec]
-    container = {"name": "edge", "image": topo.image, "args": args,
+    container = {"name": "edge", "image": topo.image, "imagePullPolicy": PULL_POLICY, "args": args,
                  "ports": [{"name": "http", "containerPort": edge.port}],
                  "resources": _resources(edge.resources, edge.resources.gpu or 0), "volumeMounts": mounts}
     if edge.compile:    # torch's compile cache on the pod's volume: a restarted container compiles from it

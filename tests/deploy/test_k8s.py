@@ -75,6 +75,7 @@ def test_cross_references(rendered):
             sel = w["spec"]["selector"]["matchLabels"]
             assert sel.items() <= pod_labels.items()
             container = w["spec"]["template"]["spec"]["containers"][0]
+            assert container["imagePullPolicy"] == "IfNotPresent"     # a loaded :latest image starts (kind)
             port_names = {p["name"]: p["containerPort"] for p in container["ports"]}
             for probe, path in (("readinessProbe", "/ready"), ("livenessProbe", "/health"),
                                 ("startupProbe", "/health")):
