@@ -29,18 +29,21 @@ NAME_WORDS = "a valid name (lowercase letters, digits, '-'; at most 32, no '-' a
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?\Z"
 RELATIVE_PATTERN = r"^(?!/)(?!.*\.\.)[A-Za-z0-9._/-]+\Z"
 CORE_DNS_PATTERN = r"\{service\}"
+IMAGE_PATTERN = r"^[a-z0-9][A-Za-z0-9._/:@-]*\Z"     # an image reference: no spaces, not empty
 LABEL_PATTERN = r"^([a-z0-9.-]{1,253}/)?[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?\Z"
 _WORDS = {NAME_PATTERN: NAME_WORDS,
           QUANTITY_PATTERN: "a Kubernetes quantity (e.g. 500m, 2, 8Gi)",
           RELATIVE_PATTERN: "a relative path without '..'",
           LABEL_PATTERN: "a Kubernetes label key",
-          CORE_DNS_PATTERN: "a DNS name template containing {service}"}
+          CORE_DNS_PATTERN: "a DNS name template containing {service}",
+          IMAGE_PATTERN: "an image reference (e.g. registry.example.com/edgecore:0.1.0)"}
 
 Name = Annotated[str, Meta(pattern=NAME_PATTERN)]
 Port = Annotated[int, Meta(ge=1, le=65535)]
-Count = Annotated[int, Meta(ge=1)]
+Count = Annotated[int, Meta(ge=1, le=2 ** 31 - 1)]     # Kubernetes counts are int32
 Quantity = Annotated[str, Meta(pattern=QUANTITY_PATTERN)]
 Labels = dict[Annotated[str, Meta(pattern=LABEL_PATTERN)], str]
+Image = Annotated[str, Meta(pattern=IMAGE_PATTERN)]
 Codec = Literal["raw", "lossless", "fp8", "int8", "int4"]
 
 
@@ -76,7 +79,7 @@ class EdgeSpec(_Spec, frozen=True):
     replicas: Count = 1
     max_replicas: Count = 4
     codecs: tuple[Codec, ...] = ("lossless",)
-    transfer_timeout: Annotated[float, Meta(ge=0.1)] = 30.0   # seconds without KV progress before giving up
+    transfer_timeout: Annotated[float, Meta(ge=0.1, le=86400)] = 30.0   # seconds without KV progress before giving up
     compile: bool = False           # `edgecore edge --compile`: the decode step through torch.compile
     resources: Resources = msgspec.field(default_factory=lambda: Resources(memory="4Gi"))
 
@@ -101,17 +104,17 @@ class EdgeNode(EdgeSpec, frozen=True, kw_only=True):
 class Link(_Spec, frozen=True):
     a: Name = msgspec.field(name="from")
     b: Name = msgspec.field(name="to")
-    delay_ms: Annotated[float, Meta(ge=0)] = 0.0
-    jitter_ms: Annotated[float, Meta(ge=0)] = 0.0
-    bandwidth_mbit: Annotated[float, Meta(ge=0.001)] | None = None
+    delay_ms: Annotated[float, Meta(ge=0, le=60000)] = 0.0        # (bounds: no inf, nothing tc refuses)
+    jitter_ms: Annotated[float, Meta(ge=0, le=60000)] = 0.0
+    bandwidth_mbit: Annotated[float, Meta(ge=0.001, le=1e6)] | None = None
     loss_pct: Annotated[float, Meta(ge=0, lt=100)] = 0.0
 
 
 class ModelSpec(_Spec, frozen=True):
     path: str | None = None                     # default: the bundled model
     name: str | None = None                     # model id in the API (default: the directory name)
-    image: str = "edgecore:latest"              # image of edges and CPU cores (`make image`)
-    cuda_image: str = "edgecore:latest-cuda"    # image of cores with device = cuda
+    image: Image = "edgecore:latest"            # image of edges and CPU cores (`make image`)
+    cuda_image: Image = "edgecore:latest-cuda"  # image of cores with device = cuda
 
 
 class SecretsSpec(_Spec, frozen=True):
@@ -141,7 +144,7 @@ class Prometheus(_Spec, frozen=True):
 
 class Autoscaling(_Spec, frozen=True):
     mode: Literal["keda", "hpa"] = "keda"       # hpa: autoscaling/v2 Pods metric (prometheus-adapter)
-    queue_target: Annotated[float, Meta(gt=0)] = 4.0   # edgecore:num_requests_waiting per edge replica
+    queue_target: Annotated[float, Meta(gt=0, le=1e6)] = 4.0   # edgecore:num_requests_waiting per edge replica
 
 
 class BatchClient(_Spec, frozen=True, kw_only=True):

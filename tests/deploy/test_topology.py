@@ -31,6 +31,11 @@ def test_example_topology_loads():
     ('[[regions.a.cores]]\nname = "c"\nport = 9000\nhttp_port = 9000\n',
      ":4: 'regions.a.cores[0].http_port' is the core's KV port too"),
     ('[[regions.a.cores]]\nname = "c\\n"\n', ":2: 'regions.a.cores[0].name' is not a valid name"),
+    # values the API server or tc would refuse later
+    ('[[regions.a.cores]]\nname = "c"\nreplicas = 3000000000\n', ":3: 'regions.a.cores[0].replicas' must be int <="),
+    ('[model]\nimage = "my image:1"\n[[regions.a.cores]]\nname = "c"\n', ":2: 'model.image' is not an image reference"),
+    ('[[regions.a.edges]]\nname = "e"\n[[regions.b.cores]]\nname = "c"\n[[links]]\nfrom = "a"\nto = "b"\n'
+     'delay_ms = inf\n', ":8: 'links[0].delay_ms' must be float <="),
 ])
 def test_errors_name_key_and_line(tmp_path, text, needle):
     path = tmp_path / "t.toml"
