@@ -30,8 +30,12 @@ import enum
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from edgecore.protocol import messages as m
 from edgecore.protocol.codecs.base import BITS_DTYPES
+
+VALUE_BYTES = {name: np.dtype(bits).itemsize for name, bits in BITS_DTYPES.items()}   # per K/V value
 
 
 class ReceiveState(enum.Enum):
@@ -117,8 +121,7 @@ class KVReceiver:
             self.fail(f"chunk outside the request: {c}")
         if self.values_per_head is not None:
             values = (c.layer_end - c.layer_start) * (c.token_end - c.token_start) * (c.head_end - c.head_start)
-            bits = BITS_DTYPES.get(c.dtype)
-            expected = values * self.values_per_head * (bits().itemsize if bits else 0)
+            expected = values * self.values_per_head * VALUE_BYTES.get(c.dtype, 0)
             if c.raw_len != expected:
                 self.fail(f"a {c.dtype} chunk of {c.raw_len} raw bytes where this model's KV takes {expected}: {c}")
         box = _Box(c.token_start, c.token_end, c.head_start, c.head_end)

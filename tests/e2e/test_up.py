@@ -31,22 +31,35 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def test_up_two_edge_regions(tmp_path, tokenizer):
-    core_port, core_http, west, south = free_port(), free_port(), free_port(), free_port()
+def still_alive(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (not zombies), half a second after their parent stopped."""
+    time.sleep(0.5)
+    return [p for p in pids if os.path.exists(f"/proc/{p}") and
+            "zombie" not in open(f"/proc/{p}/status").read().lower()]
+
+
+def start_up(tmp_path, edges: dict[str, int], links: str = "") -> subprocess.Popen:
+    """`edgecore up` on a topology of one core region `dc` and one edge region per entry of `edges` (region →
+    the edge's port, the edge named edge-REGION), with `links` appended."""
+    regions = "".join(f'[[regions.{region}.edges]]\nname = "edge-{region}"\nport = {port}\n'
+                      for region, port in edges.items())
     topo = tmp_path / "topology.toml"
     topo.write_text(f"""
 [model]
 path = "{ROOT / 'models' / 'pydoc-llama'}"
 [[regions.dc.cores]]
 name = "core-dc"
-port = {core_port}
-http_port = {core_http}
-[[regions.west.edges]]
-name = "edge-west"
-port = {west}
-[[regions.south.edges]]
-name = "edge-south"
-port = {south}
+port = {free_port()}
+http_port = {free_port()}
+{regions}{links}""")
+    return subprocess.Popen([sys.executable, "-m", "edgecore", "up", "--topology", str(topo)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "EDGECORE_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+
+
+def test_up_two_edge_regions(tmp_path, tokenizer):
+    west, south = free_port(), free_port()
+    proc = start_up(tmp_path, {"west": west, "south": south}, """
 [[links]]
 from = "west"
 to = "dc"
@@ -56,9 +69,6 @@ from = "south"
 to = "dc"
 delay_ms = 30
 """)
-    proc = subprocess.Popen([sys.executable, "-m", "edgecore", "up", "--topology", str(topo)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "EDGECORE_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     lines = []
     try:
         deadline = time.monotonic() + 120
@@ -84,10 +94,7 @@ delay_ms = 30
             assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, "".join(lines[-60:])
-        time.sleep(0.5)
-        alive = [p for p in children if os.path.exists(f"/proc/{p}") and
-                 "zombie" not in open(f"/proc/{p}/status").read().lower()]
-        assert alive == [], f"orphans: {alive}"
+        assert still_alive(children) == [], "orphans"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -97,22 +104,7 @@ delay_ms = 30
 def test_a_signal_while_starting_stops_every_node_started(tmp_path, sig):
     """SIGTERM or SIGHUP while the nodes start (here: the core is up, the edge is loading) stops what was
     started: it used to kill the launcher only, leaving the core running with nobody to stop it."""
-    core_port, core_http, edge_port = free_port(), free_port(), free_port()
-    topo = tmp_path / "topology.toml"
-    topo.write_text(f"""
-[model]
-path = "{ROOT / 'models' / 'pydoc-llama'}"
-[[regions.dc.cores]]
-name = "core-dc"
-port = {core_port}
-http_port = {core_http}
-[[regions.west.edges]]
-name = "edge-west"
-port = {edge_port}
-""")
-    proc = subprocess.Popen([sys.executable, "-m", "edgecore", "up", "--topology", str(topo)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "EDGECORE_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    proc = start_up(tmp_path, {"west": free_port()})
     try:
         seen, deadline = [], time.monotonic() + 120
         while time.monotonic() < deadline and not any("[west/edge-west]" in line for line in seen):
@@ -122,10 +114,7 @@ port = {edge_port}
         proc.send_signal(sig)
         proc.stdout.read()
         assert proc.wait(60) != 0
-        time.sleep(0.5)
-        alive = [p for p in children if os.path.exists(f"/proc/{p}") and
-                 "zombie" not in open(f"/proc/{p}/status").read().lower()]
-        assert alive == [], f"orphans: {alive}"
+        assert still_alive(children) == [], "orphans"
     finally:
         if proc.poll() is None:
             proc.kill()
