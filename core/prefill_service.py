@@ -237,7 +237,7 @@ class PrefillService:
         blocks the edge still needs before they are read."""
         if msg.core_decode <= 0:
             return 0, "refused"
-        if gather and self.handle.config.first_needed_position(1 << 40) > 0:
+        if gather and self.handle.config.releases_kv:
             return 0, "bound"
         if self.handle.stats().waiting >= self.limits.refuse_waiting:
             return 0, "refused"

@@ -154,6 +154,11 @@ class ModelConfig:
     def attention_of(self, layer: int) -> LayerAttention:
         return self.layer_attention[layer] if self.layer_attention else FULL
 
+    @property
+    def releases_kv(self) -> bool:
+        """Every layer windowed or chunked: a running sequence's oldest KV blocks can be released."""
+        return self.first_needed_position(1 << 40) > 0
+
     def first_needed_position(self, position: int) -> int:
         """The first position any layer still attends to from a query at `position` (0 if some layer
         sees everything): KV before it can be dropped."""

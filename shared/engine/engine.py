@@ -69,7 +69,7 @@ class LLMEngine:
                                           self.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.engine_config)
         self.runner = ModelRunner(model, self.pool, config.sliding_window, self.engine_config.compile_decode)
-        self.releases_kv = config.first_needed_position(1 << 40) > 0    # every layer windowed or chunked
+        self.releases_kv = config.releases_kv      # (blocks released in `step`)
         self.requests: dict[str, OutputState] = {}
         self.eos_ids = config.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and
                                                  tokenizer.eos_token_id is not None else ())
