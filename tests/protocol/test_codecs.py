@@ -188,8 +188,8 @@ def test_constant_and_extreme_planes():
 @pytest.mark.parametrize("dtype, top", [("float16", 65504.0), ("float16", 62000.0)])
 def test_finite_values_near_the_dtype_limit_never_decode_to_infinity(dtype, top):
     """A group's centre plus its largest offset can pass the dtype's range (q4e put -62000 at -66532 in
-    float16, an infinity): every lossy codec clamps a float16 reconstruction to the finite range. (Not covered: groups
-    spanning more than float32's range, ±3e38 together, whose parameters overflow.)"""
+    float16, an infinity): every lossy codec clamps a float16 reconstruction to the finite range. (Not covered:
+    groups spanning more than float32's range, ±3e38 together, whose parameters overflow.)"""
     rng = np.random.default_rng(0)
     x = rng.uniform(-top, top, (2, 64, 2, 16)).astype(np.float32)
     x[:, ::5, :, ::3] = -top
