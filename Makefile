@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed-$(SOURCES)
 # torch's CPU build unless a CUDA driver is present (a bare `torch` pulls a multi-GB CUDA build).
 TORCH  ?= $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo "torch>=2.4"; else echo "torch==2.13.0"; fi)
 
-.PHONY: run test typecheck bench venv clean
+.PHONY: run test typecheck lint bench venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: $(STAMP)
 TYPED := -p edgecore.protocol -p edgecore.shared -p edgecore.core -p edgecore.edge -p edgecore.deploy
 typecheck: $(STAMP)
 	$(PY) -m mypy $(TYPED)
+
+# ruff's rule set is in pyproject.toml (pyflakes, pycodestyle errors, bugbear, pyupgrade).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check core edge protocol shared deploy bench tests __main__.py
 
 bench: $(STAMP)
 	for b in decode kv_codec transport kv_quality ttft serve batch pack parallel; do $(PY) bench/$$b.py || exit 1; done
