@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 

@@ -61,10 +61,10 @@ def layer_rows(engine, tokens_list=(1, 8, 32, 256)) -> list[dict]:
             x = torch.randn(t, hidden)
             weights, ids = torch.softmax(moe.gate(x), -1).topk(k, -1)
             experts(x, ids, weights), per_token(experts, x, ids, weights)       # warm-up
-            grouped = median_time(lambda: experts(x, ids, weights), 5)
-            loop = median_time(lambda: per_token(experts, x, ids, weights), 3)
+            grouped = median_time(lambda x=x, ids=ids, weights=weights: experts(x, ids, weights), 5)
+            loop = median_time(lambda x=x, ids=ids, weights=weights: per_token(experts, x, ids, weights), 3)
 
-            def dense():
+            def dense(x=x):
                 h = F.linear(x, dense_up)
                 g, u = h.chunk(2, -1)
                 return F.linear(F.silu(g) * u, dense_down)

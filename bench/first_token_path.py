@@ -221,7 +221,7 @@ ORDER = ["edge_placed", "edge_reserved", "edge_request_sent", "core_received", "
 def relay_release(reads: list, written: float) -> tuple[float | None, int]:
     """The relay's release time of the first read at or after `written` (the read holding PrefillDone, to within
     one read), and the bytes it had queued toward the edge then (read, not yet released)."""
-    for t, n, at in reads:
+    for t, _n, at in reads:
         if t >= written:
             queued = sum(nb for t2, nb, at2 in reads if t2 < t and at2 > t)
             return at, queued

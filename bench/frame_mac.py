@@ -47,7 +47,7 @@ def main():
         tag = mac.tag(0, [frame])
         row = {
             "gmac_tag": rate(lambda d: mac.tag(0, [header, d]), payload, args.seconds),
-            "gmac_verify": rate(lambda d: mac.verify(0, d, tag), frame, args.seconds),
+            "gmac_verify": rate(lambda d, tag=tag: mac.verify(0, d, tag), frame, args.seconds),
             "hmac_sha256": rate(lambda d: hmac.digest(key, d, "sha256"), payload, args.seconds),
             "blake2b_keyed": rate(lambda d: hashlib.blake2b(d, key=key, digest_size=16).digest(), payload,
                                   args.seconds),

@@ -43,7 +43,7 @@ from kv_alloc import Allocated, allocation, channel_scales, channel_weights
 import numpy as np
 import torch
 
-from edgecore.protocol.codecs import CODECS, LEVELS, Codec, PlaneInfo
+from edgecore.protocol.codecs import CODECS, Codec, PlaneInfo
 from edgecore.protocol.codecs.equant import EntropyQuantCodec, Level
 from edgecore.shared.config import CacheConfig
 from edgecore.shared.engine.engine import LLMEngine

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from functools import partial
-from typing import Callable
+from collections.abc import Callable
 
 from edgecore.core.transfer import KVSend, Transfer, TransferState
 from edgecore.protocol.kv import SMALL_CHUNK_BYTES, encode_chunk

@@ -9,7 +9,7 @@ read from that snapshot by `EngineCollector` during the scrape.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 

@@ -73,7 +73,7 @@ class Transfer:
     first_chunk_sent_at: float | None = None
     last_layer_at: float | None = None
     lease: asyncio.TimerHandle | None = None
-    held: list["KVSend"] = field(default_factory=list)   # chunks kept back until the prefill ends
+    held: list[KVSend] = field(default_factory=list)   # chunks kept back until the prefill ends
     decode: asyncio.Task | None = None   # decode handover: the task streaming this request's tokens
     position: int = 0                  # decode handover: the next output position to send
     piece_bytes: int = 0               # decode handover: KV frames cut to about this size (0: whole slices)

@@ -25,7 +25,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from edgecore.protocol.framing import FIXED_SIZE, PREFIX, TAG_SIZE
 
@@ -46,7 +46,7 @@ class Fault:
     position: float | None = None   # for flips: where in the region, 0..1 (overrides bit)
 
     @staticmethod
-    def random(rng: random.Random, frame_types: dict[str, list[int | None]]) -> "Fault":
+    def random(rng: random.Random, frame_types: dict[str, list[int | None]]) -> Fault:
         """A fault drawn from rng: frame_types maps a direction to the frame types worth hitting."""
         direction = rng.choice(sorted(frame_types))
         ftype = rng.choice(frame_types[direction])

@@ -55,7 +55,7 @@ def check_document(doc: dict) -> list[str]:
     return [] if error is None else [f"{'.'.join(str(p) for p in error.absolute_path) or '(top)'}: {error.message}"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _strict_validator(api_version: str, kind: str):
     """kubernetes-validate's strict schema for a kind, as `kubernetes_validate.validate(strict=True)` finds
     it, built once (the library re-reads its definitions file on every call: ~0.2 s per object)."""

@@ -38,7 +38,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from edgecore.edge.codec_policy import CURVE, DEFAULT_QUALITY_BUDGET, choose_codec, with_layer0
 from edgecore.edge.core_client import CoreClient, CoreRouter

@@ -23,7 +23,8 @@ import logging
 import socket
 import subprocess
 import sys
-from typing import AsyncIterator, Callable, TypeVar
+from typing import TypeVar
+from collections.abc import AsyncIterator, Callable
 
 from edgecore.edge.ipc import (Abort, CallReply, CountError, Failed, FrameBuffer, Generate, GetMetrics, GetReadiness,
                                GetStats, Hello, IpcError, Message, MetricsReply, Outputs, Prefetch, PrefetchReply,
@@ -94,7 +95,7 @@ class EngineClient:
         if self._proc is not None and self._proc.poll() is None:
             try:
                 await asyncio.wait_for(asyncio.to_thread(self._proc.wait), 15)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._proc.kill()
                 await asyncio.to_thread(self._proc.wait)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -59,7 +59,7 @@ class _Box:
         """Token × head cells at or after `token_start`."""
         return max(0, self.token_end - max(self.token_start, token_start)) * (self.head_end - self.head_start)
 
-    def overlaps(self, o: "_Box") -> bool:
+    def overlaps(self, o: _Box) -> bool:
         return (self.token_start < o.token_end and o.token_start < self.token_end
                 and self.head_start < o.head_end and o.head_start < self.head_end)
 

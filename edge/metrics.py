@@ -11,7 +11,7 @@ gauges from the engine's stats snapshot (`EdgeEngine.get_metrics`); the engine's
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 

@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from edgecore.shared.errors import ConfigError, ModelLoadError
 from edgecore.shared.pack import MANIFEST

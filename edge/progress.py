@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 class Progress:
     """One request's counters and latency metrics, fed each output (by `generate` or `submit`'s sink)."""
 
-    def __init__(self, edge: "EdgeEngine", prompt_len: int):
+    def __init__(self, edge: EdgeEngine, prompt_len: int):
         self.edge, self.prompt_len = edge, prompt_len
         self.arrived = self.placed_at = time.perf_counter()
         self.core: CoreClient | None = None

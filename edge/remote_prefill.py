@@ -189,7 +189,7 @@ class RemotePrefill:
             receiver.abandon("the request was cancelled")
             await self._close(receiver)
             raise
-        except (TransferFailed, asyncio.TimeoutError, PeerError, ProtocolError) as exc:
+        except (TimeoutError, TransferFailed, PeerError, ProtocolError) as exc:
             self._drop()
             receiver.abandon(str(exc) or type(exc).__name__)
             await self._close(receiver)

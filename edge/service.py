@@ -11,7 +11,8 @@ the request); the rest are reads of published state and small commands.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Protocol
+from typing import Protocol
+from collections.abc import AsyncIterator
 
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams

@@ -80,7 +80,7 @@ class SessionMac:
             return False
         return True
 
-    def verifier(self, seq: int) -> "IncrementalVerify":
+    def verifier(self, seq: int) -> IncrementalVerify:
         return IncrementalVerify(self._key, seq)
 
 

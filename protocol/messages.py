@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import typing
 
-from typing import Union
 
 import msgspec
 
@@ -164,8 +163,8 @@ class Pong(_Msg, tag=12, frozen=True):
     load: int = 0                      # sender's queued + running requests
 
 
-Message = Union[Hello, Welcome, Auth, AuthOk, PrefillRequest, KVChunk, PrefillDone, Ack, Cancel, Error,
-                Ping, Pong, Reject, Token, Handover, DecodeStop]
+Message = (Hello | Welcome | Auth | AuthOk | PrefillRequest | KVChunk | PrefillDone | Ack | Cancel | Error
+           | Ping | Pong | Reject | Token | Handover | DecodeStop)
 HANDOVER_MESSAGES = (Token, Handover, DecodeStop)     # only on a connection that agreed version 3
 MESSAGE_TYPES: dict[int, type] = {cls.__struct_config__.tag: cls for cls in typing.get_args(Message)}
 

@@ -25,7 +25,7 @@ import logging
 import ssl as ssl_module
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode, ProtocolError
@@ -64,7 +64,7 @@ class _Stream(asyncio.BufferedProtocol):
         self._can_write = asyncio.Event()
         self._can_write.set()
         self.paused = False
-        self.on_connect: Callable[["_Stream"], None] | None = None
+        self.on_connect: Callable[[_Stream], None] | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -208,7 +208,7 @@ class Peer:
                     raise PeerError("peer closed the connection")
                 try:
                     await asyncio.wait_for(self.stream.wait_data(), timeout or self.timeouts.idle)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     await self.fail("timed out waiting for the peer", ErrorCode.TIMEOUT)
                     raise PeerError("timed out waiting for the peer", ErrorCode.TIMEOUT) from None
                 self.last_received = time.monotonic()
@@ -291,14 +291,14 @@ async def connect(host: str, port: int, *, secret: bytes, fingerprint: str, code
     try:
         _, stream = await asyncio.wait_for(loop.create_connection(lambda: _Stream(conn), host, port, ssl=ssl),
                                            timeouts.handshake)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise PeerError(f"connecting to {host}:{port} timed out", ErrorCode.TIMEOUT) from None
     except (ConnectionError, OSError) as exc:
         raise PeerError(f"cannot connect to {host}:{port}: {exc}") from None
     peer = Peer(conn, stream, timeouts)
     try:
         await asyncio.wait_for(_handshake_client(peer), timeouts.handshake)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         await peer.fail("handshake timed out", ErrorCode.TIMEOUT)
         raise PeerError(f"handshake with {host}:{port} timed out", ErrorCode.TIMEOUT) from None
     except PeerError:
@@ -320,7 +320,7 @@ async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0, sec
         peer = Peer(stream.conn, stream, timeouts, load_fn)
         try:
             await asyncio.wait_for(_handshake_server(peer), timeouts.handshake)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("handshake from %s timed out", peer.peername)
             await peer.fail("handshake timed out", ErrorCode.TIMEOUT)
             return

@@ -166,7 +166,7 @@ class ModelConfig:
         return min(k.first_visible(position) for k in kinds)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"model directory {model_dir} has no config.json")
@@ -187,7 +187,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict | None = None,
-                  source: str = "config.json") -> "ModelConfig":
+                  source: str = "config.json") -> ModelConfig:
         from edgecore.shared.models.registry import ARCHITECTURES
         archs = raw.get("architectures") or []
         arch = archs[0] if isinstance(archs, list) and archs else None

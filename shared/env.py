@@ -19,7 +19,6 @@ OPENBLAS_NUM_THREADS numpy's BLAS threads (read by OpenBLAS; the `edgecore` comm
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from edgecore.models import bundled_model_dir
 

@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 
 def setup_logging(prefix: str = "") -> None:

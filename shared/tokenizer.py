@@ -64,7 +64,7 @@ class Tokenizer:
         self.special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():

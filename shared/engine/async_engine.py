@@ -23,7 +23,8 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from typing import Any, AsyncIterator, Callable
+from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 from edgecore.shared.engine.engine import LayerHook, LLMEngine
 from edgecore.shared.engine.handle import EngineStats, FirstToken, Sink

@@ -24,7 +24,8 @@ first has `compile_decode` run there); `stats()` builds the snapshot that thread
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 

@@ -18,7 +18,8 @@ edge's HTTP frontend reaches its engine process through `EdgeService`
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable, Protocol
+from typing import Protocol
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 

@@ -26,7 +26,7 @@ class KVLayout:
     v_dim: int             # width of plane 1 (head_dim, or qk_rope_head_dim)
 
     @classmethod
-    def of(cls, config, kv_heads: int | None = None) -> "KVLayout":
+    def of(cls, config, kv_heads: int | None = None) -> KVLayout:
         if config.mla is not None:
             return cls("latent", 1, config.mla.kv_lora_rank, config.mla.qk_rope_head_dim)
         return cls("heads", kv_heads or config.num_key_value_heads, config.head_dim, config.head_dim)

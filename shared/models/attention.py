@@ -24,7 +24,7 @@ chunks back to back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

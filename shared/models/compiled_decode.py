@@ -203,7 +203,7 @@ class CompiledDecoder:
             len({(l.self_attn.num_heads, l.self_attn.head_dim) for l in layers}) == 1   # one `queries` buffer
 
     @classmethod
-    def build(cls, flat: FlatDecoder | None, caches: list, block_size: int) -> "CompiledDecoder | None":
+    def build(cls, flat: FlatDecoder | None, caches: list, block_size: int) -> CompiledDecoder | None:
         """Compile (one row, two rows, then WIDE_DUMMY for the wide module) or say why not and return None.
 
         The dummy steps' sizes are also the hints by which inductor decides which loops to split over threads

@@ -21,7 +21,7 @@ stored as layers `num_hidden_layers`..) are not used for decoding and are skippe
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F

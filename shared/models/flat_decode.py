@@ -72,7 +72,7 @@ class FlatDecoder:
                     getattr(mlp.down_proj, weight), mlp.down_proj.bias))
 
     @classmethod
-    def for_model(cls, model) -> "FlatDecoder | None":
+    def for_model(cls, model) -> FlatDecoder | None:
         from edgecore.shared.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
         if not isinstance(model, LlamaForCausalLM) or tensor_parallel().size != 1:
             return None

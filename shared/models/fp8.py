@@ -11,7 +11,7 @@ its scale, or a scale of the wrong grid, is a `ValueError` naming the tensor.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 

@@ -17,7 +17,7 @@ a small CPU (hook checks), about forty calls a step, while this model registers 
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -218,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
         return names
 
     def _packed_names(self, name: str) -> list[str]:
-        for ckpt, (packed, _) in self.packed.items():
+        for packed, _ in self.packed.values():
             if f".{packed}." in name:
                 return [name.replace(packed, c) for c, (p, _) in self.packed.items() if p == packed]
         return [name]

@@ -21,7 +21,7 @@ matmuls it saves at the sizes an edge runs.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

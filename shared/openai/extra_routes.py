@@ -10,7 +10,8 @@ model is known only once the node has loaded it.
 
 from __future__ import annotations
 
-from typing import Annotated, Callable
+from typing import Annotated
+from collections.abc import Callable
 
 from aiohttp import web
 from msgspec import Meta, Struct

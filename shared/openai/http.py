@@ -20,7 +20,7 @@ import asyncio
 import hmac
 import logging
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 from aiohttp import web

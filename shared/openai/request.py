@@ -14,7 +14,7 @@ error type, `param` and `code`; nothing here can raise anything else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from jinja2.defaults import DEFAULT_NAMESPACE
 
@@ -152,7 +152,7 @@ def _completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab: int
     prompts, texts = [], []
     for p in raw:
         if isinstance(p, str):
-            ids = _encode(lambda: tokenizer.encode(p, limit=max_model_len), max_model_len, "prompt")
+            ids = _encode(lambda p=p: tokenizer.encode(p, limit=max_model_len), max_model_len, "prompt")
             texts.append(p)
         else:
             if any(t >= vocab for t in p):

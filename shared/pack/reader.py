@@ -22,7 +22,7 @@ import threading
 import zlib
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -162,7 +162,7 @@ class PackedCheckpoint:
         except RuntimeError as exc:
             raise ModelLoadError(f"packed tensor '{entry['name']}' does not fit its shape: {exc}") from None
 
-    def lazy(self) -> Iterator[tuple[str, "PackedTensor"]]:
+    def lazy(self) -> Iterator[tuple[str, PackedTensor]]:
         """(name, lazy tensor) pairs: a loader can decode each straight into its parameter."""
         for entry in self.tensors:
             yield entry["name"], PackedTensor(self, entry)

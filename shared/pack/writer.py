@@ -17,7 +17,7 @@ import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import zstandard

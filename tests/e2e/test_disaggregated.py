@@ -3,7 +3,6 @@
 import asyncio
 import concurrent.futures
 import json
-import urllib.request
 
 import pytest
 

@@ -3,7 +3,6 @@ latent vector per token per layer), the edge writes them into its latent cache a
 equals single node, with one core process and with a TP=2 core (whose replicated latent is sent once)."""
 
 import shutil
-import urllib.request
 
 import pytest
 

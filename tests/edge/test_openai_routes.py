@@ -10,11 +10,11 @@ from tests.edge.test_openai_fuzz import FakeEdge, port  # noqa: F401  (the runni
 from tests.edge.test_openai_fuzz import post
 
 
-def get(port, path):
+def get(port_, path):
     import urllib.error
     import urllib.request
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port_}{path}", timeout=30) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())

@@ -11,7 +11,7 @@ from edgecore.deploy.fault_relay import Fault, FaultRelay
 from edgecore.protocol import messages as m
 from edgecore.protocol import transport
 from edgecore.protocol.errors import ErrorCode
-from edgecore.protocol.framing import FIXED_SIZE, HANDSHAKE_LIMITS, LEGACY_VERSION, pack_fixed
+from edgecore.protocol.framing import HANDSHAKE_LIMITS, LEGACY_VERSION, pack_fixed
 from edgecore.protocol.state import KVData
 from edgecore.protocol.transport import connect
 from tests.protocol.pairs import CODECS, FP, SECRET

@@ -96,7 +96,7 @@ def test_adjust_state_follows_tokens_appended_between_steps():
     vocab = 40
     kw = dict(repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=0.3)
     live = [seq([1, 2, 3], [], **kw), seq([4, 5], [6], **kw)]
-    for step, tokens in enumerate([[7, 8], [7, 9, 9], [1, 10], [7]]):
+    for tokens in [[7, 8], [7, 9, 9], [1, 10], [7]]:
         logits = torch.randn(2, vocab, generator=g) * 3
         out = adjust(logits, live, [0, 1])
         for i in range(2):
