@@ -58,10 +58,11 @@ def test_no_pickle_anywhere():
 
 
 def test_files_and_functions_stay_small():
-    """Small files named after their nouns: none over 400 lines; no function over 60 in the nodes."""
+    """Small files named after their nouns: none over 500 lines (a file that grows past it is split by concept, never
+    squeezed under it); no function over 60 in the nodes."""
     for pkg in PACKAGES:
         for path in (ROOT / pkg).rglob("*.py"):
-            assert len(path.read_text().splitlines()) <= 400, f"{path} has over 400 lines"
+            assert len(path.read_text().splitlines()) <= 500, f"{path} has over 500 lines"
     for pkg in ("core", "edge"):
         for path in (ROOT / pkg).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
