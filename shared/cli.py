@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from edgecore.shared.env import default_model, resolve_device
+
+if TYPE_CHECKING:
+    from edgecore.shared.config import CacheConfig, ModelConfig
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -48,7 +51,8 @@ def kv_cache_memory(args: argparse.Namespace) -> int | None:
         raise ConfigError(f"--kv-cache-memory: {exc}") from None
 
 
-def kv_cache_config(args: argparse.Namespace, config, value_bytes: int, tp: int = 1) -> tuple[Any, str]:
+def kv_cache_config(args: argparse.Namespace, config: ModelConfig, value_bytes: int,
+                    tp: int = 1) -> tuple[CacheConfig, str]:
     """The CacheConfig from --kv-blocks or --kv-cache-memory, and the start-up line that says what a deployment
     gets (for the log, once the node starts); a size that holds no block is a ConfigError."""
     from edgecore.shared.config import CacheConfig
@@ -167,12 +171,16 @@ def run_generate(args: argparse.Namespace) -> int:
     from edgecore.shared.engine.sampling_params import SamplingParams
 
     from edgecore.shared.config import EngineConfig
+    from edgecore.shared.errors import ConfigError
     engine = LLMEngine.from_dir(args.model or default_model(), args.dtype, resolve_device(args.device),
                                 engine_config=EngineConfig(compile_decode=args.compile))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat \
-        else args.prompt
+    prompt = args.prompt
+    if args.chat:
+        if engine.tokenizer is None:        # a checkpoint without tokenizer files: no chat template either
+            raise ConfigError("--chat needs a model with a tokenizer (tokenizer.json)")
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     engine.add_request("cli", prompt, params)
     sys.stdout.write(args.prompt if not args.chat else "")
     while engine.has_unfinished():

@@ -17,12 +17,16 @@ error of our own (500), and those are rate-limited too (`log_budget.py`).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from edgecore.shared.log_budget import limit_logger
 
@@ -36,7 +40,7 @@ class ServerLimits:
     keepalive_timeout: float = 30.0     # an idle kept-alive connection is closed after this
     max_connections: int = 1024         # open connections; more get a 503 and are closed
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("header_timeout", "body_timeout", "keepalive_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
@@ -60,7 +64,7 @@ def json_error(status: int, message: str, code: str | None) -> web.Response:
     return resp
 
 
-def _first_line(what) -> str:
+def _first_line(what: object) -> str:
     lines = str(what or "bad request").strip().splitlines()
     return lines[0][:200] if lines else "bad request"
 
@@ -68,24 +72,25 @@ def _first_line(what) -> str:
 class GuardedHandler(RequestHandler):
     """aiohttp's connection protocol plus the connection cap, the header clock and JSON parse errors."""
 
-    def __init__(self, manager, *, limits: ServerLimits, **kwargs):
+    def __init__(self, manager: web.Server, *, limits: ServerLimits, **kwargs: Any):
         super().__init__(manager, **kwargs)
         self.limits = limits
         self.rejected = False
         self.header_clock: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert self._manager is not None            # set until connection_lost
         if len(self._manager.connections) >= self.limits.max_connections:
             self.rejected = True
             log.warning("refused a connection: %d open (limit %d)", len(self._manager.connections),
                         self.limits.max_connections)
-            transport.write(_BUSY_RESPONSE)
+            cast(asyncio.Transport, transport).write(_BUSY_RESPONSE)
             transport.close()
             return
         super().connection_made(transport)
         self._arm(self.limits.header_timeout)
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
         if not self.rejected:
             super().connection_lost(exc)
@@ -94,7 +99,9 @@ class GuardedHandler(RequestHandler):
         if not self.rejected:
             super().data_received(data)
 
-    async def _handle_request(self, request, start_time, request_handler):
+    async def _handle_request(self, request: BaseRequest, start_time: float | None,
+                              request_handler: Callable[[BaseRequest], Awaitable[web.StreamResponse]]
+                              ) -> tuple[web.StreamResponse, bool]:
         self._disarm()                  # headers are complete: no header clock while we answer
         try:
             resp, reset = await super()._handle_request(request, start_time, request_handler)
@@ -105,7 +112,8 @@ class GuardedHandler(RequestHandler):
             if self.transport is not None:
                 self._arm(self.limits.keepalive_timeout + self.limits.header_timeout)
 
-    def handle_error(self, request, status: int = 500, exc=None, message=None):
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.Response:
         """aiohttp's answer to a request it could not parse (or a handler that escaped our middleware)."""
         if isinstance(exc, ConnectionError):
             pass                        # already logged where it happened
@@ -148,15 +156,16 @@ class GuardedSite(web.TCPSite):
         await web.BaseSite.start(self)
         loop = asyncio.get_running_loop()
         server = self._runner.server
+        assert server is not None           # the runner is set up (as aiohttp's TCPSite.start asserts too)
         kwargs = dict(server._kwargs)     # aiohttp's handler settings (keep-alive, access log, sizes)
 
-        def factory():
+        def factory() -> GuardedHandler:
             return GuardedHandler(server, loop=loop, limits=self.limits, **kwargs)
         self._server = await loop.create_server(factory, self._host, self._port, reuse_address=True)
 
 
 async def start_site(app: web.Application, host: str, port: int, limits: ServerLimits,
-                     handler_cancellation: bool = False):
+                     handler_cancellation: bool = False) -> tuple[web.AppRunner, int]:
     """Bind `app` on host:port with `limits`. Returns (runner, bound port)."""
     limit_logger("edgecore.http")
     limit_logger("aiohttp.server")
@@ -170,10 +179,11 @@ async def start_site(app: web.Application, host: str, port: int, limits: ServerL
     except BaseException:
         await runner.cleanup()
         raise
-    return runner, site._server.sockets[0].getsockname()[1]
+    server = cast(asyncio.Server, site._server)     # set by GuardedSite.start (loop.create_server)
+    return runner, server.sockets[0].getsockname()[1]
 
 
-def add_limit_args(p) -> None:
+def add_limit_args(p: argparse.ArgumentParser) -> None:
     """The server-limit flags of `edgecore edge` and `edgecore core` (control port)."""
     d = ServerLimits()
     p.add_argument("--max-connections", type=int, default=d.max_connections,
@@ -186,7 +196,7 @@ def add_limit_args(p) -> None:
                    help=f"seconds an idle kept-alive connection stays open (default {d.keepalive_timeout:g})")
 
 
-def limits_from_args(args) -> ServerLimits:
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
     from edgecore.shared.errors import ConfigError
     try:
         return ServerLimits(args.header_timeout, args.body_timeout, args.keepalive_timeout, args.max_connections)

@@ -16,10 +16,17 @@ histogram those counts come from.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
+
+if TYPE_CHECKING:
+    from edgecore.shared.engine.handle import EngineStats
+
+_M = TypeVar("_M", bound=MetricWrapperBase)
 
 # vLLM's buckets for tokens per engine step.
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -39,13 +46,13 @@ class Buckets:
         self.total += value
 
 
-class _Bound:
+class _Bound(Generic[_M]):
     """A labelled metric whose `model_name` is fixed: `.labels(*rest)` names only the other labels."""
 
-    def __init__(self, metric, model: str):
+    def __init__(self, metric: _M, model: str):
         self.metric, self.model = metric, model
 
-    def labels(self, *values: str):
+    def labels(self, *values: str) -> _M:
         return self.metric.labels(*values, self.model)
 
 
@@ -55,31 +62,48 @@ class ModelMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str):
         self.registry, self.model = registry, model_name
 
-    def _make(self, cls, name: str, doc: str, labels: tuple[str, ...], **kw):
+    def _make(self, cls: type[_M], name: str, doc: str, labels: tuple[str, ...], **kw: Any) -> _M | _Bound[_M]:
         # (the exposition sorts label names: `{codec="x",model_name=...}`, `{model_name=...,status="400"}`)
         metric = cls(name, doc, [*labels, "model_name"], registry=self.registry, **kw)
         return _Bound(metric, self.model) if labels else metric.labels(self.model)
 
-    def counter(self, name: str, doc: str, *labels: str):
+    @overload
+    def counter(self, name: str, doc: str) -> Counter: ...
+    @overload
+    def counter(self, name: str, doc: str, label: str, /, *labels: str) -> _Bound[Counter]: ...
+
+    def counter(self, name: str, doc: str, *labels: str) -> Counter | _Bound[Counter]:
         return self._make(Counter, name, doc, labels)
 
-    def gauge(self, name: str, doc: str, *labels: str):
+    @overload
+    def gauge(self, name: str, doc: str) -> Gauge: ...
+    @overload
+    def gauge(self, name: str, doc: str, label: str, /, *labels: str) -> _Bound[Gauge]: ...
+
+    def gauge(self, name: str, doc: str, *labels: str) -> Gauge | _Bound[Gauge]:
         return self._make(Gauge, name, doc, labels)
 
-    def histogram(self, name: str, doc: str, *labels: str, buckets):
+    @overload
+    def histogram(self, name: str, doc: str, *, buckets: Sequence[float | str]) -> Histogram: ...
+    @overload
+    def histogram(self, name: str, doc: str, label: str, /, *labels: str,
+                  buckets: Sequence[float | str]) -> _Bound[Histogram]: ...
+
+    def histogram(self, name: str, doc: str, *labels: str,
+                  buckets: Sequence[float | str]) -> Histogram | _Bound[Histogram]:
         return self._make(Histogram, name, doc, labels, buckets=buckets)
 
 
 class EngineCollector:
     """The engine's cumulative counts and cache configuration, from its stats snapshot, at scrape time."""
 
-    def __init__(self, model_name: str, stats: Callable[[], object] | None = None, block_size: int = 0):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats] | None = None, block_size: int = 0):
         self.model, self.stats, self.block_size = model_name, stats, block_size
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []          # families are built per scrape; nothing to check at registration
 
-    def collect(self):
+    def collect(self) -> list[Metric]:
         from edgecore.shared.engine.handle import EngineStats     # no engine import for nodes that never scrape
         s = self.stats() if self.stats is not None else EngineStats()
         m = [self.model]

@@ -21,9 +21,9 @@ def read_secret(path: str | None, env: str = "EDGECORE_SECRET", required: bool =
         if not value:
             raise ConfigError(f"secret file {path} is empty")
         return value
-    value = os.environ.get(env, "").strip()
-    if value:
-        return value.encode()
+    text = os.environ.get(env, "").strip()
+    if text:
+        return text.encode()
     if required:
         raise ConfigError(f"a cluster secret is required: pass --secret-file or set {env}")
     return None

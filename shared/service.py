@@ -31,7 +31,7 @@ def run_service(start: Callable[[], Awaitable[asyncio.Future | None]], stop: Cal
     except ImportError:
         pass
 
-    async def main():
+    async def main() -> int:
         loop = asyncio.get_running_loop()
         done = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

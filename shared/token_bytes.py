@@ -29,7 +29,7 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {chr(c): b for b, c in chars.items()}
 
 
-def _kinds(node) -> set[str]:
+def _kinds(node: object) -> set[str]:
     """Every component type of a tokenizer.json decoder (sequences flattened)."""
     if not isinstance(node, dict):
         return set()

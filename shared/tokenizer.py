@@ -19,10 +19,12 @@ without encoding the rest.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import Any, NoReturn
 
-from jinja2 import TemplateError
+from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -42,14 +44,14 @@ class TextTooLong(RequestError):
         self.at_least, self.limit = at_least, limit
 
 
-def _token_text(value) -> str | None:
+def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
 
 
 class Tokenizer:
-    def __init__(self, backend: _HFTokenizer, config: dict):
+    def __init__(self, backend: _HFTokenizer, config: dict[str, Any]):
         self.backend = backend
         self.config = config
         self.bos_token = _token_text(config.get("bos_token"))
@@ -60,7 +62,7 @@ class Tokenizer:
         if isinstance(self.chat_template, list):  # named templates: take "default"
             named = {t.get("name"): t.get("template") for t in self.chat_template}
             self.chat_template = named.get("default") or next(iter(named.values()), None)
-        self._template = None
+        self._template: Template | None = None
         self.special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
 
     @classmethod
@@ -119,11 +121,11 @@ class Tokenizer:
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids   # GIL released
 
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list | None = None, **extra) -> str:
+                            tools: list | None = None, **extra: Any) -> str:
         if not self.chat_template:
             raise RequestError("this model has no chat template; use /v1/completions", param="messages")
         if self._template is None:
@@ -142,12 +144,12 @@ class Tokenizer:
             raise RequestError(f"chat template failed: {type(exc).__name__}: {exc}", param="messages") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, limit: int | None = None,
-                    **extra) -> list[int]:
+                    **extra: Any) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt, **extra)
         return self.encode(text, add_special_tokens=False, limit=limit)
 
 
-def _raise_template_error(message):
+def _raise_template_error(message: str) -> NoReturn:
     raise TemplateError(message)
 
 
@@ -160,7 +162,7 @@ class IncrementalDetokenizer:
 
     CONTEXT = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.ids = list(prompt_ids[-self.CONTEXT:])

@@ -55,14 +55,14 @@ class DetokenizeRequest(Struct, kw_only=True):
 
 
 def add_model_routes(app: web.Application, card: Card, list_route: bool = True) -> None:
-    async def one(request: web.Request):
+    async def one(request: web.Request) -> web.Response:
         c = card()
         if request.match_info["model_id"] != c["id"]:
             raise ApiError(404, f"The model '{request.match_info['model_id']}' does not exist (this server serves "
                            f"'{c['id']}')", "model", "model_not_found")
         return web.json_response(c)
 
-    async def listing(_):
+    async def listing(_: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [card()]})
 
     app.router.add_get("/v1/models/{model_id:.+}", one)
@@ -75,6 +75,7 @@ def _tokenize(req: TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
         raise ApiError(400, "give exactly one of 'prompt' or 'messages'", "prompt", "invalid_value")
     if req.prompt is not None:
         return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    assert req.messages is not None     # exactly one of the two is given (checked above)
     rendered = [render_message(msg, i) for i, msg in enumerate(req.messages)]
     try:
         return tokenizer.encode_chat(rendered, add_generation_prompt=req.add_generation_prompt)
@@ -84,7 +85,7 @@ def _tokenize(req: TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
 
 def add_edge_routes(app: web.Application, tokenizer: Tokenizer, vocab: int, card: Card) -> None:
     """/tokenize, /detokenize and /version as vLLM serves them, and /v1/models/{id}."""
-    async def tokenize(request: web.Request):
+    async def tokenize(request: web.Request) -> web.Response:
         body = await json_body(request)
         check_model(body, card()["id"])
         req = decode_body(body, TokenizeRequest)
@@ -94,7 +95,7 @@ def add_edge_routes(app: web.Application, tokenizer: Tokenizer, vocab: int, card
             out["token_strs"] = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
         return web.json_response(out)
 
-    async def detokenize(request: web.Request):
+    async def detokenize(request: web.Request) -> web.Response:
         body = await json_body(request)
         check_model(body, card()["id"])
         req = decode_body(body, DetokenizeRequest)
@@ -102,7 +103,7 @@ def add_edge_routes(app: web.Application, tokenizer: Tokenizer, vocab: int, card
             raise ApiError(400, f"token ids must be in [0, {vocab})", "tokens", "invalid_value")
         return web.json_response({"prompt": tokenizer.decode(req.tokens)})
 
-    async def version_route(_):
+    async def version_route(_: web.Request) -> web.Response:
         return web.json_response({"version": version()})
 
     app.router.add_post("/tokenize", tokenize)

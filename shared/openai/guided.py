@@ -19,6 +19,7 @@ from edgecore.shared.engine import grammar
 from edgecore.shared.engine.sampling_params import GuidedSpec
 from edgecore.shared.errors import RequestError
 from edgecore.shared.openai.errors import ApiError
+from edgecore.shared.openai.schemas import SamplingFields
 
 _EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _STRUCTURED = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
@@ -92,14 +93,15 @@ def _structured_outputs(value: Any) -> list[GuidedSpec]:
     return specs
 
 
-def guided_spec(req) -> GuidedSpec | None:
+def guided_spec(req: SamplingFields) -> GuidedSpec | None:
     """The request's grammar, checked; None when it asks for none."""
     specs = [_extra(name, getattr(req, name)) for name in _EXTRAS if getattr(req, name, None) is not None]
     if req.response_format is not None:
-        specs.append(_response_format(req.response_format))
+        fmt = _response_format(req.response_format)
+        if fmt is not None:                             # response_format "text": no constraint
+            specs.append(fmt)
     if getattr(req, "structured_outputs", None) is not None:
         specs += _structured_outputs(req.structured_outputs)
-    specs = [s for s in specs if s is not None]         # response_format "text": no constraint
     if len(specs) > 1:
         names = [s.param.split(".json_schema")[0] for s in specs]
         raise _bad(f"at most one of {', '.join(names)} may be given", names[-1])

@@ -21,15 +21,19 @@ import hmac
 import logging
 import uuid
 from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.typedefs import Handler, Middleware
 
 from edgecore.shared.http_server import LIMITS_KEY
 from edgecore.shared.openai.request import ApiError
 
 log = logging.getLogger("edgecore.http")
+
+_T = TypeVar("_T")
 
 OFF_LOOP_BODY = 1 << 16      # bytes of body from which parsing runs on a worker thread
 PROTECTED = ("/v1/", "/stats")        # paths that need the API key when one is configured
@@ -48,9 +52,10 @@ def check_bearer(request: web.Request, keys: list[bytes]) -> None:
                        "invalid_api_key")
 
 
-def error_middleware(api_keys: list[bytes], max_body: int, on_error: Callable[[int], None] | None = None):
+def error_middleware(api_keys: list[bytes], max_body: int,
+                     on_error: Callable[[int], None] | None = None) -> Middleware:
     @web.middleware
-    async def middleware(request: web.Request, handler):
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             if request.path.startswith(PROTECTED):
                 check_bearer(request, api_keys)
@@ -133,7 +138,7 @@ async def json_body(request: web.Request) -> dict:
     return body
 
 
-async def off_loop(request: web.Request, fn: Callable, *args):
+async def off_loop(request: web.Request, fn: Callable[..., _T], *args: object) -> _T:
     """`fn(*args)`, on a worker thread when the request's body is large (or of unknown length): long texts
     are encoded with the GIL released (`Tokenizer.encode`), so the loop turns meanwhile."""
     size = request.content_length      # of the bytes sent: a compressed body may inflate far beyond it

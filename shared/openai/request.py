@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from collections.abc import Callable
+from functools import partial
+from typing import cast
 
 from jinja2.defaults import DEFAULT_NAMESPACE
 
@@ -23,7 +25,8 @@ from edgecore.shared.errors import RequestError
 from edgecore.shared.openai.errors import ApiError
 from edgecore.shared.openai.guided import guided_spec
 from edgecore.shared.openai.tools import ToolSet, render_tool_calls, tool_set
-from edgecore.shared.openai.schemas import MAX_N, MAX_PROMPTS, ChatRequest, CompletionRequest, SamplingFields, decode_body
+from edgecore.shared.openai.schemas import (MAX_N, MAX_PROMPTS, ChatMessage, ChatRequest, CompletionRequest,
+                                           SamplingFields, decode_body)
 from edgecore.shared.tokenizer import TextTooLong, Tokenizer
 
 __all__ = ["ApiError", "ParsedRequest", "check_model", "parse_chat", "parse_completion", "MAX_N"]
@@ -138,12 +141,12 @@ def _stream_opts(req: SamplingFields) -> tuple[bool, bool]:
 
 
 def _completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab: int, max_model_len: int
-                        ) -> tuple[list, list]:
+                        ) -> tuple[list[list[int]], list[str]]:
     prompt = req.prompt
     if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
-        raw = [prompt]
+        raw = [cast("str | list[int]", prompt)]                 # one prompt: a text, or token ids
     elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) and p for p in prompt):
-        raw = prompt
+        raw = cast("list[str | list[int]]", prompt)             # texts, or lists of token ids
     else:
         raise _bad("'prompt' must be a string, a list of strings, a list of token ids, or a list of lists of "
                    "token ids", "prompt", "invalid_type")
@@ -152,7 +155,7 @@ def _completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab: int
     prompts, texts = [], []
     for p in raw:
         if isinstance(p, str):
-            ids = _encode(lambda p=p: tokenizer.encode(p, limit=max_model_len), max_model_len, "prompt")
+            ids = _encode(partial(tokenizer.encode, p, limit=max_model_len), max_model_len, "prompt")
             texts.append(p)
         else:
             if any(t >= vocab for t in p):
@@ -169,6 +172,7 @@ def parse_completion(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len
     req: CompletionRequest = decode_body(body, CompletionRequest)
     prompts, texts = _completion_prompts(req, tokenizer, vocab, max_model_len)
     n = req.n
+    assert n is not None        # decode_body turns a null 'n' into 1
     best_of = req.best_of if req.best_of is not None else n
     if best_of < n:
         raise _bad(f"'best_of' ({best_of}) must be at least 'n' ({n})", "best_of", "invalid_value")
@@ -190,15 +194,15 @@ def parse_completion(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len
                          prompt_logprobs)
 
 
-def render_message(msg, i: int) -> dict:
+def render_message(msg: ChatMessage, i: int) -> dict:
     content = msg.content if msg.content is not None else ""
     if isinstance(content, list):
         for j, part in enumerate(content):
             if part.type != "text" or part.text is None:
                 raise _bad(f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}",
                            f"messages[{i}].content[{j}]", "unsupported_parameter")
-        content = "".join(part.text for part in content)
-    out = {"role": "system" if msg.role == "developer" else msg.role, "content": content}
+        content = "".join(cast(str, part.text) for part in content)     # each checked above
+    out: dict = {"role": "system" if msg.role == "developer" else msg.role, "content": content}
     if msg.tool_calls is not None:
         if msg.role != "assistant":
             raise _bad("only assistant messages have 'tool_calls'", f"messages[{i}].tool_calls", "invalid_value")
@@ -245,6 +249,7 @@ def parse_chat(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len: int)
     max_tokens = _max_tokens(requested, None, [ids], max_model_len, "messages")
     if req.prompt_logprobs is not None and req.stream:
         raise _bad("'prompt_logprobs' cannot be streamed by this server", "prompt_logprobs", "invalid_value")
+    assert req.n is not None    # decode_body turns a null 'n' into 1
     params = _params(req, [ids], req.n, max_tokens, vocab, logprobs, req.prompt_logprobs, tools)
     stream, include_usage = _stream_opts(req)
     return ParsedRequest([ids], [""], params, req.n, stream, include_usage, logprobs,

@@ -12,6 +12,7 @@ OpenAI returns (chat with tools: the text split into content and
 from __future__ import annotations
 
 import codecs
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -31,7 +32,8 @@ class TokenText:
         def text(token_id: int) -> str:
             return tokenizer.decode([token_id], skip_special_tokens=False)
         self.text = text
-        self._tokenizer, self._bytes = tokenizer, None
+        self._tokenizer = tokenizer
+        self._bytes: Callable[[int], bytes] | None = None
 
     def bytes(self, token_id: int) -> bytes:
         if self._bytes is None:          # built when first asked: a node may serve a model without a tokenizer
@@ -67,7 +69,7 @@ class TokenText:
     def prompt_logprobs(self, plps: list[TokenLogprob | None]) -> list[dict | None]:
         """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank, decoded_token}} for the
         token itself and the top alternatives (None for the first token)."""
-        out = []
+        out: list[dict | None] = []
         for lp in plps:
             if lp is None:
                 out.append(None)
@@ -157,7 +159,7 @@ def response_body(parsed: ParsedRequest, results: list[ChoiceResult], chat: bool
             if parsed.extra.get("prompt_logprobs"):
                 choices[-1]["prompt_logprobs"] = texts.prompt_logprobs(r.prompt_logprobs or [])
     cached = sum(results[p * parsed.n].cached_tokens or 0 for p in range(len(parsed.prompts)))
-    body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+    body: dict = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": choices, "usage": usage(parsed, sum(r.tokens for r in results), cached),
             "system_fingerprint": fingerprint}
     if chat and parsed.extra.get("prompt_logprobs"):    # vLLM: one prompt, so one list beside the choices

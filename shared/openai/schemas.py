@@ -13,7 +13,7 @@ instead of being silently ignored.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
@@ -148,13 +148,15 @@ CHAT_UNSUPPORTED: dict[str, tuple] = {
 
 _PATH = re.compile(r" - at `\$\.?(.*)`$")
 
+_S = TypeVar("_S", bound=Struct)
+
 
 def _param(path: str) -> str | None:
     path = path.replace("[...]", "")
     return path or None
 
 
-def decode_body(body: dict, schema: type[Struct]) -> Any:
+def decode_body(body: dict, schema: type[_S]) -> _S:
     """`body` as `schema`; a type or range problem is a 400 naming the field by its JSON path."""
     try:
         req = msgspec.convert(body, schema)
@@ -171,7 +173,7 @@ def decode_body(body: dict, schema: type[Struct]) -> Any:
         param = _param(path)
         raise ApiError(400, f"Invalid value for '{param}': {message}" if param else message, param, code) \
             from None
-    if not issubclass(schema, SamplingFields):   # /tokenize and the like implement their own fields
+    if not isinstance(req, SamplingFields):   # /tokenize and the like implement their own fields
         return req
     unsupported = {**UNSUPPORTED, **CHAT_UNSUPPORTED} if schema is ChatRequest else UNSUPPORTED
     for name, accepted in unsupported.items():

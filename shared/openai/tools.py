@@ -23,6 +23,7 @@ from typing import Any
 
 from edgecore.shared.engine.sampling_params import GuidedSpec
 from edgecore.shared.openai.errors import ApiError
+from edgecore.shared.openai.schemas import ChatRequest
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(\{.*?\})\s*" + re.escape(CLOSE), re.S)
@@ -82,7 +83,7 @@ def _choice(value: Any, names: list[str]) -> str:
                "{\"name\": ...}}", "tool_choice")
 
 
-def tool_set(req, chat_template: str | None) -> ToolSet | None:
+def tool_set(req: ChatRequest, chat_template: str | None) -> ToolSet | None:
     """The request's tools, checked; None when the model is to see no tools."""
     tools = req.tools or []
     if not isinstance(tools, list):
