@@ -1,8 +1,8 @@
 """aiohttp plumbing shared by the edge API and the core's batch API.
 
 `error_middleware(api_keys, max_body, on_error)` checks the bearer key on
-`/v1/` paths and `/stats` (the scheme case-insensitively, the key against every
-configured key in constant time), refuses a declared Content-Length over the limit (413
+`/v1/` paths, `/stats`, `/tokenize` and `/detokenize` (the scheme case-insensitively; the key's SHA-256
+looked up among the configured keys' digests, `ApiKeys`), refuses a declared Content-Length over the limit (413
 at once) and a Content-Encoding it cannot decode (415), and turns `ApiError`, oversized bodies
 (413), bodies that cannot be read (400: a cut or corrupt compressed body),
 aiohttp's own HTTP errors (404, 405, …) and, as a last resort, any exception of
@@ -17,10 +17,10 @@ thread when its body is large, so the event loop keeps serving everyone else.
 from __future__ import annotations
 
 import asyncio
-import hmac
+import hashlib
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import msgspec
@@ -36,29 +36,44 @@ log = logging.getLogger("edgecore.http")
 _T = TypeVar("_T")
 
 OFF_LOOP_BODY = 1 << 16      # bytes of body from which parsing runs on a worker thread
-PROTECTED = ("/v1/", "/stats")        # paths that need the API key when one is configured
+PROTECTED = ("/v1/", "/stats", "/tokenize", "/detokenize")   # need the API key when keys are configured;
+# /health, /ready, /metrics and /version stay open (probes and scrapers hold no key)
 
 
-def check_bearer(request: web.Request, keys: list[bytes]) -> None:
+class ApiKeys:
+    """The configured API keys, held as SHA-256 digests in a set: a check hashes the presented key once and looks
+    the digest up, so it costs the same with one key or 100,000 and its timing depends on the digest (which
+    the client cannot steer toward a key's), never on how much of a key matched. The keys themselves are not kept."""
+
+    def __init__(self, keys: Iterable[bytes]):
+        self._digests = frozenset(hashlib.sha256(k).digest() for k in keys)
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def accepts(self, given: bytes) -> bool:
+        return hashlib.sha256(given).digest() in self._digests
+
+
+def check_bearer(request: web.Request, keys: ApiKeys) -> None:
     if not keys:
         return
     scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
     given = token.strip().encode() if scheme.lower() == "bearer" else b""
-    ok = False
-    for key in keys:   # every key compared: timing does not reveal which one matched
-        ok |= hmac.compare_digest(given, key)
-    if not ok:
+    if not keys.accepts(given):
         raise ApiError(401, "Incorrect or missing API key. Pass it as 'Authorization: Bearer KEY'.", None,
                        "invalid_api_key")
 
 
 def error_middleware(api_keys: list[bytes], max_body: int,
                      on_error: Callable[[int], None] | None = None) -> Middleware:
+    keys = ApiKeys(api_keys)
+
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             if request.path.startswith(PROTECTED):
-                check_bearer(request, api_keys)
+                check_bearer(request, keys)
             _check_body_headers(request, max_body)
             return await handler(request)
         except ApiError as exc:
