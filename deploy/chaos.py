@@ -79,6 +79,7 @@ class _Process:
         self.popen = subprocess.Popen([sys.executable, "-m", "edgecore", *args], stdout=subprocess.PIPE,
                                       stderr=self.log, text=True, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout
+        assert self.popen.stdout is not None       # stdout=PIPE
         while time.monotonic() < deadline:
             line = self.popen.stdout.readline()
             if "ready" in line:
@@ -90,6 +91,7 @@ class _Process:
         raise RuntimeError(f"edgecore {args[0]} did not start (log: {log})")
 
     def _drain(self) -> None:
+        assert self.popen.stdout is not None
         for _ in iter(self.popen.stdout.readline, ""):
             pass
 
@@ -224,6 +226,7 @@ class ChaosCluster:
                 result.detect_s = max(result.detect_s or 0.0, done_at - fired)
 
     def _process_fault(self, kind: str, rng: random.Random) -> float:
+        assert self.core is not None and self.edge is not None      # started by start()
         time.sleep(rng.uniform(0.0, 0.3))
         fired = time.monotonic()
         if kind == "kill_core":
@@ -244,6 +247,7 @@ class ChaosCluster:
         return fired
 
     def _recover(self, kind: str) -> None:
+        assert self.core is not None and self.edge is not None      # started by start()
         if kind in ("kill_core", "kill_rank"):       # a core that lost a rank stays unhealthy: restart it
             self.core.kill()
             self._start_core()

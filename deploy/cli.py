@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from types import ModuleType
 
 # Before anything imports numpy: its BLAS (OpenBLAS) sums the KV codecs' columns in worker threads beside
 # torch's, and a BLAS thread pool of its own on the same cores slowed a core's prefill (bench/ttft.py, q3e, 8k
@@ -43,7 +44,7 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _modules():
+def _modules() -> list[ModuleType]:
     mods = [shared_cli]
     for name in ("edgecore.core.cli", "edgecore.core.batch_cli", "edgecore.edge.cli", "edgecore.deploy.commands"):
         try:

@@ -80,7 +80,7 @@ def run_relay(args: argparse.Namespace) -> int:
     from edgecore.shared.service import run_service
     relay = WanRelay(LinkSpec(args.delay_ms, args.jitter_ms))
 
-    async def start():
+    async def start() -> None:
         await relay.start(parse_hostport(args.listen), parse_hostport(args.target))
         print(f"relay ready: {args.listen} -> {args.target}", flush=True)
 

@@ -57,7 +57,7 @@ class Fault:
 class FrameSplitter:
     """Sans-IO: feed bytes, take whole frames (fixed header + message header + payload + MAC tag)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.buf = bytearray()
 
     def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
@@ -181,7 +181,8 @@ class _Connection:
         self.relay.fired = time.monotonic()
         return fault
 
-    async def _forward(self, writer, direction: str, ftype: int, payload_at: int, frame: bytes) -> bool:
+    async def _forward(self, writer: asyncio.StreamWriter, direction: str, ftype: int, payload_at: int,
+                       frame: bytes) -> bool:
         """Send one frame (with the armed fault if it hits); False closes the connection."""
         fault = self._hit(direction, ftype, frame)
         out = [frame]

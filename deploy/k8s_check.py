@@ -15,16 +15,21 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from edgecore.deploy.k8s_refs import gather
 from edgecore.deploy.k8s_refs import problems as references
 from edgecore.deploy.k8s_schemas import CRDS, KUSTOMIZATION
 from edgecore.shared.errors import ConfigError
 
+if TYPE_CHECKING:
+    from jsonschema.protocols import Validator
+
 KUBERNETES_VERSION = "1.30"      # the oldest release the manifests are checked against (all fields are GA there)
 
 
-def _libraries():
+def _libraries() -> tuple[ModuleType, ModuleType, ModuleType]:
     try:
         import jsonschema
         import kubernetes_validate
@@ -34,7 +39,7 @@ def _libraries():
     return jsonschema, kubernetes_validate, yaml
 
 
-def _schema_problems(jsonschema, schema: dict, doc: dict) -> list[str]:
+def _schema_problems(jsonschema: ModuleType, schema: dict, doc: dict) -> list[str]:
     validator = jsonschema.Draft202012Validator(schema)
     return [f"{'.'.join(str(p) for p in e.absolute_path) or '(top)'}: {e.message}"
             for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))]
@@ -56,7 +61,7 @@ def check_document(doc: dict) -> list[str]:
 
 
 @functools.cache
-def _strict_validator(api_version: str, kind: str):
+def _strict_validator(api_version: str, kind: str) -> Validator | None:
     """kubernetes-validate's strict schema for a kind, as `kubernetes_validate.validate(strict=True)` finds
     it, built once (the library re-reads its definitions file on every call: ~0.2 s per object)."""
     jsonschema, kv, _ = _libraries()

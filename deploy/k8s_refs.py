@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 
-def gather(directory: Path, yaml) -> tuple[str | None, list[dict]]:
+def gather(directory: Path, yaml: ModuleType) -> tuple[str | None, list[dict]]:
     k = yaml.safe_load((directory / "kustomization.yaml").read_text())
     objects: list[dict] = []
     for res in k.get("resources", []):
@@ -69,7 +70,7 @@ def _pod_problems(workload: dict, by_kind: dict[str, dict[str, dict]], services:
     return found
 
 
-def problems(directory: Path, yaml, elsewhere: Sequence[dict] = ()) -> list[str]:
+def problems(directory: Path, yaml: ModuleType, elsewhere: Sequence[dict] = ()) -> list[str]:
     """`elsewhere`: objects of the other overlays (an edge's cores may be another region's)."""
     _, objects = gather(directory, yaml)
     by_kind: dict[str, dict[str, dict]] = {}

@@ -25,9 +25,13 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, TYPE_CHECKING, TextIO
 
-from edgecore.deploy.topology import CoreNode, Topology
+from edgecore.deploy.topology import CoreNode, EdgeNode, Topology
 from edgecore.shared.errors import EdgecoreError
+
+if TYPE_CHECKING:
+    from edgecore.deploy.wan import WanEmulation
 
 COMPILE_WAIT = 300.0     # seconds more to wait for edges with `compile = true` (a first compile; cached after)
 
@@ -35,13 +39,13 @@ COMPILE_WAIT = 300.0     # seconds more to wait for edges with `compile = true` 
 @dataclass
 class Proc:
     label: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen[str]
     ready_url: str
 
 
 class Launcher:
     def __init__(self, topology: Topology, emulate_wan: bool = False, data_dir: str | None = None,
-                 ready_timeout: float = 180.0, out=sys.stdout):
+                 ready_timeout: float = 180.0, out: TextIO = sys.stdout):
         self.topology = topology
         self.emulate_wan = emulate_wan
         self.data_dir = Path(data_dir) if data_dir else None
@@ -49,7 +53,7 @@ class Launcher:
         self.out = out
         self.procs: list[Proc] = []
         self.tmp = tempfile.TemporaryDirectory(prefix="edgecore-up-")
-        self.wan = None
+        self.wan: WanEmulation | None = None
         self._lock = threading.Lock()
         self.edge_urls: dict[str, str] = {}
 
@@ -59,7 +63,7 @@ class Launcher:
             self.out.write(line + "\n")
             self.out.flush()
 
-    def _echo(self, label: str, stream) -> None:
+    def _echo(self, label: str, stream: IO[str]) -> None:
         for line in iter(stream.readline, ""):
             self.say(f"[{label}] {line.rstrip()}")
         stream.close()
@@ -113,7 +117,8 @@ class Launcher:
     def _check_ports(self) -> None:
         """Nodes share this host (or, with --emulate-wan, their region's namespace): one port each."""
         used: dict[tuple[str, int], str] = {}
-        for node in (*self.topology.cores, *self.topology.edges):
+        nodes: tuple[CoreNode | EdgeNode, ...] = (*self.topology.cores, *self.topology.edges)
+        for node in nodes:
             ports = (node.port, node.http_port) if isinstance(node, CoreNode) else (node.port,)
             for port in ports:
                 key = (node.region if self.emulate_wan else "", port)
@@ -222,7 +227,7 @@ class Launcher:
         end the wait; while starting they interrupt it (as Ctrl-C does), so no node outlives the launcher."""
         stop, waiting = threading.Event(), threading.Event()
 
-        def on_signal(*_):
+        def on_signal(*_: object) -> None:
             stop.set()
             if not waiting.is_set():
                 raise KeyboardInterrupt

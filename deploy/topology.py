@@ -12,10 +12,10 @@ every key.
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NoReturn
 
 import msgspec
 from msgspec import Meta
@@ -240,7 +240,7 @@ def load_topology(path: str | Path) -> Topology:
     except tomllib.TOMLDecodeError as exc:
         raise TopologyError(f"{path}: {exc}") from None
 
-    def fail(where: tuple[str | int, ...], message: str):
+    def fail(where: tuple[str | int, ...], message: str) -> NoReturn:
         raise TopologyError(f"{path}:{TomlLines(text).line(where)}: '{_shown(where)}' {message}")
 
     try:
@@ -250,7 +250,7 @@ def load_topology(path: str | Path) -> Topology:
     return _build(path, spec, fail)
 
 
-def _build(path: Path, spec: TopologyFile, fail) -> Topology:
+def _build(path: Path, spec: TopologyFile, fail: Callable[[tuple[str | int, ...], str], NoReturn]) -> Topology:
     cores: list[CoreNode] = []
     edges: list[EdgeNode] = []
     seen: set[str] = set()

@@ -111,11 +111,12 @@ class WanEmulation:
             for core in self.topo.cores_for(edge.region):
                 if core.region == edge.region or (edge.region, core.name) in self.relays:
                     continue
-                link = self.topo.link(edge.region, core.region)
+                route = self.topo.link(edge.region, core.region)
+                assert route is not None          # cores_for lists only cores of this or a linked region
                 _, _, l = self.link_ifaces(edge.region, core.region)
                 core_ip = f"10.214.{l}.1" if self.topo.links[l].a == core.region else f"10.214.{l}.2"
                 port = 17000 + 100 * self.index[edge.region] + len(self.relays)
-                self._relay(edge.region, port, f"{core_ip}:{core.port}", link.delay_ms, link.jitter_ms)
+                self._relay(edge.region, port, f"{core_ip}:{core.port}", route.delay_ms, route.jitter_ms)
                 self.relays[(edge.region, core.name)] = port
 
     def _loss(self, ns: str, iface: str, pct: float) -> None:
@@ -133,6 +134,7 @@ class WanEmulation:
                                  str(delay), "--jitter-ms", str(jitter)], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.procs.append(proc)
+        assert proc.stdout is not None                   # stdout=PIPE
         line = proc.stdout.readline()
         if "relay ready" not in line:
             raise ConfigError(f"WAN relay for {region} did not start: {line.strip()}")

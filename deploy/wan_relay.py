@@ -52,7 +52,7 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link
     queue: asyncio.Queue = asyncio.Queue()
     budget = asyncio.Semaphore(max(1, link.spec.buffer_bytes // 65536))
 
-    async def feed():
+    async def feed() -> None:
         try:
             while True:
                 await budget.acquire()
@@ -101,7 +101,7 @@ class WanRelay:
         self.cut = False
 
     async def start(self, listen: tuple[str, int], target: tuple[str, int]) -> int:
-        async def on_conn(reader, writer):
+        async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             if self.cut:
                 writer.close()
                 return
@@ -113,6 +113,7 @@ class WanRelay:
             _cap_receive_buffer(writer, self.spec)           # feeds the client → target link
             _cap_receive_buffer(up_writer, self.reverse)     # feeds the target → client link
             task = asyncio.current_task()
+            assert task is not None                          # a connection callback runs in its own task
             self.connections.add(task)
             try:
                 await asyncio.gather(_pump(reader, up_writer, Link(self.spec, 1)),

@@ -7,13 +7,15 @@ so no value can change meaning (`on`, `yes`, `1e3`, `:`).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from typing import Any
 
 
-def dump(value, indent: int = 0) -> str:
+def dump(value: Any, indent: int = 0) -> str:
     return "".join(_lines(value, indent)).rstrip("\n") + "\n"
 
 
-def _scalar(value) -> str:
+def _scalar(value: object) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -41,7 +43,7 @@ def _quoted(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def _lines(value, indent: int):
+def _lines(value: object, indent: int) -> Iterator[str]:
     pad = " " * indent
     if isinstance(value, dict):
         if not value:
@@ -64,6 +66,6 @@ def _lines(value, indent: int):
         yield pad + _scalar(value) + "\n"
 
 
-def _key(key) -> str:
+def _key(key: object) -> str:
     text = str(key)
     return text if text.replace("-", "").replace(".", "").replace("/", "").replace("_", "").isalnum() else _scalar(text)

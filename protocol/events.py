@@ -21,7 +21,7 @@ from edgecore.protocol.errors import ErrorCode
 
 
 class _NeedData:
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "NEED_DATA"
 
 
@@ -49,7 +49,7 @@ class BadFrame:
 
 @dataclass(frozen=True)
 class Recovery:
-    send: tuple = ()                   # messages to send to the peer
+    send: tuple[m.Message, ...] = ()   # messages to send to the peer
     deliver: m.Error | None = None     # an error to hand to this side's application
 
 
@@ -57,7 +57,7 @@ class Recovery:
 class FrameRejected:
     """The peer rejected our frame `seq`; `message` is what that frame carried (without payload)."""
     seq: int
-    message: object
+    message: m.Message
     reason: str
 
     def recovery(self) -> Recovery:

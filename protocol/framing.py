@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from edgecore.protocol.errors import ErrorCode, RemoteProtocolError
@@ -103,7 +104,7 @@ class FrameParser:
         self._buf, self._len, self._need = bytearray(), 0, None
 
     # ---- input ----------------------------------------------------------------
-    def feed(self, data) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         n = len(data)
         if self._len + n > self.limits.max_buffer:
             raise RemoteProtocolError("peer sent more data than the frame limits allow", ErrorCode.FRAME_TOO_LARGE)
@@ -139,7 +140,7 @@ class FrameParser:
         """A version-2 frame larger than a read chunk is arriving (its fixed header is in)."""
         return self._need is not None and self._need[2] == FIXED_SIZE and _total(self._need) > CHUNK
 
-    def feed_signed(self, fn, start: int) -> int:
+    def feed_signed(self, fn: Callable[[memoryview], object], start: int) -> int:
         """Pass the pending large frame's signed bytes from `start` up to what has arrived to `fn` (a MAC
         computed as the bytes arrive, while they are still in cache); returns the new position."""
         need = self._need

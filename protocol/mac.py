@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Sequence
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -46,13 +47,13 @@ class HandshakeMac:
     def __init__(self, key: bytes):
         self._key = key
 
-    def tag(self, seq: int, parts) -> bytes:
+    def tag(self, seq: int, parts: Sequence[bytes | memoryview]) -> bytes:
         h = hmac.new(self._key, seq.to_bytes(8, "little"), "sha256")
         for part in parts:
             h.update(part)
         return h.digest()[:TAG_SIZE]
 
-    def verify(self, seq: int, signed, tag) -> bool:
+    def verify(self, seq: int, signed: bytes | memoryview, tag: bytes | memoryview) -> bool:
         return hmac.compare_digest(self.tag(seq, [signed]), bytes(tag))
 
 
@@ -63,7 +64,7 @@ class SessionMac:
         self._key = key
         self._aead = AESGCM(key)
 
-    def tag(self, seq: int, parts) -> bytes:
+    def tag(self, seq: int, parts: Sequence[bytes | memoryview]) -> bytes:
         nonce = seq.to_bytes(12, "little")
         if len(parts) == 1:
             return self._aead.encrypt(nonce, b"", parts[0])
@@ -73,7 +74,7 @@ class SessionMac:
         enc.finalize()
         return enc.tag
 
-    def verify(self, seq: int, signed, tag) -> bool:
+    def verify(self, seq: int, signed: bytes | memoryview, tag: bytes | memoryview) -> bool:
         try:
             self._aead.decrypt(seq.to_bytes(12, "little"), bytes(tag), signed)
         except InvalidTag:
@@ -91,10 +92,10 @@ class IncrementalVerify:
         self._dec = Cipher(algorithms.AES(key), modes.GCM(seq.to_bytes(12, "little"))).decryptor()
         self.pos = 0            # bytes of the frame fed so far (kept by the caller)
 
-    def update(self, data) -> None:
+    def update(self, data: bytes | memoryview) -> None:
         self._dec.authenticate_additional_data(data)
 
-    def verify(self, tag) -> bool:
+    def verify(self, tag: bytes | memoryview) -> bool:
         try:
             self._dec.finalize_with_tag(bytes(tag))
         except InvalidTag:

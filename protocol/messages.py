@@ -172,5 +172,5 @@ encoder = msgspec.msgpack.Encoder()
 decoder = msgspec.msgpack.Decoder(Message)
 
 
-def tag_of(msg) -> int:
-    return msg.__struct_config__.tag
+def tag_of(msg: Message) -> int:
+    return typing.cast(int, msg.__struct_config__.tag)     # every message class has an integer tag

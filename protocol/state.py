@@ -31,13 +31,15 @@ from __future__ import annotations
 import enum
 import os
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import TypeVar, TypeVarTuple
 
 import msgspec
 
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
-from edgecore.protocol.events import NEED_DATA, BadFrame, FrameRejected, KVData
-from edgecore.protocol.framing import HANDSHAKE_LIMITS, LEGACY_VERSION, FrameParser, Limits, pack_fixed
+from edgecore.protocol.events import NEED_DATA, BadFrame, FrameRejected, KVData, _NeedData
+from edgecore.protocol.framing import HANDSHAKE_LIMITS, LEGACY_VERSION, FrameParser, Limits, RawFrame, pack_fixed
 from edgecore.protocol.framing import VERSION as FRAME_VERSION
 from edgecore.protocol.mac import HandshakeMac, IncrementalVerify, Keys, SessionMac, transcript_hash
 
@@ -74,9 +76,12 @@ TRANSITIONS: dict[tuple[Role, State, type], State] = {
 }
 SENT_WINDOW = 4096          # sent frames remembered (seq → message) for Reject recovery
 _lenient = msgspec.msgpack.Decoder()
+_T = TypeVar("_T")
+_Ts = TypeVarTuple("_Ts")
+Event = m.Message | KVData | BadFrame | FrameRejected      # what `next_event` returns besides NEED_DATA
 
 
-def next_state(sender: Role, state: State, msg, version: int | None = m.PROTOCOL_VERSION) -> State | None:
+def next_state(sender: Role, state: State, msg: m.Message, version: int | None = m.PROTOCOL_VERSION) -> State | None:
     """The state after `sender` sends `msg` in `state` on a connection of `version`; None when forbidden."""
     if state in (State.CLOSED, State.ERROR):
         return None
@@ -90,7 +95,7 @@ def next_state(sender: Role, state: State, msg, version: int | None = m.PROTOCOL
 
 class Connection:
     def __init__(self, role: Role, secret: bytes, model_fingerprint: str, codecs: list[str],
-                 limits: Limits | None = None, name: str = "", layout: dict | None = None,
+                 limits: Limits | None = None, name: str = "", layout: dict[str, int] | None = None,
                  capabilities: list[str] | None = None, session: str = "", streams: list[int] | None = None):
         if not secret:
             raise ValueError("a cluster secret is required")
@@ -105,7 +110,7 @@ class Connection:
         self.state = State.START
         self.version: int | None = None
         self.peer_codecs: list[str] = []
-        self.peer_layout: dict = {}
+        self.peer_layout: dict[str, int] = {}
         self.peer_name = ""
         self.peer_capabilities: list[str] = []      # what the peer's Auth / AuthOk says it implements
         self.parser = FrameParser(HANDSHAKE_LIMITS)
@@ -115,7 +120,7 @@ class Connection:
         self._recv_mac: HandshakeMac | SessionMac = self._keys.handshake
         self._send_seq = self._recv_seq = 0
         self._hello_header = b""
-        self._sent: OrderedDict[int, object] = OrderedDict()
+        self._sent: OrderedDict[int, m.Message] = OrderedDict()
         self._bad_in_a_row = 0
         self._legacy_peer = False
         self._incoming: IncrementalVerify | None = None   # MAC of the large frame now arriving
@@ -139,7 +144,7 @@ class Connection:
         """True once both sides agreed a version with decode handover (Token, Handover, DecodeStop)."""
         return (self.version or 0) >= m.HANDOVER_VERSION
 
-    def _version_note(self, msg) -> str:
+    def _version_note(self, msg: m.Message) -> str:
         if self.state is State.READY and not self.handover:
             return f" (a version-{self.version} connection has no decode handover)"
         return ""
@@ -162,7 +167,7 @@ class Connection:
             self.parser.close()
 
     # ---- sending -------------------------------------------------------------------
-    def send(self, event) -> list[bytes | memoryview]:
+    def send(self, event: m.Message | KVData) -> list[bytes | memoryview]:
         """Serialize `event` (a message or KVData) for the wire; advance the state."""
         try:
             return self._send(event)
@@ -170,7 +175,7 @@ class Connection:
             self.state = State.ERROR
             raise
 
-    def _send(self, event) -> list[bytes | memoryview]:
+    def _send(self, event: m.Message | KVData) -> list[bytes | memoryview]:
         msg = event.chunk if isinstance(event, KVData) else event
         nxt = next_state(self.role, self.state, msg, self.version)
         if nxt is None:
@@ -204,7 +209,7 @@ class Connection:
             return [head, payload, self._send_mac.tag(seq, [head, payload])]
         return [head + self._send_mac.tag(seq, [head])]
 
-    def send_bytes(self, event) -> bytes:
+    def send_bytes(self, event: m.Message | KVData) -> bytes:
         return b"".join(self.send(event))
 
     def error_frame(self, exc: ProtocolError | str, code: ErrorCode | None = None) -> bytes:
@@ -220,7 +225,7 @@ class Connection:
         return data
 
     # ---- receiving -------------------------------------------------------------------
-    def receive_data(self, data) -> None:
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         if self.usable:
             self._guard(self.parser.feed, data)
 
@@ -244,21 +249,21 @@ class Connection:
     def buffered(self) -> int:
         return self.parser.buffered
 
-    def next_event(self):
+    def next_event(self) -> Event | _NeedData:
         if self.state is State.CLOSED:
             return NEED_DATA
         if self.state is State.ERROR:
             raise RemoteProtocolError("connection is in state ERROR after an earlier failure")
         return self._guard(self._next_event)
 
-    def _guard(self, fn, *args):
+    def _guard(self, fn: Callable[[*_Ts], _T], *args: *_Ts) -> _T:
         try:
             return fn(*args)
         except BaseException:
             self.state = State.ERROR
             raise
 
-    def _next_event(self):
+    def _next_event(self) -> Event | _NeedData:
         frame = self.parser.next_frame()
         if frame is None:
             return NEED_DATA
@@ -303,7 +308,7 @@ class Connection:
             return FrameRejected(msg.seq, sent, msg.message)
         return msg
 
-    def _bad_frame(self, seq: int, frame, cls):
+    def _bad_frame(self, seq: int, frame: RawFrame, cls: type | None) -> BadFrame | m.Error:
         name = cls.__name__ if cls else f"type-{frame.frame_type}"
         if self.state is not State.READY:
             if cls is m.Error:      # the peer is closing anyway; say what it said, marked as unverified
@@ -318,7 +323,7 @@ class Connection:
                                       "replayed, or the link corrupts data", ErrorCode.CHECKSUM)
         return BadFrame(seq, frame.frame_type, f"frame {seq} ({name}) failed its MAC")
 
-    def _legacy(self, frame) -> None:
+    def _legacy(self, frame: RawFrame) -> None:
         self._legacy_peer = True
         said = ""
         if frame.frame_type == m.tag_of(m.Error(0, "")):
@@ -331,7 +336,7 @@ class Connection:
                                   f"edgecore release on edges and cores{said}", ErrorCode.VERSION_MISMATCH)
 
     # ---- handshake checks (the table already allowed the message) -----------------------------
-    def _check_handshake(self, msg, frame) -> None:
+    def _check_handshake(self, msg: m.Message, frame: RawFrame) -> None:
         if isinstance(msg, m.Hello):
             common = sorted(set(msg.versions) & set(m.SUPPORTED_VERSIONS))
             if not common:
@@ -369,7 +374,7 @@ def _check_nonce(nonce: bytes) -> None:
         raise RemoteProtocolError("handshake nonce is too short", ErrorCode.AUTH_FAILED)
 
 
-def _unverified_error(header) -> m.Error:
+def _unverified_error(header: memoryview) -> m.Error:
     try:
         fields = _lenient.decode(header)
         code, message = int(fields[1]), str(fields[2])

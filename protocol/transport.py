@@ -24,13 +24,15 @@ import itertools
 import logging
 import ssl as ssl_module
 import time
+import typing
 from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
 
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode, ProtocolError
-from edgecore.protocol.events import BadFrame, FrameRejected
-from edgecore.protocol.state import NEED_DATA, Connection, KVData, Role
+from edgecore.protocol.events import BadFrame, FrameRejected, _NeedData
+from edgecore.protocol.framing import Limits
+from edgecore.protocol.state import Connection, KVData, Role
 
 log = logging.getLogger("edgecore.protocol")
 
@@ -66,8 +68,8 @@ class _Stream(asyncio.BufferedProtocol):
         self.paused = False
         self.on_connect: Callable[[_Stream], None] | None = None
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = typing.cast(asyncio.Transport, transport)     # a stream's transport
         if self.on_connect is not None:
             self.on_connect(self)
 
@@ -111,7 +113,7 @@ class _Stream(asyncio.BufferedProtocol):
         self._data.set()
         return False
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.error = exc
         self._data.set()
@@ -178,7 +180,7 @@ class Peer:
         self._pings[nonce] = time.monotonic()
         await self.send(m.Ping(nonce))
 
-    async def send(self, event) -> None:
+    async def send(self, event: m.Message | KVData) -> None:
         if self.closed or self.stream.closed or not self.conn.usable:
             raise PeerError("connection is closed")
         try:
@@ -188,7 +190,7 @@ class Peer:
             self._abort()
             raise PeerError(f"connection lost while sending: {exc}") from None
 
-    async def recv(self, timeout: float | None = None):
+    async def recv(self, timeout: float | None = None) -> m.Message | KVData:
         """Next message or KVData from the peer (Ping/Pong handled here)."""
         while True:
             try:
@@ -198,7 +200,7 @@ class Peer:
             except ProtocolError as exc:
                 await self.fail(str(exc), exc.code)
                 raise PeerError(str(exc), exc.code) from None
-            if event is NEED_DATA:
+            if isinstance(event, _NeedData):       # NEED_DATA, its only instance
                 if self.closed:
                     raise PeerError("connection is closed")
                 if self.stream.closed:
@@ -285,7 +287,7 @@ async def _handshake_server(peer: Peer) -> None:
 
 async def connect(host: str, port: int, *, secret: bytes, fingerprint: str, codecs: list[str],
                   timeouts: Timeouts = Timeouts(), ssl: ssl_module.SSLContext | None = None,
-                  name: str = "edge", limits=None, session: str = "") -> Peer:
+                  name: str = "edge", limits: Limits | None = None, session: str = "") -> Peer:
     conn = Connection(Role.CLIENT, secret, fingerprint, codecs, limits, name, session=session)
     loop = asyncio.get_running_loop()
     try:
@@ -313,10 +315,10 @@ Handler = Callable[[Peer], Awaitable[None]]
 
 async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0, secret: bytes, fingerprint: str,
                 codecs: list[str], timeouts: Timeouts = Timeouts(), ssl: ssl_module.SSLContext | None = None,
-                name: str = "core", layout: dict | None = None, limits=None,
+                name: str = "core", layout: dict[str, int] | None = None, limits: Limits | None = None,
                 load_fn: Callable[[], int] | None = None, streams: list[int] | None = None
                 ) -> asyncio.base_events.Server:
-    async def on_connect(stream: _Stream):
+    async def on_connect(stream: _Stream) -> None:
         peer = Peer(stream.conn, stream, timeouts, load_fn)
         try:
             await asyncio.wait_for(_handshake_server(peer), timeouts.handshake)

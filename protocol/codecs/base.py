@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import zstandard
 
 from edgecore.protocol.errors import CodecError
@@ -42,7 +43,7 @@ class PlaneInfo:
     # entropy-coded levels send float16 parameters, as a decoder that predates them expects.
     compact_params: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.dtype not in BITS_DTYPES:
             raise CodecError(f"unknown KV dtype '{self.dtype}'")
         if len(self.shape) != 4 or any(int(s) < 0 for s in self.shape):
@@ -68,7 +69,7 @@ class Codec:
     def encode(self, bits: np.ndarray, info: PlaneInfo) -> bytes | memoryview:
         raise NotImplementedError
 
-    def decode(self, data, info: PlaneInfo) -> np.ndarray:
+    def decode(self, data: bytes | memoryview, info: PlaneInfo) -> np.ndarray:
         raise NotImplementedError
 
 
@@ -134,7 +135,7 @@ _local = threading.local()
 _VIEWS = 256       # cached scratch views per thread (shapes vary with chunk sizes)
 
 
-def scratch(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+def scratch(name: str, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
     """A per-thread work array of `shape` and `dtype`, reused by every call that asks for `name` on this thread
     (contents undefined). Codec temporaries live here: a fresh 100 KB+ numpy array is a fresh mmap whose page
     faults cost more than the arithmetic on it (measured: q*e decode spent half its time in the kernel). A
@@ -166,17 +167,17 @@ def scratch(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
     return view
 
 
-def zstd_compress(data, level: int = 1) -> bytes:
+def zstd_compress(data: bytes | memoryview | np.ndarray, level: int = 1) -> bytes:
     cache = getattr(_local, "c", None)
     if cache is None:
         cache = _local.c = {}
     comp = cache.get(level)
     if comp is None:
         comp = cache[level] = zstandard.ZstdCompressor(level=level)
-    return comp.compress(data)
+    return comp.compress(data)    # type: ignore[arg-type]  # zstandard's stubs omit other buffers (numpy arrays)
 
 
-def zstd_frame_fits(data, size: int) -> None:
+def zstd_frame_fits(data: bytes | memoryview, size: int) -> None:
     """Raise zstandard.ZstdError unless the frame's header declares `size` bytes of content or none:
     python-zstandard allocates a declared size before `max_output_size` applies (a forged header
     declaring 50 GB raised MemoryError)."""
@@ -185,7 +186,7 @@ def zstd_frame_fits(data, size: int) -> None:
         raise zstandard.ZstdError(f"frame declares {declared} bytes, expected {size}")
 
 
-def zstd_decompress(data, size: int) -> bytes:
+def zstd_decompress(data: bytes | memoryview, size: int) -> bytes:
     dec = getattr(_local, "d", None)
     if dec is None:
         dec = _local.d = zstandard.ZstdDecompressor()

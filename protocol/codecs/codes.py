@@ -30,7 +30,7 @@ def pack_nibbles(codes: np.ndarray) -> np.ndarray:
     return out
 
 
-def unpack_nibbles(data, n: int) -> np.ndarray:
+def unpack_nibbles(data: bytes | memoryview, n: int) -> np.ndarray:
     """Inverse of pack_nibbles: the first n codes (a per-thread scratch array, valid until the next call)."""
     src = np.frombuffer(data, dtype=np.uint8)
     packed, tmp = scratch("unpack", src.shape, np.uint16), scratch("unpack_t", src.shape, np.uint16)

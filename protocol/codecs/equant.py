@@ -227,7 +227,7 @@ def _params(x: np.ndarray, factor: np.ndarray, guard: bool, head_step: bool = Fa
     return centre.reshape(shape), np.ascontiguousarray(step, dtype=np.float32).reshape(shape)
 
 
-def _quantize(x: np.ndarray, spans, centre: np.ndarray, step: np.ndarray) -> np.ndarray:
+def _quantize(x: np.ndarray, spans: list[tuple[int, int]], centre: np.ndarray, step: np.ndarray) -> np.ndarray:
     """Codes + 8 (0..15) of x [layers, tq, heads, dim] (scratch, clobbered) with group g's centre/step
     [layers, g, heads, dim] over tokens spans[g] → a scratch uint8 array of x's shape."""
     inv = safe_inverse(step)
@@ -313,7 +313,7 @@ class EntropyQuantCodec(Codec):
                            len(exact_bytes), len(params), len(codes_z), 0)[:-4]
         return b"".join((head, _CRC.pack(zlib.crc32(body, zlib.crc32(head))), body))
 
-    def decode(self, data, info: PlaneInfo) -> np.ndarray:
+    def decode(self, data: bytes | memoryview, info: PlaneInfo) -> np.ndarray:
         view = memoryview(data)
         if len(view) < HEADER.size:
             raise CodecError(f"{self.name} plane is truncated ({len(view)} bytes)")
@@ -352,7 +352,8 @@ class EntropyQuantCodec(Codec):
             raise CodecError(f"{self.name} plane has codes but no quantized tokens")
         return out
 
-    def _dequantize(self, view, flags, spans, shape, p_len, n_main_groups) -> np.ndarray:
+    def _dequantize(self, view: memoryview, flags: int, spans: list[tuple[int, int]], shape: tuple[int, int, int, int],
+                    p_len: int, n_main_groups: int) -> np.ndarray:
         layers, tq, heads, dim = shape
         ng = len(spans)
         pdtype = np.dtype(np.float32 if flags & FLAG_F32 else np.float16)

@@ -51,7 +51,7 @@ class Fp8Codec(Codec):
         codes = encode_e4m3(x / scale[:, None, :, None])
         return scale.tobytes() + codes.tobytes()
 
-    def decode(self, data, info: PlaneInfo) -> np.ndarray:
+    def decode(self, data: bytes | memoryview, info: PlaneInfo) -> np.ndarray:
         layers, tokens, heads, dim = info.shape
         nscale = layers * heads * 4
         if len(data) != nscale + info.count:

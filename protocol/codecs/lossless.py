@@ -36,7 +36,7 @@ class LosslessCodec(Codec):
         packed = zstd_compress(exponent, self.level)
         return b"".join((_LEN.pack(len(packed)), packed, mantissa.data))
 
-    def decode(self, data, info: PlaneInfo) -> np.ndarray:
+    def decode(self, data: bytes | memoryview, info: PlaneInfo) -> np.ndarray:
         n = info.count
         size = np.dtype(BITS_DTYPES[info.dtype]).itemsize
         view = memoryview(data)

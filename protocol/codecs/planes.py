@@ -16,6 +16,7 @@ in three whole-word passes instead of six, so the packed weight format
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 
 def split_planes(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -27,7 +28,8 @@ def split_planes(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(planes[:, size - 1]), np.ascontiguousarray(planes[:, : size - 1])
 
 
-def join_planes(exponent, mantissa, dtype: np.dtype, count: int, out: np.ndarray | None = None) -> np.ndarray:
+def join_planes(exponent: bytes | memoryview | np.ndarray, mantissa: bytes | memoryview | np.ndarray,
+                dtype: npt.DTypeLike, count: int, out: np.ndarray | None = None) -> np.ndarray:
     """Inverse of split_planes: flat array of `count` values of `dtype` (uint16/uint32), written into
     `out` (a flat array of that dtype) when given."""
     dtype = np.dtype(dtype)
@@ -61,7 +63,8 @@ def split_top_byte(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(planes[:, size - 1]), np.ascontiguousarray(planes[:, : size - 1])
 
 
-def join_top_byte(top, rest, out: np.ndarray) -> np.ndarray:
+def join_top_byte(top: bytes | memoryview | np.ndarray, rest: bytes | memoryview | np.ndarray,
+                  out: np.ndarray) -> np.ndarray:
     """Inverse of split_top_byte, written into `out` (a flat uint16/uint32 array of the values' count)."""
     count, size = len(out), out.dtype.itemsize
     top = np.frombuffer(top, dtype=np.uint8, count=count)

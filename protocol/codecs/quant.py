@@ -88,7 +88,7 @@ class QuantCodec(Codec):
         shape = (layers, full + (rest > 0), 1, heads, dim)
         return (np.concatenate(mins, axis=1).reshape(shape), np.concatenate(maxs, axis=1).reshape(shape))
 
-    def _blocks(self, x: np.ndarray, kind: str, group: int):
+    def _blocks(self, x: np.ndarray, kind: str, group: int) -> list[tuple[np.ndarray, slice]]:
         """(block of x, index into the params' group axis) pairs that broadcast against params[:, index]."""
         layers, tq, heads, dim = x.shape
         if kind != "k":
@@ -137,7 +137,7 @@ class QuantCodec(Codec):
                              len(exact_bytes), len(params), len(codes_z), packed_len)
         return b"".join((header, exact_bytes, params, codes_z))
 
-    def decode(self, data, info: PlaneInfo) -> np.ndarray:
+    def decode(self, data: bytes | memoryview, info: PlaneInfo) -> np.ndarray:
         view = memoryview(data)
         if len(view) < HEADER.size:
             raise CodecError(f"{self.name} plane is truncated")
@@ -159,7 +159,8 @@ class QuantCodec(Codec):
             store_f32(x, info.dtype, out[:, a:b])
         return out
 
-    def _dequantize(self, view, kind, param_f32, group, shape, p_len, packed_len) -> np.ndarray:
+    def _dequantize(self, view: memoryview, kind: int, param_f32: int, group: int, shape: tuple[int, int, int, int],
+                    p_len: int, packed_len: int) -> np.ndarray:
         layers, tq, heads, dim = shape
         if group == 0 or (kind == 1 and dim % group):
             raise CodecError(f"{self.name} plane has group {group}, which does not divide its head_dim {dim}")

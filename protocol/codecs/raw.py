@@ -11,11 +11,11 @@ from edgecore.protocol.errors import CodecError
 class RawCodec(Codec):
     name, codec_id, lossless = "raw", 0, True
 
-    def encode(self, bits: np.ndarray, info: PlaneInfo):
+    def encode(self, bits: np.ndarray, info: PlaneInfo) -> memoryview:
         check_bits(bits, info)
         return np.ascontiguousarray(bits).data.cast("B")
 
-    def decode(self, data, info: PlaneInfo) -> np.ndarray:
+    def decode(self, data: bytes | memoryview, info: PlaneInfo) -> np.ndarray:
         if len(data) != info.raw_bytes:
             raise CodecError(f"raw plane has {len(data)} bytes, expected {info.raw_bytes}")
         return np.frombuffer(data, dtype=BITS_DTYPES[info.dtype]).reshape(info.shape)
