@@ -3,7 +3,8 @@
 Life cycle: `connect()` (edge) or `serve()` (core) opens a TCP (optionally TLS
 or mutual-TLS) stream, runs the handshake under `handshake_timeout`, and
 yields a `Peer`. A `Peer` moves bytes only: `send()` writes the frame buffers
-with `writelines` and awaits `drain()` (back-pressure), `recv()` reads until
+with `writelines` and awaits `drain()` (back-pressure) for at most `idle_timeout` (a peer that stops
+reading is dropped, its buffers with it), `recv()` reads until
 the state machine yields an event, answers Pings itself, and fails with
 `PeerError` when the peer sends a connection-level Error or a read stalls past
 `idle_timeout`. Received bytes go straight from the socket into the frame
@@ -129,6 +130,11 @@ class _Stream(asyncio.BufferedProtocol):
         await self._data.wait()
         self._data.clear()
 
+    @property
+    def writable(self) -> bool:
+        """The transport's buffer is below its high-water mark: a drain would not wait."""
+        return self._can_write.is_set()
+
     async def drain(self) -> None:
         await self._can_write.wait()
         if self.closed and self.error is not None:
@@ -185,7 +191,17 @@ class Peer:
             raise PeerError("connection is closed")
         try:
             self.transport.writelines(self.conn.send(event))
-            await self.stream.drain()
+            # A deadline on every drain: a peer that stops reading while it keeps sending (or pinging) must not
+            # hold this side's sender, its Pong or its heartbeat for ever. Bytes leaving restart the wait (each
+            # drain returns once the buffer is below its low-water mark), so a slow link is not a stalled one.
+            if self.stream.writable:     # the common case, without a timer
+                await self.stream.drain()
+            else:
+                await asyncio.wait_for(self.stream.drain(), self.timeouts.idle)
+        except TimeoutError:
+            self._abort(hard=True)
+            raise PeerError(f"peer stopped reading: nothing could be sent for {self.timeouts.idle:.0f} s",
+                            ErrorCode.TIMEOUT) from None
         except (ConnectionError, OSError, RuntimeError) as exc:
             self._abort()
             raise PeerError(f"connection lost while sending: {exc}") from None
@@ -244,16 +260,23 @@ class Peer:
         """Tell the peer why (Error frame) and close."""
         if self.closed:
             return
+        flushed = False
         with contextlib.suppress(Exception):
             self.transport.write(self.conn.error_frame(message, code))
             await asyncio.wait_for(self.stream.drain(), 1.0)
-        await self.close()
+            flushed = True
+        self._abort(hard=not flushed)
 
-    def _abort(self) -> None:
+    def _abort(self, hard: bool = False) -> None:
+        """Close; `hard`: drop what is still buffered for the peer (it stopped reading, so a graceful close
+        would keep the socket and its buffers until it reads again)."""
         if not self.closed:
             self.closed = True
             self.conn.close()
-            self.transport.close()
+            if hard:
+                self.transport.abort()
+            else:
+                self.transport.close()
             if self._heartbeat is not None:
                 self._heartbeat.cancel()
 

@@ -179,3 +179,33 @@ async def test_mutual_tls(tmp_path):
         with pytest.raises(PeerError):   # no client certificate: refused
             await connect("127.0.0.1", port, secret=SECRET, fingerprint=FP, codecs=CODECS, timeouts=FAST,
                           ssl=tls_context(False, None, None, ca[1]))
+
+
+async def test_peer_that_stops_reading_is_dropped_within_the_idle_timeout():
+    """A peer that sends requests, stops reading, then pings: every send of the other side (its KV, the Pong it
+    owes, its heartbeat's Ping) gives up after the idle timeout instead of awaiting drain() for ever, so the
+    session ends and its buffers go with it."""
+    ended = asyncio.Event()
+    big = sample_kv(tokens=4000)[2]                 # about 0.5 MB a frame: the socket buffers fill in a few
+
+    async def core(peer):
+        try:
+            while True:
+                if isinstance(await peer.recv(), m.PrefillRequest):
+                    await peer.send(big)
+        finally:
+            ended.set()
+    idle = 1.0
+    server, port = await start(core, timeouts=Timeouts(handshake=2, idle=idle, heartbeat=0.3))
+    async with server:
+        peer = await connect("127.0.0.1", port, secret=SECRET, fingerprint=FP, codecs=CODECS,
+                             timeouts=Timeouts(handshake=2, idle=60, heartbeat=0))
+        peer.transport.pause_reading()
+        loop = asyncio.get_running_loop()
+        for i in range(40):
+            await peer.send(m.PrefillRequest(f"req-{i}", [1, 2, 3], m.SamplingSpec(), ["lossless"]))
+        await peer.send(m.Ping(99))
+        sent = loop.time()
+        await asyncio.wait_for(ended.wait(), idle + 5)
+        assert loop.time() - sent < idle + 2.5
+        await peer.close()
