@@ -26,8 +26,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -41,6 +43,12 @@ from edgecore.shared.models.loader import load_model, resolve_dtype
 from edgecore.shared.parallel import check_parallel, init_distributed, rendezvous_socket
 from edgecore.shared.secrets import parse_hostport
 from edgecore.shared.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from edgecore.core.stream_server import StreamServer
+    from edgecore.shared.models.llama import Attention, LlamaForCausalLM
+    from edgecore.shared.models.mla import MLAttention
+    from edgecore.shared.parallel import Layout
 
 log = logging.getLogger("edgecore.ranks")
 
@@ -61,7 +69,8 @@ def owns_kv(tp_rank: int, tp: int, total_kv_heads: int) -> bool:
 
 def start_parallel_engine(model_dir: str, tp: int, pp: int, dtype: str, device: str, cache: CacheConfig,
                           engine_cfg: EngineConfig, split: list[int] | None = None, micro_batches: int = 0,
-                          streams: StreamConfig | None = None, rendezvous: str = "127.0.0.1:0"):
+                          streams: StreamConfig | None = None, rendezvous: str = "127.0.0.1:0"
+                          ) -> tuple[LLMEngine, list[subprocess.Popen[bytes]], list[int]]:
     """Start the worker ranks and build the driver's engine. Returns (engine, worker processes, the ports of the
     workers' KV stream servers). `rendezvous`: HOST:PORT the driver's TCP store listens on (port 0: any)."""
     config = ModelConfig.from_dir(model_dir)
@@ -89,6 +98,7 @@ def start_parallel_engine(model_dir: str, tp: int, pp: int, dtype: str, device: 
         proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                 stdin=subprocess.PIPE if streams is not None else None)
         if streams is not None:
+            assert proc.stdin is not None       # stdin=PIPE above
             proc.stdin.write(streams.secret.hex().encode() + b"\n")
             proc.stdin.close()
         workers.append(proc)
@@ -102,14 +112,14 @@ def start_parallel_engine(model_dir: str, tp: int, pp: int, dtype: str, device: 
     ports = []
     if streams is not None:         # every worker reports its stream port (0: it holds replicated heads only)
         for rank in range(1, tp * pp):
-            port = torch.zeros(1, dtype=torch.long)
-            dist.recv(port, src=rank)
-            ports += [int(port.item())] if port.item() else []
+            reply = torch.zeros(1, dtype=torch.long)
+            dist.recv(reply, src=rank)
+            ports += [int(reply.item())] if reply.item() else []
     return engine, workers, ports
 
 
 class RankWatch(threading.Thread):
-    def __init__(self, workers: list[subprocess.Popen], on_failure):
+    def __init__(self, workers: list[subprocess.Popen], on_failure: Callable[[str], object]) -> None:
         super().__init__(name="edgecore-rank-watch", daemon=True)
         self.workers, self.on_failure = workers, on_failure
         self.stopped = threading.Event()
@@ -135,7 +145,7 @@ class RankWatch(threading.Thread):
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    def orphan_guard():
+    def orphan_guard() -> None:
         while True:
             if os.getppid() != args.parent:
                 os._exit(3)     # the driver is gone: leave at once
@@ -148,7 +158,7 @@ def run_worker(args: argparse.Namespace) -> int:
                            micro_batches=args.micro_batches)
     dtype = resolve_dtype(args.dtype, args.device)
     model = load_model(args.model, dtype, args.device, layers=lay.stage_layers(), config=config)
-    attn = model.model.layers[0].self_attn
+    attn = cast("Attention | MLAttention", model.model.layers[0].self_attn)
     pool = KVPool(config, CacheConfig(args.block_size, args.kv_blocks), dtype, args.device,
                   num_kv_heads=attn.num_kv_heads, num_layers=len(model.model.layers))
     runner = StageRunner(model, pool, config.sliding_window, lay, config.num_key_value_heads)
@@ -167,7 +177,8 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_streams(args, lay, model, pool, config, dtype):
+def _start_streams(args: argparse.Namespace, lay: Layout, model: LlamaForCausalLM, pool: KVPool, config: ModelConfig,
+                   dtype: torch.dtype) -> StreamServer | None:
     """This rank's KV stream server, or None when its heads replicate a lower TP rank's."""
     from edgecore.core.stream_server import StreamServer
     from edgecore.shared.fingerprint import model_fingerprint

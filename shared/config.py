@@ -16,11 +16,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 import msgspec
 
 from edgecore.shared.errors import ConfigError
+
+if TYPE_CHECKING:
+    from edgecore.shared.models.registry import Arch
+
+_T = TypeVar("_T")
 
 PosInt = Annotated[int, msgspec.Meta(gt=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -197,10 +202,10 @@ class ModelConfig:
         spec = ARCHITECTURES[arch]
         text = raw
         if spec.sub_config:
-            text = raw.get(spec.sub_config)
-            if not isinstance(text, dict):
+            sub = raw.get(spec.sub_config)
+            if not isinstance(sub, dict):
                 raise ConfigError(f"{source}: field '{spec.sub_config}' must be an object")
-            text = {**text, "architectures": archs}
+            text = {**sub, "architectures": archs}
         text = _with_defaults(text, spec.defaults)
         mla = None
         if spec.mla:                      # DeepSeek: its own fields (shared/models/mla_config.py)
@@ -212,7 +217,7 @@ class ModelConfig:
         return _build(arch, spec, hf, params, generation or {}, source, mla)
 
 
-def _decode(raw: dict, kind: type, source: str):
+def _decode(raw: dict, kind: type[_T], source: str) -> _T:
     try:
         return msgspec.convert(raw, kind, strict=True)
     except msgspec.ValidationError as exc:
@@ -257,8 +262,11 @@ def _rope(hf: HFConfig, source: str) -> tuple[float, RopeScaling]:
     if kind in ("llama3", "yarn"):
         original = hf.original_max_position_embeddings or original or hf.max_position_embeddings
     factor = params.factor
-    if factor is None:
-        factor = hf.max_position_embeddings / original if kind == "yarn" else 1.0
+    if factor is None and kind == "yarn":
+        assert original is not None      # set above for yarn
+        factor = hf.max_position_embeddings / original
+    elif factor is None:
+        factor = 1.0
     return float(theta or 10000.0), RopeScaling(
         rope_type=kind, factor=factor, low_freq_factor=params.low_freq_factor,
         high_freq_factor=params.high_freq_factor, original_max_position_embeddings=original or 8192,
@@ -267,7 +275,7 @@ def _rope(hf: HFConfig, source: str) -> tuple[float, RopeScaling]:
         truncate=params.truncate)
 
 
-def _layer_attention(hf: HFConfig, spec, params: Any, source: str) -> tuple[LayerAttention, ...]:
+def _layer_attention(hf: HFConfig, spec: Arch, params: Any, source: str) -> tuple[LayerAttention, ...]:
     """Each layer's attention form by the family's rule (`Arch.windows`), as transformers reads the config:
     - "none" (Llama, DeepSeek): full attention, whatever window fields the config carries;
     - "all" (Mistral, Mixtral): `sliding_window` on every layer (`use_sliding_window`, `layer_types` ignored);
@@ -316,7 +324,7 @@ def _layer_attention(hf: HFConfig, spec, params: Any, source: str) -> tuple[Laye
     return tuple(out)
 
 
-def _build(arch: str, spec, hf: HFConfig, params: Any, generation: dict, source: str,
+def _build(arch: str, spec: Arch, hf: HFConfig, params: Any, generation: dict, source: str,
            mla: Any = None) -> ModelConfig:
     heads = hf.num_attention_heads
     kv_heads = hf.num_key_value_heads or heads

@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 
 class LogBudget(logging.Filter):
-    def __init__(self, rate: float = 1.0, burst: int = 10, clock=time.monotonic):
+    def __init__(self, rate: float = 1.0, burst: int = 10, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         if rate <= 0 or burst < 1:
             raise ValueError("a log budget needs rate > 0 and burst ≥ 1")

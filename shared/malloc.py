@@ -54,7 +54,7 @@ def return_free_memory() -> None:
         trim(0)
 
 
-def _libc():
+def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
     try:

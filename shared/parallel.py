@@ -22,7 +22,12 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from edgecore.shared.config import ModelConfig
 
 
 @dataclass
@@ -91,7 +96,7 @@ def balanced_split(num_layers: int, pp: int, split: list[int] | None = None) -> 
     return tuple(base + (1 if s >= pp - extra else 0) for s in range(pp))
 
 
-def check_parallel(config, tp: int, pp: int, split: list[int] | None = None) -> None:
+def check_parallel(config: ModelConfig, tp: int, pp: int, split: list[int] | None = None) -> None:
     """Raise ValueError (one line, naming the flag) when `tp` × `pp` cannot shard the model `config`."""
     if tp < 1 or pp < 1:
         raise ValueError("--tp and --pp must be at least 1")
@@ -176,14 +181,14 @@ def init_distributed(rank: int, tp: int, pp: int, num_layers: int, master: str, 
     return _LAYOUT
 
 
-def all_reduce(x):
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _TP.size > 1:
         import torch.distributed as dist
         dist.all_reduce(x, group=_TP.group)
     return x
 
 
-def all_gather_last_dim(x):
+def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if _TP.size == 1:
         return x
     import torch

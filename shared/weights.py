@@ -12,11 +12,27 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from safetensors import SafetensorError, safe_open
 
 from edgecore.shared.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
+
+SliceIndex = int | slice | tuple[int | slice, ...]
+
+
+class WeightSlice(Protocol):
+    """A checkpoint tensor not yet read: a safetensors slice or a packed tensor (shared/pack/reader.py)."""
+
+    def get_shape(self) -> Sequence[int]: ...
+
+    def get_dtype(self) -> str: ...
+
+    def __getitem__(self, item: SliceIndex) -> torch.Tensor: ...
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -38,7 +54,7 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     raise ModelLoadError(f"model directory {model_dir} has no model.safetensors or model.safetensors.index.json")
 
 
-def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
+def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, WeightSlice]]:
     """(checkpoint name, lazy safetensors slice) for every tensor in the checkpoint.
 
     A packed checkpoint yields lazy packed tensors instead, which decode (checksum

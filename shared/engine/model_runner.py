@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from edgecore.shared.config import FULL, LayerAttention
 from edgecore.shared.engine import prompt_logprobs
@@ -54,7 +55,15 @@ from edgecore.shared.models.flat_decode import FlatDecoder
 from edgecore.shared.models.layers import calibrate_plain_rows, pack_for_cpu, weight_bytes
 
 if TYPE_CHECKING:
+    from typing import TypeVar
+
+    from edgecore.shared.engine.step_plan import PlanItem
+    from edgecore.shared.kv.transfer import StreamRoute
     from edgecore.shared.models.compiled_decode import CompiledDecoder
+    from edgecore.shared.models.llama import LlamaForCausalLM
+
+    # What a step's items hold: the driver's sequences, or a parallel worker's stand-ins (step_plan.py).
+    StepSeq = TypeVar("StepSeq", bound=Sequence | PlanItem)
 
 log = logging.getLogger("edgecore.engine")
 
@@ -64,10 +73,12 @@ SINGLE_THREAD_MAX_WEIGHTS = 64 << 20    # ... of a model with at most these weig
 FIRST_LAYER_PIECE = 2048   # tokens per call of write_first_layer_kv (bounds its activations)
 
 
-def sampling_rows(ordered) -> tuple[list[int], list[Sequence]]:
+def sampling_rows(ordered: list[tuple[StepSeq, int]]) -> tuple[list[int], list[StepSeq]]:
     """Rows of the flattened batch whose sequence reaches its last known token (they sample), and those
     sequences."""
-    rows, samplers, end = [], [], 0
+    rows: list[int] = []
+    samplers: list[StepSeq] = []
+    end = 0
     for seq, n in ordered:
         end += n
         if seq.num_computed_tokens + n == seq.num_tokens:
@@ -90,7 +101,8 @@ class ModelRunner:
     compile_pending = False        # `compile_decode` asked for and not done yet
     compiled_steps = 0             # steps the compiled step ran
 
-    def __init__(self, model, pool: KVPool, sliding_window: int | None = None, compile_decode: bool = False):
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, sliding_window: int | None = None,
+                 compile_decode: bool = False) -> None:
         """`sliding_window` is not used any more: each layer's attention form comes from `model.config`.
         `compile_decode`: serve small pure decode steps through `CompiledDecoder`, compiled by the first
         `compile_decode()` or step: on the thread, and at the thread count, that steps run on."""
@@ -101,7 +113,7 @@ class ModelRunner:
         self.forms = sorted({f for f in model.config.layer_attention if f != FULL}, key=lambda f: (f.kind, f.size))
         # Multiply-adds per token of computing layer 0's K/V here (its attention's weights: the projections
         # run whole); 0 where this process does not hold layer 0.
-        layer0 = model.model.layers[0].self_attn if model.model.layer_ids[0] == 0 else None
+        layer0 = cast(nn.Module, model.model.layers[0].self_attn) if model.model.layer_ids[0] == 0 else None
         self.first_layer_macs = sum(p.numel() for p in layer0.parameters() if p.dim() == 2) if layer0 else 0
         packed = self.device == "cpu" and cpu_pack_enabled()
         if self.device == "cpu":
@@ -126,7 +138,8 @@ class ModelRunner:
             self.compile_pending = False
             self.compiled = CompiledDecoder.build(self.flat, self.pool.layers, self.block_size)
 
-    def prepare(self, items: list[tuple[Sequence, int]], on_layer: Callable[[int], None] | None = None):
+    def prepare(self, items: list[tuple[StepSeq, int]], on_layer: Callable[[int], None] | None = None
+                ) -> tuple[list[tuple[StepSeq, int]], torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
         decode = [(s, n) for s, n in items if n == 1]
         prefill = [(s, n) for s, n in items if n > 1]
@@ -156,7 +169,7 @@ class ModelRunner:
             offset += n
         return ordered, flat[:t], flat[t:2 * t], meta
 
-    def _decode_meta(self, meta: AttentionMetadata, seqs: list[Sequence]) -> None:
+    def _decode_meta(self, meta: AttentionMetadata, seqs: list[StepSeq]) -> None:
         """The decode rows' block table, context length, padding mask and window blocks; for a single row
         whose blocks are consecutive, the first slot of that run (`decode_span`: attention reads a view)."""
         bs = self.block_size
@@ -201,7 +214,7 @@ class ModelRunner:
         seen = (pos >= first) & (pos < ctx)
         return DecodeWindow(blocks, length, None if bool(seen.all()) else seen[:, None, None, :])
 
-    def _prefill_chunk(self, seq: Sequence, n: int, offset: int) -> PrefillChunk:
+    def _prefill_chunk(self, seq: Sequence | PlanItem, n: int, offset: int) -> PrefillChunk:
         dev = self.device
         start = seq.num_computed_tokens
         ctx = start + n
@@ -231,7 +244,7 @@ class ModelRunner:
                                                                               kv_caches=self.pool.layers))
 
     # ---- ranks: a parallel runner (parallel_runner.py) overrides these; one process has none ----
-    def add_route(self, stream_id: str, route) -> None:
+    def add_route(self, stream_id: str, route: StreamRoute) -> None:
         raise NotImplementedError("stream routes need a parallel core")
 
     def drop_route(self, stream_id: str) -> None:
@@ -278,8 +291,8 @@ class ModelRunner:
             chooser.record(kind, small, time.perf_counter() - start)
         return result
 
-    def _compute(self, ordered, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-                 ) -> tuple[list[Sequence], SampleResult | None]:
+    def _compute(self, ordered: list[tuple[Sequence, int]], ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[list[Sequence], SampleResult | None]:
         flat = self.flat
         if flat is not None and flat.takes(meta, ids.shape[0]):
             hidden = flat.forward(ids, positions, meta)
@@ -292,7 +305,8 @@ class ModelRunner:
             hidden if len(rows) == hidden.shape[0] else hidden[rows]))
 
     @staticmethod
-    def _sample(ordered, logits_of: Callable[[list[int]], torch.Tensor]) -> tuple[list[Sequence], SampleResult | None]:
+    def _sample(ordered: list[tuple[Sequence, int]], logits_of: Callable[[list[int]], torch.Tensor]
+                ) -> tuple[list[Sequence], SampleResult | None]:
         """Sample the rows that reach their last known token, from `logits_of(rows)`: those rows' logits (the
         compiled step gives every row's: a pure decode step samples every row)."""
         rows, samplers = sampling_rows(ordered)

@@ -24,24 +24,36 @@ from __future__ import annotations
 import resource
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 
 from edgecore.shared.engine.model_runner import ModelRunner, sampling_rows
 from edgecore.shared.engine.sampler import sample
-from edgecore.shared.engine.step_plan import (READ_KV, STATS, STEP, STOP, StepRoutes, decode_plan, encode_read_kv,
-                                     encode_stats, encode_step, encode_stop)
+from edgecore.shared.engine.step_plan import (READ_KV, STATS, STEP, STOP, ReadKVPayload, StepPayload, StepRoutes,
+                                     decode_plan, encode_read_kv, encode_stats, encode_step, encode_stop)
 from edgecore.shared.kv.heads import kv_head_start  # noqa: F401  (the partition rule; core/ranks.py imports it here)
 from edgecore.shared.kv.transfer import StreamRoute
 from edgecore.shared.models.layers import weight_bytes
 from edgecore.shared.parallel import Layout
 
+if TYPE_CHECKING:
+    from edgecore.core.stream_server import StreamServer
+    from edgecore.shared.engine.model_runner import StepSeq
+    from edgecore.shared.engine.sampler import SampleResult
+    from edgecore.shared.engine.scheduler import ScheduledBatch
+    from edgecore.shared.engine.sequence import Sequence
+    from edgecore.shared.kv.pool import KVPool
+    from edgecore.shared.models.llama import LlamaForCausalLM
+
 
 class StageRunner(ModelRunner):
     """A rank's part of a step (used directly by worker ranks, extended by the driver)."""
 
-    def __init__(self, model, pool, sliding_window, layout: Layout, total_kv_heads: int):
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, sliding_window: int | None, layout: Layout,
+                 total_kv_heads: int) -> None:
         super().__init__(model, pool, sliding_window)
         self.layout = layout
         self.total_kv_heads = total_kv_heads
@@ -51,7 +63,8 @@ class StageRunner(ModelRunner):
         self.steps = 0
         self.first_layer_macs = 0   # layer 0 of a parallel model spans ranks: its KV is never computed alone
 
-    def execute(self, items, on_layer=None):
+    def execute(self, items: list[tuple[StepSeq, int]], on_layer: Callable[[int, list], None] | None = None
+                ) -> tuple[list[StepSeq], torch.Tensor | None]:
         """Run this rank's part of a step; `on_layer(layer, items)` sees each micro-batch's own items."""
         started = time.perf_counter()
         try:
@@ -65,13 +78,13 @@ class StageRunner(ModelRunner):
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return torch.tensor([self.layout.rank, params, rss, int(self.busy * 1e6), self.steps], dtype=torch.long)
 
-    def micro_batches(self, items) -> list[list]:
+    def micro_batches(self, items: list[tuple[StepSeq, int]]) -> list[list[tuple[StepSeq, int]]]:
         """Split a step into up to `layout.micro_batches` micro-batches of similar token counts (whole sequences each), so
         that stage s works on micro-batch i while stage s+1 works on micro-batch i-1."""
         count = min(self.layout.micro_batches, len(items)) if self.layout.pp > 1 else 1
         if count <= 1:
             return [list(items)]
-        groups: list[list] = [[] for _ in range(count)]
+        groups: list[list[tuple[StepSeq, int]]] = [[] for _ in range(count)]
         loads = [0] * count
         for item in sorted(items, key=lambda it: -it[1]):
             i = loads.index(min(loads))
@@ -81,11 +94,12 @@ class StageRunner(ModelRunner):
         return [sorted(g, key=lambda it: order[id(it[0])]) for g in groups if g]
 
     @torch.inference_mode()
-    def _execute(self, items, on_layer=None):
+    def _execute(self, items: list[tuple[StepSeq, int]], on_layer: Callable[[int, list], None] | None = None
+                 ) -> tuple[list[StepSeq], torch.Tensor | None]:
         lay = self.layout
         last_driver = lay.rank_of(lay.pp - 1, 0)
         pending: list = []                  # isend handles (torch.distributed.Work)
-        results: list = []
+        results: list[tuple[list[StepSeq], torch.Tensor | None]] = []
         for group in self.micro_batches(items):
             hook = (lambda layer, g=group: on_layer(layer, g)) if on_layer is not None else None
             ordered, ids, positions, meta = self.prepare(group, hook)
@@ -105,17 +119,17 @@ class StageRunner(ModelRunner):
             results.append((samplers, logits))
         for handle in pending:
             handle.wait()
-        samplers = [s for group, _ in results for s in group]
+        samplers = [s for sampled, _ in results for s in sampled]
         if lay.pp > 1 and lay.rank == 0:    # the last stage's logits, micro-batch by micro-batch
             parts = []
-            for group, _ in results:
-                if group:
-                    part = torch.empty(len(group), self.model.config.vocab_size, dtype=torch.float32)
+            for sampled, _ in results:
+                if sampled:
+                    part = torch.empty(len(sampled), self.model.config.vocab_size, dtype=torch.float32)
                     dist.recv(part, src=last_driver)
                     parts.append(part)
             return samplers, torch.cat(parts) if parts else None
-        logits = [lg for _, lg in results if lg is not None]
-        return samplers, torch.cat(logits) if logits else None
+        computed = [lg for _, lg in results if lg is not None]
+        return samplers, torch.cat(computed) if computed else None
 
     def local_kv(self, blocks: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's K, V for tokens [start, end): [local layers, tokens, local heads, head_dim]."""
@@ -127,8 +141,9 @@ class StageRunner(ModelRunner):
 class ParallelModelRunner(StageRunner):
     """The driver's runner: same interface as `ModelRunner.run`."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, sliding_window: int | None, layout: Layout,
+                 total_kv_heads: int) -> None:
+        super().__init__(model, pool, sliding_window, layout, total_kv_heads)
         self._lock = threading.Lock()
         self._routes: dict[str, StreamRoute] = {}   # stream id → route, until the ranks have it
         self._announced: set[str] = set()
@@ -146,7 +161,7 @@ class ParallelModelRunner(StageRunner):
                 self._announced.discard(stream_id)
                 self._drops.append(stream_id)
 
-    def _step_routes(self, items) -> StepRoutes | None:
+    def _step_routes(self, items: list[tuple[Sequence, int]]) -> StepRoutes | None:
         with self._lock:
             if not self._routes and not self._drops:
                 return None
@@ -169,11 +184,13 @@ class ParallelModelRunner(StageRunner):
         dist.broadcast(torch.tensor([plan.numel()], dtype=torch.long), 0)
         dist.broadcast(plan, 0)
 
-    def run(self, batch, on_layer=None):
+    def run(self, batch: ScheduledBatch, on_layer: Callable[[int, list], None] | None = None
+            ) -> tuple[list[Sequence], SampleResult | None]:
         self._broadcast(encode_step(batch.items, self._step_routes(batch.items)))
         samplers, logits = self.execute(batch.items, on_layer)
         if not samplers:
             return [], None
+        assert logits is not None       # rows sampled: the last stage computed their logits
         return samplers, sample(logits, samplers)
 
     def read_kv(self, blocks: list[int], start: int, end: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
@@ -221,7 +238,7 @@ class ParallelModelRunner(StageRunner):
         self._broadcast(encode_stop())
 
 
-def worker_loop(runner: StageRunner, streams=None) -> None:
+def worker_loop(runner: StageRunner, streams: StreamServer | None = None) -> None:
     """A non-driver rank: follow the driver's plans until STOP (or the driver disappears). `streams` (a
     core.stream_server.StreamServer) sends this rank's KV of routed requests as each layer is computed."""
     while True:
@@ -233,12 +250,12 @@ def worker_loop(runner: StageRunner, streams=None) -> None:
         if kind == STOP:
             return
         if kind == STEP:
-            items, routes = payload
+            items, routes = cast(StepPayload, payload)
             if streams is not None:
                 streams.apply(routes)
             runner.execute(items, streams.on_layer if streams is not None else None)
         elif kind == READ_KV:
-            k, v = runner.local_kv(*payload)
+            k, v = runner.local_kv(*cast(ReadKVPayload, payload))
             dist.send(k.contiguous(), dst=0)
             dist.send(v.contiguous(), dst=0)
         elif kind == STATS:

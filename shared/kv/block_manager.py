@@ -27,17 +27,18 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
-def block_hash(prev: int | None, tokens) -> int:
+def block_hash(prev: int | None, tokens: Iterable[int]) -> int:
     h = hashlib.blake2b(digest_size=8)
     h.update((prev or 0).to_bytes(8, "little"))
     h.update(array("q", tokens).tobytes())
     return int.from_bytes(h.digest(), "little")
 
 
-def prefix_hashes(token_ids, block_size: int, limit: int | None = None) -> list[int]:
+def prefix_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
     """Chained hashes of the full blocks among the first `limit` tokens."""
     n = len(token_ids) if limit is None else min(limit, len(token_ids))
     hashes, prev = [], None
@@ -69,7 +70,7 @@ class NoFreeBlocks(Exception):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: deque[int] = deque(range(num_blocks))
@@ -109,7 +110,7 @@ class BlockManager:
         self.blocks[bid].ref_count = 1
         return bid
 
-    def match_prefix(self, token_ids) -> list[int]:
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Cached block ids covering the longest cached prefix (never the last token)."""
         if not self.caching:
             return []
@@ -121,7 +122,8 @@ class BlockManager:
             hits.append(bid)
         return hits
 
-    def allocate_prompt(self, table: BlockTable, token_ids, max_new_tokens: int, use_cache: bool = True) -> int:
+    def allocate_prompt(self, table: BlockTable, token_ids: Sequence[int], max_new_tokens: int,
+                        use_cache: bool = True) -> int:
         """Give a new sequence its cached prefix blocks plus fresh blocks for up to
         `max_new_tokens` more tokens (`use_cache=False`: no cached prefix). Returns how many tokens
         are already cached.
@@ -156,7 +158,7 @@ class BlockManager:
         for _ in range(need):
             table.blocks.append(self._take())
 
-    def register_full_blocks(self, table: BlockTable, token_ids, num_computed: int) -> None:
+    def register_full_blocks(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
         """Enter every newly completed block (KV computed) into the prefix cache."""
         if not self.caching:
             return

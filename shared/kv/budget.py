@@ -11,6 +11,10 @@ what a fresh node holds: pages become resident as the cache first fills them.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from edgecore.shared.config import ModelConfig
 
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000 ** 2, "mb": 1000 ** 2,
@@ -27,7 +31,7 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def bytes_per_token(config, value_bytes: int, tp: int = 1) -> int:
+def bytes_per_token(config: ModelConfig, value_bytes: int, tp: int = 1) -> int:
     """KV bytes one token takes in one process: all layers, this rank's share of the KV heads (MLA's latent is
     not split across ranks)."""
     total = config.kv_bytes_per_token(value_bytes)
@@ -36,7 +40,7 @@ def bytes_per_token(config, value_bytes: int, tp: int = 1) -> int:
     return total // min(tp, config.num_key_value_heads)
 
 
-def kv_blocks(config, value_bytes: int, block_size: int, memory: int, tp: int = 1) -> int:
+def kv_blocks(config: ModelConfig, value_bytes: int, block_size: int, memory: int, tp: int = 1) -> int:
     """Blocks of `block_size` tokens that fit in `memory` bytes; ValueError when not even one does."""
     per_block = block_size * bytes_per_token(config, value_bytes, tp)
     blocks = memory // per_block
@@ -46,7 +50,7 @@ def kv_blocks(config, value_bytes: int, block_size: int, memory: int, tp: int = 
     return blocks
 
 
-def describe(config, value_bytes: int, block_size: int, num_blocks: int, tp: int = 1) -> str:
+def describe(config: ModelConfig, value_bytes: int, block_size: int, num_blocks: int, tp: int = 1) -> str:
     per_token = bytes_per_token(config, value_bytes, tp)
     tokens = num_blocks * block_size
     return (f"KV cache: {num_blocks} blocks of {block_size} tokens = {tokens:,} tokens, "

@@ -16,6 +16,10 @@ it, and it names the two planes a KV chunk carries (`plane_names`), which is how
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from edgecore.shared.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,7 @@ class KVLayout:
     v_dim: int             # width of plane 1 (head_dim, or qk_rope_head_dim)
 
     @classmethod
-    def of(cls, config, kv_heads: int | None = None) -> KVLayout:
+    def of(cls, config: ModelConfig, kv_heads: int | None = None) -> KVLayout:
         if config.mla is not None:
             return cls("latent", 1, config.mla.kv_lora_rank, config.mla.qk_rope_head_dim)
         return cls("heads", kv_heads or config.num_key_value_heads, config.head_dim, config.head_dim)

@@ -12,6 +12,7 @@ directory's `kv_allocation.json`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -20,6 +21,9 @@ import torch
 from edgecore.shared.errors import ConfigError
 
 from edgecore.shared.models.rope import rope_inv_freq
+
+if TYPE_CHECKING:
+    from edgecore.shared.config import ModelConfig
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 TORCH_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
@@ -39,7 +43,7 @@ def from_bits(bits: np.ndarray, dtype: str) -> torch.Tensor:
     return torch.from_numpy(arr.view(np.int16)).view(TORCH_DTYPES[dtype])
 
 
-def codec_rope(config) -> tuple[float, ...] | None:
+def codec_rope(config: ModelConfig) -> tuple[float, ...] | None:
     """The RoPE inverse frequencies the codecs may take (codecs/equant.py codes keys with them undone), or
     None where the K plane is not rotate-half keys over the full head_dim (MLA's latent; Llama 4's pairs).
     Core and edge both derive it from the model's config, so both give the codec the same tuple."""
@@ -57,7 +61,7 @@ class _Allocation(msgspec.Struct):
     channel_scales: dict[str, list[list[float]]] = {}
 
 
-def codec_step_scales(model_dir) -> dict[str, tuple]:
+def codec_step_scales(model_dir: str | Path) -> dict[str, tuple]:
     """The model's KV bit allocation for the encoder: {"k": step multiplier per layer, "v": ...} and, where the
     file has per-channel scales, {"k_channels": per layer a tuple of kv_heads × head_dim multipliers,
     "v_channels": ...}; from `kv_allocation.json` in the model directory (written by bench/kv_rd.py --allocate

@@ -27,6 +27,7 @@ loader names the version and a re-pack (or a fresh download) fixes it.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +48,7 @@ NUMPY = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np.floa
          "U16": np.uint16, "U32": np.uint32, "U64": np.uint64, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8}
 
 
-def plain_name(name) -> bool:
+def plain_name(name: object) -> bool:
     """A file name a manifest may use: no directory part, not hidden or special (nothing can land outside
     the directory it is written to or read from)."""
     return (isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name and "\0" not in name
@@ -58,7 +59,7 @@ def is_packed(model_dir: str | Path) -> bool:
     return (Path(model_dir) / MANIFEST).is_file()
 
 
-def sha256_file(path: Path, progress=None) -> str:
+def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):

@@ -23,6 +23,7 @@ import zlib
 from functools import partial
 from pathlib import Path
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,11 +35,14 @@ from edgecore.shared.errors import ModelLoadError
 from edgecore.shared.pack.format import (BITS, FORMAT, MAGIC, MANIFEST, NUMPY, PACK_FILE, VERSION, plain_name,
                                         sha256_file)
 
+if TYPE_CHECKING:
+    from edgecore.shared.weights import SliceIndex
+
 _FP8 = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 class PackedCheckpoint:
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path) -> None:
         self.dir = Path(model_dir)
         try:
             self.manifest = json.loads((self.dir / MANIFEST).read_text())
@@ -119,7 +123,8 @@ class PackedCheckpoint:
             valid = False
         if not valid:
             raise ModelLoadError(f"packed tensor '{name}' is corrupt: its chunks do not match its size")
-        jobs, pos = [], 0
+        jobs: list[Callable[[], None]] = []
+        pos = 0
         for i, (frame_len, crc) in enumerate(chunks):
             n = min(per_chunk, count - i * per_chunk)
             frame = blob[pos:pos + frame_len]
@@ -145,14 +150,14 @@ class PackedCheckpoint:
             out = np.empty(size // container.itemsize, dtype=container)
         for job in self.chunk_jobs(entry, out):
             job()
-        return memoryview(out).cast("B")
+        return memoryview(out).cast("B")  # type: ignore[arg-type]  # numpy types ndarray.__buffer__ for 3.12+ only
 
     def tensor(self, entry: dict) -> torch.Tensor:
         data = self.tensor_bytes(entry)
         dtype = entry["dtype"]
         if dtype not in NUMPY:
             raise ModelLoadError(f"packed tensor '{entry['name']}' has unsupported dtype {dtype}")
-        arr = np.frombuffer(data, dtype=NUMPY[dtype]).copy() if entry["encoding"] == "raw" \
+        arr: np.ndarray = np.frombuffer(data, dtype=NUMPY[dtype]).copy() if entry["encoding"] == "raw" \
             else np.frombuffer(data, dtype=NUMPY[dtype])
         t = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) if dtype == "BF16" else torch.from_numpy(arr)
         if dtype in _FP8:
@@ -200,7 +205,7 @@ class PackedCheckpoint:
 class PackedTensor:
     """A packed tensor not yet decoded: shape, slicing (decodes), or `decode_jobs` into a destination."""
 
-    def __init__(self, checkpoint: PackedCheckpoint, entry: dict):
+    def __init__(self, checkpoint: PackedCheckpoint, entry: dict) -> None:
         self.checkpoint, self.entry = checkpoint, entry
         self.shape = tuple(entry["shape"])
 
@@ -211,7 +216,7 @@ class PackedTensor:
         """The safetensors dtype name, as a safetensors slice reports it (fp8 loading asks)."""
         return self.entry["dtype"]
 
-    def __getitem__(self, item):
+    def __getitem__(self, item: SliceIndex) -> torch.Tensor:
         return self.checkpoint.tensor(self.entry)[item]
 
     def _bits_of(self, dest: torch.Tensor) -> np.ndarray | None:
@@ -234,7 +239,7 @@ class PackedTensor:
 _local = threading.local()      # one zstd decompression context per decoding thread
 
 
-def _decode_chunk(name: str, frame, rest, out: np.ndarray, crc: int) -> None:
+def _decode_chunk(name: str, frame: memoryview, rest: memoryview, out: np.ndarray, crc: int) -> None:
     if not hasattr(_local, "zstd"):
         _local.zstd = zstandard.ZstdDecompressor()
     try:
@@ -245,5 +250,5 @@ def _decode_chunk(name: str, frame, rest, out: np.ndarray, crc: int) -> None:
         join_top_byte(top, rest, out)
     except (ValueError, zstandard.ZstdError) as exc:
         raise ModelLoadError(f"packed tensor '{name}' is corrupt: {exc}") from None
-    if zlib.crc32(out) & 0xFFFFFFFF != crc:
+    if zlib.crc32(out) & 0xFFFFFFFF != crc:  # type: ignore[arg-type]  # numpy types ndarray.__buffer__ for 3.12+ only
         raise ModelLoadError(f"packed tensor '{name}' failed its checksum (corrupt pack)")

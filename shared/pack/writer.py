@@ -61,20 +61,22 @@ def top_byte_compressor(level: int | None) -> zstandard.ZstdCompressor:
 
 
 def encode_tensor(data: memoryview, dtype: str, level: int | None,
-                  chunk_values: int = CHUNK_VALUES) -> tuple[str, list[bytes], list[list[int]] | int]:
+                  chunk_values: int = CHUNK_VALUES) -> tuple[str, list[bytes | memoryview], list[list[int]] | int]:
     """(encoding, blob parts, [[frame length, CRC-32] per chunk] for planes or the CRC-32 for raw)."""
     container = BITS.get(dtype)
     if container is None or len(data) < MIN_PLANES_BYTES:
         return "raw", [bytes(data)], zlib.crc32(data) & 0xFFFFFFFF
     bits = np.frombuffer(data, dtype=container)
     compressor = top_byte_compressor(level)
-    parts, chunks, coded = [], [], 0
+    parts: list[bytes | memoryview] = []
+    chunks: list[list[int]] = []
+    coded = 0
     for start in range(0, len(bits), chunk_values):
         piece = bits[start:start + chunk_values]
         top, rest = split_top_byte(piece)
-        frame = compressor.compress(top)
+        frame = compressor.compress(top)  # type: ignore[arg-type]  # zstandard's stubs name bytes types only
         parts += [frame, rest.reshape(-1).data]
-        chunks.append([len(frame), zlib.crc32(piece) & 0xFFFFFFFF])
+        chunks.append([len(frame), zlib.crc32(piece) & 0xFFFFFFFF])  # type: ignore[arg-type]  # numpy: __buffer__ 3.12+
         coded += len(frame)
     if coded >= 0.95 * len(bits):
         return "raw", [bytes(data)], zlib.crc32(data) & 0xFFFFFFFF
