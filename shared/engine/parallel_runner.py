@@ -25,7 +25,7 @@ import resource
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,6 @@ from edgecore.shared.models.layers import weight_bytes
 from edgecore.shared.parallel import Layout
 
 if TYPE_CHECKING:
-    from edgecore.core.stream_server import StreamServer
     from edgecore.shared.engine.model_runner import StepSeq
     from edgecore.shared.engine.sampler import SampleResult
     from edgecore.shared.engine.scheduler import ScheduledBatch
@@ -238,7 +237,15 @@ class ParallelModelRunner(StageRunner):
         self._broadcast(encode_stop())
 
 
-def worker_loop(runner: StageRunner, streams: StreamServer | None = None) -> None:
+class RankStreams(Protocol):
+    """What a worker rank's KV stream server (core/stream_server.py) offers the step loop."""
+
+    def apply(self, routes: StepRoutes) -> None: ...
+
+    def on_layer(self, layer: int, items: list[tuple[Sequence, int]]) -> None: ...
+
+
+def worker_loop(runner: StageRunner, streams: RankStreams | None = None) -> None:
     """A non-driver rank: follow the driver's plans until STOP (or the driver disappears). `streams` (a
     core.stream_server.StreamServer) sends this rank's KV of routed requests as each layer is computed."""
     while True:
