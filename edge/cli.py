@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from edgecore.shared.cli import add_compile_arg, add_kv_cache_args, add_model_args, kv_cache_memory
 from edgecore.shared.http_server import add_limit_args
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from aiohttp import web
+
+    from edgecore.edge.engine import EdgeEngine
+    from edgecore.edge.engine_client import EngineClient
+    from edgecore.edge.service import EdgeService
+    from edgecore.shared.http_server import ServerLimits
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -93,6 +104,7 @@ def run_edge(args: argparse.Namespace) -> int:
     if args.model_from:
         model_dir = _fetch_model(args)
     host, port = parse_hostport(args.listen)
+    edge: EdgeEngine | EngineClient
     if args.engine_in_process:
         edge = _edge_engine(args, model_dir, codecs, local_below)
     else:
@@ -103,15 +115,21 @@ def run_edge(args: argparse.Namespace) -> int:
         read_secret(args.secret_file, required=bool(args.core or args.core_dns))
         edge = EngineClient(args.argv, model_dir)
     served = _served_name(args, model_dir)
-    http = EdgeHTTP(edge, served, read_api_keys(args.api_key_file),
+    # An in-process EdgeEngine's tokenizer is None for a model without tokenizer files (EdgeService says
+    # Tokenizer): such a model serves token-id prompts only, as it did before.
+    http = EdgeHTTP(cast("EdgeService", edge), served, read_api_keys(args.api_key_file),
                     int(args.max_body_mb * 1024 * 1024), args.max_concurrent, args.max_seqs_per_request, limits)
-    state = {}
+    state: dict[str, web.AppRunner] = {}
 
-    async def start():
+    async def start() -> asyncio.Future[int]:
         import asyncio
         # The engine (its thread here, or the engine process) is gone: stop, exit status 1, for a supervisor.
-        finished = asyncio.get_running_loop().create_future()
-        edge.on_death = lambda: finished.done() or finished.set_result(1)
+        finished: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def on_death() -> None:
+            if not finished.done():
+                finished.set_result(1)
+        edge.on_death = on_death
         await edge.start()
         state["runner"], bound = await start_http(http, host, port)
         print(f"edgecore edge '{args.name}' ready: http://{host}:{bound}/v1 (model {http.served_model}, "
@@ -119,7 +137,7 @@ def run_edge(args: argparse.Namespace) -> int:
               f"{'/v1/ and /stats need an API key' if http.api_keys else 'no API key'})", flush=True)
         return finished
 
-    async def stop():
+    async def stop() -> None:
         if "runner" in state:
             await state["runner"].cleanup()
         await edge.stop()
@@ -151,7 +169,7 @@ def _served_name(args: argparse.Namespace, model_dir: str) -> str:
     return Path(args.model or default_model()).name
 
 
-def _check_limits(args: argparse.Namespace):
+def _check_limits(args: argparse.Namespace) -> ServerLimits:
     from edgecore.shared.errors import ConfigError
     from edgecore.shared.http_server import limits_from_args
     if args.max_seqs_per_request < 1 or args.max_concurrent < 1:
@@ -173,7 +191,8 @@ def _local_prefill_below(value: str) -> int | None:
         raise ConfigError(f"--local-prefill-below must be a number or 'auto', got '{value}'") from None
 
 
-def _edge_engine(args: argparse.Namespace, model_dir: str, codecs: list[str], local_below: int | None):
+def _edge_engine(args: argparse.Namespace, model_dir: str, codecs: list[str], local_below: int | None
+                 ) -> EdgeEngine:
     import logging
 
     from edgecore.edge.engine import EdgeConfig, EdgeEngine
@@ -217,12 +236,16 @@ def _run_engine_process(args: argparse.Namespace, model_dir: str, codecs: list[s
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     sock = socket.socket(fileno=args.engine_fd)
     edge = _edge_engine(args, model_dir, codecs, local_below)
-    tasks: list = []
+    tasks: list[asyncio.Task[None]] = []
 
-    async def start():
+    async def start() -> asyncio.Future[int]:
         await edge.start()
-        finished = asyncio.get_running_loop().create_future()
-        edge.on_death = lambda: finished.done() or finished.set_result(1)   # the frontend sees it and exits too
+        finished: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def on_death() -> None:                                 # the frontend sees it and exits too
+            if not finished.done():
+                finished.set_result(1)
+        edge.on_death = on_death
 
         def served(task: asyncio.Task) -> None:     # the frontend went away
             if not finished.done():

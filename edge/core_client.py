@@ -18,6 +18,9 @@ import contextlib
 import logging
 import os
 import socket
+from typing import cast
+from collections.abc import Callable, Set
+from ssl import SSLContext
 
 from edgecore.protocol import messages as m
 from edgecore.protocol.state import KVData
@@ -30,7 +33,7 @@ UNRESPONSIVE_AFTER = 5.0     # seconds a ping may go unanswered, with nothing el
 
 class CoreClient:
     def __init__(self, host: str, port: int, *, secret: bytes, fingerprint: str, codecs: list[str],
-                 timeouts: Timeouts = Timeouts(), ssl=None, name: str = "edge"):
+                 timeouts: Timeouts = Timeouts(), ssl: SSLContext | None = None, name: str = "edge"):
         self.host, self.port = host, port
         self.secret, self.fingerprint, self.codecs = secret, fingerprint, codecs
         self.timeouts, self.ssl, self.name = timeouts, ssl, name
@@ -57,7 +60,10 @@ class CoreClient:
         """Connected and answering: a core whose pings go unanswered while nothing arrives from it for
         `UNRESPONSIVE_AFTER` seconds (stopped, wedged) gets no new requests until it answers again, instead of
         each one waiting out the transfer timeout (the connection itself is closed only after the idle timeout)."""
-        return self.connected and not self.peer.unresponsive(UNRESPONSIVE_AFTER)
+        if not self.connected:
+            return False
+        assert self.peer is not None
+        return not self.peer.unresponsive(UNRESPONSIVE_AFTER)
 
     @property
     def direct(self) -> bool:
@@ -92,6 +98,7 @@ class CoreClient:
     async def connect_streams(self) -> None:
         """(Re)open a connection to every stream port of the core, with the main connection's session."""
         await self._close_streams()
+        assert self.peer is not None            # called once connected
         for port in self.peer.conn.streams:
             try:
                 stream = await connect(self.host, port, secret=self.secret, fingerprint=self.fingerprint,
@@ -131,6 +138,7 @@ class CoreClient:
             raise PeerError(f"core {self.address} is " + ("not answering" if self.connected else "not connected"))
         queue: asyncio.Queue = asyncio.Queue()
         self.inflight[request.request_id] = queue
+        assert self.peer is not None            # healthy
         try:
             await self.peer.send(request)
         except PeerError:
@@ -145,8 +153,9 @@ class CoreClient:
             self.last_bandwidth = rate
             self.bandwidth = rate if self.bandwidth is None else 0.7 * self.bandwidth + 0.3 * rate
 
-    async def send(self, msg) -> None:
+    async def send(self, msg: m.Message) -> None:
         if self.connected:
+            assert self.peer is not None
             with contextlib.suppress(PeerError):
                 await self.peer.send(msg)
 
@@ -174,7 +183,8 @@ class CoreRouter:
     """
 
     def __init__(self, clients: list[CoreClient], check_interval: float = 2.0,
-                 dns: list[tuple[str, int]] | None = None, make_client=None):
+                 dns: list[tuple[str, int]] | None = None,
+                 make_client: Callable[[str, int], CoreClient] | None = None):
         self.clients = clients
         self.check_interval = check_interval
         self.dns = dns or []
@@ -191,8 +201,9 @@ class CoreRouter:
                 log.warning("cannot resolve core name %s: %s", host, exc)
                 continue
             for info in infos:
-                ip = info[4][0]
+                ip = cast(str, info[4][0])      # an IPv4/IPv6 address (typeshed also allows a raw (int, bytes) form)
                 if f"{ip}:{port}" not in known:
+                    assert self.make_client is not None, "a core name needs make_client"
                     self.clients.append(self.make_client(ip, port))
                     known.add(f"{ip}:{port}")
 
@@ -211,6 +222,7 @@ class CoreRouter:
             await self._resolve()
             for client in self.clients:
                 if client.connected:
+                    assert client.peer is not None
                     with contextlib.suppress(PeerError):
                         await client.peer.ping()
                     if client.peer.conn.streams and not client.direct:     # a stream connection dropped
@@ -221,7 +233,7 @@ class CoreRouter:
     def healthy(self) -> list[CoreClient]:
         return [c for c in self.clients if c.healthy]
 
-    def pick(self, exclude: set[str] = frozenset()) -> CoreClient | None:
+    def pick(self, exclude: Set[str] = frozenset()) -> CoreClient | None:
         candidates = [c for c in self.healthy() if c.address not in exclude]
         if not candidates:
             return None

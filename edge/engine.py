@@ -38,6 +38,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from ssl import SSLContext
 from collections.abc import AsyncIterator, Callable
 
 from edgecore.edge.codec_policy import CURVE, DEFAULT_QUALITY_BUDGET, choose_codec, with_layer0
@@ -86,7 +87,7 @@ class EdgeConfig:
     engine_threads: int | None = None   # intra-op threads of the engine thread (None: leave as they are)
     timeouts: Timeouts = field(default_factory=Timeouts)
     name: str = "edge"
-    ssl: object = None
+    ssl: SSLContext | None = None
     served_model_name: str = ""       # the `model_name` label of the metrics (default: the directory's name)
 
 
@@ -106,6 +107,7 @@ class EdgeEngine:
         wire_codecs = sorted(set(config.codecs) | {"lossless", "raw"})
 
         def client(host: str, port: int) -> CoreClient:
+            assert config.secret is not None, "cores need the cluster secret"
             return CoreClient(host, port, secret=config.secret, fingerprint=self.fingerprint, codecs=wire_codecs,
                               timeouts=config.timeouts, ssl=config.ssl, name=config.name)
         self.router = CoreRouter([client(h, p) for h, p in config.cores], dns=config.core_dns, make_client=client)
@@ -167,6 +169,7 @@ class EdgeEngine:
         return "local", "short" if cached == 0 else "prefix_cached", queue
 
     def _codec(self, client: CoreClient, num_tokens: int) -> str:
+        assert client.peer is not None          # a picked core is connected
         allowed = [c for c in self.config.codecs if c in client.peer.conn.peer_codecs] or ["lossless"]
         if not self.config.adaptive:
             return allowed[0]
@@ -213,10 +216,9 @@ class EdgeEngine:
             raise
 
         def sink(item: RequestOutput | BaseException) -> None:
-            failed = isinstance(item, BaseException)
-            if not failed:
+            if not isinstance(item, BaseException):
                 progress.observe(item)
-            if failed or item.finished:
+            if isinstance(item, BaseException) or item.finished:
                 self._started.pop(request_id, None)
                 progress.done()
                 self.handle.close_stream(request_id)
@@ -239,7 +241,8 @@ class EdgeEngine:
         for request_id in list(self._started):
             self.cancel(request_id)
 
-    async def _open(self, request_id: str, prompt_ids: list[int], params: SamplingParams, progress: Progress):
+    async def _open(self, request_id: str, prompt_ids: list[int], params: SamplingParams, progress: Progress
+                    ) -> tuple[asyncio.Queue, CoreClient | None]:
         """Place the prefill and start the request: (the queue its outputs arrive in; the core that
         prefilled it or None)."""
         where, reason, queue = await self._placement(request_id, prompt_ids, params)
@@ -255,7 +258,8 @@ class EdgeEngine:
             queue = await self.handle.add(request_id, prompt_ids, params)
         return queue, core
 
-    async def _remote_with_retries(self, request_id, prompt_ids, params):
+    async def _remote_with_retries(self, request_id: str, prompt_ids: list[int], params: SamplingParams
+                                   ) -> tuple[asyncio.Queue | None, CoreClient | None]:
         tried: set[str] = set()
         for attempt in range(self.config.max_core_attempts):
             client = self.router.pick(tried)

@@ -106,14 +106,17 @@ class EngineClient:
 
     @property
     def max_model_len(self) -> int:
+        assert self.hello is not None            # connected
         return self.hello.max_model_len
 
     @property
     def vocab_size(self) -> int:
+        assert self.hello is not None            # connected
         return self.hello.vocab_size
 
     @property
     def fingerprint(self) -> str:
+        assert self.hello is not None            # connected
         return self.hello.fingerprint
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
@@ -165,6 +168,7 @@ class EngineClient:
 
     # ---- internals -------------------------------------------------------------
     def _send(self, msg: Message) -> None:
+        assert self._writer is not None         # connected
         if self._writer.is_closing():
             raise EngineDead(self.dead or "the engine process connection is closed")
         self._writer.write(encode(msg))

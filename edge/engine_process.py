@@ -136,9 +136,11 @@ class EngineServer:
     def _flush(self) -> None:
         if self.pending:
             items, self.pending = self.pending, []
+            assert self.writer is not None          # outputs come only once `run` serves
             self.writer.write(encode(Outputs(items)))
 
     def _send(self, msg: Message) -> None:
         self._flush()                                # keep order: earlier outputs first
+        assert self.writer is not None
         if not self.writer.is_closing():
             self.writer.write(encode(msg))

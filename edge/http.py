@@ -23,12 +23,15 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from edgecore.edge.service import EdgeService
+from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.errors import EngineDead, RequestError
 from edgecore.shared.http_server import ServerLimits, start_site
 from edgecore.shared.openai.extra_routes import add_edge_routes, model_card
@@ -40,6 +43,7 @@ from edgecore.shared.tokenizer import TextTooLong
 
 log = logging.getLogger("edgecore.http")
 json_encode = msgspec.json.Encoder().encode
+T = TypeVar("T")
 
 
 class EdgeHTTP:
@@ -88,7 +92,7 @@ class EdgeHTTP:
                                 f"shortly", None, "server_overloaded", headers={"retry-after": "1"})
 
     # ---- endpoints ------------------------------------------------------------
-    async def completions(self, request: web.Request):
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request)
         check_model(body, self.served_model)
         parsed = await off_loop(request, parse_completion, body, self.edge.tokenizer, self.edge.vocab_size,
@@ -96,7 +100,7 @@ class EdgeHTTP:
         self._capacity(parsed)
         return await self._serve(request, parsed, chat=False)
 
-    async def chat(self, request: web.Request):
+    async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request)
         check_model(body, self.served_model)
         parsed = await off_loop(request, parse_chat, body, self.edge.tokenizer, self.edge.vocab_size,
@@ -104,7 +108,7 @@ class EdgeHTTP:
         self._capacity(parsed)
         return await self._serve(request, parsed, chat=True)
 
-    async def prefetch(self, request: web.Request):
+    async def prefetch(self, request: web.Request) -> web.Response:
         """Context prefetch: a core (or an operator) pushes a shared prefix here ahead of requests."""
         body = await json_body(request)
         tok = self.edge.tokenizer
@@ -126,30 +130,30 @@ class EdgeHTTP:
         result = await self.edge.prefetch(ids)
         return web.json_response({"object": "context", **result})
 
-    async def models(self, _):
+    async def models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
             "id": self.served_model, "object": "model", "created": self.created, "owned_by": "edgecore",
             "max_model_len": self.edge.max_model_len}]})
 
-    async def health(self, _):
+    async def health(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    async def ready(self, _):
+    async def ready(self, _: web.Request) -> web.Response:
         try:
             readiness = await self.edge.get_readiness()
         except EngineDead:
             readiness = {"ready": False, "cores_healthy": 0}
         return web.json_response(readiness, status=200 if readiness["ready"] else 503)
 
-    async def metrics(self, _):
+    async def metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=(await self.edge.get_metrics()).encode(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def stats(self, _):
+    async def stats(self, _: web.Request) -> web.Response:
         return web.json_response(await self.edge.get_stats())
 
     # ---- generation -------------------------------------------------------------
-    async def _serve(self, request: web.Request, parsed: ParsedRequest, chat: bool):
+    async def _serve(self, request: web.Request, parsed: ParsedRequest, chat: bool) -> web.StreamResponse:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         count = len(parsed.params)
@@ -163,7 +167,7 @@ class EdgeHTTP:
         finally:
             self.sequences -= count
 
-    async def _choices(self, parsed: ParsedRequest, rid: str):
+    async def _choices(self, parsed: ParsedRequest, rid: str) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(choice index, RequestOutput) as they come. One choice streams straight from the engine;
         several are merged through a queue. An engine failure becomes an ApiError."""
         count = len(parsed.params)
@@ -176,9 +180,9 @@ class EdgeHTTP:
             except EngineDead as exc:
                 raise ApiError(500, f"generation failed: {exc}", None, "internal_error") from None
             return
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
-        async def pump(i: int):
+        async def pump(i: int) -> None:
             try:
                 async for out in self.edge.generate(f"{rid}-{i}", parsed.prompts[i // parsed.n], parsed.params[i]):
                     queue.put_nowait((i, out))
@@ -193,20 +197,21 @@ class EdgeHTTP:
         try:
             remaining = count
             while remaining:
-                i, out = await queue.get()
-                if out is None:
+                i, item = await queue.get()
+                if item is None:
                     remaining -= 1
-                elif isinstance(out, RequestError):
-                    raise ApiError(400, str(out), out.param, out.code)
-                elif isinstance(out, Exception):
-                    raise ApiError(500, f"generation failed: {out}", None, "internal_error")
+                elif isinstance(item, RequestError):
+                    raise ApiError(400, str(item), item.param, item.code)
+                elif isinstance(item, Exception):
+                    raise ApiError(500, f"generation failed: {item}", None, "internal_error")
                 else:
-                    yield i, out
+                    yield i, item
         finally:
             for task in tasks:
                 task.cancel()
 
-    async def _collect(self, parsed, chat, rid, created, outputs):
+    async def _collect(self, parsed: ParsedRequest, chat: bool, rid: str, created: int,
+                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> web.Response:
         results = [ChoiceResult() for _ in parsed.params]
         async for i, out in outputs:
             results[i].add(out)
@@ -214,7 +219,8 @@ class EdgeHTTP:
                              self.edge.fingerprint[:16] or None)
         return web.Response(body=json_encode(body), content_type="application/json")
 
-    async def _stream(self, request, parsed, chat, rid, created, outputs):
+    async def _stream(self, request: web.Request, parsed: ParsedRequest, chat: bool, rid: str, created: int,
+                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> web.StreamResponse:
         count = len(parsed.params)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
@@ -222,7 +228,7 @@ class EdgeHTTP:
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": rid, "object": obj, "created": created, "model": self.served_model}
 
-        async def send(payload: dict):
+        async def send(payload: dict[str, Any]) -> None:
             await resp.write(b"data: " + json_encode(payload) + b"\n\n")
 
         # Token chunks differ only in their choice: the rest of the event is encoded once.
@@ -236,7 +242,8 @@ class EdgeHTTP:
             for i in range(count):
                 await send({**base, "choices": [{"index": i, "text": parsed.prompt_texts[i // parsed.n],
                                                  "logprobs": None, "finish_reason": None}]})
-        ntoks, cached = 0, {}
+        ntoks = 0
+        cached: dict[int, int] = {}
         offsets = [0] * count
         tool_streams = [ToolStream(parsed.tools.parallel) for _ in range(count)] if parsed.tools is not None else []
         try:
@@ -271,11 +278,12 @@ class EdgeHTTP:
         await resp.write_eof()
         return resp
 
-    def _tool_chunks(self, stream: ToolStream, i: int, out, parsed: ParsedRequest) -> list[dict]:
+    def _tool_chunks(self, stream: ToolStream, i: int, out: RequestOutput, parsed: ParsedRequest) -> list[dict]:
         """A chat choice with tools: content deltas (text that may open a call held back), and at the end
         one delta per tool call (id, name, the whole arguments) and finish_reason "tool_calls"."""
         lp = self.texts.chat_logprobs(out.logprobs or []) if parsed.logprobs is not None else None
-        text, calls = stream.push(out.new_text), []
+        text = stream.push(out.new_text)
+        calls: list[dict] = []
         if out.finished:
             tail, calls = stream.finish()
             text += tail
@@ -291,12 +299,12 @@ class EdgeHTTP:
         return chunks
 
 
-async def start_http(http: EdgeHTTP, host: str, port: int):
+async def start_http(http: EdgeHTTP, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Serve the API on host:port under `http.limits`. Returns (runner, bound port)."""
     return await start_site(http.build_app(), host, port, http.limits, handler_cancellation=True)
 
 
-async def _prepend(first, rest):
+async def _prepend(first: T | None, rest: AsyncIterator[T]) -> AsyncGenerator[T, None]:
     """`first` (unless None), then what `rest` yields."""
     if first is not None:
         yield first

@@ -133,7 +133,7 @@ def encode(msg: Message) -> bytes:
 class FrameBuffer:
     """Bytes in, messages out."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._buf = bytearray()
 
     def feed(self, data: bytes) -> list[Message]:

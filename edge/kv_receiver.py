@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NoReturn
 from collections.abc import Sequence
 
 import numpy as np
@@ -153,7 +154,7 @@ class KVReceiver:
                       f"{[self.needed(layer) for layer in range(self.num_layers)]}")
         self._maybe_complete()
 
-    def fail(self, why: str) -> None:
+    def fail(self, why: str) -> NoReturn:
         """Fail the transfer (also for errors found outside: a core Error, a timeout, a bad payload)."""
         if self.state is ReceiveState.RECEIVING:
             self.state, self.failure = ReceiveState.FAILED, why

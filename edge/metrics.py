@@ -12,10 +12,14 @@ gauges from the engine's stats snapshot (`EdgeEngine.get_metrics`); the engine's
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
 from edgecore.shared.metrics import EngineCollector, ModelMetrics
+
+if TYPE_CHECKING:
+    from edgecore.shared.engine.handle import EngineStats
 
 LATENCY = (.005, .01, .02, .04, .06, .08, .1, .25, .5, .75, 1, 2.5, 5, 7.5, 10, 20, 40)
 TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
@@ -24,7 +28,7 @@ TPOT = (.001, .0025, .005, .01, .02, .04, .06, .08, .1, .15, .2, .3, .4, .5, .75
 
 
 class EdgeMetrics:
-    def __init__(self, model_name: str = "model", stats: Callable[[], object] | None = None, block_size: int = 0):
+    def __init__(self, model_name: str = "model", stats: Callable[[], EngineStats] | None = None, block_size: int = 0):
         r = self.registry = CollectorRegistry()
         m = ModelMetrics(r, model_name)
         self.ttft = m.histogram("edgecore:time_to_first_token_seconds", "Time to first token", buckets=LATENCY)

@@ -34,7 +34,8 @@ MIN_RATE = 1024             # bytes/s: a download slower than this over its firs
 MAX_MANIFEST = 256 << 20    # bytes: a larger manifest is refused (it lists tensors, not their data)
 
 
-def _get(url: str, headers: dict | None = None, timeout: float = READ_TIMEOUT):
+def _get(url: str, headers: dict[str, str] | None = None, timeout: float = READ_TIMEOUT
+         ) -> http.client.HTTPResponse:
     try:
         return urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout)
     except urllib.error.HTTPError as exc:
@@ -89,7 +90,8 @@ def _listed_files(base: str, raw: bytes) -> dict[str, dict]:
     return files
 
 
-def _fetch_file(url: str, path: Path, size: int, sha256: str, progress, retries: int, auth: dict) -> None:
+def _fetch_file(url: str, path: Path, size: int, sha256: str, progress: Callable[[str], None] | None, retries: int,
+                auth: dict[str, str]) -> None:
     """Download `path` until its SHA-256 matches: a short copy is resumed (Range) for as long as attempts make
     progress; one that makes none, or a complete copy that fails the check (fetched again from scratch),
     counts against `retries`."""
@@ -117,7 +119,8 @@ def _fetch_file(url: str, path: Path, size: int, sha256: str, progress, retries:
     raise ModelLoadError(f"{path.name} from {url} failed verification {retries + 1} times ({why})")
 
 
-def _download(url: str, path: Path, have: int, size: int, progress, auth: dict) -> int:
+def _download(url: str, path: Path, have: int, size: int, progress: Callable[[str], None] | None,
+              auth: dict[str, str]) -> int:
     """One GET from byte `have` (a Range request) to `size`, and never past it; the bytes held after it."""
     headers = {**auth, "Range": f"bytes={have}-"} if have else auth
     try:

@@ -27,7 +27,8 @@ class Progress:
         self.edge, self.prompt_len = edge, prompt_len
         self.arrived = self.placed_at = time.perf_counter()
         self.core: CoreClient | None = None
-        self.first_at = self.last_at = None
+        self.first_at: float | None = None
+        self.last_at: float | None = None
         self.open = True
         edge.active += 1
         edge.metrics.prompt_tokens.inc(prompt_len)
@@ -46,9 +47,11 @@ class Progress:
                 self.edge.prefill_model.observe_remote(self.core.address, prefilled, now - self.arrived,
                                                        self.core.rtt)
         elif out.new_token_ids:
+            assert self.last_at is not None          # set with first_at
             metrics.itl.observe(now - self.last_at)
         self.last_at = now
         if out.finished:
+            assert out.finish_reason is not None     # a finished output has its reason
             metrics.requests.labels(out.finish_reason).inc()
             metrics.e2e.observe(now - self.arrived)
             metrics.decode_time.observe(now - self.first_at)

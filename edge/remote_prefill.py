@@ -39,7 +39,10 @@ import asyncio
 import contextlib
 import functools
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
+
+import numpy as np
 
 from edgecore.edge.core_client import CoreClient
 from edgecore.edge.kv_receiver import KVReceiver, TransferFailed
@@ -87,7 +90,8 @@ class RemotePrefill:
         self.decode_error: BaseException | None = None
         self.dropped = False
 
-    async def run(self, choose_codec, activate: bool = True) -> asyncio.Queue | None:
+    async def run(self, choose_codec: Callable[[CoreClient, int], str], activate: bool = True
+                  ) -> asyncio.Queue | None:
         """Prefill at the core and receive the KV; with `activate`, the request then decodes here and this
         returns the queue its outputs arrive in. `choose_codec(client, tokens)` picks the codec."""
         rid, handle, client = self.request_id, self.handle, self.client
@@ -95,6 +99,7 @@ class RemotePrefill:
         queue = handle.open_stream(rid)
         codec = choose_codec(client, len(self.prompt_ids) - cached)
         cfg = handle.config
+        assert client.peer is not None          # a picked core is connected
         limit = min(self.core_decode, self.params.max_tokens - 1) if activate and client.peer.conn.handover else 0
         self.edge_layers = layers_at_edge(handle.first_layer_macs, len(self.prompt_ids) - cached,
                                           self.first_layer_budget, get_codec(codec).lossless)
@@ -167,6 +172,7 @@ class RemotePrefill:
         """After the first token: the core's tokens and the KV until the KV is complete, then Handover and
         take over; on a failure, compute the rest here (see the module's docstring)."""
         decode, rid = self.decode, self.request_id
+        assert decode is not None               # `_first_token` began it
         try:
             while not receiver.complete and decode.phase is not Phase.FINISHED:
                 await self._on_event(receiver, await asyncio.wait_for(self.events.get(), self.timeout))
@@ -229,7 +235,7 @@ class RemotePrefill:
         if outcome == "taken_over":
             self.metrics.handover_core_tokens.observe(core_tokens)
 
-    async def _push(self, receiver: KVReceiver, token: int, logprob: float, top) -> None:
+    async def _push(self, receiver: KVReceiver, token: int, logprob: float, top: list[tuple[int, float]]) -> None:
         first = FirstToken(token, logprob if self.params.logprobs is not None else None,
                            [(int(t), float(p)) for t, p in top])
         try:
@@ -237,9 +243,10 @@ class RemotePrefill:
         except RequestError as exc:      # the core's token is not one of ours: the transfer failed
             receiver.fail(str(exc))
         if finished:
+            assert self.decode is not None      # pushed tokens come from the core's decode
             self.decode.finish()         # it ended before the handover: it never moves
 
-    async def _on_event(self, receiver: KVReceiver, ev) -> None:
+    async def _on_event(self, receiver: KVReceiver, ev: m.Message | KVData | BaseException) -> None:
         decode = self.decode
         if isinstance(ev, m.Token):
             if decode is None:
@@ -258,7 +265,7 @@ class RemotePrefill:
         else:
             await self._on_kv_event(receiver, ev)
 
-    async def _on_kv_event(self, receiver: KVReceiver, ev) -> None:
+    async def _on_kv_event(self, receiver: KVReceiver, ev: m.Message | KVData | BaseException) -> None:
         if isinstance(ev, KVData):
             c = ev.chunk
             receiver.on_chunk(c, len(ev.payload), time.perf_counter())
@@ -277,7 +284,7 @@ class RemotePrefill:
         elif isinstance(ev, BaseException):
             receiver.fail(str(ev))
 
-    def _decoded(self, chunk, fut: asyncio.Future) -> None:
+    def _decoded(self, chunk: m.KVChunk, fut: asyncio.Future[tuple[np.ndarray, np.ndarray]]) -> None:
         """A worker's decode of `chunk` ended: write it into the cache (nothing once the transfer was dropped:
         a retry may already hold the same request id); a failure waits for `_written`."""
         self.decoding.discard(fut)
@@ -291,7 +298,7 @@ class RemotePrefill:
             return
         self._write(chunk, fut.result())
 
-    def _write(self, c, kv) -> None:
+    def _write(self, c: m.KVChunk, kv: tuple[np.ndarray, np.ndarray]) -> None:
         k, v = kv
         self.handle.write_kv(self.request_id, KVSlice(c.layer_start, c.token_start, c.token_end, c.head_start,
                                                       from_bits(k, c.dtype), from_bits(v, c.dtype)))

@@ -101,8 +101,8 @@ class AsyncEngine:
         return self._stats
 
     # ---- ordinary requests (EngineHandle) ----------------------------------------
-    async def add(self, request_id: str, prompt, params: SamplingParams, *, prefill_only: bool = False,
-                  priority: int = 0, collect: bool = False) -> asyncio.Queue:
+    async def add(self, request_id: str, prompt: list[int] | str, params: SamplingParams, *,
+                  prefill_only: bool = False, priority: int = 0, collect: bool = False) -> asyncio.Queue:
         """Add a request; returns the queue its outputs arrive in (see `stream`)."""
         _, queue = await self._admit(
             request_id, lambda e: e.add_request(request_id, prompt, params, prefill_only, priority), collect)
@@ -126,8 +126,9 @@ class AsyncEngine:
             return cached, None
         return cached, queue
 
-    async def generate(self, request_id: str, prompt, params: SamplingParams, *, prefill_only: bool = False,
-                       priority: int = 0, collect: bool = False) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: list[int] | str, params: SamplingParams, *,
+                       prefill_only: bool = False, priority: int = 0, collect: bool = False
+                       ) -> AsyncIterator[RequestOutput]:
         try:
             queue = await self.add(request_id, prompt, params, prefill_only=prefill_only, priority=priority,
                                    collect=collect)
@@ -318,7 +319,8 @@ class AsyncEngine:
             self.loop.call_soon_threadsafe(self._fail_all, exc)
             self.loop.call_soon_threadsafe(_deliver, [(self._started, True, None)])   # dead: commands say so
 
-    def _run_commands(self, commands) -> list[tuple[asyncio.Future, bool, Any]]:
+    def _run_commands(self, commands: list[tuple[Callable[[LLMEngine], Any], asyncio.Future | None]]
+                      ) -> list[tuple[asyncio.Future, bool, Any]]:
         """Engine thread: run queued commands in order; returns (future, ok, result or exception) of those
         awaited (a failed posted command is logged)."""
         replies = []

@@ -24,7 +24,7 @@ first has `compile_decode` run there); `stats()` builds the snapshot that thread
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 from collections.abc import Callable
 
 import torch
@@ -46,11 +46,15 @@ from edgecore.shared.models.layers import weight_bytes
 from edgecore.shared.models.loader import load_model, resolve_dtype
 from edgecore.shared.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from edgecore.shared.models.llama import Attention, LlamaForCausalLM
+    from edgecore.shared.models.mla import MLAttention
+
 LayerHook = Callable[[int, list[tuple[Sequence, int]]], None]
 
 
 class LLMEngine:
-    def __init__(self, model, config: ModelConfig, tokenizer: Tokenizer | None = None,
+    def __init__(self, model: LlamaForCausalLM, config: ModelConfig, tokenizer: Tokenizer | None = None,
                  cache_config: CacheConfig | None = None, engine_config: EngineConfig | None = None):
         self.model = model
         self.config = config
@@ -63,7 +67,7 @@ class LLMEngine:
                               f"{config.max_position_embeddings}: dynamic NTK RoPE is served up to that length only")
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, str(param.device)
-        kv_heads = model.model.layers[0].self_attn.num_kv_heads
+        kv_heads = cast("Attention | MLAttention", model.model.layers[0].self_attn).num_kv_heads
         self.pool = KVPool(config, self.cache_config, self.dtype, self.device, num_kv_heads=kv_heads,
                            num_layers=len(model.model.layers))
         self.block_manager = BlockManager(self.cache_config.num_blocks, self.cache_config.block_size,
@@ -81,8 +85,8 @@ class LLMEngine:
         self.weights_bytes = weight_bytes(model)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, dtype="auto", device: str = "cpu",
-                 cache_config: CacheConfig | None = None, engine_config: EngineConfig | None = None):
+    def from_dir(cls, model_dir: str | Path, dtype: str | torch.dtype | None = "auto", device: str = "cpu",
+                 cache_config: CacheConfig | None = None, engine_config: EngineConfig | None = None) -> LLMEngine:
         config = ModelConfig.from_dir(model_dir)
         # A checkpoint without tokenizer files still serves token-id prompts.
         tokenizer = Tokenizer.from_dir(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
@@ -90,7 +94,7 @@ class LLMEngine:
         return cls(model, config, tokenizer, cache_config, engine_config)
 
     # ---- requests -------------------------------------------------------
-    def _new_sequence(self, request_id: str, prompt, params: SamplingParams, prefill_only: bool,
+    def _new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams, prefill_only: bool,
                       priority: int = 0) -> Sequence:
         if request_id in self.requests:
             raise RequestError(f"request id '{request_id}' is already in use", param="request_id")
@@ -128,7 +132,7 @@ class LLMEngine:
             self.grammars = Grammars(self.tokenizer.backend.to_str(), self.config.vocab_size, tuple(self.eos_ids))
         return self.grammars
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     prefill_only: bool = False, priority: int = 0) -> Sequence:
         seq = self._new_sequence(request_id, prompt, params or SamplingParams(), prefill_only, priority)
         self.scheduler.add(seq)
@@ -215,7 +219,8 @@ class LLMEngine:
         end = seq.num_computed_tokens if end is None else end
         return self.pool.slots(seq.table.blocks, start, end)
 
-    def read_kv(self, request_id: str, layer: int, start: int = 0, end: int | None = None):
+    def read_kv(self, request_id: str, layer: int, start: int = 0, end: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [tokens, kv_heads, head_dim] of one layer for a request's computed tokens."""
         return self.pool.read(layer, self.kv_slots(request_id, start, end))
 
@@ -262,7 +267,8 @@ class LLMEngine:
         self.block_manager.release_blocks(block_ids)
 
     # ---- (b) KV from outside: decode it -----------------------------------
-    def reserve(self, request_id: str, prompt, params: SamplingParams | None = None) -> tuple[Sequence, int]:
+    def reserve(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+                ) -> tuple[Sequence, int]:
         """Allocate blocks for a prompt whose KV will be written from outside.
 
         Returns the sequence and how many leading tokens are already in the local
@@ -293,7 +299,7 @@ class LLMEngine:
             seq = state.seq
             self.runner.write_first_layer_kv(seq, seq.num_cached_tokens, seq.num_prompt_tokens)
 
-    def _check_remote_token(self, token: int, top) -> None:
+    def _check_remote_token(self, token: int, top: list[tuple[int, float]] | None) -> None:
         """A token sampled by another node (a core) must be one of this model's ids before anything uses it:
         an id outside the vocabulary would fail the next step's embedding for the whole batch."""
         vocab = self.config.vocab_size
@@ -301,7 +307,8 @@ class LLMEngine:
             raise RequestError(f"a token from the prefill node is outside the vocabulary [0, {vocab})",
                                param="token")
 
-    def activate(self, request_id: str, first_token: int, logprob: float | None = None, top=None) -> None:
+    def activate(self, request_id: str, first_token: int, logprob: float | None = None,
+                 top: list[tuple[int, float]] | None = None) -> None:
         """The request's KV is complete: record its first token and join the decode batch."""
         self._check_remote_token(first_token, top)
         state = self.requests[request_id]
@@ -320,7 +327,8 @@ class LLMEngine:
             seq.status = Status.RUNNING
             self.scheduler.running.append(seq)
 
-    def push_token(self, request_id: str, token: int, logprob: float | None = None, top=None) -> bool:
+    def push_token(self, request_id: str, token: int, logprob: float | None = None,
+                   top: list[tuple[int, float]] | None = None) -> bool:
         """A token decoded elsewhere for a reserved request (AWAITING_KV), in position order: through its
         output rules, emitted with the next step's outputs. True when it finished the request (its blocks
         are freed: the request never decodes here)."""

@@ -24,18 +24,20 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from edgecore.shared.engine.sampling_params import GuidedSpec
 from edgecore.shared.errors import RequestError
 
 if TYPE_CHECKING:      # the edge's HTTP process imports this module (through output.py) and never torch
     import torch
+    from llguidance import LLMatcher
 
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
-def _llg():
+def _llg() -> ModuleType:
     import llguidance   # imported on first use: nodes that never see a grammar never load it
     return llguidance
 
@@ -77,7 +79,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.tokenizer = _llg().LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids))
 
-    def matcher(self, spec: GuidedSpec) -> Any:
+    def matcher(self, spec: GuidedSpec) -> LLMatcher:
         """A fresh matcher for `spec`; a grammar whose language is empty (a regex or schema that no text
         matches, not even the empty one) is a `RequestError`: it would otherwise end at once with "stop" and
         an output that does not match."""
@@ -98,7 +100,7 @@ def _shifts(device: str) -> torch.Tensor:
     return torch.arange(32, dtype=torch.int32, device=device)
 
 
-def apply_masks(logits: torch.Tensor, matchers: list, rows: list[int]) -> torch.Tensor:
+def apply_masks(logits: torch.Tensor, matchers: list[LLMatcher], rows: list[int]) -> torch.Tensor:
     """`logits` [S, vocab] with every token that `matchers[j]` forbids set to -inf in row `rows[j]`."""
     import torch
     vocab = logits.shape[-1]
@@ -114,7 +116,7 @@ def apply_masks(logits: torch.Tensor, matchers: list, rows: list[int]) -> torch.
     return out
 
 
-def advance(matcher, token: int) -> bool:
+def advance(matcher: LLMatcher, token: int) -> bool:
     """Feed the chosen token to the matcher; True when the grammar is complete (or broken) and the request
     should stop."""
     matcher.consume_token(token)

@@ -34,7 +34,7 @@ class _Rows:
     since the last (normally one), for all rows in one indexed add. Rows are reused once their sequence is
     gone."""
 
-    def __init__(self, vocab: int, device):
+    def __init__(self, vocab: int, device: torch.device):
         self.vocab, self.device = vocab, device
         self.counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)
         self.seen = torch.zeros(0, vocab, dtype=torch.bool, device=device)
@@ -60,7 +60,7 @@ class _Fixed:
     """A request's per-request state: its row in `_Rows`, how many output tokens that row holds, and its
     logit_bias ids and values as tensors."""
 
-    def __init__(self, seq: Sequence, rows: _Rows, dtype, device):
+    def __init__(self, seq: Sequence, rows: _Rows, dtype: torch.dtype, device: torch.device):
         self.rows = rows
         self.row = rows.take(seq)
         self.counted = 0
@@ -73,7 +73,8 @@ _fixed: weakref.WeakKeyDictionary[Sequence, _Fixed] = weakref.WeakKeyDictionary(
 _rows: dict[tuple[int, str], _Rows] = {}
 
 
-def _state(seqs: list[Sequence], rows: list[int], vocab: int, dtype, device) -> tuple[_Rows, list[_Fixed]]:
+def _state(seqs: list[Sequence], rows: list[int], vocab: int, dtype: torch.dtype, device: torch.device
+           ) -> tuple[_Rows, list[_Fixed]]:
     """The rows' state, brought up to date with the tokens appended since the last step (one indexed add)."""
     store = _rows.get((vocab, str(device)))
     if store is None:
@@ -98,7 +99,7 @@ def _state(seqs: list[Sequence], rows: list[int], vocab: int, dtype, device) -> 
     return store, out
 
 
-def _flat_index(parts: list[torch.Tensor], vocab: int, device) -> torch.Tensor:
+def _flat_index(parts: list[torch.Tensor], vocab: int, device: torch.device) -> torch.Tensor:
     """Row-major indices into a flattened [R, vocab] tensor of the per-row token tensors `parts`."""
     if len(parts) == 1:
         return parts[0]
@@ -107,7 +108,7 @@ def _flat_index(parts: list[torch.Tensor], vocab: int, device) -> torch.Tensor:
     return rows * vocab + torch.cat(parts)
 
 
-def _column(values: list[float], dtype, device):
+def _column(values: list[float], dtype: torch.dtype, device: torch.device) -> float | torch.Tensor:
     """Per-row values as an [R, 1] tensor, or one Python number when every row has the same."""
     if all(v == values[0] for v in values):
         return values[0]

@@ -53,7 +53,8 @@ class OutputState:
         self.emitted = 0
         self.max_model_len = max_model_len
 
-    def push(self, token: int, logprob: float | None = None, top=None) -> RequestOutput:
+    def push(self, token: int, logprob: float | None = None, top: list[tuple[int, float]] | None = None
+             ) -> RequestOutput:
         seq, params = self.seq, self.seq.params
         seq.token_ids.append(token)
         reason = None
@@ -93,7 +94,7 @@ class OutputState:
                 return "stop"
         return None
 
-    def _output(self, tokens: list[int], reason: str | None, lps) -> RequestOutput:
+    def _output(self, tokens: list[int], reason: str | None, lps: list[TokenLogprob] | None) -> RequestOutput:
         finished = reason is not None
         limit = len(self.text) if finished else max(self.emitted, len(self.text) - self.holdback)
         new_text = self.text[self.emitted:limit]

@@ -13,10 +13,15 @@ output of the request carries the list (`OutputState`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from edgecore.shared.engine.output import TokenLogprob
 from edgecore.shared.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from edgecore.shared.models.llama import LlamaForCausalLM
 
 
 def wanted(ordered: list[tuple[Sequence, int]]) -> bool:
@@ -24,7 +29,7 @@ def wanted(ordered: list[tuple[Sequence, int]]) -> bool:
                for seq, _ in ordered)
 
 
-def record(model, hidden: torch.Tensor, ordered: list[tuple[Sequence, int]]) -> None:
+def record(model: LlamaForCausalLM, hidden: torch.Tensor, ordered: list[tuple[Sequence, int]]) -> None:
     offset = 0
     for seq, n in ordered:
         k, start = seq.params.prompt_logprobs, seq.num_computed_tokens
@@ -34,12 +39,12 @@ def record(model, hidden: torch.Tensor, ordered: list[tuple[Sequence, int]]) -> 
         offset += n
 
 
-def _chunk(model, hidden: torch.Tensor, seq: Sequence, start: int, end: int, k: int) -> None:
+def _chunk(model: LlamaForCausalLM, hidden: torch.Tensor, seq: Sequence, start: int, end: int, k: int) -> None:
     logp = model.compute_logits(hidden).float().log_softmax(-1)
     targets = torch.tensor(seq.token_ids[start + 1:end + 1], dtype=torch.long, device=logp.device)
-    chosen = logp.gather(1, targets.unsqueeze(1))
-    ranks = ((logp > chosen).sum(-1) + 1).tolist()
-    chosen = chosen.squeeze(1).tolist()
+    picked = logp.gather(1, targets.unsqueeze(1))
+    ranks = ((logp > picked).sum(-1) + 1).tolist()
+    chosen = picked.squeeze(1).tolist()
     if k:
         values, ids = logp.topk(k, dim=-1)
         tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

@@ -18,12 +18,15 @@ Validation is one msgspec conversion against `_Checked`: a bad value raises
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 from edgecore.shared.errors import RequestError
+
+if TYPE_CHECKING:
+    from edgecore.protocol.messages import SamplingSpec
 
 MAX_LOGPROBS = 20
 # What decides a request's first token: the fields a prefill on another node needs (protocol SamplingSpec).
@@ -84,7 +87,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     guided: GuidedSpec | None = None       # structured output (grammar.py); such requests decode where they prefill
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.validate()
@@ -99,14 +102,14 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias)
 
-    def spec_fields(self) -> dict:
+    def spec_fields(self) -> dict[str, Any]:
         """The `SPEC_FIELDS` as keyword arguments of the protocol's `SamplingSpec`."""
         fields = {name: getattr(self, name) for name in SPEC_FIELDS}
         fields["logit_bias"] = dict(self.logit_bias or {})
         return fields
 
     @classmethod
-    def from_spec(cls, spec, **kw) -> SamplingParams:
+    def from_spec(cls, spec: SamplingSpec, **kw: Any) -> SamplingParams:
         """Parameters from a protocol `SamplingSpec` (validated like any others), plus `kw`."""
         fields = {name: getattr(spec, name) for name in SPEC_FIELDS}
         fields["logit_bias"] = dict(fields["logit_bias"]) or None

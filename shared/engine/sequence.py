@@ -17,10 +17,15 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING
 
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.kv.block_manager import BlockTable
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+    from edgecore.shared.engine.output import TokenLogprob
 
 _arrival = itertools.count()
 
@@ -49,8 +54,9 @@ class Sequence:
         self.table = BlockTable()
         self.arrival = next(_arrival)
         self.finish_reason: str | None = None
-        self.prompt_logprobs: list | None = None   # per prompt position, when asked for (prompt_logprobs.py)
-        self.grammar: Any = None        # the request's grammar matcher (grammar.py), when it has a `guided` spec
+        # per prompt position, when asked for (prompt_logprobs.py)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.grammar: LLMatcher | None = None  # the request's grammar matcher (grammar.py), when it has a `guided` spec
 
     @property
     def num_tokens(self) -> int:

@@ -13,11 +13,15 @@ identical slots and masks from the same numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 
 from edgecore.shared.kv.transfer import StreamRoute
+
+if TYPE_CHECKING:
+    from edgecore.shared.engine.sequence import Sequence
 
 STEP, READ_KV, STOP, STATS = 1, 2, 3, 4
 
@@ -55,7 +59,7 @@ class StepRoutes(msgspec.Struct, omit_defaults=True):
     ids: dict[int, str] = {}           # item index → stream id
 
 
-def encode_step(items, routes: StepRoutes | None = None) -> torch.Tensor:
+def encode_step(items: list[tuple[Sequence, int]], routes: StepRoutes | None = None) -> torch.Tensor:
     blob = msgspec.msgpack.encode(routes) if routes is not None else b""
     out = [STEP, len(items), len(blob), *blob]
     for seq, n in items:
@@ -78,7 +82,12 @@ def encode_stats() -> torch.Tensor:
     return torch.tensor([STATS, 0], dtype=torch.long)
 
 
-def decode_plan(plan: torch.Tensor):
+# A decoded plan's payload: STEP (items, routes), READ_KV (blocks, start, end), STATS and STOP None.
+StepPayload = tuple[list[tuple[PlanItem, int]], StepRoutes]
+ReadKVPayload = tuple[list[int], int, int]
+
+
+def decode_plan(plan: torch.Tensor) -> tuple[int, StepPayload | ReadKVPayload | None]:
     values = plan.tolist()
     kind, count = values[0], values[1]
     pos = 2
@@ -87,7 +96,7 @@ def decode_plan(plan: torch.Tensor):
         routes = msgspec.msgpack.decode(bytes(values[pos + 1:pos + 1 + size]), type=StepRoutes) \
             if size else StepRoutes()
         pos += 1 + size
-        items = []
+        items: list[tuple[PlanItem, int]] = []
         for index in range(count):
             start, n, total, nblocks = values[pos:pos + 4]
             pos += 4
