@@ -108,12 +108,7 @@ def run_edge(args: argparse.Namespace) -> int:
     if args.engine_in_process:
         edge = _edge_engine(args, model_dir, codecs, local_below)
     else:
-        from edgecore.edge.engine_client import EngineClient
-        from edgecore.shared.config import ModelConfig
-        from edgecore.shared.secrets import read_secret
-        ModelConfig.from_dir(model_dir)                  # a bad model or flag fails here, in one line
-        read_secret(args.secret_file, required=bool(args.core or args.core_dns))
-        edge = EngineClient(args.argv, model_dir)
+        edge = _engine_client(args, model_dir)
     served = _served_name(args, model_dir)
     # An in-process EdgeEngine's tokenizer is None for a model without tokenizer files (EdgeService says
     # Tokenizer): such a model serves token-id prompts only, as it did before.
@@ -134,7 +129,8 @@ def run_edge(args: argparse.Namespace) -> int:
         state["runner"], bound = await start_http(http, host, port)
         print(f"edgecore edge '{args.name}' ready: http://{host}:{bound}/v1 (model {http.served_model}, "
               f"cores: {', '.join(args.core) or 'none, local prefill'}; "
-              f"{'/v1/ and /stats need an API key' if http.api_keys else 'no API key'})", flush=True)
+              f"{'/v1/, /stats, /tokenize and /detokenize need an API key' if http.api_keys else 'no API key'})",
+              flush=True)
         return finished
 
     async def stop() -> None:
@@ -143,6 +139,16 @@ def run_edge(args: argparse.Namespace) -> int:
         await edge.stop()
 
     return run_service(start, stop)
+
+
+def _engine_client(args: argparse.Namespace, model_dir: str) -> EngineClient:
+    """The frontend's handle on an engine process yet to start; a bad model or flag fails here, in one line."""
+    from edgecore.edge.engine_client import EngineClient
+    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.secrets import read_secret
+    ModelConfig.from_dir(model_dir)
+    read_secret(args.secret_file, required=bool(args.core or args.core_dns))
+    return EngineClient(args.argv, model_dir)
 
 
 def _fetch_model(args: argparse.Namespace) -> str:

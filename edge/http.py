@@ -136,6 +136,10 @@ class EdgeHTTP:
             "max_model_len": self.edge.max_model_len}]})
 
     async def health(self, _: web.Request) -> web.Response:
+        """Liveness: 503 from the moment the engine (its thread, or the engine process) is known dead, before the
+        frontend's own shutdown finishes, so a probe never reads a dead edge as alive."""
+        if not self.edge.ready:
+            return web.json_response({"status": "engine_dead"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def ready(self, _: web.Request) -> web.Response:

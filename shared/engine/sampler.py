@@ -85,9 +85,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     adjusted = [i for i, s in enumerate(seqs) if s.params.adjusts_logits]
     if adjusted:
         logits = adjust(logits, seqs, adjusted)
-    guided = [i for i, s in enumerate(seqs) if s.grammar is not None]
-    if guided:
-        logits = apply_masks(logits, [seqs[i].grammar for i in guided], guided)
+    matchers = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+    if matchers:
+        logits = apply_masks(logits, [g for _, g in matchers], [i for i, _ in matchers])
     tokens = logits.argmax(-1)
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if rows:

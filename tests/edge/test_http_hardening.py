@@ -331,3 +331,27 @@ async def test_a_prefetched_text_certainly_over_the_context_is_refused(server, m
                                     json.dumps({"text": "ab " * 200_000}).encode())
     err = json.loads(raw)["error"]
     assert status == 400 and err["code"] == "context_length_exceeded" and err["param"] == "text", err
+
+
+async def test_tokenize_and_detokenize_need_the_key_while_probes_stay_open(server):
+    async with aiohttp.ClientSession(f"http://127.0.0.1:{server['port']}") as anon:
+        for path, body in (("/tokenize", {"prompt": "hello"}), ("/detokenize", {"tokens": [1, 2]})):
+            async with anon.post(path, json=body) as r:
+                assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key", path
+            async with server["session"].post(path, json=body) as r:
+                assert r.status == 200, path
+        for path in ("/health", "/version"):
+            async with anon.get(path) as r:
+                assert r.status == 200, path
+
+
+async def test_health_is_503_as_soon_as_the_engine_is_known_dead(server):
+    edge = server["edge"]
+    async with server["session"].get("/health") as r:
+        assert r.status == 200 and (await r.json())["status"] == "ok"
+    edge.ready = False                  # what EngineClient reports the moment its engine process is gone
+    try:
+        async with server["session"].get("/health") as r:
+            assert r.status == 503 and (await r.json())["status"] == "engine_dead"
+    finally:
+        edge.ready = True
