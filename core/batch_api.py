@@ -10,21 +10,28 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
-from aiohttp import web
+from aiohttp import BodyPartReader, MultipartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from edgecore.core.batch_runner import ENDPOINTS
+from edgecore.core.batch_runner import ENDPOINTS, BatchRunner
+from edgecore.core.batch_store import BatchStore
 from edgecore.shared.engine.handle import EngineHandle
 from edgecore.shared.openai.http import json_body
 from edgecore.shared.openai.request import ApiError
+from edgecore.shared.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from edgecore.core.contexts import Contexts
 
 
 def _not_found(kind: str, ident: str) -> ApiError:
     return ApiError(404, f"No {kind} with id '{ident}'", "id", "not_found")
 
 
-def _limit(request, maximum: int, default: int) -> int:
+def _limit(request: web.Request, maximum: int, default: int) -> int:
     """A list's `limit` query parameter (OpenAI's ranges: files 1–10000, batches 1–100)."""
     try:
         limit = int(request.query.get("limit", str(default)))
@@ -35,14 +42,22 @@ def _limit(request, maximum: int, default: int) -> int:
     return limit
 
 
-def _page(data: list[dict], more: bool):
+def _tokenizer(engine: EngineHandle, param: str) -> Tokenizer:
+    """The engine's tokenizer; a core without tokenizer files takes contexts as token ids only."""
+    if engine.tokenizer is None:
+        raise ApiError(400, "this core has no tokenizer: give 'token_ids'", param, "invalid_value")
+    return engine.tokenizer
+
+
+def _page(data: list[dict], more: bool) -> web.Response:
     return web.json_response({"object": "list", "data": data, "has_more": more,
                               "first_id": data[0]["id"] if data else None,
                               "last_id": data[-1]["id"] if data else None})
 
 
 class BatchAPI:
-    def __init__(self, handle: EngineHandle, store, runner, contexts, max_file_bytes: int):
+    def __init__(self, handle: EngineHandle, store: BatchStore, runner: BatchRunner, contexts: Contexts,
+                 max_file_bytes: int) -> None:
         self.handle, self.store, self.runner, self.contexts = handle, store, runner, contexts
         self.max_file_bytes = max_file_bytes
 
@@ -64,16 +79,21 @@ class BatchAPI:
         r.add_post("/v1/contexts/{id}/push", self.push_context)
 
     # ---- files ----------------------------------------------------------------------
-    async def upload(self, request: web.Request):
+    async def upload(self, request: web.Request) -> web.Response:
         if not request.content_type.startswith("multipart/"):
             raise ApiError(415, "Upload files as multipart/form-data with 'purpose' and 'file'", None,
                            "invalid_content_type")
-        purpose, file_id, filename, size = None, None, None, 0
+        purpose: str | None = None
+        file_id: str | None = None
+        filename: str | None = None
+        size = 0
         tmp = None
         try:
             try:
                 async for part in _parts(await request.multipart()):
-                    name = getattr(part, "name", None)      # a nested multipart has none: ignored
+                    if not isinstance(part, BodyPartReader):     # a nested multipart has no name: ignored
+                        continue
+                    name = part.name
                     if name == "purpose":
                         purpose = (await part.text()).strip()
                     elif name == "file":
@@ -98,6 +118,7 @@ class BatchAPI:
                 raise ApiError(400, f"'purpose' must be 'batch', got {purpose!r}", "purpose", "invalid_value")
             if tmp is None:
                 raise ApiError(400, "missing 'file' part", "file", "missing_required_parameter")
+            assert file_id is not None and filename is not None      # set with `tmp`
             tmp.rename(self.store.file_path(file_id))
             tmp = None
             return web.json_response(self.store.add_file(file_id, filename, purpose, size))
@@ -105,7 +126,7 @@ class BatchAPI:
             if tmp is not None:
                 tmp.unlink(missing_ok=True)
 
-    async def list_files(self, request: web.Request):
+    async def list_files(self, request: web.Request) -> web.Response:
         order = request.query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise ApiError(400, "'order' must be 'asc' or 'desc'", "order", "invalid_value")
@@ -113,26 +134,26 @@ class BatchAPI:
                                            _limit(request, 10000, 10000), order == "asc")
         return _page(data, more)
 
-    def _file(self, request) -> dict:
+    def _file(self, request: web.Request) -> dict:
         obj = self.store.get_file(request.match_info["id"])
         if obj is None:
             raise _not_found("file", request.match_info["id"])
         return obj
 
-    async def get_file(self, request):
+    async def get_file(self, request: web.Request) -> web.Response:
         return web.json_response(self._file(request))
 
-    async def file_content(self, request):
+    async def file_content(self, request: web.Request) -> web.FileResponse:
         obj = self._file(request)
         return web.FileResponse(self.store.file_path(obj["id"]), headers={"Content-Type": "application/jsonl"})
 
-    async def delete_file(self, request):
+    async def delete_file(self, request: web.Request) -> web.Response:
         obj = self._file(request)
         self.store.delete_file(obj["id"])
         return web.json_response({"id": obj["id"], "object": "file", "deleted": True})
 
     # ---- batches ----------------------------------------------------------------------
-    async def create_batch(self, request):
+    async def create_batch(self, request: web.Request) -> web.Response:
         body = await json_body(request)
         file_id, endpoint = body.get("input_file_id"), body.get("endpoint")
         window = body.get("completion_window", "24h")
@@ -153,17 +174,17 @@ class BatchAPI:
         self.runner.notify()
         return web.json_response(batch)
 
-    async def list_batches(self, request):
+    async def list_batches(self, request: web.Request) -> web.Response:
         data, more = self.store.list_batches(request.query.get("after"), _limit(request, 100, 20))
         return _page(data, more)
 
-    async def get_batch(self, request):
+    async def get_batch(self, request: web.Request) -> web.Response:
         batch = self.store.get_batch(request.match_info["id"])
         if batch is None:
             raise _not_found("batch", request.match_info["id"])
         return web.json_response(batch)
 
-    async def cancel_batch(self, request):
+    async def cancel_batch(self, request: web.Request) -> web.Response:
         batch_id = request.match_info["id"]
         batch = self.store.get_batch(batch_id)
         if batch is None:
@@ -177,7 +198,7 @@ class BatchAPI:
         return web.json_response(self.store.get_batch(batch_id))
 
     # ---- contexts ----------------------------------------------------------------------
-    async def create_context(self, request):
+    async def create_context(self, request: web.Request) -> web.Response:
         body = await json_body(request)
         engine = self.handle
         if isinstance(body.get("token_ids"), list):
@@ -186,13 +207,13 @@ class BatchAPI:
                               for t in ids):
                 raise ApiError(400, "'token_ids' must be a non-empty list of token ids", "token_ids", "invalid_value")
         elif isinstance(body.get("text"), str) and body["text"]:
-            ids = engine.tokenizer.encode(body["text"])
+            ids = _tokenizer(engine, "text").encode(body["text"])
         elif isinstance(body.get("messages"), list) and body["messages"]:
             msgs = body["messages"]
             if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                        for m in msgs):
                 raise ApiError(400, "'messages' must be role/content objects", "messages", "invalid_value")
-            ids = engine.tokenizer.encode_chat(msgs, add_generation_prompt=False)
+            ids = _tokenizer(engine, "messages").encode_chat(msgs, add_generation_prompt=False)
         else:
             raise ApiError(400, "give one of 'text', 'messages' or 'token_ids'", None, "missing_required_parameter")
         if len(ids) >= engine.max_model_len:
@@ -200,28 +221,28 @@ class BatchAPI:
                            "context_length_exceeded")
         return web.json_response(await self.contexts.ingest(ids))
 
-    async def list_contexts(self, _):
+    async def list_contexts(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self.contexts.describe(c) for c in self.contexts.pinned]})
 
-    async def get_context(self, request):
+    async def get_context(self, request: web.Request) -> web.Response:
         obj = self.contexts.describe(request.match_info["id"])
         if obj is None:
             raise _not_found("context", request.match_info["id"])
         return web.json_response(obj)
 
-    async def push_context(self, request):
+    async def push_context(self, request: web.Request) -> web.Response:
         """Push an ingested context to edges the core knows by name (core/contexts.py: `Contexts.push`)."""
         body = await json_body(request)
         return web.json_response(await self.contexts.push(request.match_info["id"], body.get("edges")))
 
-    async def delete_context(self, request):
+    async def delete_context(self, request: web.Request) -> web.Response:
         ctx = request.match_info["id"]
         if not await self.contexts.delete(ctx):
             raise _not_found("context", ctx)
         return web.json_response({"id": ctx, "object": "context", "deleted": True})
 
 
-async def _parts(reader):
+async def _parts(reader: MultipartReader) -> AsyncIterator[BodyPartReader | MultipartReader]:
     """The parts of a multipart body, until its end."""
     while (part := await reader.next()) is not None:
         yield part

@@ -21,18 +21,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sqlite3
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import cast
 
 from edgecore.core.batch_store import BatchStore
 from edgecore.core.metrics import CoreMetrics
 from edgecore.shared.engine.handle import EngineHandle
 from edgecore.shared.errors import RequestError
-from edgecore.shared.openai.request import ApiError, check_model, parse_chat, parse_completion
+from edgecore.shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
 from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body
+from edgecore.shared.tokenizer import Tokenizer
 
 log = logging.getLogger("edgecore.batch")
-ENDPOINTS = {"/v1/chat/completions": (parse_chat, True), "/v1/completions": (parse_completion, False)}
+ParseFn = Callable[[dict, Tokenizer, int, int], ParsedRequest]
+ENDPOINTS: dict[str, tuple[ParseFn, bool]] = {"/v1/chat/completions": (parse_chat, True),
+                                              "/v1/completions": (parse_completion, False)}
 BATCH_PRIORITY = 1
 COMMIT_EVERY = 32
 COMMIT_DELAY = 0.05
@@ -40,14 +47,14 @@ COMMIT_DELAY = 0.05
 
 class BatchRunner:
     def __init__(self, handle: EngineHandle, store: BatchStore, model_name: str, max_inflight: int = 64,
-                 metrics: CoreMetrics | None = None, parallel: bool = False):
+                 metrics: CoreMetrics | None = None, parallel: bool = False) -> None:
         self.handle = handle
         self.parallel = parallel        # a parallel core computes no prompt logprobs
         self.metrics = metrics or CoreMetrics(model_name)
         self.store = store
         self.model_name = model_name
         self.max_inflight = max_inflight
-        self.texts = TokenText(handle.tokenizer)
+        self.texts = TokenText(_tokenizer(handle))
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._cancelled: set[str] = set()
@@ -88,29 +95,34 @@ class BatchRunner:
             await self._wake.wait()
             self._wake.clear()
 
-    async def _process(self, batch_id: str) -> None:
+    def _row(self, batch_id: str) -> sqlite3.Row:
         row = self.store.batch_row(batch_id)
+        assert row is not None            # batches are never deleted
+        return row
+
+    async def _process(self, batch_id: str) -> None:
+        row = self._row(batch_id)
         if row["status"] == "validating":
             if not await self._validate(row):
                 return
             # cancelled while it was validated: no request starts
-            cancelled = batch_id in self._cancelled or self.store.batch_row(batch_id)["cancelling_at"]
+            cancelled = batch_id in self._cancelled or self._row(batch_id)["cancelling_at"]
             self.store.set_status(batch_id, "cancelling" if cancelled else "in_progress")
-            row = self.store.batch_row(batch_id)
+            row = self._row(batch_id)
         if row["status"] == "in_progress":
             outcome = await self._run(row)
             if outcome == "cancelling":
                 self.store.set_status(batch_id, "cancelling")
             self.store.set_status(batch_id, "finalizing", **({"expired_at": int(time.time())}
                                                                if outcome == "expired" else {}))
-            row = self.store.batch_row(batch_id)
+            row = self._row(batch_id)
         final = "cancelled" if row["cancelling_at"] else ("expired" if row["expired_at"] else "completed")
         if row["status"] in ("finalizing", "cancelling"):
             self._finalize(batch_id, final)
         self._cancelled.discard(batch_id)
 
     # ---- validation -------------------------------------------------------------
-    async def _validate(self, row) -> bool:
+    async def _validate(self, row: sqlite3.Row) -> bool:
         """Check the input file's lines on a worker thread (parsing tokenizes every prompt: seconds for a large
         file, during which the event loop keeps serving edges); store them here, on the loop."""
         batch_id = row["id"]
@@ -126,12 +138,15 @@ class BatchRunner:
         self.store.add_requests(batch_id, rows)
         return True
 
-    def _check_lines(self, path, endpoint: str) -> tuple[list[tuple], int]:
+    def _check_lines(self, path: Path, endpoint: str
+                     ) -> tuple[list[tuple[int, str | None, str | None, str, str | None]], int]:
         """Worker thread: the store's rows for the file's lines (pending, or error with its message), and how
         many lines held JSON."""
         parse, _ = ENDPOINTS[endpoint]
         engine = self.handle
-        rows, seen, json_lines = [], set(), 0
+        rows: list[tuple[int, str | None, str | None, str, str | None]] = []
+        seen: set[str] = set()
+        json_lines = 0
         for number, raw in enumerate(_lines(path), start=1):
             if not raw.strip():
                 continue
@@ -154,7 +169,7 @@ class BatchRunner:
                 if not isinstance(body, dict):
                     raise ValueError("'body' must be an object")
                 check_model(body, self.model_name)
-                parsed = parse(body, engine.tokenizer, engine.config.vocab_size, engine.max_model_len)
+                parsed = parse(body, _tokenizer(engine), engine.config.vocab_size, engine.max_model_len)
                 if parsed.prompt_logprobs is not None and self.parallel:
                     raise ValueError("prompt logprobs (echo with logprobs, prompt_logprobs) need a single-rank core")
             except (ValueError, ApiError) as exc:   # json.JSONDecodeError is a ValueError
@@ -188,9 +203,10 @@ class BatchRunner:
             self._flush_handle = None
         if self._unsaved:
             rows, self._unsaved = self._unsaved, []
+            assert self._batch_id is not None     # results are recorded only while `_run` runs a batch
             self.store.finish_requests(self._batch_id, rows)
 
-    async def _run(self, row) -> str:
+    async def _run(self, row: sqlite3.Row) -> str:
         batch_id, endpoint = row["id"], row["endpoint"]
         self._batch_id = batch_id
         try:
@@ -198,16 +214,21 @@ class BatchRunner:
         finally:
             self._flush()
 
-    async def _run_pending(self, row, batch_id: str, endpoint: str) -> str:
+    async def _run_pending(self, row: sqlite3.Row, batch_id: str, endpoint: str) -> str:
         parse, chat = ENDPOINTS[endpoint]
         pending = self.store.pending(batch_id)
         slots = asyncio.Semaphore(self.max_inflight)
         tasks: set[asyncio.Task] = set()
         outcome = "done"
+
+        def done(t: asyncio.Task) -> None:
+            tasks.discard(t)
+            slots.release()
+
         self.metrics.batch_queued.set(len(pending))
         for req in pending:
             await slots.acquire()
-            if batch_id in self._cancelled or self.store.batch_row(batch_id)["cancelling_at"]:
+            if batch_id in self._cancelled or self._row(batch_id)["cancelling_at"]:
                 outcome = "cancelling"
                 break
             if time.time() > row["expires_at"]:
@@ -216,7 +237,7 @@ class BatchRunner:
             self.metrics.batch_queued.dec()
             task = asyncio.create_task(self._one(batch_id, req, parse, chat))
             tasks.add(task)
-            task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
+            task.add_done_callback(done)
         while tasks:
             if outcome == "done" and batch_id in self._cancelled:
                 outcome = "cancelling"
@@ -227,14 +248,14 @@ class BatchRunner:
         self.metrics.batch_queued.set(0)
         return outcome
 
-    async def _one(self, batch_id: str, req, parse, chat: bool) -> None:
+    async def _one(self, batch_id: str, req: sqlite3.Row, parse: ParseFn, chat: bool) -> None:
         engine = self.handle
         body = json.loads(req["body"])
-        parsed = parse(body, engine.tokenizer, engine.config.vocab_size, engine.max_model_len)
+        parsed = parse(body, _tokenizer(engine), engine.config.vocab_size, engine.max_model_len)
         rid = f"req_{uuid.uuid4().hex[:24]}"
         results = [ChoiceResult() for _ in parsed.params]
 
-        async def choice(i: int):
+        async def choice(i: int) -> None:
             async for out in self.handle.generate(f"{batch_id}/{req['line']}/{i}",
                                                   parsed.prompts[i // parsed.n], parsed.params[i],
                                                   priority=BATCH_PRIORITY, collect=True):
@@ -264,7 +285,7 @@ class BatchRunner:
 
     # ---- finalization -------------------------------------------------------------
     def _finalize(self, batch_id: str, final: str) -> None:
-        fields = {}
+        fields: dict[str, str] = {}
         for state, suffix, key in (("done", "output", "output_file_id"), ("error", "errors", "error_file_id")):
             lines = self.store.results(batch_id, state)
             if lines:
@@ -275,7 +296,13 @@ class BatchRunner:
         self.store.set_status(batch_id, final, **fields)
 
 
-def _lines(path):
+def _tokenizer(handle: EngineHandle) -> Tokenizer:
+    """The engine's tokenizer, as the shared OpenAI parsers and `TokenText` take it. A core without tokenizer
+    files has None: they reach for it only for text (string prompts, chat, logprobs), which then fails."""
+    return cast(Tokenizer, handle.tokenizer)
+
+
+def _lines(path: Path) -> Iterator[bytes]:
     """The file's lines (bytes), read as they are needed."""
     with open(path, "rb") as f:
         yield from f

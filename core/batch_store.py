@@ -56,7 +56,7 @@ class BatchStore:
         for tmp in self.files_dir.glob("*.part"):   # uploads cut short by a crash
             tmp.unlink()
 
-    def tx(self):
+    def tx(self) -> _Tx:
         return _Tx(self.db)
 
     # ---- files ----------------------------------------------------------------
@@ -67,7 +67,9 @@ class BatchStore:
         with self.tx():
             self.db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?)",
                             (file_id, filename, purpose, size, int(time.time())))
-        return self.get_file(file_id)
+        obj = self.get_file(file_id)
+        assert obj is not None            # its row was just written
+        return obj
 
     def write_file(self, filename: str, purpose: str, data: bytes, file_id: str | None = None) -> dict:
         """Store `data` atomically (temporary name, fsync, rename, then the row); an existing id is replaced."""
@@ -116,9 +118,11 @@ class BatchStore:
                             "status, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, 'validating', ?, ?)",
                             (batch_id, seq, input_file_id, endpoint, window, json.dumps(metadata) if metadata
                              is not None else None, now, now + 24 * 3600))
-        return self.get_batch(batch_id)
+        batch = self.get_batch(batch_id)
+        assert batch is not None          # its row was just written
+        return batch
 
-    def batch_row(self, batch_id: str):
+    def batch_row(self, batch_id: str) -> sqlite3.Row | None:
         return self.db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
 
     def get_batch(self, batch_id: str) -> dict | None:
@@ -135,7 +139,7 @@ class BatchStore:
                                (seq, limit + 1)).fetchall()
         return [self.batch_object(r) for r in rows[:limit]], len(rows) > limit
 
-    def set_status(self, batch_id: str, status: str, **fields) -> None:
+    def set_status(self, batch_id: str, status: str, **fields: int | str) -> None:
         fields[f"{status}_at"] = int(time.time())
         cols = ", ".join(f"{k} = ?" for k in fields)
         with self.tx():
@@ -152,7 +156,7 @@ class BatchStore:
                               "FROM batch_requests WHERE batch_id = ?", (batch_id,)).fetchone()
         return {"total": row["total"] or 0, "completed": row["done"] or 0, "failed": row["err"] or 0}
 
-    def batch_object(self, row) -> dict:
+    def batch_object(self, row: sqlite3.Row) -> dict:
         obj = {"id": row["id"], "object": "batch", "endpoint": row["endpoint"],
                "errors": json.loads(row["errors"]) if row["errors"] else None,
                "input_file_id": row["input_file_id"], "completion_window": row["completion_window"],
@@ -206,17 +210,17 @@ class BatchStore:
 
 
 class _Tx:
-    def __init__(self, db):
+    def __init__(self, db: sqlite3.Connection) -> None:
         self.db = db
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         self.db.execute("BEGIN IMMEDIATE")
 
-    def __exit__(self, exc_type, *_):
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         self.db.execute("ROLLBACK" if exc_type else "COMMIT")
 
 
-def file_object(row) -> dict:
+def file_object(row: sqlite3.Row) -> dict:
     return {"id": row["id"], "object": "file", "bytes": row["bytes"], "created_at": row["created_at"],
             "filename": row["filename"], "purpose": row["purpose"], "status": "processed", "expires_at": None,
             "status_details": None}

@@ -91,7 +91,9 @@ def run_core(args: argparse.Namespace) -> int:
                             tp=args.tp)
     ssl = tls_context(True, args.tls_cert, args.tls_key, args.tls_ca, args.tls_ca is not None) \
         if args.tls_cert else None
-    config = CoreConfig(model_dir=model_dir, secret=read_secret(args.secret_file), host=host,
+    secret = read_secret(args.secret_file)
+    assert secret is not None                            # required: read_secret raises when there is none
+    config = CoreConfig(model_dir=model_dir, secret=secret, host=host,
                         port=port, http_host=http_host, http_port=http_port, dtype=args.dtype,
                         device=device, lease_seconds=args.lease, cache=cache,
                         engine=EngineConfig(max_num_batched_tokens=args.max_batched_tokens),
@@ -106,7 +108,7 @@ def run_core(args: argparse.Namespace) -> int:
                                                 args.handover_refuse_waiting))
     core = CoreServer(config)
 
-    async def start():
+    async def start() -> None:
         await core.start()
         logging.getLogger("edgecore.kv").info(kv_line)
         print(f"edgecore core '{args.name}' ready: protocol {host}:{core.port}, "

@@ -26,9 +26,15 @@ import logging
 import time
 import uuid
 from array import array
+from typing import TYPE_CHECKING
 
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.openai.request import ApiError
+
+if TYPE_CHECKING:
+    from edgecore.core.batch_store import BatchStore
+    from edgecore.core.http import ControlPort
+    from edgecore.shared.engine.handle import EngineHandle
 
 PUSH_TIMEOUT_S = 120.0
 PINNED_SHARE = 0.5                # of the KV pool that pinned contexts may hold
@@ -42,7 +48,7 @@ def context_id(token_ids: list[int]) -> str:
 
 
 class Contexts:
-    def __init__(self, handle, store, control=None):
+    def __init__(self, handle: EngineHandle, store: BatchStore, control: ControlPort | None = None) -> None:
         self.handle = handle              # the engine handle (shared/engine/handle.py)
         self.store = store
         self.control = control            # core/http.py ControlPort: the edges pushes may go to, the push key
@@ -64,7 +70,7 @@ class Contexts:
     async def _ingest(self, token_ids: list[int], persist: bool) -> dict:
         ctx = context_id(token_ids)
         if ctx in self.pinned:
-            return self.describe(ctx)
+            return self._describe(ctx)
         bs = self.handle.block_size
         held = len(set().union(*(info["blocks"] for info in self.pinned.values())))
         allowed = int(self.handle.stats().blocks_total * PINNED_SHARE)
@@ -81,7 +87,7 @@ class Contexts:
                             "created_at": int(time.time())}
         if persist:
             self.store.save_context(ctx, token_ids)
-        return self.describe(ctx)
+        return self._describe(ctx)
 
     def tokens(self, ctx: str) -> list[int] | None:
         info = self.pinned.get(ctx)
@@ -103,7 +109,13 @@ class Contexts:
         self.store.delete_context(ctx)
         return True
 
-    async def push(self, ctx: str, names) -> dict:
+    def _describe(self, ctx: str) -> dict:
+        """`describe` of a pinned context."""
+        obj = self.describe(ctx)
+        assert obj is not None
+        return obj
+
+    async def push(self, ctx: str, names: object) -> dict:
         """Send context `ctx` to the configured edges named in `names` (all of them when None)."""
         tokens = self.tokens(ctx)
         if tokens is None:
@@ -125,7 +137,7 @@ class Contexts:
         return {"id": ctx, "object": "context.push", "results": results}
 
 
-async def _push_one(name: str, base_url: str, tokens: list[int], headers: dict) -> dict:
+async def _push_one(name: str, base_url: str, tokens: list[int], headers: dict[str, str]) -> dict:
     import aiohttp
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PUSH_TIMEOUT_S)) as session:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from edgecore.core.server import model_name
+from edgecore.core.server import CoreServer, model_name
 from edgecore.shared.errors import ConfigError
 from edgecore.shared.http_server import ServerLimits, start_site
 from edgecore.shared.openai.extra_routes import add_model_routes, model_card
@@ -47,23 +47,24 @@ def protection(host: str, api_keys: list[bytes]) -> str:
     return f"no API key: open to local processes only ({host})"
 
 
-def build_app(core) -> web.Application:
+def build_app(core: CoreServer) -> web.Application:
     node_metrics = getattr(core, "metrics", None)
     count = (lambda status: node_metrics.request_errors.labels(str(status)).inc()) if node_metrics else None
     app = web.Application(client_max_size=1 << 20, middlewares=[error_middleware(core.config.api_keys, 1 << 20,
                                                                                  count)])
 
-    async def health(_):      # alive unless failed: a supervisor (Kubernetes' liveness probe) restarts it
+    # alive unless failed: a supervisor (Kubernetes' liveness probe) restarts it
+    async def health(_: web.Request) -> web.Response:
         failure = getattr(core, "failure", None)
         if failure is not None:
             return web.json_response({"status": "failed", "failure": failure}, status=503)
         return web.json_response({"status": "ok"})
 
-    async def ready(_):
+    async def ready(_: web.Request) -> web.Response:
         ok = core.alive and core.server is not None
         return web.json_response({"ready": ok}, status=200 if ok else 503)
 
-    async def metrics(_):
+    async def metrics(_: web.Request) -> web.Response:
         stats = core.handle.stats()
         core.metrics.kv_usage.set(stats.kv_cache_usage)
         core.metrics.running.set(stats.running)
@@ -71,7 +72,7 @@ def build_app(core) -> web.Application:
         return web.Response(body=generate_latest(core.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def stats(_):
+    async def stats(_: web.Request) -> web.Response:
         stats = core.stats()
         if core.parallel and core.alive:
             try:
@@ -92,7 +93,7 @@ def build_app(core) -> web.Application:
     return app
 
 
-async def start_control_port(core, host: str, port: int):
+async def start_control_port(core: CoreServer, host: str, port: int) -> tuple[web.AppRunner, int]:
     check_control_port(host, core.config.api_keys)
     control = getattr(core.config, "control", None) or ControlPort()
     return await start_site(build_app(core), host, port, control.limits)

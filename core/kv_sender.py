@@ -25,22 +25,31 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import Executor
 from functools import partial
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from edgecore.core.transfer import KVSend, Transfer, TransferState
+from edgecore.core.transfer import KVSend, Outgoing, Transfer, TransferState
+from edgecore.protocol.events import KVData
 from edgecore.protocol.kv import SMALL_CHUNK_BYTES, encode_chunk
 from edgecore.protocol.messages import COMPACT_KV_PARAMS
 from edgecore.protocol.transport import Peer, PeerError
 from edgecore.shared.kv.transfer import KVSlice, needed_from
 from edgecore.shared.kv.wire import codec_rope, to_bits
 
+if TYPE_CHECKING:
+    from edgecore.shared.engine.sequence import Sequence
+    from edgecore.shared.kv.pool import KVPool
+
 
 class LayerStreamer:
-    def __init__(self, pool, model, loop: asyncio.AbstractEventLoop, mode: str = "stream", head_start: int = 0,
-                 forget_when_sent: bool = False):
+    def __init__(self, pool: KVPool, model: Any, loop: asyncio.AbstractEventLoop | None, mode: str = "stream",
+                 head_start: int = 0, forget_when_sent: bool = False) -> None:
         """mode: "stream" (send each layer as computed) or "hold" (send all after the prefill: the baseline).
-        `forget_when_sent`: drop a request once its last tokens have left (worker ranks, which see no Ack)."""
+        `forget_when_sent`: drop a request once its last tokens have left (worker ranks, which see no Ack).
+        `model`: any architecture's model class (loaded by name, shared/models/registry.py); `loop`: None until
+        the core starts (it sets it before the engine runs a step)."""
         self.pool = pool
         self.mode = mode
         self.loop = loop
@@ -53,7 +62,7 @@ class LayerStreamer:
         self.rope = codec_rope(model.config)    # the model's RoPE for the codecs; the edge derives the same
         self.step_scales: dict = {}             # the model's bit allocation (codec_step_scales), encoder only
 
-    def on_layer(self, layer: int, items) -> None:
+    def on_layer(self, layer: int, items: list[tuple[Sequence, int]]) -> None:
         if not self.remote:             # nothing to ship (e.g. only batch work running)
             return
         pool = self.pool
@@ -71,6 +80,7 @@ class LayerStreamer:
                 item = KVSend(req, KVSlice(layer + self.layer_offset, start, end, self.head_start,
                                            k[None], v[None]))
                 if self.mode == "stream":
+                    assert self.loop is not None      # set before the engine's first step
                     self.loop.call_soon_threadsafe(req.queue.put_nowait, item)
                 else:
                     req.held.append(item)
@@ -84,8 +94,8 @@ class LayerStreamer:
 
 
 
-async def send_queued(queue: asyncio.Queue, peer: Peer, encoder_pool, dtype_name: str,
-                      on_chunk: Callable[[Transfer, object], None] | None = None,
+async def send_queued(queue: asyncio.Queue[Outgoing], peer: Peer, encoder_pool: Executor, dtype_name: str,
+                      on_chunk: Callable[[Transfer, KVData], None] | None = None,
                       rope: tuple[float, ...] | None = None, step_scales: dict | None = None) -> None:
     """One connection's sender: encodes and sends queued `KVSend`s (and queued protocol messages) in order,
     until the peer fails. `rope`, `step_scales`: the model's RoPE and bit allocation for the codecs (the

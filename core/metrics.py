@@ -10,14 +10,18 @@ read from that snapshot by `EngineCollector` during the scrape.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
 from edgecore.shared.metrics import EngineCollector, ModelMetrics
 
+if TYPE_CHECKING:
+    from edgecore.shared.engine.handle import EngineStats
+
 
 class CoreMetrics:
-    def __init__(self, model_name: str = "model", stats: Callable[[], object] | None = None, block_size: int = 0):
+    def __init__(self, model_name: str = "model", stats: Callable[[], EngineStats] | None = None, block_size: int = 0):
         r = self.registry = CollectorRegistry()
         m = ModelMetrics(r, model_name)
         self.prefill_requests = m.counter("edgecore:core_prefill_requests", "Prefill requests received", "outcome")

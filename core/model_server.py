@@ -60,11 +60,11 @@ class ModelServer:
         shutil.rmtree(old, ignore_errors=True)
 
     def routes(self, app: web.Application) -> None:
-        async def manifest(_):
+        async def manifest(_: web.Request) -> web.Response:
             directory = await self.ensure_packed()
             return web.Response(body=(directory / MANIFEST).read_bytes(), content_type="application/json")
 
-        async def file(request: web.Request):
+        async def file(request: web.Request) -> web.StreamResponse:
             directory = await self.ensure_packed()
             listed = json.loads((directory / MANIFEST).read_text())["files"]
             name = request.match_info["name"]

@@ -35,13 +35,15 @@ import logging
 import socket
 import sys
 import time
+from collections import deque
 from concurrent.futures import Executor
 
 from edgecore.core.kv_sender import LayerStreamer, send_queued
 from edgecore.core.metrics import CoreMetrics
-from edgecore.core.transfer import HandoverLimits, KVSend, Transfer
+from edgecore.core.transfer import HandoverLimits, KVSend, Outgoing, Transfer
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode
+from edgecore.protocol.events import KVData
 from edgecore.protocol.transport import Peer, PeerError
 from edgecore.shared.engine.handle import EngineHandle
 from edgecore.shared.engine.output import RequestOutput
@@ -56,7 +58,7 @@ UNSENT_LOWAT = 32 * 1024      # kernel backlog of a version-3 connection
 PIECE_BYTES = 128 * 1024      # KV frame size of a request whose tokens go ahead of its KV (5 ms at 200 Mbit/s)
 
 
-def _limit_unsent(transport) -> None:
+def _limit_unsent(transport: asyncio.BaseTransport) -> None:
     """Keep the kernel's not-yet-sent backlog small (TCP_NOTSENT_LOWAT), so that a handover's tokens, which
     jump the session queue, do not wait behind megabytes of KV already handed to the socket. Bytes in flight
     (the congestion window) are not limited, so throughput is kept."""
@@ -67,16 +69,18 @@ def _limit_unsent(transport) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, UNSENT_LOWAT)
 
 
-class SessionQueue(asyncio.Queue):
+class SessionQueue(asyncio.Queue[Outgoing]):
     """FIFO of KVSend and messages, except that `put_urgent` items (a handover's tokens) go ahead of every
     ordinary item queued, in order among themselves: the first tokens do not wait behind the KV."""
 
-    def _init(self, maxsize):
+    _queue: deque[Outgoing]             # asyncio.Queue's own storage (made by `_init`), which typeshed leaves out
+
+    def _init(self, maxsize: int) -> None:
         super()._init(maxsize)
         self._urgent = 0
         self._next_urgent = False
 
-    def _put(self, item):
+    def _put(self, item: Outgoing) -> None:
         if self._next_urgent:
             self._queue.insert(self._urgent, item)
             self._urgent += 1
@@ -85,12 +89,12 @@ class SessionQueue(asyncio.Queue):
         else:
             self._queue.append(item)
 
-    def _get(self):
+    def _get(self) -> Outgoing:
         if self._urgent:
             self._urgent -= 1
         return self._queue.popleft()
 
-    def put_urgent(self, item) -> None:
+    def put_urgent(self, item: Outgoing) -> None:
         self._next_urgent = True
         try:
             self.put_nowait(item)
@@ -115,7 +119,7 @@ def _pieces(item: KVSend, piece_bytes: int) -> list[KVSend]:
 class Session:
     _ids = itertools.count(1)
 
-    def __init__(self, peer: Peer):
+    def __init__(self, peer: Peer) -> None:
         self.id = next(self._ids)
         self.peer = peer
         self.queue = SessionQueue()                    # KVSend and protocol messages, sent in order
@@ -125,7 +129,7 @@ class Session:
 class PrefillService:
     def __init__(self, handle: EngineHandle, streamer: LayerStreamer, metrics: CoreMetrics, encoder_pool: Executor,
                  dtype_name: str, lease_seconds: float, parallel: bool = False, direct_streams: bool = False,
-                 handover: HandoverLimits | None = None):
+                 handover: HandoverLimits | None = None) -> None:
         """`parallel`: the engine spans ranks; `direct_streams`: its other ranks serve stream ports;
         `handover`: how much this core decodes for edges before they take over."""
         self.handle, self.streamer, self.metrics = handle, streamer, metrics
@@ -170,7 +174,7 @@ class PrefillService:
 
     async def _sender(self, session: Session) -> None:
         """Encodes and sends queued KV slices and PrefillDone messages, in order."""
-        def counted(req: Transfer, data) -> None:
+        def counted(req: Transfer, data: KVData) -> None:
             self.metrics.kv_chunks.inc()
             self.metrics.kv_bytes_sent.labels(req.codec).inc(len(data.payload))
             self.metrics.kv_raw_bytes.labels(req.codec).inc(data.chunk.raw_len)

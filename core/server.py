@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from ssl import SSLContext
+from typing import TYPE_CHECKING
 
 from edgecore.core.kv_sender import LayerStreamer
 from edgecore.core.metrics import CoreMetrics
@@ -31,6 +34,15 @@ from edgecore.shared.engine.async_engine import AsyncEngine
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.fingerprint import model_fingerprint
 from edgecore.shared.kv.wire import DTYPE_NAMES, codec_step_scales
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from edgecore.core.batch_runner import BatchRunner
+    from edgecore.core.batch_store import BatchStore
+    from edgecore.core.contexts import Contexts
+    from edgecore.core.http import ControlPort
+    from edgecore.core.ranks import StreamConfig
 
 log = logging.getLogger("edgecore.core")
 
@@ -52,7 +64,7 @@ class CoreConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     name: str = "core"
-    ssl: object = None
+    ssl: SSLContext | None = None
     data_dir: str | None = None
     stream_layers: bool = True          # False: hold all KV until the prefill ends (baseline mode)
     api_keys: list[bytes] = field(default_factory=list)   # for the HTTP /v1/ routes (batch API)
@@ -64,14 +76,14 @@ class CoreConfig:
     pp_micro_batches: int = 0           # micro-batches per step (default: one per stage)
     engine_threads: int | None = None   # intra-op threads of the engine thread (None: leave as they are)
     gather_kv: bool = False             # parallel core: rank 0 sends all KV, the other ranks serve no streams
-    control: object = None              # core/http.py ControlPort: server limits, push targets (None: defaults)
+    control: ControlPort | None = None  # core/http.py ControlPort: server limits, push targets (None: defaults)
     rendezvous: str = "127.0.0.1:0"     # parallel core: HOST:PORT of the ranks' TCP store (port 0: any free)
 
 
 class CoreServer:
-    def __init__(self, config: CoreConfig, engine: LLMEngine | None = None):
+    def __init__(self, config: CoreConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
-        self.workers = []
+        self.workers: list[subprocess.Popen] = []
         self.stream_ports: list[int] = []   # worker ranks' KV stream servers (parallel core)
         self.parallel = config.tp * config.pp > 1
         self.failure: str | None = None
@@ -94,8 +106,8 @@ class CoreServer:
         self.prefill = PrefillService(self.handle, self.streamer, self.metrics, self.encoder_pool,
                                       DTYPE_NAMES[engine.dtype], config.lease_seconds, self.parallel,
                                       self.parallel and bool(self.stream_ports), config.handover)
-        self.server = None
-        self.http_runner = None
+        self.server: asyncio.Server | None = None
+        self.http_runner: web.AppRunner | None = None
         self.started = False
         self.started_at = time.time()
         data_dir = Path(config.data_dir) if config.data_dir else Path("edgecore-data") / config.name
@@ -103,9 +115,11 @@ class CoreServer:
         from edgecore.core.model_server import ModelServer
         self.model_server = ModelServer(config.model_dir, data_dir)
         self.http_extensions = [self.model_server.routes]
-        self.store = self.batches = self.contexts = None
+        self.store: BatchStore | None = None
+        self.batches: BatchRunner | None = None
+        self.contexts: Contexts | None = None
 
-    def _stream_config(self):
+    def _stream_config(self) -> StreamConfig | None:
         """Where and how worker ranks serve their own KV streams (None: they don't; rank 0 gathers)."""
         from edgecore.core.ranks import StreamConfig
         c = self.config

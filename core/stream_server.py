@@ -22,12 +22,18 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from edgecore.core.kv_sender import LayerStreamer, send_queued
-from edgecore.core.transfer import Transfer
+from edgecore.core.transfer import Outgoing, Transfer
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode
 from edgecore.protocol.transport import Peer, PeerError, serve
+
+if TYPE_CHECKING:
+    from edgecore.shared.engine.sequence import Sequence
+    from edgecore.shared.engine.step_plan import StepRoutes
+    from edgecore.shared.kv.pool import KVPool
 
 log = logging.getLogger("edgecore.streams")
 
@@ -35,12 +41,12 @@ log = logging.getLogger("edgecore.streams")
 @dataclass
 class _Session:
     peer: Peer
-    queue: asyncio.Queue
+    queue: asyncio.Queue[Outgoing]
 
 
 class StreamServer:
-    def __init__(self, pool, model, host: str, secret: bytes, fingerprint: str, codecs: list[str],
-                 dtype_name: str, head_start: int, name: str):
+    def __init__(self, pool: KVPool, model: Any, host: str, secret: bytes, fingerprint: str, codecs: list[str],
+                 dtype_name: str, head_start: int, name: str) -> None:
         self.host, self.secret, self.fingerprint, self.codecs = host, secret, fingerprint, codecs
         self.dtype_name, self.name = dtype_name, name
         self.sessions: dict[str, _Session] = {}
@@ -48,7 +54,7 @@ class StreamServer:
         self.loop = asyncio.new_event_loop()
         self.streamer = LayerStreamer(pool, model, self.loop, "stream", head_start, forget_when_sent=True)
         self.port = 0
-        self._server = None
+        self._server: asyncio.Server | None = None
         self._thread = threading.Thread(target=self.loop.run_forever, name="edgecore-streams", daemon=True)
 
     def start(self) -> int:
@@ -86,7 +92,7 @@ class StreamServer:
                 del self.sessions[key]
 
     # ---- engine (worker main) thread ---------------------------------------
-    def apply(self, routes) -> None:
+    def apply(self, routes: StepRoutes) -> None:
         """Register the step's new routes and forget dropped ones (before the step runs)."""
         remote = self.streamer.remote
         for stream_id in routes.drop:
@@ -101,11 +107,11 @@ class StreamServer:
             remote[stream_id] = Transfer(stream_id, route.request_id, session.queue, route.codec, route.total_tokens,
                                          route.skip_tokens, route.edge_layers)
 
-    def on_layer(self, layer: int, items) -> None:
+    def on_layer(self, layer: int, items: list[tuple[Sequence, int]]) -> None:
         self.streamer.on_layer(layer, items)
 
     def close(self) -> None:
-        async def shutdown():
+        async def shutdown() -> None:
             if self._server is not None:
                 self._server.close()
             for session in list(self.sessions.values()):

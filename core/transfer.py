@@ -38,6 +38,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from edgecore.protocol.messages import Message
 from edgecore.shared.errors import ConfigError
 from edgecore.shared.kv.transfer import KVSlice
 
@@ -60,7 +61,7 @@ _NEXT = {
 class Transfer:
     internal_id: str                   # the engine's request id
     request_id: str                    # the edge's request id
-    queue: asyncio.Queue               # the connection's sender queue (KVSend and messages, in order)
+    queue: asyncio.Queue[Outgoing]     # the connection's sender queue (KVSend and messages, in order)
     codec: str
     total_tokens: int                  # prompt length
     skip_tokens: int = 0               # tokens the edge holds already
@@ -78,7 +79,7 @@ class Transfer:
     position: int = 0                  # decode handover: the next output position to send
     piece_bytes: int = 0               # decode handover: KV frames cut to about this size (0: whole slices)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.sent_until = self.skip_tokens
 
     @property
@@ -118,7 +119,7 @@ class HandoverLimits:
     max_seconds: float = 10.0          # from the first token
     refuse_waiting: int = 8            # refuse when this many requests wait in the core's engine (prefill pressure)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.max_tokens < 0 or self.max_seconds <= 0 or self.refuse_waiting < 0:
             raise ConfigError("--handover-max-tokens and --handover-refuse-waiting must be >= 0 and "
                               "--handover-max-seconds > 0")
@@ -129,3 +130,6 @@ class KVSend:
     """One slice of one transfer's KV, queued for the connection's sender."""
     transfer: Transfer
     piece: KVSlice
+
+
+Outgoing = KVSend | Message            # what a connection's sender queue holds
