@@ -7,6 +7,7 @@ multiplies the up projection.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,7 @@ def _relu2(x: torch.Tensor) -> torch.Tensor:
     return torch.square(F.relu(x))
 
 
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]]
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_python": _gelu_erf,
                "gelu_pytorch_tanh": _gelu_tanh, "gelu_python_tanh": _gelu_tanh_python, "gelu_new": _gelu_tanh_python,
                "gelu_accurate": _gelu_tanh_python, "gelu_fast": _gelu_fast, "gelu_10": _gelu_10,

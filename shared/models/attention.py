@@ -88,7 +88,8 @@ def with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return torch.cat([k, zero], -2), torch.cat([v, zero], -2), bias
 
 
-def _attend(q, k, v, mask, scale, sinks, gqa=False):
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            sinks: torch.Tensor | None, gqa: bool = False) -> torch.Tensor:
     if sinks is not None:
         k, v, mask = with_sinks(q, k, v, mask, sinks)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
@@ -101,6 +102,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens; `form` the positions this layer sees; `sinks`
     [Hq] learned sink logits. Returns [T, Hq, D]."""
     k_cache, v_cache = meta.kv_caches[layer]
+    assert v_cache is not None          # only MLA's latent caches have none
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
@@ -125,6 +127,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
             kd = k_cache[start:start + length].unsqueeze(0).transpose(1, 2)
             vd = v_cache[start:start + length].unsqueeze(0).transpose(1, 2)
         else:
+            assert blocks is not None       # decode rows come with their block table
             bs, flat = meta.block_size, blocks.view(-1)
             width = blocks.shape[1] * bs
             kd = k_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, width, hkv, d)[:, :length].transpose(1, 2)
@@ -138,8 +141,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         if b == q.shape[0]:             # a decode-only step: no copy into `out`
             out = od.view(b, hq, d)
         else:
+            assert out is not None          # made above: rows other than the decode ones
             out[:b] = od.reshape(b, hq, d)
     for chunk in meta.prefills:
+        assert out is not None              # made above: prefill rows follow the decode ones
         s, n = chunk.q_start, chunk.q_len
         qp = q[s:s + n].transpose(0, 1)                  # [Hq, n, D]
         if chunk.slots is None:
@@ -154,4 +159,5 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         out[s:s + n] = op[0].transpose(0, 1)
     if meta.on_layer is not None:
         meta.on_layer(layer)
+    assert out is not None                  # a step of no rows has no attention
     return out

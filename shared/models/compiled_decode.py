@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch._dynamo.config as dynamo_config
@@ -58,6 +59,12 @@ from edgecore.shared.models.attention import AttentionMetadata
 from edgecore.shared.models.flat_decode import FlatDecoder, rms_norm
 from edgecore.shared.models.rope import apply_rope
 from edgecore.shared.models.row_buckets import EXACT_ROWS
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from edgecore.shared.models.layers import _Matmul
+    from edgecore.shared.models.llama import MLP, Attention, DecoderLayer
 
 log = logging.getLogger("edgecore.engine")
 
@@ -74,7 +81,7 @@ INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends"
 DYNAMO = {"specialize_float": True}      # eps and scales are constants, not tensors made at every call
 
 
-def _plain(matmul) -> torch.Tensor:
+def _plain(matmul: _Matmul) -> torch.Tensor:
     """A projection's weight as [out, in]: a view of the input-major copy the eager path reads (no copy)."""
     return matmul.transposed.t() if matmul.transposed is not None else matmul.weight
 
@@ -96,8 +103,8 @@ class DecodeGraph(nn.Module):
         self.weights = nn.ParameterList()
         self.biases = nn.ParameterList()
         self.shapes: list[tuple] = []
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+        for layer in cast("Iterable[DecoderLayer]", model.model.layers):       # as `FlatDecoder.for_model` checked
+            attn, mlp = cast("Attention", layer.self_attn), cast("MLP", layer.mlp)
             norms = hasattr(attn, "q_norm")
             for t in (layer.input_layernorm.weight, _plain(attn.qkv_proj), _plain(attn.o_proj),
                       layer.post_attention_layernorm.weight, _plain(mlp.gate_up_proj), _plain(mlp.down_proj),
@@ -115,7 +122,7 @@ class DecodeGraph(nn.Module):
         head = _plain(model.lm_head)
         self.lm_head = _param(head) if head.numel() else None
         self.vocab = model.lm_head.vocab_size
-        attn = model.model.layers[0].self_attn
+        attn = cast("Attention", model.model.layers[0].self_attn)
         # Each layer's rotated, scaled queries are written here (see forward); same shape in every layer
         # (FlatDecoder's models have uniform layers).
         self.queries = torch.zeros(MAX_ROWS, attn.num_heads, attn.head_dim)
@@ -197,10 +204,11 @@ class CompiledDecoder:
         from edgecore.shared.models.llama import LlamaForCausalLM
         if flat is None or type(flat.model).compute_logits is not LlamaForCausalLM.compute_logits:
             return False            # a family with its own logits (a scale, a soft cap): the model's path
-        layers = flat.model.model.layers
-        return all(l.self_attn.form == FULL and l.self_attn.sinks is None for l in layers) and \
+        # base attention in every layer (`FlatDecoder.for_model` checked)
+        attns = [cast("Attention", l.self_attn) for l in cast("Iterable[DecoderLayer]", flat.model.model.layers)]
+        return all(a.form == FULL and a.sinks is None for a in attns) and \
             flat.model.lm_head.weight.dtype == torch.float32 and \
-            len({(l.self_attn.num_heads, l.self_attn.head_dim) for l in layers}) == 1   # one `queries` buffer
+            len({(a.num_heads, a.head_dim) for a in attns}) == 1   # one `queries` buffer
 
     @classmethod
     def build(cls, flat: FlatDecoder | None, caches: list, block_size: int) -> CompiledDecoder | None:
@@ -215,6 +223,7 @@ class CompiledDecoder:
             log.warning("--compile: this model's decode step has no compiled form (a plain float32 Llama-family "
                         "model with full attention on one rank is needed); serving eagerly")
             return None
+        assert flat is not None             # `supports` said so
         start = time.perf_counter()
         log.info("compiling the decode step (torch.compile; tens of seconds the first time, cached after)")
         # The dummy steps write blocks 0 to `width` - 1; what they held (a direct engine user may have written
@@ -230,8 +239,9 @@ class CompiledDecoder:
             # No duck sizing: a dimension equal to another by chance (two blocks wide, two KV heads) would
             # share its symbol and be specialized with it.
             # Inductor's settings as a patch while compiling: torch.compile's `options` did not reach freezing.
-            with torch.inference_mode(), shape_config.patch(use_duck_shape=False), \
-                    inductor_config.patch(INDUCTOR), dynamo_config.patch(DYNAMO), warnings.catch_warnings():
+            # (torch.fx.experimental._config gets `patch` at run time, from install_config_module: no stub has it)
+            with (torch.inference_mode(), shape_config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
+                    inductor_config.patch(INDUCTOR), dynamo_config.patch(DYNAMO), warnings.catch_warnings()):
                 warnings.filterwarnings("ignore", "TypedStorage is deprecated")     # torch's own autotuner
                 for rows, blocks in ((1, 2), (2, 2), (wide_rows, width)):
                     decoder.logits(*decoder._dummy(rows, blocks), compiling=True)
@@ -258,8 +268,10 @@ class CompiledDecoder:
         return flat[:rows], flat[rows:2 * rows], meta
 
     def takes(self, meta: AttentionMetadata, rows: int) -> bool:
-        return self.flat.takes(meta, rows) and rows <= MAX_ROWS and meta.on_layer is None and \
-            meta.decode_blocks.shape[1] * meta.block_size <= MAX_CONTEXT and \
+        if not (self.flat.takes(meta, rows) and rows <= MAX_ROWS and meta.on_layer is None):
+            return False
+        assert meta.decode_blocks is not None       # a pure decode step has its block table
+        return meta.decode_blocks.shape[1] * meta.block_size <= MAX_CONTEXT and \
             torch.get_num_threads() == self.threads       # (no windows: `supports` took full attention only)
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -267,6 +279,7 @@ class CompiledDecoder:
         """`compiling`: a warm-up step of `build`, which may compile."""
         cos, sin = self.flat.model.rope_inputs(positions, torch.float32)
         blocks = meta.decode_blocks
+        assert blocks is not None           # a pure decode step (`takes`)
         if blocks.shape[1] == 1:        # at least two columns: one graph serves every context length
             blocks = F.pad(blocks, (0, 1))
         args = (ids, cos, sin, positions, meta.slot_mapping, blocks)

@@ -21,7 +21,8 @@ stored as layers `num_hidden_layers`..) are not used for decoding and are skippe
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,9 @@ from edgecore.shared.models.mla import MLAttention, rope_cos_sin
 from edgecore.shared.models.mla_config import DeepseekConfig
 from edgecore.shared.models.moe import FusedExperts, act_and_mul
 
+if TYPE_CHECKING:
+    from edgecore.shared.models.layers import WeightSource
+
 log = logging.getLogger("edgecore.models")
 
 
@@ -45,17 +49,20 @@ class Router(nn.Module):
         super().__init__()
         self.mla = mla
         experts = mla.n_routed_experts
+        assert experts is not None              # a router only on MoE layers (`is_moe_layer`)
         self.weight = nn.Parameter(torch.empty(experts, hidden, dtype=torch.float32), requires_grad=False)
         if mla.sigmoid_routing:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(experts, dtype=torch.float32),
                                                         requires_grad=False)
 
-    def _group_mask(self, choice: torch.Tensor, group_score) -> torch.Tensor | None:
+    def _group_mask(self, choice: torch.Tensor, group_score: Callable[[torch.Tensor], torch.Tensor]
+                    ) -> torch.Tensor | None:
         """True for experts in the `topk_group` best groups (None when routing is not group-limited)."""
         mla = self.mla
         groups = mla.n_group or 1
         if groups == 1 or mla.topk_method == "greedy":
             return None
+        assert mla.topk_group is not None       # `parse_deepseek` requires it with n_group > 1
         t = choice.shape[0]
         scores = group_score(choice.view(t, groups, -1))                     # [T, groups]
         best = torch.topk(scores, k=mla.topk_group, dim=-1, sorted=False)[1]
@@ -64,6 +71,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mla = self.mla
+        assert mla.num_experts_per_tok is not None      # `parse_deepseek` requires it with n_routed_experts
         logits = F.linear(x.float(), self.weight)
         if mla.sigmoid_routing:
             scores = logits.sigmoid()
@@ -130,13 +138,13 @@ class DeepseekForCausalLM(MixtralForCausalLM):
         """Also fp8 scales: `fp8.dequantized` reads them with their weights before names are matched."""
         return super().skips(name) or (name.endswith("_scale_inv") and self.config.mla.fp8_block is not None)
 
-    def load_weights(self, weights: Iterable[tuple[str, object]], threads: int = 0) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]], threads: int = 0) -> set[str]:
         weights = self._without_mtp(weights)
         if self.config.mla.fp8_block is not None:
             weights = dequantized(weights, self.config.mla.fp8_block)
         return super().load_weights(weights, threads)
 
-    def _without_mtp(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+    def _without_mtp(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
         """Every tensor but those of the multi-token-prediction layers (index >= num_hidden_layers)."""
         layers, skipped = self.config.num_hidden_layers, set()
         for name, source in weights:

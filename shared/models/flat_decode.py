@@ -19,12 +19,21 @@ tensor and flag is looked up once, at build time, into a tuple, and the layout o
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 
 from edgecore.shared.models.attention import AttentionMetadata, paged_attention
 from edgecore.shared.models.row_buckets import packed_linear
 from edgecore.shared.models.rope import apply_rope
 from edgecore.shared.parallel import tensor_parallel
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from torch import nn
+
+    from edgecore.shared.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,14 +59,14 @@ def _row_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 
 class FlatDecoder:
-    def __init__(self, model, plain_below: int):
+    def __init__(self, model: LlamaForCausalLM, plain_below: int):
         self.model = model
         self.plain_below = plain_below      # rows from which the projections read their packed weights
         self.embed = model.model.embed_tokens.weight
         self.few: list[tuple] = []          # per layer, projections input-major (`_Matmul.transposed`)
         self.many: list[tuple] = []         # per layer, projections packed (`_Matmul.packed`)
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+        for layer in cast("Iterable[DecoderLayer]", model.model.layers):       # as `for_model` checked
+            attn, mlp = cast("Attention", layer.self_attn), cast("MLP", layer.mlp)
             norms = hasattr(attn, "q_norm")
             q_norm = (attn.q_norm.weight, attn.q_norm.eps) if norms else None
             k_norm = (attn.k_norm.weight, attn.k_norm.eps) if norms else None
@@ -72,7 +81,7 @@ class FlatDecoder:
                     getattr(mlp.down_proj, weight), mlp.down_proj.bias))
 
     @classmethod
-    def for_model(cls, model) -> FlatDecoder | None:
+    def for_model(cls, model: nn.Module) -> FlatDecoder | None:
         from edgecore.shared.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
         if not isinstance(model, LlamaForCausalLM) or tensor_parallel().size != 1:
             return None

@@ -12,13 +12,17 @@ its scale, or a scale of the wrong grid, is a `ValueError` naming the tensor.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from edgecore.shared.models.layers import WeightSource
 
 SCALE_SUFFIX = "_scale_inv"
 
 
-def _tensor(source) -> torch.Tensor:
+def _tensor(source: WeightSource) -> torch.Tensor:
     return source if isinstance(source, torch.Tensor) else source[:]
 
 
@@ -36,7 +40,8 @@ def dequantize_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple
     return weight.float() * scale
 
 
-def dequantized(weights: Iterable[tuple[str, object]], block: tuple[int, int]) -> Iterator[tuple[str, object]]:
+def dequantized(weights: Iterable[tuple[str, WeightSource]], block: tuple[int, int]
+                ) -> Iterator[tuple[str, WeightSource]]:
     """The checkpoint stream with every fp8 weight replaced by its float32 dequantization."""
     weights_fp8: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
@@ -60,7 +65,7 @@ def dequantized(weights: Iterable[tuple[str, object]], block: tuple[int, int]) -
         raise ValueError(f"tensor '{sorted(scales)[0]}{SCALE_SUFFIX}' scales no fp8 weight")
 
 
-def _is_fp8(source) -> bool:
+def _is_fp8(source: WeightSource) -> bool:
     if isinstance(source, torch.Tensor):
         return source.dtype == torch.float8_e4m3fn
     get_dtype = getattr(source, "get_dtype", None)

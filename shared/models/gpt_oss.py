@@ -14,15 +14,19 @@ kernel. Each rank keeps its shard of the intermediate dimension.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from edgecore.shared.config import ModelConfig
 from edgecore.shared.models.llama import Attention, LlamaForCausalLM
-from edgecore.shared.models.moe import FusedExperts, topk_softmax
+from edgecore.shared.models.moe import Activation, FusedExperts, topk_softmax
 from edgecore.shared.models.row_buckets import bounded_linear
 from edgecore.shared.parallel import tensor_parallel
+
+if TYPE_CHECKING:
+    from edgecore.shared.models.layers import WeightSource
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
@@ -42,7 +46,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return out.flatten(-2).to(dtype)
 
 
-def clamped_swiglu(alpha: float, limit: float):
+def clamped_swiglu(alpha: float, limit: float) -> Activation:
     def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
@@ -57,7 +61,7 @@ class SinkAttention(Attention):
         super().__init__(config, layer, global_layer)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
 
-    def weight_loader(self, param: nn.Parameter, source, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: object = None) -> None:
         start = tensor_parallel().rank * self.num_heads
         value = source[start:start + self.num_heads] if not isinstance(source, torch.Tensor) else \
             source[start:start + self.num_heads]
@@ -113,13 +117,13 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
         return GptOssMoE(config)
 
-    def load_special(self, name: str, local_name: str, source) -> bool:
+    def load_special(self, name: str, local_name: str, source: WeightSource) -> bool:
         m = STACKED.match(local_name)
         if m is None:
             return False
         value = source if isinstance(source, torch.Tensor) else source[:]
         try:
-            self.get_submodule(m.group(1)[:-len(".experts")]).load(m.group(2), m.group(3) or "", value)
+            cast(GptOssMoE, self.get_submodule(m.group(1)[:-len(".experts")])).load(m.group(2), m.group(3) or "", value)
         except (RuntimeError, IndexError, ValueError) as exc:
             raise ValueError(f"tensor '{name}': {exc}") from None
         return True

@@ -42,6 +42,7 @@ Packed matmuls run at a few row counts only: see row_buckets.py.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -52,8 +53,16 @@ from edgecore.shared.env import packed_from_rows
 from edgecore.shared.models.row_buckets import bounded_linear, packed_linear
 from edgecore.shared.parallel import all_gather_last_dim, all_reduce, tensor_parallel
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
 
-def _read(source, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+    from edgecore.shared.weights import WeightSlice
+
+    # What the weight loaders read: a tensor, or a checkpoint tensor not read yet (what `iter_weights` yields).
+    WeightSource: TypeAlias = torch.Tensor | WeightSlice
+
+
+def _read(source: WeightSource, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
     """Read a (sub)tensor from a safetensors slice or a plain tensor."""
     if rows is None and cols is None:
         return source[:] if not isinstance(source, torch.Tensor) else source
@@ -63,7 +72,7 @@ def _read(source, rows: slice | None = None, cols: slice | None = None) -> torch
     return source[rows, cols]
 
 
-def _shape(source) -> tuple[int, ...]:
+def _shape(source: WeightSource) -> tuple[int, ...]:
     return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
 
 
@@ -80,6 +89,7 @@ class _Matmul(nn.Module):
     packed_bytes = 0
     plain_below = 0      # rows under which `transposed` is used although packed (0: packed only)
     transposed: torch.Tensor | None = None   # W^T contiguous [in, out] for few-row inputs
+    weight: nn.Parameter                     # [out, in], set by each layer
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None and x.numel() >= self.plain_below * x.shape[-1]:
@@ -163,8 +173,9 @@ def calibrate_plain_rows(model: nn.Module, threads: int) -> int:
     modules = [m for m in model.modules() if isinstance(m, _Matmul) and m.plain_below and m.transposed is not None]
     if not modules:
         return 0
-    shapes: dict[tuple[int, int], list] = {}
+    shapes: dict[tuple[int, ...], list] = {}
     for m in modules:
+        assert m.transposed is not None     # `modules` holds only those
         entry = shapes.setdefault(tuple(m.transposed.shape), [m, 0])
         entry[1] += 1
     key = (tuple((shape, n) for shape, (_, n) in shapes.items()), threads)
@@ -222,7 +233,8 @@ class ColumnParallelLinear(_Matmul):
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, source, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, source: WeightSource,
+                      shard_id: Any = None) -> None:     # unused; each subclass has its own kind (int, str)
         rank = tensor_parallel().rank
         n = param.shape[0]
         _copy_checked(param, _read(source, slice(rank * n, (rank + 1) * n)), "column-parallel weight")
@@ -244,7 +256,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // tp.size
         return tp.rank * size, sum(self.output_sizes[:shard_id]) // tp.size, size
 
-    def weight_loader(self, param: nn.Parameter, source, shard_id: int = 0) -> None:
+    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: int = 0) -> None:
         start, offset, size = self.shard_rows(shard_id)
         _copy_checked(param.data[offset:offset + size], _read(source, slice(start, start + size)),
                       f"merged shard {shard_id}")
@@ -289,7 +301,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             return tensor_parallel().rank * q_size, 0, q_size
         return self.kv_head_start() * d, q_size if shard_id == "k" else q_size + kv_size, kv_size
 
-    def weight_loader(self, param: nn.Parameter, source, shard_id: str = "q") -> None:
+    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: str = "q") -> None:
         start, offset, size = self.shard_rows(shard_id)
         _copy_checked(param.data[offset:offset + size], _read(source, slice(start, start + size)),
                       f"{shard_id} projection")
@@ -307,7 +319,7 @@ class RowParallelLinear(_Matmul):
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, source, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: object = None) -> None:
         if param.dim() == 1:  # bias: replicated, added once after the reduce
             _copy_checked(param, _read(source), "row-parallel bias")
             return
@@ -330,7 +342,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.per_rank
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden), requires_grad=False)
 
-    def weight_loader(self, param: nn.Parameter, source, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: object = None) -> None:
         end = min(self.start + self.per_rank, _shape(source)[0])
         value = _read(source, slice(self.start, end))
         param.data.zero_()

@@ -17,7 +17,8 @@ a small CPU (hook checks), about forty calls a step, while this model registers 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,11 @@ from edgecore.shared.models.rope import apply_rope, rope_cos_sin
 from edgecore.shared.models.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                   RowParallelLinear, VocabParallelEmbedding)
 from edgecore.shared.parallel import tensor_parallel
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from edgecore.shared.models.layers import WeightSource
 
 ROPE_TABLE_START = 1 << 15      # positions of the first RoPE tables; they grow on demand
 
@@ -106,13 +112,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, rope, meta):
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope, meta)
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, layers: range | None, make_layer):
+    def __init__(self, config: ModelConfig, layers: range | None,
+                 make_layer: Callable[[ModelConfig, int, int], nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # Layers this process owns (all of them unless pipeline-parallel).
@@ -124,10 +131,13 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # Checkpoint projection name → (packed parameter, shard id).
-    packed = {
+    packed: dict[str, tuple[str, int | str]] = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+
+    rope_cos: torch.Tensor      # [positions, D] float32 buffers (`rope_inputs`)
+    rope_sin: torch.Tensor
 
     def __init__(self, config: ModelConfig, layers: range | None = None):
         super().__init__()
@@ -157,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         return (cos, sin) if cos.dtype == dtype else (cos.to(dtype), sin.to(dtype))
 
-    def make_layer(self, config: ModelConfig, local: int, layer: int) -> nn.Module:
+    def make_layer(self, config: ModelConfig, local: int, layer: int) -> DecoderLayer:
         return DecoderLayer(config, self.make_attention(config, local, layer), self.make_mlp(config, layer))
 
     def make_attention(self, config: ModelConfig, local: int, layer: int) -> nn.Module:
@@ -166,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
         return MLP(config)
 
-    def load_special(self, name: str, local_name: str, source) -> bool:
+    def load_special(self, name: str, local_name: str, source: WeightSource) -> bool:
         """Load a checkpoint tensor that no parameter matches by name (stacked experts ...); `local_name` has
         this process's layer index. Returns whether it was used."""
         return False
@@ -191,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         if self.model.layer_ids[0] != 0 or meta.prefills or meta.num_decode:
             raise ValueError("write_first_layer_kv needs the model's layer 0 and a write-only AttentionMetadata")
         x = self.model.embed_tokens.forward(input_ids)
-        layer = self.model.layers[0]
+        layer = cast(DecoderLayer, self.model.layers[0])     # what `make_layer` builds
         layer.self_attn.forward(layer.input_layernorm.forward(x), self.rope_inputs(positions, x.dtype), meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -230,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
             parts[2] = str(self.model.layer_ids[int(parts[2])])
         return ".".join(parts)
 
-    def load_weights(self, weights: Iterable[tuple[str, object]], threads: int = 0) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]], threads: int = 0) -> set[str]:
         """Fill parameters from (checkpoint name, tensor or lazy slice). Returns the names used.
 
         With `threads`, sources that can decode themselves (`decode_jobs`, packed checkpoints) are
@@ -240,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
         import gc
         from concurrent.futures import ThreadPoolExecutor
         pool = ThreadPoolExecutor(threads) if threads else None
-        jobs = []
+        jobs: list[Future[None]] = []
         if pool is None:
             return self._load_weights(weights, pool, jobs)
         collecting = gc.isenabled()
@@ -255,7 +265,8 @@ class LlamaForCausalLM(nn.Module):
             if collecting:
                 gc.enable()
 
-    def _load_one(self, name, param, source, loader, shard) -> None:
+    def _load_one(self, name: str, param: nn.Parameter, source: WeightSource, loader: Callable[..., None] | None,
+                  shard: int | str | None) -> None:
         """Fill one parameter (or one shard of a packed parameter) from a tensor or lazy slice."""
         try:
             if loader is None:
@@ -280,7 +291,8 @@ class LlamaForCausalLM(nn.Module):
         return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and \
             int(parts[2]) not in self.model.layer_ids
 
-    def _load_weights(self, weights, pool, jobs) -> set[str]:
+    def _load_weights(self, weights: Iterable[tuple[str, WeightSource]], pool: ThreadPoolExecutor | None,
+                      jobs: list[Future[None]]) -> set[str]:
         params = dict(self.named_parameters(remove_duplicate=False))
         local = {gid: i for i, gid in enumerate(self.model.layer_ids)}
         used: set[str] = set()
@@ -318,12 +330,14 @@ class LlamaForCausalLM(nn.Module):
         return used
 
 
-def _whole_block(param: torch.Tensor, owner, loader, shard) -> torch.Tensor | None:
+def _whole_block(param: torch.Tensor, owner: nn.Module, loader: Callable[..., None] | None,
+                 shard: int | str | None) -> torch.Tensor | None:
     """The contiguous part of `param` that one checkpoint tensor fills whole, if there is one: the
     parameter itself, or one shard's rows of a merged projection, when a single rank holds them all."""
     if loader is None or (tensor_parallel().size == 1 and shard is None):
         return param.data
-    if tensor_parallel().size != 1 or not hasattr(owner, "shard_rows"):
+    shard_rows = getattr(owner, "shard_rows", None)    # a merged projection's, taking its own kind of shard id
+    if tensor_parallel().size != 1 or shard_rows is None:
         return None
-    _, offset, size = owner.shard_rows(shard)
+    _, offset, size = shard_rows(shard)
     return param.data[offset:offset + size]

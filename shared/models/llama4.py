@@ -13,17 +13,21 @@ checkpoint `feed_forward.*` names map to the layer's `mlp`; stacked experts
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from edgecore.shared.config import ModelConfig
-from edgecore.shared.models.attention import paged_attention
+from edgecore.shared.models.attention import AttentionMetadata, paged_attention
 from edgecore.shared.models.llama import MLP, Attention, LlamaForCausalLM
 from edgecore.shared.models.moe import FusedExperts, act_and_mul
 from edgecore.shared.models.rope import apply_rope_pairs, rope_cos_sin
 from edgecore.shared.models.row_buckets import bounded_linear
+
+if TYPE_CHECKING:
+    from edgecore.shared.models.layers import WeightSource
 
 STACKED = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 
@@ -42,7 +46,7 @@ class Llama4Attention(Attention):
         self.tune_temperature = p.attn_temperature_tuning and not self.use_rope
         self.eps = config.rms_norm_eps
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
         cos, sin, temperature = rope
         t, d = x.shape[0], self.head_dim
         heads, kv_heads = self.num_heads, self.num_kv_heads
@@ -99,12 +103,12 @@ class Llama4ForCausalLM(LlamaForCausalLM):
             return Llama4MoE(config)
         return MLP(config, p.intermediate_size_mlp)
 
-    def load_special(self, name: str, local_name: str, source) -> bool:
+    def load_special(self, name: str, local_name: str, source: WeightSource) -> bool:
         m = STACKED.match(local_name)
         if m is None:
             return False
         value = source if isinstance(source, torch.Tensor) else source[:]
-        experts = self.get_submodule(m.group(1)).experts
+        experts = cast(Llama4MoE, self.get_submodule(m.group(1))).experts      # the stacked tensors' layer
         try:
             for i in range(experts.num_experts):
                 if m.group(2) == "gate_up_proj":          # [E, H, 2I]: gate columns, then up columns

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +23,10 @@ from edgecore.shared.errors import ConfigError, ModelLoadError
 from edgecore.shared.malloc import retain_freed_memory
 from edgecore.shared.models.registry import ARCHITECTURES
 from edgecore.shared.weights import iter_weights
+
+if TYPE_CHECKING:
+    from edgecore.shared.models.layers import WeightSource
+    from edgecore.shared.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("edgecore.models")
 
@@ -39,7 +45,8 @@ def resolve_dtype(name: str | torch.dtype | None, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: str, layers: range | None = None):
+def build_model(config: ModelConfig, dtype: torch.dtype, device: str, layers: range | None = None
+                ) -> LlamaForCausalLM:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -53,8 +60,8 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str, layers: ra
     return model.eval()
 
 
-def load_model(model_dir: str | Path, dtype="auto", device: str = "cpu",
-               layers: range | None = None, config: ModelConfig | None = None):
+def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = "auto", device: str = "cpu",
+               layers: range | None = None, config: ModelConfig | None = None) -> LlamaForCausalLM:
     config = _tied_as_transformers_ties(model_dir, config or ModelConfig.from_dir(model_dir))
     if str(device).startswith("cpu"):
         retain_freed_memory()     # as a CPU ModelRunner would: loading's temporary buffers reuse heap pages
@@ -76,13 +83,13 @@ def load_model(model_dir: str | Path, dtype="auto", device: str = "cpu",
     return model
 
 
-def _tied_as_transformers_ties(model_dir, config: ModelConfig) -> ModelConfig:
+def _tied_as_transformers_ties(model_dir: str | Path, config: ModelConfig) -> ModelConfig:
     """`config`, untied when config.json says `tie_word_embeddings` but the checkpoint holds an LM head of
     its own that differs from the embedding table: transformers then keeps that head (a tied model would drop it
     and answer differently). Reads the two tensors only in that case."""
     if not config.tie_word_embeddings:
         return config
-    found = {}
+    found: dict[str, WeightSource] = {}
     for name, source in _text_weights(iter_weights(model_dir), ARCHITECTURES[config.architecture].text_prefix):
         if name in ("lm_head.weight", "model.embed_tokens.weight"):
             found[name] = source
@@ -94,13 +101,13 @@ def _tied_as_transformers_ties(model_dir, config: ModelConfig) -> ModelConfig:
     return dataclasses.replace(config, tie_word_embeddings=False)
 
 
-def _named(weights, seen: list[str]):
+def _named(weights: Iterable[tuple[str, WeightSource]], seen: list[str]) -> Iterator[tuple[str, WeightSource]]:
     for name, source in weights:
         seen.append(name)
         yield name, source
 
 
-def _text_weights(weights, prefix: str):
+def _text_weights(weights: Iterable[tuple[str, WeightSource]], prefix: str) -> Iterator[tuple[str, WeightSource]]:
     """A multimodal checkpoint's text model: names under `prefix`, without it (other towers skipped)."""
     if not prefix:
         yield from weights

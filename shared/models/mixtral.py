@@ -12,6 +12,7 @@ Routing: softmax over all experts in float32, top-k, renormalized (Mixtral alway
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from edgecore.shared.config import ModelConfig
 from edgecore.shared.models.llama import LlamaForCausalLM
 from edgecore.shared.models.moe import FusedExperts, act_and_mul, softmax_topk
 from edgecore.shared.models.row_buckets import bounded_linear
+
+if TYPE_CHECKING:
+    from edgecore.shared.models.layers import WeightSource
 
 EXPERT = re.compile(r"^(model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 
@@ -58,15 +62,15 @@ class MixtralForCausalLM(LlamaForCausalLM):
         if m is None:
             return None
         mlp = self.get_submodule(m.group(1) + "mlp")
-        return mlp.experts if isinstance(mlp, self.moe_class) else None
+        return cast(FusedExperts, mlp.experts) if isinstance(mlp, self.moe_class) else None   # as every `moe_class`
 
-    def load_special(self, name: str, local_name: str, source) -> bool:
+    def load_special(self, name: str, local_name: str, source: WeightSource) -> bool:
         if f".{self.moe_prefix}.gate." in local_name:     # Mixtral's router lives under block_sparse_moe
             self._load_one(name, self.get_parameter(local_name.replace(self.moe_prefix, "mlp")), source, None, None)
             return True
         experts = self._moe(local_name)
         m = EXPERT.match(local_name)
-        if experts is None or m.group(3) not in self.names:
+        if experts is None or m is None or m.group(3) not in self.names:
             return False
         try:
             experts.load_expert(self.names[m.group(3)], int(m.group(2)), source)

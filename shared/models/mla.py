@@ -16,6 +16,8 @@ projections are replicated, so every rank caches the same latent.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,11 +31,15 @@ from edgecore.shared.models.rope import apply_rope_split, default_inv_freq, yarn
 from edgecore.shared.models.row_buckets import bounded_bmm, bounded_linear
 from edgecore.shared.parallel import tensor_parallel
 
+if TYPE_CHECKING:
+    from edgecore.shared.models.layers import WeightSource
+
 
 def rope_cos_sin(mla: DeepseekConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [max_positions, qk_rope_head_dim/2] (one angle per rotated pair), float32, YaRN-scaled
     when the config says so (the schedule of `rope.py`)."""
     rope, dim = mla.rope, mla.qk_rope_head_dim
+    assert rope.rope_theta is not None          # `mla_config._rope` always sets it
     inv_freq, scale = default_inv_freq(dim, rope.rope_theta), 1.0
     if rope.rope_type == "yarn":
         inv_freq, scale = yarn(inv_freq, dim, rope.rope_theta, rope)
@@ -62,7 +68,7 @@ class KVUpProjection(nn.Module):
         self.heads, self.nope, self.v = heads, nope, v
         self.weight = nn.Parameter(torch.empty(heads * (nope + v), rank), requires_grad=False)
 
-    def weight_loader(self, param: nn.Parameter, source, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: object = None) -> None:
         rows = param.shape[0]
         start = tensor_parallel().rank * rows
         value = source[start:start + rows] if not isinstance(source, torch.Tensor) else source[start:start + rows]
@@ -133,7 +139,8 @@ class MLAttention(nn.Module):
             meta.on_layer(self.layer)
         return self.o_proj(out.view(t, heads * mla.v_head_dim))
 
-    def _decode(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
+                ) -> torch.Tensor:
         """Absorbed: q_lat = q_nope W_UK [B, H, r]; attention of the H query heads (as a query sequence) over
         the latent (key: all of it, value: its first r values); o = o_lat W_UV^T. Returns [B, H, v]."""
         mla, b, heads = self.mla, q_nope.shape[0], self.num_heads
@@ -141,6 +148,7 @@ class MLAttention(nn.Module):
         q_lat = bounded_bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)       # [B, H, r]
         qd = torch.cat((q_lat, q_pe), dim=-1).view(b, 1, heads, mla.latent_dim)
         bs, length = meta.block_size, meta.decode_len
+        assert meta.decode_blocks is not None       # decode rows come with their block table
         flat = meta.decode_blocks.view(-1)
         width = flat.numel() * bs // b
         kd = cache.view(-1, bs, mla.latent_dim).index_select(0, flat).view(b, width, mla.latent_dim)
@@ -149,7 +157,8 @@ class MLAttention(nn.Module):
                                                scale=self.scale)                # [B, 1, H, r]
         return bounded_bmm(o_lat.view(b, heads, -1).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
-    def _prefill(self, q_nope, q_pe, ctx, mask) -> torch.Tensor:
+    def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None
+                 ) -> torch.Tensor:
         """Expanded: per-head K = cat(c W_UK, k_pe), V = c W_UV over the chunk's context. Returns [n, H, v]."""
         mla = self.mla
         k_nope, v = self.kv_b_proj(ctx[:, :mla.kv_lora_rank])                 # [L, H, nope], [L, H, v]

@@ -80,6 +80,7 @@ class DeepseekConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         scale = self.qk_head_dim ** -0.5
         r = self.rope
         if r.rope_type == "yarn" and r.mscale_all_dim:
+            assert r.factor is not None             # `_rope` sets it under YaRN
             m = yarn_mscale(r.factor, r.mscale_all_dim)
             scale *= m * m
         return scale
@@ -165,6 +166,7 @@ def parse_deepseek(raw: dict, arch: str, source: str = "config.json") -> Deepsee
         for key in ("moe_intermediate_size", "num_experts_per_tok"):
             if getattr(cfg, key) is None:
                 raise ConfigError(f"{source}: field '{key}' is required with n_routed_experts")
+        assert cfg.num_experts_per_tok is not None      # checked just above
         if cfg.num_experts_per_tok > cfg.n_routed_experts:
             raise ConfigError(f"{source}: field 'num_experts_per_tok' exceeds n_routed_experts")
         groups = cfg.n_group or 1

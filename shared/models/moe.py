@@ -22,6 +22,7 @@ matmuls it saves at the sizes an edge runs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,9 @@ from torch import nn
 from edgecore.shared.models.activation import ACTIVATIONS
 from edgecore.shared.models.row_buckets import bounded_linear
 from edgecore.shared.parallel import all_reduce, tensor_parallel
+
+if TYPE_CHECKING:
+    from edgecore.shared.models.layers import WeightSource
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]      # (gate, up) -> hidden
 
@@ -46,7 +50,7 @@ def act_and_mul(hidden_act: str) -> Activation:
     return lambda gate, up: act(gate) * up
 
 
-def _read(source) -> torch.Tensor:
+def _read(source: WeightSource) -> torch.Tensor:
     return source if isinstance(source, torch.Tensor) else source[:]
 
 
@@ -68,13 +72,13 @@ class FusedExperts(nn.Module):
         self.b2 = nn.Parameter(torch.zeros(num_experts, hidden), requires_grad=False) if bias else None
 
     # ---- loading -------------------------------------------------------------------------
-    def _rows(self, source, dim: int):
+    def _rows(self, source: WeightSource, dim: int) -> torch.Tensor:
         """This rank's slice of the intermediate dimension of one checkpoint tensor."""
         sl = [slice(None)] * len(source.shape if isinstance(source, torch.Tensor) else source.get_shape())
         sl[dim] = slice(self.shard_start, self.shard_start + self.shard)
         return source[tuple(sl)]
 
-    def load_expert(self, name: str, expert: int, source) -> None:
+    def load_expert(self, name: str, expert: int, source: WeightSource) -> None:
         """One expert's `gate`, `up` or `down` weight ([I, H], [I, H], [H, I]) or bias ([I], [I], [H])."""
         with torch.no_grad():
             if name in ("gate", "up"):
@@ -83,9 +87,11 @@ class FusedExperts(nn.Module):
             elif name == "down":
                 self.w2[expert].copy_(self._rows(source, 1))
             elif name in ("gate_bias", "up_bias"):
+                assert self.b13 is not None     # bias tensors come only for experts built with biases
                 half = slice(0, self.shard) if name == "gate_bias" else slice(self.shard, 2 * self.shard)
                 self.b13[expert, half].copy_(self._rows(source, 0))
             elif name == "down_bias":
+                assert self.b2 is not None      # bias tensors come only for experts built with biases
                 self.b2[expert].copy_(_read(source))
             else:
                 raise KeyError(name)
@@ -101,9 +107,11 @@ class FusedExperts(nn.Module):
             self.w13[:, self.shard:].copy_(w13[:, inter + s:inter + e])
             self.w2.copy_(w2[:, :, s:e])
             if b13 is not None:
+                assert self.b13 is not None     # bias tensors come only for experts built with biases
                 self.b13[:, :self.shard].copy_(b13[:, s:e])
                 self.b13[:, self.shard:].copy_(b13[:, inter + s:inter + e])
             if b2 is not None:
+                assert self.b2 is not None      # bias tensors come only for experts built with biases
                 self.b2.copy_(b2)
 
     # ---- compute -------------------------------------------------------------------------
@@ -119,7 +127,7 @@ class FusedExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         ys = x.new_zeros(tokens * k, self.hidden)                     # expert outputs, in sorted order
         start = 0
-        rank_bias = self.b2 is not None and tensor_parallel().rank == 0   # add the down bias once
+        down_bias = self.b2 if self.b2 is not None and tensor_parallel().rank == 0 else None   # added once
         for expert, n in enumerate(counts):
             if n == 0:
                 continue
@@ -128,7 +136,7 @@ class FusedExperts(nn.Module):
             h = bounded_linear(x[idx] * w if weight_inputs else x[idx], self.w13[expert],
                                None if self.b13 is None else self.b13[expert])
             h = self.act(h[:, :self.shard], h[:, self.shard:])
-            y = bounded_linear(h, self.w2[expert], self.b2[expert] if rank_bias else None)
+            y = bounded_linear(h, self.w2[expert], None if down_bias is None else down_bias[expert])
             ys[start:start + n] = y if weight_inputs else y * w
             start += n
         # Back to (token, slot) order with one scatter, then a sum over the k slots: no per-expert

@@ -35,7 +35,7 @@ class Qwen3MoeParams(msgspec.Struct, frozen=True, kw_only=True):
     decoder_sparse_step: PosInt = 1
     mlp_only_layers: list[NonNegInt] = []
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.num_experts is None and self.num_local_experts is None:
             raise ValueError("Object missing required field `num_experts`")
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgecore.shared.models.params import GptOssParams, Llama4Params, MixtralParams, Qwen3MoeParams
+
+if TYPE_CHECKING:
+    from edgecore.shared.models.llama import LlamaForCausalLM
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class Arch:
     window_default: int | None = None   # transformers' `sliding_window` when config.json has none
     defaults: dict[str, Any] = field(default_factory=dict)   # transformers' values for fields config.json lacks
 
-    def model_class(self):
+    def model_class(self) -> type[LlamaForCausalLM]:
         module, name = self.model.split(":")
         return getattr(importlib.import_module(module), name)
 

@@ -13,14 +13,14 @@ import math
 
 import torch
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.config import ModelConfig, RopeParams, RopeScaling
 
 
 def _yarn(config: ModelConfig, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
     return yarn(inv_freq, config.head_dim, config.rope_theta, config.rope_scaling)
 
 
-def yarn(inv_freq: torch.Tensor, dim: int, base: float, s) -> tuple[torch.Tensor, float]:
+def yarn(inv_freq: torch.Tensor, dim: int, base: float, s: RopeScaling | RopeParams) -> tuple[torch.Tensor, float]:
     """YaRN (transformers' `_compute_yarn_parameters`): interpolate low frequencies, keep high ones,
     a linear ramp between; cos/sin scaled by the attention factor. `s`: the scaling fields (factor,
     beta_fast/slow, original_max_position_embeddings, mscale, mscale_all_dim, attention_factor, truncate)
@@ -29,14 +29,15 @@ def yarn(inv_freq: torch.Tensor, dim: int, base: float, s) -> tuple[torch.Tensor
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-    factor = s.factor
+    factor, original = s.factor, s.original_max_position_embeddings
+    assert factor is not None and original is not None     # set under YaRN by both config readers
     attention = s.attention_factor
     if attention is None:
         attention = (mscale(factor, s.mscale) / mscale(factor, s.mscale_all_dim)
                      if s.mscale and s.mscale_all_dim else mscale(factor))
 
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low, high = correction_dim(s.beta_fast or 32.0), correction_dim(s.beta_slow or 1.0)
     if s.truncate:
