@@ -258,7 +258,8 @@ class BatchRunner:
         async def choice(i: int) -> None:
             async for out in self.handle.generate(f"{batch_id}/{req['line']}/{i}",
                                                   parsed.prompts[i // parsed.n], parsed.params[i],
-                                                  priority=BATCH_PRIORITY, collect=True):
+                                                  priority=BATCH_PRIORITY, collect=True,
+                                                  group=f"{batch_id}/{req['line']}"):   # a line's choices
                 results[i].add(out)
 
         self.metrics.batch_running.inc()

@@ -212,7 +212,8 @@ class PrefillService:
             return
         direct = self.direct_streams and msg.direct and bool(peer.conn.session)
         req = Transfer(f"s{session.id}/{rid}", rid, session.queue, codec, len(msg.token_ids), msg.skip_tokens,
-                       msg.edge_layers, gather=self.parallel and not direct, piece_bytes=PIECE_BYTES if msg.core_decode else 0)
+                       msg.edge_layers, gather=self.parallel and not direct, group=f"s{session.id}/{msg.group or rid}",
+                       piece_bytes=PIECE_BYTES if msg.core_decode else 0)
         session.transfers[rid] = req
         self.streamer.remote[req.internal_id] = req
         if direct:      # the other ranks learn the route with the first step that computes this request
@@ -260,7 +261,7 @@ class PrefillService:
         self.metrics.handover_requests.inc()
         try:
             async with asyncio.timeout(deadline_ms / 1000 if deadline_ms > 0 else None) as scope:
-                async for out in self.handle.generate(req.internal_id, token_ids, params):
+                async for out in self.handle.generate(req.internal_id, token_ids, params, group=req.group):
                     if req.position == 0:
                         if not req.prefill_done():
                             return
@@ -316,7 +317,8 @@ class PrefillService:
         try:
             deadline = deadline_ms / 1000 if deadline_ms > 0 else None
             async with asyncio.timeout(deadline):
-                async for out in self.handle.generate(req.internal_id, token_ids, params, prefill_only=True):
+                async for out in self.handle.generate(req.internal_id, token_ids, params, prefill_only=True,
+                                                      group=req.group):
                     if out.finished:
                         first = out
         except RequestError as exc:

@@ -67,6 +67,7 @@ class Transfer:
     skip_tokens: int = 0               # tokens the edge holds already
     edge_layers: int = 0               # leading layers whose KV the edge computes itself: none of theirs is sent
     gather: bool = False               # parallel core, edge not attached to every rank: rank 0 gathers the KV
+    group: str = ""                    # the engine's fairness group: the edge connection's, then the edge's own
     state: TransferState = TransferState.PREFILLING
     sent_until: int = 0                # tokens fully queued (all layers); engine thread only
     needed: list[int] | None = None    # per global layer, the first token the edge needs (`needed_from`); engine thread

@@ -141,8 +141,8 @@ class EdgeEngine:
         self.metrics.generation_tokens.inc(sum(len(o.new_token_ids) for o in outputs))
 
     # ---- placement ---------------------------------------------------------
-    async def _placement(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                         ) -> tuple[str, str, asyncio.Queue | None]:
+    async def _placement(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                         group: str | None = None) -> tuple[str, str, asyncio.Queue | None]:
         """Where the prompt is prefilled: (where, reason, the output queue if the request was already added
         here). With a fixed threshold, one engine call both measures the cached prefix and, when the rest
         is short, adds the request right there: one step sooner to the first token than deciding first
@@ -163,7 +163,7 @@ class EdgeEngine:
             if best is not None and self.prefill_model.local_is_faster(uncached, best.address, best.rtt):
                 return "local", "faster_here" if cached == 0 else "prefix_cached", None
             return "remote", "", None
-        cached, queue = await self.handle.add_if_uncached_below(request_id, prompt_ids, params, threshold)
+        cached, queue = await self.handle.add_if_uncached_below(request_id, prompt_ids, params, threshold, group)
         if queue is None:
             return "remote", "", None
         return "local", "short" if cached == 0 else "prefix_cached", queue
@@ -181,11 +181,11 @@ class EdgeEngine:
                             self.config.kv_quality_budget, curve)
 
     # ---- the request -------------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
         progress = Progress(self, len(prompt_ids))
         try:
-            queue, progress.core = await self._open(request_id, prompt_ids, params, progress)
+            queue, progress.core = await self._open(request_id, prompt_ids, params, progress, group)
             async for out in self.handle.stream(request_id, queue):
                 progress.observe(out)
                 yield out
@@ -201,14 +201,14 @@ class EdgeEngine:
             task.cancel()
 
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     emit: Callable[[RequestOutput | BaseException], None]) -> None:
+                     emit: Callable[[RequestOutput | BaseException], None], group: str | None = None) -> None:
         """`generate` for a forwarder (the engine process): place and start the request, then hand each
         output to `emit` straight from the engine's dispatch, with no task switch per token. `emit` gets an
         exception if the engine fails. Cancelling this coroutine undoes it; `cancel(request_id)` aborts
         the request once submitted."""
         progress = Progress(self, len(prompt_ids))
         try:
-            _, progress.core = await self._open(request_id, prompt_ids, params, progress)
+            _, progress.core = await self._open(request_id, prompt_ids, params, progress, group)
         except BaseException:
             self._stop_follow(request_id)
             progress.done()
@@ -241,25 +241,25 @@ class EdgeEngine:
         for request_id in list(self._started):
             self.cancel(request_id)
 
-    async def _open(self, request_id: str, prompt_ids: list[int], params: SamplingParams, progress: Progress
-                    ) -> tuple[asyncio.Queue, CoreClient | None]:
-        """Place the prefill and start the request: (the queue its outputs arrive in; the core that
-        prefilled it or None)."""
-        where, reason, queue = await self._placement(request_id, prompt_ids, params)
+    async def _open(self, request_id: str, prompt_ids: list[int], params: SamplingParams, progress: Progress,
+                    group: str | None) -> tuple[asyncio.Queue, CoreClient | None]:
+        """Place the prefill and start the request in its fairness `group`: (the queue its outputs arrive in;
+        the core that prefilled it or None)."""
+        where, reason, queue = await self._placement(request_id, prompt_ids, params, group)
         progress.placed_at = time.perf_counter()
         self.metrics.queue_time.observe(progress.placed_at - progress.arrived)
         core = None
         if where == "remote":
-            queue, core = await self._remote_with_retries(request_id, prompt_ids, params)
+            queue, core = await self._remote_with_retries(request_id, prompt_ids, params, group)
             reason = "core_failed"
         if core is None:                  # placed here, or every core failed
             self.metrics.local_prefills.labels(reason).inc()
         if queue is None:
-            queue = await self.handle.add(request_id, prompt_ids, params)
+            queue = await self.handle.add(request_id, prompt_ids, params, group=group)
         return queue, core
 
-    async def _remote_with_retries(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                                   ) -> tuple[asyncio.Queue | None, CoreClient | None]:
+    async def _remote_with_retries(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                                   group: str | None = None) -> tuple[asyncio.Queue | None, CoreClient | None]:
         tried: set[str] = set()
         for attempt in range(self.config.max_core_attempts):
             client = self.router.pick(tried)
@@ -267,7 +267,7 @@ class EdgeEngine:
                 break
             tried.add(client.address)
             try:
-                return await self._remote(client, request_id, prompt_ids, params), client
+                return await self._remote(client, request_id, prompt_ids, params, group=group), client
             except RemotePrefillFailed as exc:
                 log.warning("request %s: core %s failed (%s); %s", request_id, client.address, exc,
                             "retrying" if attempt + 1 < self.config.max_core_attempts else "prefilling locally")
@@ -311,12 +311,12 @@ class EdgeEngine:
             self.metrics.contexts_unpinned.inc()
 
     async def _remote(self, client: CoreClient, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      activate: bool = True) -> asyncio.Queue | None:
+                      activate: bool = True, group: str | None = None) -> asyncio.Queue | None:
         """Prefill at `client` and receive the KV; with `activate`, the request then decodes here and this
         returns the queue its outputs arrive in."""
         prefill = RemotePrefill(self.handle, client, request_id, prompt_ids, params, self.config.transfer_timeout,
                                 self.decoder_pool, self.metrics, self.config.handover_tokens, self.handover_counts,
-                                self.codec_rope, self.config.first_layer_macs)
+                                self.codec_rope, self.config.first_layer_macs, group)
         queue = await prefill.run(self._codec, activate)
         if prefill.follow is not None:
             self._follows[request_id] = prefill.follow

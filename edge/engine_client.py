@@ -119,7 +119,7 @@ class EngineClient:
         assert self.hello is not None            # connected
         return self.hello.fingerprint
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
         if self.dead is not None:
             raise EngineDead(self.dead)
@@ -128,7 +128,7 @@ class EngineClient:
         self.active += 1
         finished = False
         try:
-            self._send(Generate(request_id, prompt_ids, params))
+            self._send(Generate(request_id, prompt_ids, params, group))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):

@@ -104,7 +104,7 @@ class EngineServer:
     async def _start(self, msg: Generate) -> None:
         rid = msg.request_id
         try:
-            await self.edge.submit(rid, msg.prompt_ids, msg.params, partial(self._emit, rid))
+            await self.edge.submit(rid, msg.prompt_ids, msg.params, partial(self._emit, rid), msg.group)
         except asyncio.CancelledError:
             pass                                     # aborted by the frontend (client went away)
         except RequestError as exc:

@@ -177,7 +177,7 @@ class EdgeHTTP:
         count = len(parsed.params)
         if count == 1:
             try:
-                async for out in self.edge.generate(f"{rid}-0", parsed.prompts[0], parsed.params[0]):
+                async for out in self.edge.generate(f"{rid}-0", parsed.prompts[0], parsed.params[0], rid):
                     yield 0, out
             except RequestError as exc:    # what only the engine can check (a grammar's language, ...)
                 raise ApiError(400, str(exc), exc.param, exc.code) from None
@@ -188,7 +188,8 @@ class EdgeHTTP:
 
         async def pump(i: int) -> None:
             try:
-                async for out in self.edge.generate(f"{rid}-{i}", parsed.prompts[i // parsed.n], parsed.params[i]):
+                async for out in self.edge.generate(f"{rid}-{i}", parsed.prompts[i // parsed.n], parsed.params[i],
+                                                    rid):
                     queue.put_nowait((i, out))
                 queue.put_nowait((i, None))
             except RequestError as exc:

@@ -34,6 +34,7 @@ class Generate(msgspec.Struct, tag="generate"):
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    group: str | None = None        # the request's fairness group (EdgeService.generate)
 
 
 class Abort(msgspec.Struct, tag="abort"):

@@ -72,16 +72,17 @@ class RemotePrefill:
     def __init__(self, handle: EngineHandle, client: CoreClient, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, timeout: float, decoder_pool: Executor, metrics: EdgeMetrics,
                  core_decode: int = 0, counts: dict | None = None, rope: tuple[float, ...] | None = None,
-                 first_layer_budget: float = 0.0):
+                 first_layer_budget: float = 0.0, group: str | None = None):
         """`core_decode`: tokens after the first the core may decode before the edge takes over (0: the old
         mode); `counts`: the edge's handover counters (stats); `rope`: the model's RoPE for the codecs, what
         the core's encoder took (`codec_rope`, derived once per edge); `first_layer_budget`: the most
-        multiply-adds this edge spends computing layer 0's KV of a lossy transfer itself (`edge_layers`)."""
+        multiply-adds this edge spends computing layer 0's KV of a lossy transfer itself (`edge_layers`);
+        `group`: the request's fairness group, here and at the core."""
         self.handle, self.client = handle, client
         self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
         self.timeout, self.decoder_pool, self.metrics = timeout, decoder_pool, metrics
         self.core_decode, self.counts = core_decode, counts if counts is not None else {}
-        self.rope, self.first_layer_budget = rope, first_layer_budget
+        self.rope, self.first_layer_budget, self.group = rope, first_layer_budget, group
         self.edge_layers = 0
         self.receiver: KVReceiver | None = None
         self.decode: CoreDecode | None = None
@@ -95,7 +96,7 @@ class RemotePrefill:
         """Prefill at the core and receive the KV; with `activate`, the request then decodes here and this
         returns the queue its outputs arrive in. `choose_codec(client, tokens)` picks the codec."""
         rid, handle, client = self.request_id, self.handle, self.client
-        cached = await handle.reserve(rid, self.prompt_ids, self.params)
+        cached = await handle.reserve(rid, self.prompt_ids, self.params, self.group)
         queue = handle.open_stream(rid)
         codec = choose_codec(client, len(self.prompt_ids) - cached)
         cfg = handle.config
@@ -144,7 +145,7 @@ class RemotePrefill:
         spec = m.SamplingSpec(**self.params.spec_fields())
         events = await self.client.prefill(m.PrefillRequest(
             self.request_id, self.prompt_ids, spec, [codec], int(self.timeout * 1000), cached,
-            direct=self.client.direct, core_decode=limit, edge_layers=self.edge_layers))
+            direct=self.client.direct, core_decode=limit, edge_layers=self.edge_layers, group=self.group or ""))
         if self.edge_layers:        # while the core computes: queued before every write, activate or take-over
             task = asyncio.ensure_future(self.handle.write_first_layer_kv(self.request_id))
             self.decoding.add(task)     # `_written` waits for it: a failure fails the transfer, never activates

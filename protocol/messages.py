@@ -85,6 +85,8 @@ class PrefillRequest(_Msg, tag=5, frozen=True):
                                        # as Token frames until the edge's Handover; 0 = none (version 2 mode)
     edge_layers: int = 0               # leading layers whose KV the edge computes itself (0 or 1: layer 0's
                                        # K/V depend on each token alone); the core sends none of theirs
+    group: str = ""                    # the edge's fairness group of the request (the choices of one HTTP
+                                       # request); "" = the request alone. The core shares its steps by it
 
 
 class KVChunk(_Msg, tag=6, frozen=True):

@@ -102,14 +102,15 @@ class AsyncEngine:
 
     # ---- ordinary requests (EngineHandle) ----------------------------------------
     async def add(self, request_id: str, prompt: list[int] | str, params: SamplingParams, *,
-                  prefill_only: bool = False, priority: int = 0, collect: bool = False) -> asyncio.Queue:
+                  prefill_only: bool = False, priority: int = 0, collect: bool = False, group: str | None = None
+                  ) -> asyncio.Queue:
         """Add a request; returns the queue its outputs arrive in (see `stream`)."""
         _, queue = await self._admit(
-            request_id, lambda e: e.add_request(request_id, prompt, params, prefill_only, priority), collect)
+            request_id, lambda e: e.add_request(request_id, prompt, params, prefill_only, priority, group), collect)
         return queue
 
     async def add_if_uncached_below(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                                    limit: int) -> tuple[int, asyncio.Queue | None]:
+                                    limit: int, group: str | None = None) -> tuple[int, asyncio.Queue | None]:
         """Measure the prompt's cached prefix and, when fewer than `limit` tokens are left to compute, add
         the request right there (one engine turn, not two). Returns (cached tokens, the output queue or
         None when the request was not added)."""
@@ -117,7 +118,7 @@ class AsyncEngine:
             cached = e.cached_prefix(prompt_ids)
             if len(prompt_ids) - cached >= limit:
                 return cached, False
-            e.add_request(request_id, prompt_ids, params)
+            e.add_request(request_id, prompt_ids, params, group=group)
             return cached, True
 
         (cached, added), queue = await self._admit(request_id, place)
@@ -127,11 +128,11 @@ class AsyncEngine:
         return cached, queue
 
     async def generate(self, request_id: str, prompt: list[int] | str, params: SamplingParams, *,
-                       prefill_only: bool = False, priority: int = 0, collect: bool = False
-                       ) -> AsyncIterator[RequestOutput]:
+                       prefill_only: bool = False, priority: int = 0, collect: bool = False,
+                       group: str | None = None) -> AsyncIterator[RequestOutput]:
         try:
             queue = await self.add(request_id, prompt, params, prefill_only=prefill_only, priority=priority,
-                                   collect=collect)
+                                   collect=collect, group=group)
             async for out in self.stream(request_id, queue):
                 yield out
         finally:
@@ -185,10 +186,11 @@ class AsyncEngine:
         return await self._call(lambda e: e.cached_prefix(prompt_ids))
 
     # ---- KV from outside ------------------------------------------------------------
-    async def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> int:
+    async def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      group: str | None = None) -> int:
         """Reserve blocks for a prompt whose KV will be written from outside; returns its locally cached
         leading tokens. Raises NoFreeBlocks when the cache is full."""
-        return await self._call(lambda e: e.reserve(request_id, prompt_ids, params)[1])
+        return await self._call(lambda e: e.reserve(request_id, prompt_ids, params, group)[1])
 
     def write_kv(self, request_id: str, piece: KVSlice) -> None:
         self._post(lambda e: e.write_kv(request_id, piece))

@@ -95,7 +95,7 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------
     def _new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams, prefill_only: bool,
-                      priority: int = 0) -> Sequence:
+                      priority: int = 0, group: str | None = None) -> Sequence:
         if request_id in self.requests:
             raise RequestError(f"request id '{request_id}' is already in use", param="request_id")
         if isinstance(prompt, str):
@@ -119,7 +119,7 @@ class LLMEngine:
         if need > capacity:
             raise RequestError(f"the request needs {need} tokens of KV cache but the cache holds {capacity}",
                                param="prompt", code="context_length_exceeded")
-        seq = Sequence(request_id, ids, params, prefill_only, priority)
+        seq = Sequence(request_id, ids, params, prefill_only, priority, group)
         if params.guided is not None:
             seq.grammar = self._grammars().matcher(params.guided)
         self.requests[request_id] = OutputState(seq, self.tokenizer, self.eos_ids, self.max_model_len)
@@ -133,8 +133,10 @@ class LLMEngine:
         return self.grammars
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    prefill_only: bool = False, priority: int = 0) -> Sequence:
-        seq = self._new_sequence(request_id, prompt, params or SamplingParams(), prefill_only, priority)
+                    prefill_only: bool = False, priority: int = 0, group: str | None = None) -> Sequence:
+        """Queue a request; `group`: its fairness group (the scheduler shares each step between groups), by
+        default the request alone."""
+        seq = self._new_sequence(request_id, prompt, params or SamplingParams(), prefill_only, priority, group)
         self.scheduler.add(seq)
         return seq
 
@@ -267,14 +269,14 @@ class LLMEngine:
         self.block_manager.release_blocks(block_ids)
 
     # ---- (b) KV from outside: decode it -----------------------------------
-    def reserve(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
-                ) -> tuple[Sequence, int]:
+    def reserve(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                group: str | None = None) -> tuple[Sequence, int]:
         """Allocate blocks for a prompt whose KV will be written from outside.
 
         Returns the sequence and how many leading tokens are already in the local
         prefix cache (their KV need not be sent). Raises NoFreeBlocks when full.
         """
-        seq = self._new_sequence(request_id, prompt, params or SamplingParams(), False)
+        seq = self._new_sequence(request_id, prompt, params or SamplingParams(), False, group=group)
         try:
             cached = self.block_manager.allocate_prompt(seq.table, seq.token_ids, seq.num_tokens)
         except NoFreeBlocks:

@@ -3,7 +3,8 @@
 Life cycle of the seam: a node (edge engine, core prefill service, batch
 runner, contexts, control port) holds an `EngineHandle` and nothing else of the
 engine. Requests enter with `add` / `generate` (outputs stream back), leave with
-`abort`; the disaggregation entry points are `reserve` → `write_kv`* (and
+`abort`; each declares its fairness `group` (the scheduler shares a step's budget between groups; by default
+a request is a group of its own); the disaggregation entry points are `reserve` → `write_kv`* (and
 `write_first_layer_kv`, layer 0 computed here) → `activate` (KV from outside;
 with decode handover `reserve` → `push_token`* and `write_kv`* → `take_over`) and prefill-only requests → `read_kv` → `release`
 (KV handed out); `pin_prefix` / `commit_prefix` / `unpin` keep prefixes
@@ -92,13 +93,14 @@ class EngineHandle(Protocol):
 
     # ---- ordinary requests ----------------------------------------------------------------------
     async def add(self, request_id: str, prompt: list[int] | str, params: SamplingParams, *,
-                  prefill_only: bool = False, priority: int = 0, collect: bool = False) -> asyncio.Queue: ...
+                  prefill_only: bool = False, priority: int = 0, collect: bool = False, group: str | None = None
+                  ) -> asyncio.Queue: ...
 
     async def add_if_uncached_below(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                                    limit: int) -> tuple[int, asyncio.Queue | None]: ...
+                                    limit: int, group: str | None = None) -> tuple[int, asyncio.Queue | None]: ...
 
     def generate(self, request_id: str, prompt: list[int] | str, params: SamplingParams, *,
-                 prefill_only: bool = False, priority: int = 0, collect: bool = False
+                 prefill_only: bool = False, priority: int = 0, collect: bool = False, group: str | None = None
                  ) -> AsyncIterator[RequestOutput]: ...
 
     def stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]: ...
@@ -114,7 +116,8 @@ class EngineHandle(Protocol):
     async def cached_prefix(self, prompt_ids: list[int]) -> int: ...
 
     # ---- KV from outside ------------------------------------------------------------------------
-    async def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> int: ...
+    async def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      group: str | None = None) -> int: ...
 
     def write_kv(self, request_id: str, piece: KVSlice) -> None: ...
 

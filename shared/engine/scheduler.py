@@ -1,7 +1,7 @@
 """Continuous-batching scheduler: decides, each step, which sequences compute how many tokens.
 
-Bookkeeping only (no tensors). Sequences belong to request groups (`group_of`:
-the choices of one HTTP request are one group), and a step's token budget is
+Bookkeeping only (no tensors). Sequences belong to request groups (`Sequence.group`,
+declared at admission: the choices of one HTTP request are one group), and a step's token budget is
 shared fairly between groups so one big request cannot starve small ones.
 Life cycle of a step:
 1. `schedule()` computes each group's share of the per-step token budget
@@ -32,16 +32,6 @@ from dataclasses import dataclass, field
 from edgecore.shared.config import EngineConfig
 from edgecore.shared.engine.sequence import Sequence, Status
 from edgecore.shared.kv.block_manager import BlockManager, NoFreeBlocks
-
-
-def group_of(seq: Sequence) -> str:
-    """The request a sequence belongs to: `seq.group` when set, else its id up to the last '-' (an HTTP
-    request's choices are `ID-0`, `ID-1`, …; a core's copies of them `sN/ID-0`, …)."""
-    group = getattr(seq, "group", None)
-    if group is not None:
-        return group
-    head, sep, _ = seq.request_id.rpartition("-")
-    return head if sep else seq.request_id
 
 
 @dataclass
@@ -88,7 +78,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            group = group_of(seq)
+            group = seq.group
             need = seq.num_tokens - seq.num_computed_tokens
             n = min(need, budget) if need <= 1 else min(need, budget, share - used[group])
             if n <= 0:
@@ -113,17 +103,17 @@ class Scheduler:
         if not seqs:
             return budget
         urgent = min(s.priority for s in seqs)
-        groups = {group_of(s) for s in seqs if s.priority == urgent}
+        groups = {s.group for s in seqs if s.priority == urgent}
         return max(1, budget // len(groups))
 
     def _admit(self, batch: ScheduledBatch, budget: int, share: int, used: Counter) -> int:
         """Admit waiting sequences by priority, then the group with the fewest running ones. Returns the budget left."""
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
             return budget
-        running = Counter(group_of(s) for s in self.running)
+        running = Counter(s.group for s in self.running)
         queues: dict[tuple[int, str], deque[tuple[int, Sequence]]] = {}
         for pos, seq in enumerate(self.waiting):
-            queues.setdefault((seq.priority, group_of(seq)), deque()).append((pos, seq))
+            queues.setdefault((seq.priority, seq.group), deque()).append((pos, seq))
         admitted: set[int] = set()
         while queues and budget > 0 and len(self.running) < self.config.max_num_seqs:
             key = min(queues, key=lambda k: (k[0], running[k[1]], queues[k][0][0]))
@@ -184,8 +174,8 @@ class Scheduler:
                 self.bm.grow(seq.table, num_tokens)
                 return True
             except NoFreeBlocks:
-                held = Counter(group_of(s) for s in self.running)
-                at = max(range(index, len(self.running)), key=lambda j: (held[group_of(self.running[j])], j))
+                held = Counter(s.group for s in self.running)
+                at = max(range(index, len(self.running)), key=lambda j: (held[self.running[j].group], j))
                 victim = self.running.pop(at)
                 self._preempt(victim)
                 batch.preempted.append(victim)

@@ -4,7 +4,7 @@ import itertools
 
 from edgecore.shared.config import EngineConfig
 from edgecore.shared.engine.sampling_params import SamplingParams
-from edgecore.shared.engine.scheduler import Scheduler, group_of
+from edgecore.shared.engine.scheduler import Scheduler
 from edgecore.shared.engine.sequence import Sequence, Status
 from edgecore.shared.kv.block_manager import BlockManager
 
@@ -12,10 +12,12 @@ from edgecore.shared.kv.block_manager import BlockManager
 _prompts = itertools.count()
 
 
-def seq(rid, n, priority=0):
-    """A sequence with a prompt of its own (no prefix shared with any other: no cache hits)."""
+def seq(rid, n, priority=0, group=None):
+    """A sequence with a prompt of its own (no prefix shared with any other: no cache hits); `GROUP-i` declares
+    the group GROUP (as the edge declares an HTTP request's choices) unless `group` is given."""
     start = next(_prompts) * 1000 + 1
-    return Sequence(rid, list(range(start, start + n)), SamplingParams(max_tokens=100), priority=priority)
+    return Sequence(rid, list(range(start, start + n)), SamplingParams(max_tokens=100), priority=priority,
+                    group=rid.rpartition("-")[0] if group is None else group)
 
 
 def step(sched, max_output: int | None = None):
@@ -31,13 +33,16 @@ def step(sched, max_output: int | None = None):
     return batch
 
 
-def test_group_of_follows_choice_ids():
-    assert group_of(seq("chatcmpl-abc-0", 1)) == group_of(seq("chatcmpl-abc-15", 1)) == "chatcmpl-abc"
-    assert group_of(seq("s3/cmpl-x-2", 1)) == "s3/cmpl-x"
-    assert group_of(seq("plain", 1)) == "plain"
-    s = seq("a-1", 1)
-    s.group = "explicit"
-    assert group_of(s) == "explicit"
+def test_groups_are_declared_never_read_from_ids():
+    params = SamplingParams(max_tokens=1)
+    assert Sequence("chatcmpl-abc-0", [1], params).group == "chatcmpl-abc-0"     # undeclared: a group alone
+    assert Sequence("chatcmpl-abc-0", [1], params, group="g").group == "g"
+    sched = Scheduler(BlockManager(256, 4), EngineConfig(max_num_batched_tokens=64, max_num_seqs=8))
+    renamed = [seq(f"x{i}", 40, group="one") for i in range(2)] + [seq("y", 40, group="two")]
+    for s in renamed:
+        sched.add(s)
+    batch = step(sched)         # two groups share 64 tokens: 32 each, whatever the ids look like
+    assert dict((s.request_id, n) for s, n in batch.items) == {"x0": 32, "y": 32}
 
 
 def test_small_request_takes_the_first_free_slot_while_a_big_one_runs():
