@@ -32,9 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgecore.deploy.fault_relay import Fault, FaultRelay, RelayThread
+from edgecore.protocol.framing import SEALED
 
-PREFILL_REQUEST, KV_CHUNK, PREFILL_DONE = 5, 6, 7     # protocol/messages.py tags worth aiming at
-FRAME_TYPES = {"up": [None, PREFILL_REQUEST], "down": [None, KV_CHUNK, KV_CHUNK, PREFILL_DONE]}
+# Frames after the handshake are sealed: their message type is encrypted, so a fault aims at the n-th sealed
+# frame of a direction (requests up; KV chunks, PrefillDone and tokens down) or at any frame.
+FRAME_TYPES: dict[str, list[int | None]] = {"up": [None, SEALED], "down": [None, SEALED, SEALED]}
 PROCESS_FAULTS = ("kill_core", "stop_core", "kill_edge_engine")
 RANK_FAULTS = ("kill_rank",)            # a parallel core (core_args with --tp/--pp): SIGKILL one worker rank
 

@@ -42,6 +42,7 @@ CRC = struct.Struct("<I")
 FIXED_SIZE = PREFIX.size + CRC.size  # 20
 LEGACY_FIXED_SIZE = PREFIX.size      # 16 (version 1)
 TAG_SIZE = 16
+SEALED = 0                           # frame type of an encrypted frame: its message type is inside (cipher.py)
 CHUNK = 1 << 16                      # read size while no large frame is pending
 
 

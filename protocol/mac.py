@@ -109,6 +109,7 @@ class Keys:
     def __init__(self, secret: bytes):
         self._prk = hkdf_extract(SALT, secret)
         self.handshake = HandshakeMac(hkdf_expand(self._prk, b"handshake"))
+        self.psk = hkdf_expand(self._prk, b"psk")     # the pre-shared key of sealed sessions (cipher.py)
 
     def session(self, th: bytes) -> tuple[SessionMac, SessionMac]:
         """(client→server, server→client) MACs for the transcript hash `th`."""

@@ -30,16 +30,19 @@ class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, tag_field="t", f
 
 
 # The handshake reveals nothing before both sides have proved the secret: Hello and Welcome carry
-# only versions and nonces; what describes a node (model fingerprint, name, layout, stream ports)
-# travels in Auth and AuthOk, whose frames are MACed with keys derived from the secret and both nonces.
+# only versions, nonces and ephemeral key shares; what describes a node (model fingerprint, name, layout,
+# stream ports) travels in Auth and AuthOk, the first sealed frames (encrypted under keys from the secret and
+# the two key shares, cipher.py).
 class Hello(_Msg, tag=1, frozen=True):
     versions: list[int]
     nonce: bytes                       # client's 32 random bytes (key derivation)
+    key_share: bytes = b""             # client's ephemeral X25519 public key (32 bytes); "" = cannot seal
 
 
 class Welcome(_Msg, tag=2, frozen=True):
     version: int                       # chosen
     nonce: bytes                       # server's 32 random bytes (key derivation)
+    key_share: bytes = b""             # server's ephemeral X25519 public key
 
 
 class Auth(_Msg, tag=3, frozen=True):

@@ -13,8 +13,12 @@ sends and receives are checked against the one table below (`TRANSITIONS`):
     any exception inside the machine (sending or receiving) --> ERROR: further use raises,
            except `error_frame`, which tells the peer why and moves to CLOSED.
 
-Every frame is tagged (mac.py) with an implicit per-direction sequence number, so a frame that is
-altered, replayed, dropped or reordered fails its MAC. Before READY that fails the connection, and
+Hello and Welcome carry ephemeral X25519 key shares and are tagged under a key from the cluster secret
+(mac.py); every later frame is sealed (cipher.py: AES-256-GCM under keys from the secret and the two
+shares, TLS 1.3's psk_dhe_ke schedule), its message type and contents encrypted, its fixed header the
+associated data. Tags and nonces use an implicit per-direction sequence number, so a frame that is
+altered, replayed, dropped or reordered fails its tag (with `sealed=False`, the authenticated-only frames
+of earlier releases: GMAC, nothing encrypted). Before READY that fails the connection, and
 only handshake-sized frames are accepted (framing.HANDSHAKE_LIMITS). In READY one bad frame whose
 fixed header was intact becomes a `BadFrame` event (the transport answers `Reject(seq)`); the sender
 maps the rejected seq back to what it sent (`FrameRejected`) and fails only that request. Two bad
@@ -39,7 +43,9 @@ import msgspec
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 from edgecore.protocol.events import NEED_DATA, BadFrame, FrameRejected, KVData, _NeedData
-from edgecore.protocol.framing import HANDSHAKE_LIMITS, LEGACY_VERSION, FrameParser, Limits, RawFrame, pack_fixed
+from edgecore.protocol.cipher import Ephemeral, FrameCipher, InPlaceOpen, KeySchedule
+from edgecore.protocol.framing import (FIXED_SIZE, HANDSHAKE_LIMITS, LEGACY_VERSION, SEALED, FrameParser, Limits,
+                                      RawFrame, pack_fixed)
 from edgecore.protocol.framing import VERSION as FRAME_VERSION
 from edgecore.protocol.mac import HandshakeMac, IncrementalVerify, Keys, SessionMac, transcript_hash
 
@@ -96,7 +102,10 @@ def next_state(sender: Role, state: State, msg: m.Message, version: int | None =
 class Connection:
     def __init__(self, role: Role, secret: bytes, model_fingerprint: str, codecs: list[str],
                  limits: Limits | None = None, name: str = "", layout: dict[str, int] | None = None,
-                 capabilities: list[str] | None = None, session: str = "", streams: list[int] | None = None):
+                 capabilities: list[str] | None = None, session: str = "", streams: list[int] | None = None,
+                 sealed: bool = True):
+        """`sealed`: encrypt every frame after the handshake (cipher.py) and refuse a peer that cannot; False
+        keeps the authenticated-only frames of earlier releases (benchmarks compare against it)."""
         if not secret:
             raise ValueError("a cluster secret is required")
         self.role, self.peer_role = role, (S if role is C else C)
@@ -123,14 +132,28 @@ class Connection:
         self._sent: OrderedDict[int, m.Message] = OrderedDict()
         self._bad_in_a_row = 0
         self._legacy_peer = False
-        self._incoming: IncrementalVerify | None = None   # MAC of the large frame now arriving
+        self._incoming: IncrementalVerify | InPlaceOpen | None = None   # the large frame now arriving
+        self._ephemeral = Ephemeral() if sealed else None   # this connection's X25519 key pair, until keys are made
+        self._shared = b""                                  # the X25519 secret with the peer's key share
+        self._send_cipher: FrameCipher | None = None        # sealed sessions: one AES-GCM key per direction
+        self._recv_cipher: FrameCipher | None = None
 
     # ---- handshake messages ----------------------------------------------------
     def hello(self) -> m.Hello:
-        return m.Hello(list(m.SUPPORTED_VERSIONS), os.urandom(32))
+        return m.Hello(list(m.SUPPORTED_VERSIONS), os.urandom(32), self.key_share)
 
     def welcome(self) -> m.Welcome:
-        return m.Welcome(self.version or m.PROTOCOL_VERSION, os.urandom(32))
+        return m.Welcome(self.version or m.PROTOCOL_VERSION, os.urandom(32), self.key_share)
+
+    @property
+    def key_share(self) -> bytes:
+        """This side's ephemeral X25519 public key for Hello / Welcome ("" when not sealed)."""
+        return self._ephemeral.share if self._ephemeral is not None else b""
+
+    @property
+    def sealed(self) -> bool:
+        """Frames after the handshake are encrypted (true once keys are agreed on a sealed connection)."""
+        return self._send_cipher is not None
 
     def auth(self) -> m.Auth:
         return m.Auth(self.fingerprint, self.codecs, self.capabilities, self.name, self.session)
@@ -203,8 +226,10 @@ class Connection:
         return parts
 
     def _frame(self, ftype: int, header: bytes, payload: memoryview) -> list[bytes | memoryview]:
-        head = pack_fixed(ftype, len(header), payload.nbytes) + header
         seq, self._send_seq = self._send_seq, self._send_seq + 1
+        if self._send_cipher is not None:
+            return self._send_cipher.seal(seq, pack_fixed(SEALED, len(header), payload.nbytes), header, payload)
+        head = pack_fixed(ftype, len(header), payload.nbytes) + header
         if payload.nbytes:
             return [head, payload, self._send_mac.tag(seq, [head, payload])]
         return [head + self._send_mac.tag(seq, [head])]
@@ -235,10 +260,14 @@ class Connection:
 
     def buffer_updated(self, nbytes: int) -> None:
         self._guard(self.parser.buffer_updated, nbytes)
-        if isinstance(self._recv_mac, SessionMac) and self.parser.large_frame_pending:
-            if self._incoming is None:                 # a large frame's MAC, as its bytes arrive
-                self._incoming = self._recv_mac.verifier(self._recv_seq)
-            self._incoming.pos = self.parser.feed_signed(self._incoming.update, self._incoming.pos)
+        if self.parser.large_frame_pending:
+            if self._incoming is None:     # a large frame is decrypted in place (or MACed) as its bytes arrive
+                if self._recv_cipher is not None:
+                    self._incoming = self._recv_cipher.opener(self._recv_seq)
+                elif isinstance(self._recv_mac, SessionMac):
+                    self._incoming = self._recv_mac.verifier(self._recv_seq)
+            if self._incoming is not None:
+                self._incoming.pos = self.parser.feed_signed(self._incoming.update, self._incoming.pos)
 
     @property
     def full(self) -> bool:
@@ -270,25 +299,35 @@ class Connection:
         if frame.version == LEGACY_VERSION:
             self._legacy(frame)
         seq, self._recv_seq = self._recv_seq, self._recv_seq + 1
+        sealed = self._recv_cipher is not None
         cls = m.MESSAGE_TYPES.get(frame.frame_type)
         inc, self._incoming = self._incoming, None
+        header, payload = frame.header, frame.payload
         if inc is not None:
             inc.update(frame.signed[inc.pos:])
             verified = inc.verify(frame.tag)
+        elif self._recv_cipher is not None:
+            plain = self._recv_cipher.open(seq, frame.signed[:FIXED_SIZE], frame.signed[FIXED_SIZE:], frame.tag)
+            verified = plain is not None
+            if plain is not None:
+                header, payload = memoryview(plain)[:len(header)], memoryview(plain)[len(header):]
         else:
             verified = self._recv_mac.verify(seq, frame.signed, frame.tag)
         if not verified:
-            return self._bad_frame(seq, frame, cls)
+            return self._bad_frame(seq, frame, None if sealed else cls)
         self._bad_in_a_row = 0
-        if cls is None:
+        if sealed and frame.frame_type != SEALED:
+            raise RemoteProtocolError(f"frame type {frame.frame_type} on a sealed connection")
+        if cls is None and not sealed:
             raise RemoteProtocolError(f"unknown frame type {frame.frame_type}")
         try:
-            msg = m.decoder.decode(frame.header)
+            msg = m.decoder.decode(header)
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
-            raise RemoteProtocolError(f"malformed {cls.__name__} header: {exc}") from None
-        if type(msg) is not cls:
+            raise RemoteProtocolError(f"malformed {cls.__name__ if cls else 'sealed'} header: {exc}") from None
+        if not sealed and type(msg) is not cls:
             raise RemoteProtocolError(f"frame type {frame.frame_type} carries a {type(msg).__name__} header")
-        if frame.payload.nbytes and not isinstance(msg, m.KVChunk):
+        cls = type(msg)
+        if payload.nbytes and not isinstance(msg, m.KVChunk):
             raise RemoteProtocolError(f"{cls.__name__} frames carry no payload")
         nxt = next_state(self.peer_role, self.state, msg, self.version)
         if nxt is None:
@@ -297,9 +336,9 @@ class Connection:
         self._check_handshake(msg, frame)
         self._enter(nxt)
         if isinstance(msg, m.KVChunk):
-            if msg.k_bytes > frame.payload.nbytes or msg.k_bytes < 0:
+            if msg.k_bytes > payload.nbytes or msg.k_bytes < 0:
                 raise RemoteProtocolError("KVChunk k_bytes exceeds its payload")
-            return KVData(msg, frame.payload)
+            return KVData(msg, payload)
         if isinstance(msg, m.Reject):
             sent = self._sent.get(msg.seq)
             if sent is None:
@@ -309,7 +348,7 @@ class Connection:
         return msg
 
     def _bad_frame(self, seq: int, frame: RawFrame, cls: type | None) -> BadFrame | m.Error:
-        name = cls.__name__ if cls else f"type-{frame.frame_type}"
+        name = cls.__name__ if cls else ("sealed" if frame.frame_type == SEALED else f"type-{frame.frame_type}")
         if self.state is not State.READY:
             if cls is m.Error:      # the peer is closing anyway; say what it said, marked as unverified
                 self._enter(State.CLOSED)
@@ -343,12 +382,14 @@ class Connection:
                 raise RemoteProtocolError(f"no common protocol version: peer offers {msg.versions}, this side "
                                           f"supports {list(m.SUPPORTED_VERSIONS)}", ErrorCode.VERSION_MISMATCH)
             _check_nonce(msg.nonce)
+            self._exchange(msg.key_share)
             self._hello_header, self.version = bytes(frame.header), common[-1]
         elif isinstance(msg, m.Welcome):
             if msg.version not in m.SUPPORTED_VERSIONS:
                 raise RemoteProtocolError(f"server chose unsupported version {msg.version}",
                                           ErrorCode.VERSION_MISMATCH)
             _check_nonce(msg.nonce)
+            self._exchange(msg.key_share)
             self.version = msg.version
             self._start_session(bytes(frame.header))
         elif isinstance(msg, (m.Auth, m.AuthOk)):
@@ -364,9 +405,27 @@ class Connection:
             else:
                 self.peer_layout, self.streams = dict(msg.layout), list(msg.streams)
 
+    def _exchange(self, share: bytes) -> None:
+        """The X25519 exchange with the peer's key share, as soon as it arrives (a bad one fails here)."""
+        if self._ephemeral is None:
+            return
+        if not share:
+            raise RemoteProtocolError("the peer cannot encrypt the link (its handshake has no key share: an "
+                                      "edgecore release before sealed frames); run the same release on edges and "
+                                      "cores", ErrorCode.VERSION_MISMATCH)
+        self._shared = self._ephemeral.exchange(bytes(share))
+
     def _start_session(self, welcome_header: bytes) -> None:
-        c2s, s2c = self._keys.session(transcript_hash(self._hello_header, welcome_header))
-        self._send_mac, self._recv_mac = (c2s, s2c) if self.role is C else (s2c, c2s)
+        th = transcript_hash(self._hello_header, welcome_header)
+        if self._ephemeral is not None:     # sealed: TLS 1.3's psk_dhe_ke schedule (cipher.py)
+            schedule = KeySchedule(self._keys.psk, self._shared, th)
+            self._ephemeral, self._shared = None, b""    # used once: a later leak cannot recover this session
+            c2s = FrameCipher(*KeySchedule.traffic_keys(schedule.client_secret))
+            s2c = FrameCipher(*KeySchedule.traffic_keys(schedule.server_secret))
+            self._send_cipher, self._recv_cipher = (c2s, s2c) if self.role is C else (s2c, c2s)
+            return
+        c2s_mac, s2c_mac = self._keys.session(th)
+        self._send_mac, self._recv_mac = (c2s_mac, s2c_mac) if self.role is C else (s2c_mac, c2s_mac)
 
 
 def _check_nonce(nonce: bytes) -> None:

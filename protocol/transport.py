@@ -310,8 +310,9 @@ async def _handshake_server(peer: Peer) -> None:
 
 async def connect(host: str, port: int, *, secret: bytes, fingerprint: str, codecs: list[str],
                   timeouts: Timeouts = Timeouts(), ssl: ssl_module.SSLContext | None = None,
-                  name: str = "edge", limits: Limits | None = None, session: str = "") -> Peer:
-    conn = Connection(Role.CLIENT, secret, fingerprint, codecs, limits, name, session=session)
+                  name: str = "edge", limits: Limits | None = None, session: str = "", sealed: bool = True) -> Peer:
+    """`sealed`: encrypt the link (the default; False only to measure against authenticated-only frames)."""
+    conn = Connection(Role.CLIENT, secret, fingerprint, codecs, limits, name, session=session, sealed=sealed)
     loop = asyncio.get_running_loop()
     try:
         _, stream = await asyncio.wait_for(loop.create_connection(lambda: _Stream(conn), host, port, ssl=ssl),
@@ -339,7 +340,7 @@ Handler = Callable[[Peer], Awaitable[None]]
 async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0, secret: bytes, fingerprint: str,
                 codecs: list[str], timeouts: Timeouts = Timeouts(), ssl: ssl_module.SSLContext | None = None,
                 name: str = "core", layout: dict[str, int] | None = None, limits: Limits | None = None,
-                load_fn: Callable[[], int] | None = None, streams: list[int] | None = None
+                load_fn: Callable[[], int] | None = None, streams: list[int] | None = None, sealed: bool = True
                 ) -> asyncio.base_events.Server:
     async def on_connect(stream: _Stream) -> None:
         peer = Peer(stream.conn, stream, timeouts, load_fn)
@@ -373,7 +374,7 @@ async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0, sec
 
     def factory() -> _Stream:
         stream = _Stream(Connection(Role.SERVER, secret, fingerprint, codecs, limits, name, layout,
-                                    streams=streams))
+                                    streams=streams, sealed=sealed))
 
         def started(s: _Stream) -> None:
             task = loop.create_task(on_connect(s))

@@ -49,13 +49,13 @@ def test_bit_flips_in_prefill_done_fields_are_never_silent(cluster):
     """The fault found in the field: one flipped bit in PrefillDone's first token must give a clean
     error or a correct answer after a retry, never a different answer.
 
-    PrefillDone's message header is [tag, request id, first token, logprob, ...] in msgpack; for a
-    completions request id ("cmpl-" + 32 hex digits + "-0", a str8) the first token is a uint16 at
-    bytes 45-47 of the message header, and the logprob a float64 after it: flip each of those bits."""
-    from edgecore.deploy.chaos import PREFILL_DONE
+    Frames are sealed: the relay cannot tell a PrefillDone from a Token or a KV chunk, so the same bit
+    positions (PrefillDone's first token and logprob in its plaintext layout) are flipped in each of the first
+    three sealed frames a request's trial sends down. Every flip must fail the frame's tag, never change it."""
     from edgecore.deploy.fault_relay import Fault
+    from edgecore.protocol.framing import SEALED
     bits = [45 * 8 + b for b in range(3 * 8)] + [48 * 8 + b for b in range(0, 9 * 8, 9)]
-    results = [cluster.run_trial(1000 + i, requests=1, fault=Fault("flip_message", "down", PREFILL_DONE, 0, bit=bit))
+    results = [cluster.run_trial(1000 + i, requests=1, fault=Fault("flip_message", "down", SEALED, i % 3, bit=bit))
                for i, bit in enumerate(bits)]
     silent = [r for r in results if r.silent_differences]
     assert not silent, f"{len(silent)} of {len(results)} flips gave a silently different answer: {silent}"

@@ -13,9 +13,9 @@ FP = "f" * 64
 CODECS = ["raw", "lossless", "int8"]
 
 
-def new_pair(secret_c=SECRET, secret_s=SECRET, fp_c=FP, fp_s=FP, limits=None):
-    client = Connection(Role.CLIENT, secret_c, fp_c, CODECS, limits, name="edge")
-    server = Connection(Role.SERVER, secret_s, fp_s, CODECS, limits, name="core", layout={"tp": 1})
+def new_pair(secret_c=SECRET, secret_s=SECRET, fp_c=FP, fp_s=FP, limits=None, sealed=True):
+    client = Connection(Role.CLIENT, secret_c, fp_c, CODECS, limits, name="edge", sealed=sealed)
+    server = Connection(Role.SERVER, secret_s, fp_s, CODECS, limits, name="core", layout={"tp": 1}, sealed=sealed)
     return client, server
 
 

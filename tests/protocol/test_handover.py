@@ -42,7 +42,7 @@ def test_several_tokens_in_one_read_arrive_in_order():
 def version2_pair(old_side: str):
     """A pair where one side supports only version 2 (its Hello offers [2], or its Welcome chooses 2)."""
     client, server = new_pair()
-    hello = m.Hello([2], os.urandom(32)) if old_side == "client" else client.hello()
+    hello = m.Hello([2], os.urandom(32), client.key_share) if old_side == "client" else client.hello()
     deliver(client.send_bytes(hello), server)
     if old_side == "server":
         server.version = 2                      # what a version-2 server chooses

@@ -10,7 +10,7 @@ from edgecore.protocol.state import TRANSITIONS, Role, State
 from tests.protocol.pairs import deliver, forge, handshake, new_pair, sample_kv
 
 SAMPLES = {
-    m.Hello: lambda c: c.hello(), m.Welcome: lambda c: m.Welcome(2, b"w" * 32), m.Auth: lambda c: c.auth(),
+    m.Hello: lambda c: c.hello(), m.Welcome: lambda c: m.Welcome(2, b"w" * 32, c.key_share), m.Auth: lambda c: c.auth(),
     m.AuthOk: lambda c: m.AuthOk(c.fingerprint, ["raw"]), m.PrefillRequest: lambda c: m.PrefillRequest("r", [1]),
     m.KVChunk: lambda c: sample_kv()[2], m.PrefillDone: lambda c: m.PrefillDone("r", 1),
     m.Ack: lambda c: m.Ack("r"), m.Cancel: lambda c: m.Cancel("r"), m.Error: lambda c: m.Error(10, "x", "r"),

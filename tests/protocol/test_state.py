@@ -7,7 +7,7 @@ import pytest
 
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
-from edgecore.protocol.framing import FIXED_SIZE, Limits, pack_fixed
+from edgecore.protocol.framing import FIXED_SIZE, SEALED, Limits, pack_fixed
 from edgecore.protocol.kv import decode_chunk
 from edgecore.protocol.state import BadFrame, KVData, State
 from tests.protocol.pairs import (READY_CLIENT_MSGS, deliver, forge, handshake, new_pair, ready_server_msgs,
@@ -54,12 +54,20 @@ def test_several_frames_in_one_read():
 
 
 def test_kv_payload_is_sent_without_copy():
-    client, server = new_pair()
+    """Authenticated-only frames hand the payload view itself to the socket; sealed frames encrypt it into
+    a new buffer of the same size and leave the sender's KV untouched."""
+    client, server = new_pair(sealed=False)
     handshake(client, server)
     kv = sample_kv()[2]
     parts = server.send(kv)
     assert len(parts) == 3 and parts[1] is kv.payload     # the payload view itself, not a copy
     assert len(parts[2]) == 16                              # then the tag
+    client, server = new_pair()
+    handshake(client, server)
+    before = bytes(kv.payload)
+    parts = server.send(kv)
+    assert len(parts) == 3 and len(parts[1]) == kv.payload.nbytes and bytes(parts[1]) != before
+    assert bytes(kv.payload) == before and len(parts[2]) == 16
 
 
 @pytest.mark.parametrize("sender, msg, state", [
@@ -98,8 +106,10 @@ def test_wrong_secret_fails_on_both_sides():
     assert err.code == ErrorCode.AUTH_FAILED and "unverified" in err.message and client.state is State.CLOSED
     # A server that does not know the secret cannot produce a Welcome the client accepts.
     client, server = new_pair(secret_s=b"impostor")
-    client.send_bytes(client.hello())
+    hello = client.hello()
+    client.send_bytes(hello)
     server.state, server.version = State.HELLO, 2      # impostor skips the Hello check
+    server._exchange(hello.key_share)                   # (the client's key share is public)
     with pytest.raises(RemoteProtocolError, match="Welcome frame failed its MAC") as exc:
         deliver(server.send_bytes(server.welcome()), client)
     assert exc.value.code == ErrorCode.AUTH_FAILED and client.state is State.ERROR
@@ -195,7 +205,7 @@ def test_flipped_payload_bit_is_detected_before_decoding():
     data = bytearray(server.send_bytes(kv))
     data[-20] ^= 0x10                      # the payload's last byte (the tag is the last 16)
     [got] = deliver(bytes(data), client)
-    assert isinstance(got, BadFrame) and got.frame_type == 6 and client.state is State.READY
+    assert isinstance(got, BadFrame) and got.frame_type == SEALED and client.state is State.READY
 
 
 def test_payload_views_of_wider_items_are_framed_by_bytes():

@@ -11,14 +11,16 @@ from edgecore.deploy.fault_relay import Fault, FaultRelay
 from edgecore.protocol import messages as m
 from edgecore.protocol import transport
 from edgecore.protocol.errors import ErrorCode
-from edgecore.protocol.framing import HANDSHAKE_LIMITS, LEGACY_VERSION, pack_fixed
+from edgecore.protocol.framing import HANDSHAKE_LIMITS, LEGACY_VERSION, SEALED, pack_fixed
 from edgecore.protocol.state import KVData
 from edgecore.protocol.transport import connect
 from tests.protocol.pairs import CODECS, FP, SECRET
 from tests.protocol.test_transport import FAST, start
 
 pytestmark = pytest.mark.timeout(30)
-HEADER_BIT = 3 * 8 + 1      # a bit inside the msgpack header of a frame
+HEADER_BIT = 3 * 8 + 1      # a bit inside the (encrypted) msgpack header of a frame
+# Sealed frames hide their message type (the fixed header says SEALED): the relay picks them by their order.
+# Down: AuthOk is the 1st sealed frame, then each request's KVChunk and PrefillDone; up: Auth, then requests.
 
 
 def flip_header_of(direction: str, frame_type: int, nth: int):
@@ -36,7 +38,7 @@ async def through_relay(plan, handler=None):
 
 
 async def test_flipped_prefill_done_fails_only_that_request():
-    server, relay, peer = await through_relay(flip_header_of("down", 7, 1))
+    server, relay, peer = await through_relay(flip_header_of("down", SEALED, 3))      # r1's PrefillDone
     async with server:
         await peer.send(m.PrefillRequest("r1", [1, 2, 3]))
         assert isinstance(await peer.recv(), KVData)
@@ -46,13 +48,13 @@ async def test_flipped_prefill_done_fails_only_that_request():
         assert isinstance(await peer.recv(), KVData)
         done = await peer.recv()
         assert isinstance(done, m.PrefillDone) and done.request_id == "r2" and done.first_token == 7
-        assert [(d, t) for d, t, _ in relay.log] == [("down", 7)]
+        assert [(d, t) for d, t, _ in relay.log] == [("down", SEALED)]
         await peer.close()
         await relay.stop()
 
 
 async def test_flipped_prefill_request_is_reported_to_the_edge():
-    server, relay, peer = await through_relay(flip_header_of("up", 5, 1))
+    server, relay, peer = await through_relay(flip_header_of("up", SEALED, 2))        # r1's PrefillRequest
     async with server:
         await peer.send(m.PrefillRequest("r1", [1, 2, 3]))
         err = await peer.recv()
@@ -71,12 +73,12 @@ async def test_flipped_ack_is_sent_again():
             msg = await peer.recv()
             if isinstance(msg, m.Ack):
                 acks.append(msg.request_id)
-    server, relay, peer = await through_relay(flip_header_of("up", 8, 1), records_acks)
+    server, relay, peer = await through_relay(flip_header_of("up", SEALED, 2), records_acks)     # the Ack
     async with server:
         await peer.send(m.Ack("r1"))
         with pytest.raises(asyncio.TimeoutError):       # the edge's reader resends when the Reject arrives
             await asyncio.wait_for(peer.recv(), 0.5)
-        assert acks == ["r1"] and relay.frames["up", 8] == 2
+        assert acks == ["r1"] and relay.frames["up", SEALED] == 3      # Auth, the Ack, the Ack again
         await peer.close()
         await relay.stop()
 
