@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
+from edgecore.deploy.node_settings import core_settings, edge_settings, node_argv
 from edgecore.deploy.topology import CoreNode, EdgeNode, Resources, Topology, kube_name
 
 APP = "edgecore"
@@ -70,9 +72,9 @@ def model_volume_claim(topo: Topology, region: str) -> dict:
             "spec": spec}
 
 
-def _model_args(topo: Topology) -> list[str]:
+def _model_path(topo: Topology) -> str | None:
     """The bundled model is the image's default; any other is read from the mounted claim."""
-    return [] if topo.bundled_model else ["--model", f"{MODEL_MOUNT}/{Path(topo.model).name}"]
+    return None if topo.bundled_model else f"{MODEL_MOUNT}/{Path(topo.model).name}"
 
 
 def _doubled(quantity: str) -> str:
@@ -133,11 +135,11 @@ def core_manifests(topo: Topology, core: CoreNode) -> list[dict]:
                "spec": {"clusterIP": "None", "selector": sel, "publishNotReadyAddresses": False,
                         "ports": [{"name": "kv", "port": core.port, "targetPort": "kv"},
                                   {"name": "http", "port": core.http_port, "targetPort": "http"}]}}
-    args = ["core", *_model_args(topo), "--listen", f"0.0.0.0:{core.port}", "--http", f"0.0.0.0:{core.http_port}",
-            "--secret-file", f"{SECRET_MOUNT}/cluster-secret", "--name", core.name, "--device", core.device,
-            "--data-dir", "/data", "--api-key-file", f"{SECRET_MOUNT}/api-keys"]   # control port beyond loopback
-    if core.tp * core.pp > 1:    # the Service exposes one KV port, so rank 0 sends every rank's KV
-        args += ["--tp", str(core.tp), "--pp", str(core.pp), "--gather-kv"]
+    settings = replace(core_settings(core), model=_model_path(topo), listen=f"0.0.0.0:{core.port}",
+                       http=f"0.0.0.0:{core.http_port}", secret_file=f"{SECRET_MOUNT}/cluster-secret",
+                       data_dir="/data", api_key_file=f"{SECRET_MOUNT}/api-keys",   # control port beyond loopback
+                       # the Service exposes one KV port, so rank 0 sends every rank's KV
+                       gather_kv=core.tp * core.pp > 1)
     mounts = [{"name": "secrets", "mountPath": SECRET_MOUNT, "readOnly": True}, {"name": "data", "mountPath": "/data"}]
     volumes = [_secret_volume(topo)]
     if needs_model_volume(topo, core.region):
@@ -145,7 +147,7 @@ def core_manifests(topo: Topology, core: CoreNode) -> list[dict]:
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": models_claim(core.region),
                                                                     "readOnly": True}})
     container = {"name": "core", "image": topo.cuda_image if core.device == "cuda" else topo.image,
-                 "imagePullPolicy": PULL_POLICY, "args": args,
+                 "imagePullPolicy": PULL_POLICY, "args": node_argv(settings),
                  "ports": [{"name": "kv", "containerPort": core.port},
                            {"name": "http", "containerPort": core.http_port}],
                  "resources": _resources(core.resources, core.gpus), "volumeMounts": mounts}
@@ -168,28 +170,24 @@ def core_address(topo: Topology, core: CoreNode) -> str:
 def edge_manifests(topo: Topology, edge: EdgeNode) -> list[dict]:
     name = edge_name(edge)
     lab, sel = labels("edge", edge.name, edge.region), selector("edge", edge.name)
-    args = ["edge", "--listen", f"0.0.0.0:{edge.port}", "--name", edge.name, "--served-model-name", topo.model_name,
-            "--secret-file", f"{SECRET_MOUNT}/cluster-secret", "--api-key-file", f"{SECRET_MOUNT}/api-keys",
-            "--transfer-timeout", str(edge.transfer_timeout)] + (["--compile"] if edge.compile else [])
+    settings = replace(edge_settings(topo, edge), listen=f"0.0.0.0:{edge.port}",
+                       secret_file=f"{SECRET_MOUNT}/cluster-secret", api_key_file=f"{SECRET_MOUNT}/api-keys")
     mounts = [{"name": "secrets", "mountPath": SECRET_MOUNT, "readOnly": True},
               {"name": "cache", "mountPath": "/cache"}]
     volumes = [_secret_volume(topo), {"name": "cache", "emptyDir": {}}]
     cores = topo.cores_for(edge.region)
     if cores:   # the nearest core serves the packed model; every reachable core is a prefill target
         first = cores[0]
-        args += ["--model-from", f"http://{core_address(topo, first)}:{first.http_port}", "--model-cache", "/cache",
-                 "--model-from-key-file", f"{SECRET_MOUNT}/api-keys"]
-        for core in cores:
-            args += ["--core-dns", f"{core_address(topo, core)}:{core.port}"]
+        settings = replace(settings, model_from=f"http://{core_address(topo, first)}:{first.http_port}",
+                           model_cache="/cache", model_from_key_file=f"{SECRET_MOUNT}/api-keys",
+                           core_dns=tuple(f"{core_address(topo, core)}:{core.port}" for core in cores))
     else:
-        args += _model_args(topo)
+        settings = replace(settings, model=_model_path(topo))
         if needs_model_volume(topo, edge.region):
             mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
             volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": models_claim(edge.region),
                                                                         "readOnly": True}})
-    for codec in edge.codecs:
-        args += ["--codec", codec]
-    container = {"name": "edge", "image": topo.image, "imagePullPolicy": PULL_POLICY, "args": args,
+    container = {"name": "edge", "image": topo.image, "imagePullPolicy": PULL_POLICY, "args": node_argv(settings),
                  "ports": [{"name": "http", "containerPort": edge.port}],
                  "resources": _resources(edge.resources, edge.resources.gpu or 0), "volumeMounts": mounts}
     if edge.compile:    # torch's compile cache on the pod's volume: a restarted container compiles from it

@@ -23,10 +23,11 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, TextIO
 
+from edgecore.deploy.node_settings import core_settings, edge_settings, node_argv
 from edgecore.deploy.topology import CoreNode, EdgeNode, Topology
 from edgecore.shared.errors import EdgecoreError
 
@@ -142,37 +143,28 @@ class Launcher:
             # Under WAN emulation a core listens on every address of its namespace, so that
             # edges reach it over the link interfaces.
             bind = "0.0.0.0" if self.wan else host
-            args = ["core", "--model", topo.model, "--listen", f"{bind}:{core.port}",
-                    "--http", f"{bind}:{core.http_port}", "--name", core.name, "--secret-file", secret,
-                    "--data-dir", str(data), "--device", core.device]
+            settings = replace(core_settings(core), model=topo.model, listen=f"{bind}:{core.port}",
+                               http=f"{bind}:{core.http_port}", secret_file=secret, data_dir=str(data),
+                               # the emulated link relays one port per core: rank 0 sends all KV
+                               gather_kv=bool(self.wan) and core.tp * core.pp > 1)
             if topo.api_keys_file or self.wan:   # a control port beyond loopback needs an API key
-                args += ["--api-key-file", topo.api_keys_file or self._control_key_file()]
-            if core.tp * core.pp > 1:
-                args += ["--tp", str(core.tp), "--pp", str(core.pp)]
-                if self.wan:         # the emulated link relays one port per core: rank 0 sends all KV
-                    args.append("--gather-kv")
-            self._spawn(f"{core.region}/{core.name}", args, f"http://{host}:{core.http_port}/ready",
+                settings = replace(settings, api_key_file=topo.api_keys_file or self._control_key_file())
+            self._spawn(f"{core.region}/{core.name}", node_argv(settings), f"http://{host}:{core.http_port}/ready",
                         self.wan.netns(core.region) if self.wan else None)
             addr[core.name] = (host, core.port)
         self._wait_ready(list(self.procs))
         edges = []
         for edge in topo.edges:
             host = self.wan.host(edge.region) if self.wan else "127.0.0.1"
-            args = ["edge", "--model", topo.model, "--listen", f"{host}:{edge.port}", "--name", edge.name,
-                    "--served-model-name", topo.model_name]
+            cores = []
             for core in topo.cores_for(edge.region):
                 target = self.wan.core_address(edge.region, core) if self.wan else addr[core.name]
-                args += ["--core", f"{target[0]}:{target[1]}"]
-            if topo.cores_for(edge.region):
-                args += ["--secret-file", secret]
-            if topo.api_keys_file:
-                args += ["--api-key-file", topo.api_keys_file]
-            for codec in edge.codecs:
-                args += ["--codec", codec]
-            args += ["--transfer-timeout", str(edge.transfer_timeout)]
-            if edge.compile:
-                args.append("--compile")
-            edges.append(self._spawn(f"{edge.region}/{edge.name}", args, f"http://{host}:{edge.port}/ready",
+                cores.append(f"{target[0]}:{target[1]}")
+            edge_args = replace(edge_settings(topo, edge), model=topo.model, listen=f"{host}:{edge.port}",
+                                core=tuple(cores), secret_file=secret if cores else None,
+                                api_key_file=topo.api_keys_file)
+            edges.append(self._spawn(f"{edge.region}/{edge.name}", node_argv(edge_args),
+                                     f"http://{host}:{edge.port}/ready",
                                      self.wan.netns(edge.region) if self.wan else None))
             self.edge_urls[edge.name] = f"http://{host}:{edge.port}/v1"
         # A first --compile takes a minute or more per edge on a small machine, several at once longer.

@@ -1,0 +1,77 @@
+"""The settings both node kinds take, written once: model, dtype, device, `--compile`, the KV cache's size and
+the HTTP server's limits.
+
+Life cycle: each function returns a fresh `setting` field (`shared/settings.py`) that `EdgeSettings` and
+`CoreSettings` declare under the same name and type; from there they are flags, parsed values and rendered
+argv like every other setting of the node.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from edgecore.shared.http_server import ServerLimits
+from edgecore.shared.kv.budget import DEFAULT_KV_CACHE_MEMORY
+from edgecore.shared.settings import setting
+
+Dtype = Literal["auto", "bf16", "fp16", "fp32"]
+_LIMITS = ServerLimits()
+
+
+def model() -> Any:
+    """model: str | None"""
+    return setting(None, metavar="DIR", help="Hugging Face model directory (default: the bundled pydoc-llama)")
+
+
+def dtype() -> Any:
+    """dtype: Dtype"""
+    return setting("auto", help="weight and KV dtype (auto: fp32 on CPU, bf16 on CUDA)")
+
+
+def device() -> Any:
+    """device: str | None"""
+    return setting(None, help="cpu or cuda (default: cuda when available)")
+
+
+def compile_decode() -> Any:
+    """compile: bool"""
+    return setting(False, help="compile the decode step with torch.compile (CPU, small float32 Llama-family "
+                               "models: about 1.3-1.9x faster steps at 1-64 sequences; a minute of start-up the "
+                               "first time, cached after; needs a C++ compiler)")
+
+
+def kv_cache_memory() -> Any:
+    """kv_cache_memory: str"""
+    return setting(DEFAULT_KV_CACHE_MEMORY, metavar="SIZE",
+                   help="memory for the KV cache, e.g. 512MiB or 4GiB: the pool holds as many 16-token blocks as "
+                        f"fit (default {DEFAULT_KV_CACHE_MEMORY}); on CPU it becomes resident only as it fills")
+
+
+def kv_blocks() -> Any:
+    """kv_blocks: int | None"""
+    return setting(None, metavar="N", help="KV cache blocks of 16 tokens, instead of sizing the cache from "
+                                           "--kv-cache-memory")
+
+
+def max_connections() -> Any:
+    """max_connections: int"""
+    return setting(_LIMITS.max_connections, help="open HTTP connections; more get a 503 and are closed "
+                                                 f"(default {_LIMITS.max_connections})")
+
+
+def header_timeout() -> Any:
+    """header_timeout: float"""
+    return setting(_LIMITS.header_timeout, help="seconds a client has to send complete request headers "
+                                                f"(default {_LIMITS.header_timeout:g})")
+
+
+def body_timeout() -> Any:
+    """body_timeout: float"""
+    return setting(_LIMITS.body_timeout, help="seconds a client has to send a JSON request body "
+                                              f"(default {_LIMITS.body_timeout:g})")
+
+
+def keepalive_timeout() -> Any:
+    """keepalive_timeout: float"""
+    return setting(_LIMITS.keepalive_timeout, help="seconds an idle kept-alive connection stays open "
+                                                   f"(default {_LIMITS.keepalive_timeout:g})")
