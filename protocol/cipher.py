@@ -10,7 +10,11 @@ the 64-bit sequence number). The transcript hash is SHA-256 over the Hello and W
 (mac.py `transcript_hash`), which carry both nonces and both key shares. See docs/wire-format.md §2a.
 
 Life cycle: each side makes an `Ephemeral` key pair with its Connection; once Hello and Welcome are known,
-`session_ciphers(psk, shared, transcript)` yields the (client→server, server→client) `FrameCipher`s. A
+`KeySchedule(psk, shared, transcript)` yields the two directions' traffic secrets, each held as `TrafficKeys`
+(a `FrameCipher` and a key phase). A sender updates its key after `Rekey`'s frames, bytes or seconds
+(TLS 1.3's key update, signalled by the frame's key-phase flag instead of a message: nothing in flight is
+dropped or resent); a receiver that sees the other phase opens the frame with the next key and keeps it
+only if the tag verifies (a flipped flag is a corrupted frame, never a lost key). A
 frame is sealed with `seal(seq, fixed, header, payload)`: the fixed header (lengths, CRC) stays in clear as
 associated data; the message header and payload are encrypted; the 16-byte tag ends the frame as the MAC
 did. `open(seq, fixed, body, tag)` decrypts a frame that arrived whole (a copy: small frames);
@@ -23,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
@@ -90,6 +95,26 @@ class Ephemeral:
         except ValueError:          # a low-order point: the shared secret would be all zeros
             raise RemoteProtocolError("the peer's key share is not a usable X25519 key",
                                       ErrorCode.AUTH_FAILED) from None
+
+
+@dataclass(frozen=True)
+class Rekey:
+    """When a sending direction updates its key (whichever comes first): frames, bytes sealed, seconds."""
+    frames: int = 1 << 24           # TLS 1.3's AES-GCM guidance is about 2^24.5 records per key
+    bytes: int = 1 << 36            # 64 GiB
+    seconds: float = 3600.0
+
+
+class TrafficKeys:
+    """One direction's traffic secret, its cipher and its key phase; `updated()` is the next key (RFC 8446
+    §7.2: traffic_secret_N+1 = HKDF-Expand-Label(traffic_secret_N, "traffic upd", "", 32)), phase flipped."""
+
+    def __init__(self, secret: bytes, phase: int = 0):
+        self.secret, self.phase = secret, phase
+        self.cipher = FrameCipher(*KeySchedule.traffic_keys(secret))
+
+    def updated(self) -> TrafficKeys:
+        return TrafficKeys(hkdf_expand_label(self.secret, "traffic upd", b"", HASH_LEN), self.phase ^ 1)
 
 
 class FrameCipher:

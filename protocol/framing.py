@@ -4,7 +4,7 @@
     0        4     magic  b"EDGC"
     4        1     protocol version (2)
     5        1     frame type (= message tag)
-    6        2     flags (reserved, 0)
+    6        2     flags (bit 0: key phase of a sealed frame, cipher.py; the others reserved, 0)
     8        4     header length H (u32 LE)
     12       4     payload length P (u32 LE)
     16       4     CRC-32 of bytes 0..15 (the lengths are only trusted once this matches)
@@ -43,6 +43,7 @@ FIXED_SIZE = PREFIX.size + CRC.size  # 20
 LEGACY_FIXED_SIZE = PREFIX.size      # 16 (version 1)
 TAG_SIZE = 16
 SEALED = 0                           # frame type of an encrypted frame: its message type is inside (cipher.py)
+KEY_PHASE = 0x1                      # flag: the sealed frame's key phase (flips at each key update)
 CHUNK = 1 << 16                      # read size while no large frame is pending
 
 
@@ -66,10 +67,11 @@ class RawFrame:
     payload: memoryview
     signed: memoryview      # fixed header ‖ header ‖ payload: what the tag covers
     tag: memoryview         # empty for a version-1 frame
+    flags: int = 0
 
 
-def pack_fixed(frame_type: int, header_len: int, payload_len: int, version: int = VERSION) -> bytes:
-    prefix = PREFIX.pack(MAGIC, version, frame_type, 0, header_len, payload_len)
+def pack_fixed(frame_type: int, header_len: int, payload_len: int, version: int = VERSION, flags: int = 0) -> bytes:
+    prefix = PREFIX.pack(MAGIC, version, frame_type, flags, header_len, payload_len)
     if version == LEGACY_VERSION:
         return prefix
     return prefix + CRC.pack(zlib.crc32(prefix))
@@ -87,6 +89,7 @@ class FrameParser:
         self._buf = bytearray(min(CHUNK, self.limits.max_buffer))
         self._len = 0                                     # filled bytes at the front of _buf
         self._need: tuple[int, int, int, int, int] | None = None  # version, type, fixed, H, P
+        self._flags = 0                                   # the pending frame's flags
 
     @property
     def buffered(self) -> int:
@@ -135,6 +138,11 @@ class FrameParser:
     def buffer_updated(self, nbytes: int) -> None:
         self._len += nbytes
         self._parse_fixed()
+
+    @property
+    def pending_flags(self) -> int:
+        """The flags of the frame whose fixed header is in (0 when none is)."""
+        return self._flags if self._need is not None else 0
 
     @property
     def large_frame_pending(self) -> bool:
@@ -187,7 +195,7 @@ class FrameParser:
         if version == VERSION and CRC.unpack_from(self._buf, PREFIX.size)[0] != zlib.crc32(self._buf[:PREFIX.size]):
             raise RemoteProtocolError("a frame's fixed header failed its CRC (corrupted lengths or type): the "
                                       "stream cannot be parsed further", ErrorCode.CHECKSUM)
-        if flags != 0:
+        if flags & ~KEY_PHASE or (flags and ftype != SEALED):
             raise RemoteProtocolError(f"unknown frame flags {flags:#x}")
         if hlen > self.limits.max_header:
             raise RemoteProtocolError(f"frame header of {hlen} bytes exceeds the limit of "
@@ -195,7 +203,7 @@ class FrameParser:
         if plen > self.limits.max_payload:
             raise RemoteProtocolError(f"frame payload of {plen} bytes exceeds the limit of "
                                       f"{self.limits.max_payload}", ErrorCode.FRAME_TOO_LARGE)
-        self._need = (version, ftype, fixed, hlen, plen)
+        self._need, self._flags = (version, ftype, fixed, hlen, plen), flags
 
     def next_frame(self) -> RawFrame | None:
         self._parse_fixed()
@@ -218,7 +226,8 @@ class FrameParser:
                 frame_bytes = bytes(buf[:total])
                 buf[:rest] = buf[total:self._len]
         self._len = rest
-        self._need = None
+        flags, self._need, self._flags = self._flags, None, 0
         view = memoryview(frame_bytes)
         end = fixed + hlen + plen
-        return RawFrame(version, ftype, view[fixed:fixed + hlen], view[fixed + hlen:end], view[:end], view[end:total])
+        return RawFrame(version, ftype, view[fixed:fixed + hlen], view[fixed + hlen:end], view[:end], view[end:total],
+                        flags)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import enum
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TypeVar, TypeVarTuple
@@ -43,9 +44,9 @@ import msgspec
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 from edgecore.protocol.events import NEED_DATA, BadFrame, FrameRejected, KVData, _NeedData
-from edgecore.protocol.cipher import Ephemeral, FrameCipher, InPlaceOpen, KeySchedule
-from edgecore.protocol.framing import (FIXED_SIZE, HANDSHAKE_LIMITS, LEGACY_VERSION, SEALED, FrameParser, Limits,
-                                      RawFrame, pack_fixed)
+from edgecore.protocol.cipher import Ephemeral, InPlaceOpen, KeySchedule, Rekey, TrafficKeys
+from edgecore.protocol.framing import (FIXED_SIZE, HANDSHAKE_LIMITS, KEY_PHASE, LEGACY_VERSION, SEALED, FrameParser,
+                                      Limits, RawFrame, pack_fixed)
 from edgecore.protocol.framing import VERSION as FRAME_VERSION
 from edgecore.protocol.mac import HandshakeMac, IncrementalVerify, Keys, SessionMac, transcript_hash
 
@@ -103,9 +104,10 @@ class Connection:
     def __init__(self, role: Role, secret: bytes, model_fingerprint: str, codecs: list[str],
                  limits: Limits | None = None, name: str = "", layout: dict[str, int] | None = None,
                  capabilities: list[str] | None = None, session: str = "", streams: list[int] | None = None,
-                 sealed: bool = True):
+                 sealed: bool = True, rekey: Rekey = Rekey(), clock: Callable[[], float] = time.monotonic):
         """`sealed`: encrypt every frame after the handshake (cipher.py) and refuse a peer that cannot; False
-        keeps the authenticated-only frames of earlier releases (benchmarks compare against it)."""
+        keeps the authenticated-only frames of earlier releases (benchmarks compare against it). `rekey`: when
+        this side updates its sending key; `clock` times it."""
         if not secret:
             raise ValueError("a cluster secret is required")
         self.role, self.peer_role = role, (S if role is C else C)
@@ -135,8 +137,13 @@ class Connection:
         self._incoming: IncrementalVerify | InPlaceOpen | None = None   # the large frame now arriving
         self._ephemeral = Ephemeral() if sealed else None   # this connection's X25519 key pair, until keys are made
         self._shared = b""                                  # the X25519 secret with the peer's key share
-        self._send_cipher: FrameCipher | None = None        # sealed sessions: one AES-GCM key per direction
-        self._recv_cipher: FrameCipher | None = None
+        self._send_keys: TrafficKeys | None = None          # sealed sessions: each direction's key and phase
+        self._recv_keys: TrafficKeys | None = None
+        self._recv_next: TrafficKeys | None = None          # the peer's next key, once it is needed
+        self._incoming_keys: TrafficKeys | None = None      # the key the large frame now arriving opens with
+        self._rekey, self._clock = rekey, clock
+        self._sent_frames, self._sent_bytes, self._keyed_at = 0, 0, 0.0
+        self.key_updates = 0                                # this side's sending key updates (for tests, stats)
 
     # ---- handshake messages ----------------------------------------------------
     def hello(self) -> m.Hello:
@@ -153,7 +160,7 @@ class Connection:
     @property
     def sealed(self) -> bool:
         """Frames after the handshake are encrypted (true once keys are agreed on a sealed connection)."""
-        return self._send_cipher is not None
+        return self._send_keys is not None
 
     def auth(self) -> m.Auth:
         return m.Auth(self.fingerprint, self.codecs, self.capabilities, self.name, self.session)
@@ -227,8 +234,10 @@ class Connection:
 
     def _frame(self, ftype: int, header: bytes, payload: memoryview) -> list[bytes | memoryview]:
         seq, self._send_seq = self._send_seq, self._send_seq + 1
-        if self._send_cipher is not None:
-            return self._send_cipher.seal(seq, pack_fixed(SEALED, len(header), payload.nbytes), header, payload)
+        if self._send_keys is not None:
+            keys = self._sending_keys(len(header) + payload.nbytes)
+            fixed = pack_fixed(SEALED, len(header), payload.nbytes, flags=KEY_PHASE if keys.phase else 0)
+            return keys.cipher.seal(seq, fixed, header, payload)
         head = pack_fixed(ftype, len(header), payload.nbytes) + header
         if payload.nbytes:
             return [head, payload, self._send_mac.tag(seq, [head, payload])]
@@ -262,8 +271,9 @@ class Connection:
         self._guard(self.parser.buffer_updated, nbytes)
         if self.parser.large_frame_pending:
             if self._incoming is None:     # a large frame is decrypted in place (or MACed) as its bytes arrive
-                if self._recv_cipher is not None:
-                    self._incoming = self._recv_cipher.opener(self._recv_seq)
+                if self._recv_keys is not None:
+                    self._incoming_keys = self._opening_keys(self.parser.pending_flags)
+                    self._incoming = self._incoming_keys.cipher.opener(self._recv_seq)
                 elif isinstance(self._recv_mac, SessionMac):
                     self._incoming = self._recv_mac.verifier(self._recv_seq)
             if self._incoming is not None:
@@ -299,15 +309,17 @@ class Connection:
         if frame.version == LEGACY_VERSION:
             self._legacy(frame)
         seq, self._recv_seq = self._recv_seq, self._recv_seq + 1
-        sealed = self._recv_cipher is not None
+        sealed = self._recv_keys is not None
         cls = m.MESSAGE_TYPES.get(frame.frame_type)
         inc, self._incoming = self._incoming, None
+        keys, self._incoming_keys = self._incoming_keys, None
         header, payload = frame.header, frame.payload
         if inc is not None:
             inc.update(frame.signed[inc.pos:])
             verified = inc.verify(frame.tag)
-        elif self._recv_cipher is not None:
-            plain = self._recv_cipher.open(seq, frame.signed[:FIXED_SIZE], frame.signed[FIXED_SIZE:], frame.tag)
+        elif sealed:
+            keys = self._opening_keys(frame.flags)
+            plain = keys.cipher.open(seq, frame.signed[:FIXED_SIZE], frame.signed[FIXED_SIZE:], frame.tag)
             verified = plain is not None
             if plain is not None:
                 header, payload = memoryview(plain)[:len(header)], memoryview(plain)[len(header):]
@@ -315,6 +327,8 @@ class Connection:
             verified = self._recv_mac.verify(seq, frame.signed, frame.tag)
         if not verified:
             return self._bad_frame(seq, frame, None if sealed else cls)
+        if keys is not None and keys is not self._recv_keys:     # the peer updated its key: keep the new one
+            self._recv_keys, self._recv_next = keys, None
         self._bad_in_a_row = 0
         if sealed and frame.frame_type != SEALED:
             raise RemoteProtocolError(f"frame type {frame.frame_type} on a sealed connection")
@@ -405,6 +419,29 @@ class Connection:
             else:
                 self.peer_layout, self.streams = dict(msg.layout), list(msg.streams)
 
+    def _sending_keys(self, nbytes: int) -> TrafficKeys:
+        """The key for the next sealed frame: updated first when `rekey` says this one is due."""
+        assert self._send_keys is not None
+        rekey = self._rekey
+        if (self._sent_frames >= rekey.frames or self._sent_bytes >= rekey.bytes
+                or self._clock() - self._keyed_at >= rekey.seconds):
+            self._send_keys = self._send_keys.updated()
+            self._sent_frames, self._sent_bytes, self._keyed_at = 0, 0, self._clock()
+            self.key_updates += 1
+        self._sent_frames += 1
+        self._sent_bytes += nbytes
+        return self._send_keys
+
+    def _opening_keys(self, flags: int) -> TrafficKeys:
+        """The key a sealed frame with these flags opens with: the current one, or (the other key phase) the
+        peer's next, which becomes current only once a frame verifies under it."""
+        assert self._recv_keys is not None
+        if bool(flags & KEY_PHASE) == bool(self._recv_keys.phase):
+            return self._recv_keys
+        if self._recv_next is None:
+            self._recv_next = self._recv_keys.updated()
+        return self._recv_next
+
     def _exchange(self, share: bytes) -> None:
         """The X25519 exchange with the peer's key share, as soon as it arrives (a bad one fails here)."""
         if self._ephemeral is None:
@@ -420,9 +457,9 @@ class Connection:
         if self._ephemeral is not None:     # sealed: TLS 1.3's psk_dhe_ke schedule (cipher.py)
             schedule = KeySchedule(self._keys.psk, self._shared, th)
             self._ephemeral, self._shared = None, b""    # used once: a later leak cannot recover this session
-            c2s = FrameCipher(*KeySchedule.traffic_keys(schedule.client_secret))
-            s2c = FrameCipher(*KeySchedule.traffic_keys(schedule.server_secret))
-            self._send_cipher, self._recv_cipher = (c2s, s2c) if self.role is C else (s2c, c2s)
+            c2s, s2c = TrafficKeys(schedule.client_secret), TrafficKeys(schedule.server_secret)
+            self._send_keys, self._recv_keys = (c2s, s2c) if self.role is C else (s2c, c2s)
+            self._keyed_at = self._clock()
             return
         c2s_mac, s2c_mac = self._keys.session(th)
         self._send_mac, self._recv_mac = (c2s_mac, s2c_mac) if self.role is C else (s2c_mac, c2s_mac)

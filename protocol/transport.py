@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
 
 from edgecore.protocol import messages as m
+from edgecore.protocol.cipher import Rekey
 from edgecore.protocol.errors import ErrorCode, ProtocolError
 from edgecore.protocol.events import BadFrame, FrameRejected, _NeedData
 from edgecore.protocol.framing import Limits
@@ -310,9 +311,12 @@ async def _handshake_server(peer: Peer) -> None:
 
 async def connect(host: str, port: int, *, secret: bytes, fingerprint: str, codecs: list[str],
                   timeouts: Timeouts = Timeouts(), ssl: ssl_module.SSLContext | None = None,
-                  name: str = "edge", limits: Limits | None = None, session: str = "", sealed: bool = True) -> Peer:
-    """`sealed`: encrypt the link (the default; False only to measure against authenticated-only frames)."""
-    conn = Connection(Role.CLIENT, secret, fingerprint, codecs, limits, name, session=session, sealed=sealed)
+                  name: str = "edge", limits: Limits | None = None, session: str = "", sealed: bool = True,
+                  rekey: Rekey = Rekey()) -> Peer:
+    """`sealed`: encrypt the link (the default; False only to measure against authenticated-only frames);
+    `rekey`: when this side updates its sending key."""
+    conn = Connection(Role.CLIENT, secret, fingerprint, codecs, limits, name, session=session, sealed=sealed,
+                      rekey=rekey)
     loop = asyncio.get_running_loop()
     try:
         _, stream = await asyncio.wait_for(loop.create_connection(lambda: _Stream(conn), host, port, ssl=ssl),
@@ -340,8 +344,8 @@ Handler = Callable[[Peer], Awaitable[None]]
 async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0, secret: bytes, fingerprint: str,
                 codecs: list[str], timeouts: Timeouts = Timeouts(), ssl: ssl_module.SSLContext | None = None,
                 name: str = "core", layout: dict[str, int] | None = None, limits: Limits | None = None,
-                load_fn: Callable[[], int] | None = None, streams: list[int] | None = None, sealed: bool = True
-                ) -> asyncio.base_events.Server:
+                load_fn: Callable[[], int] | None = None, streams: list[int] | None = None, sealed: bool = True,
+                rekey: Rekey = Rekey()) -> asyncio.base_events.Server:
     async def on_connect(stream: _Stream) -> None:
         peer = Peer(stream.conn, stream, timeouts, load_fn)
         try:
@@ -374,7 +378,7 @@ async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0, sec
 
     def factory() -> _Stream:
         stream = _Stream(Connection(Role.SERVER, secret, fingerprint, codecs, limits, name, layout,
-                                    streams=streams, sealed=sealed))
+                                    streams=streams, sealed=sealed, rekey=rekey))
 
         def started(s: _Stream) -> None:
             task = loop.create_task(on_connect(s))
@@ -398,4 +402,4 @@ def tls_context(server: bool, cert: str | None = None, key: str | None = None, c
     return ctx
 
 
-__all__ = ["Peer", "PeerError", "Timeouts", "connect", "serve", "tls_context", "KVData"]
+__all__ = ["Peer", "PeerError", "Rekey", "Timeouts", "connect", "serve", "tls_context", "KVData"]

@@ -121,3 +121,91 @@ def test_a_peer_without_a_key_share_or_with_a_bad_one_is_refused():
     client, server = new_pair()
     with pytest.raises(RemoteProtocolError, match="not a usable X25519 key"):     # the all-zero point
         deliver(client.send_bytes(m.Hello([3], os.urandom(32), bytes(32))), server)
+
+
+def rekeyed_pair(rekey, clock=None):
+    from edgecore.protocol.state import Connection, Role
+    from tests.protocol.pairs import CODECS, FP, SECRET
+    kw = {"rekey": rekey} | ({"clock": clock} if clock else {})
+    client = Connection(Role.CLIENT, SECRET, FP, CODECS, name="edge", **kw)
+    server = Connection(Role.SERVER, SECRET, FP, CODECS, name="core", layout={"tp": 1}, **kw)
+    handshake(client, server)
+    return client, server
+
+
+@pytest.mark.parametrize("mode", ["whole", "bytewise", "random"])
+def test_keys_update_after_a_frame_count_without_losing_a_frame(mode):
+    import random
+
+    from edgecore.protocol.cipher import Rekey
+    from tests.protocol.pairs import split_sizes
+    client, server = rekeyed_pair(Rekey(frames=3))
+    rng = random.Random(5)
+    kv = [sample_kv(tokens=n)[2] for n in (20, 3000, 20, 5000)]      # 3000+ tokens: large frames, opened in place
+    for i in range(4):
+        msgs = [m.Ping(i), m.PrefillDone(f"r{i}", i), m.Pong(i)]
+        data = b"".join(server.send_bytes(x) for x in msgs)
+        assert deliver(data, client, split_sizes(mode, len(data), rng, 29)) == msgs
+        wire = server.send_bytes(kv[i])
+        [got] = deliver(wire, client, split_sizes(mode, len(wire), rng, 4099))
+        assert isinstance(got, KVData) and bytes(got.payload) == bytes(kv[i].payload)
+        req = m.Cancel(f"r{i}")
+        assert deliver(client.send_bytes(req), server) == [req]
+    assert server.key_updates >= 4 and client.key_updates == 1      # Auth and 4 Cancels: one update
+
+
+def test_keys_update_after_bytes_and_after_time():
+    from edgecore.protocol.cipher import Rekey
+    now = [0.0]
+    client, server = rekeyed_pair(Rekey(bytes=10_000, seconds=60), clock=lambda: now[0])
+    kv = sample_kv(tokens=2000)[2]                                        # about 32 KB: every frame after one
+    for _ in range(3):
+        assert isinstance(deliver(server.send_bytes(kv), client)[0], KVData)
+    assert server.key_updates == 2
+    assert deliver(client.send_bytes(m.Ping(1)), server) == [m.Ping(1)] and client.key_updates == 0
+    now[0] = 61.0
+    assert deliver(client.send_bytes(m.Ping(2)), server) == [m.Ping(2)] and client.key_updates == 1
+
+
+def test_a_flipped_key_phase_is_a_corrupted_frame_not_a_lost_key():
+    import zlib
+
+    from edgecore.protocol.cipher import Rekey
+    from edgecore.protocol.state import BadFrame
+    client, server = rekeyed_pair(Rekey())
+    wire = bytearray(server.send_bytes(m.PrefillDone("r", 5)))
+    wire[6] ^= 1                                                   # the key-phase flag, CRC made to match
+    wire[16:20] = zlib.crc32(bytes(wire[:16])).to_bytes(4, "little")
+    [got] = deliver(bytes(wire), client)
+    assert isinstance(got, BadFrame)
+    assert deliver(server.send_bytes(m.PrefillDone("r", 6)), client) == [m.PrefillDone("r", 6)]
+
+
+async def test_a_kv_stream_survives_key_updates_on_both_sides_mid_transfer():
+    import asyncio
+
+    from edgecore.protocol.cipher import Rekey
+    from edgecore.protocol.transport import Timeouts, connect, serve
+    from tests.protocol.pairs import CODECS, FP, SECRET
+    chunks = [sample_kv(tokens=1000 + 100 * i)[2] for i in range(12)]
+    fast = Timeouts(handshake=2, idle=5, heartbeat=0)
+
+    async def core(peer):
+        while True:
+            msg = await peer.recv()
+            if isinstance(msg, m.PrefillRequest):
+                for c in chunks:
+                    await peer.send(c)
+                await peer.send(m.PrefillDone(msg.request_id, 9))
+    server = await serve(core, secret=SECRET, fingerprint=FP, codecs=CODECS, timeouts=fast, layout={"tp": 1},
+                         rekey=Rekey(frames=2))
+    async with server:
+        peer = await connect("127.0.0.1", server.sockets[0].getsockname()[1], secret=SECRET, fingerprint=FP,
+                             codecs=CODECS, timeouts=fast, rekey=Rekey(frames=1))
+        for rid in ("a", "b"):
+            await peer.send(m.PrefillRequest(rid, [1, 2, 3]))
+            got = [await asyncio.wait_for(peer.recv(), 5) for _ in range(len(chunks) + 1)]
+            assert [bytes(g.payload) for g in got[:-1]] == [bytes(c.payload) for c in chunks]
+            assert got[-1] == m.PrefillDone(rid, 9)
+        assert peer.conn.key_updates >= 2
+        await peer.close()
