@@ -256,10 +256,10 @@ class BatchRunner:
         results = [ChoiceResult() for _ in parsed.params]
 
         async def choice(i: int) -> None:
-            async for out in self.handle.generate(f"{batch_id}/{req['line']}/{i}",
-                                                  parsed.prompts[i // parsed.n], parsed.params[i],
-                                                  priority=BATCH_PRIORITY, collect=True,
-                                                  group=f"{batch_id}/{req['line']}"):   # a line's choices
+            from edgecore.shared.engine.handle import EngineRequest
+            request = EngineRequest(f"{batch_id}/{req['line']}/{i}", parsed.prompts[i // parsed.n], parsed.params[i],
+                                    group=f"{batch_id}/{req['line']}", priority=BATCH_PRIORITY)   # a line's choices
+            async for out in self.handle.generate(request, at_finish=True):
                 results[i].add(out)
 
         self.metrics.batch_running.inc()

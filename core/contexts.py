@@ -28,6 +28,7 @@ import uuid
 from array import array
 from typing import TYPE_CHECKING
 
+from edgecore.shared.engine.handle import EngineRequest
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.openai.request import ApiError
 
@@ -79,8 +80,8 @@ class Contexts:
                                 f"this one needs {len(token_ids) // bs}); delete contexts first", "token_ids",
                            "context_limit_exceeded")
         rid = f"context/{uuid.uuid4().hex}"
-        async for _ in self.handle.generate(rid, token_ids, SamplingParams(max_tokens=1, temperature=0),
-                                        prefill_only=True):
+        async for _ in self.handle.generate(EngineRequest(rid, token_ids, SamplingParams(max_tokens=1, temperature=0),
+                                                          prefill_only=True)):
             pass
         blocks = await self.handle.pin_prefix(rid)
         self.pinned[ctx] = {"blocks": blocks, "tokens": len(token_ids), "token_ids": list(token_ids),

@@ -45,7 +45,7 @@ from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode
 from edgecore.protocol.events import KVData
 from edgecore.protocol.transport import Peer, PeerError
-from edgecore.shared.engine.handle import EngineHandle
+from edgecore.shared.engine.handle import EngineHandle, EngineRequest
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
@@ -261,7 +261,8 @@ class PrefillService:
         self.metrics.handover_requests.inc()
         try:
             async with asyncio.timeout(deadline_ms / 1000 if deadline_ms > 0 else None) as scope:
-                async for out in self.handle.generate(req.internal_id, token_ids, params, group=req.group):
+                async for out in self.handle.generate(EngineRequest(req.internal_id, token_ids, params,
+                                                                    group=req.group)):
                     if req.position == 0:
                         if not req.prefill_done():
                             return
@@ -317,8 +318,8 @@ class PrefillService:
         try:
             deadline = deadline_ms / 1000 if deadline_ms > 0 else None
             async with asyncio.timeout(deadline):
-                async for out in self.handle.generate(req.internal_id, token_ids, params, prefill_only=True,
-                                                      group=req.group):
+                async for out in self.handle.generate(EngineRequest(req.internal_id, token_ids, params,
+                                                                    group=req.group, prefill_only=True)):
                     if out.finished:
                         first = out
         except RequestError as exc:

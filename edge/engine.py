@@ -36,7 +36,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from ssl import SSLContext
 from collections.abc import AsyncIterator, Callable
@@ -52,8 +52,10 @@ from edgecore.protocol.transport import Timeouts
 from edgecore.shared.config import CacheConfig, EngineConfig
 from edgecore.shared.engine.async_engine import AsyncEngine
 from edgecore.shared.engine.engine import LLMEngine
+from edgecore.shared.engine.handle import Emit, EngineRequest, Output, OutputQueue, OutputSink, read_outputs
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.errors import EngineDead
 from edgecore.shared.fingerprint import model_fingerprint
 from edgecore.shared.kv.transfer import layers_at_edge
 from edgecore.shared.kv.wire import codec_rope
@@ -141,32 +143,31 @@ class EdgeEngine:
         self.metrics.generation_tokens.inc(sum(len(o.new_token_ids) for o in outputs))
 
     # ---- placement ---------------------------------------------------------
-    async def _placement(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                         group: str | None = None) -> tuple[str, str, asyncio.Queue | None]:
-        """Where the prompt is prefilled: (where, reason, the output queue if the request was already added
-        here). With a fixed threshold, one engine call both measures the cached prefix and, when the rest
-        is short, adds the request right there: one step sooner to the first token than deciding first
-        and adding after."""
+    async def _placement(self, request: EngineRequest, sink: OutputSink) -> tuple[str, str, bool]:
+        """Where the prompt is prefilled: (where, reason, whether the request was already admitted here). With
+        a fixed threshold, one engine call both measures the cached prefix and, when the rest is short, admits
+        the request right there: one step sooner to the first token than deciding first and adding after."""
+        params, prompt_ids = request.params, _ids(request)
         if not self.router.healthy():
-            return "local", "no_core" if self.router.clients else "no_core_configured", None
+            return "local", "no_core" if self.router.clients else "no_core_configured", False
         if params.prompt_logprobs is not None:    # they come from this engine's prefill logits
-            return "local", "prompt_logprobs", None
+            return "local", "prompt_logprobs", False
         if params.guided is not None:     # a core would choose the first token without the grammar's mask
-            return "local", "guided", None
+            return "local", "guided", False
         threshold = self.config.local_prefill_below
         if threshold == 0:                # never here: no engine turn to measure the cached prefix
-            return "remote", "", None
+            return "remote", "", False
         if threshold is None:             # the measured crossover: decided here, on the event loop
             cached = await self.handle.cached_prefix(prompt_ids)
             uncached = len(prompt_ids) - cached
             best = self.router.pick()
             if best is not None and self.prefill_model.local_is_faster(uncached, best.address, best.rtt):
-                return "local", "faster_here" if cached == 0 else "prefix_cached", None
-            return "remote", "", None
-        cached, queue = await self.handle.add_if_uncached_below(request_id, prompt_ids, params, threshold, group)
-        if queue is None:
-            return "remote", "", None
-        return "local", "short" if cached == 0 else "prefix_cached", queue
+                return "local", "faster_here" if cached == 0 else "prefix_cached", False
+            return "remote", "", False
+        cached, admitted = await self.handle.submit_if_uncached_below(request, sink, threshold)
+        if not admitted:
+            return "remote", "", False
+        return "local", "short" if cached == 0 else "prefix_cached", True
 
     def _codec(self, client: CoreClient, num_tokens: int) -> str:
         assert client.peer is not None          # a picked core is connected
@@ -183,16 +184,17 @@ class EdgeEngine:
     # ---- the request -------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
+        request = EngineRequest(request_id, prompt_ids, params, group=group)
         progress = Progress(self, len(prompt_ids))
+        queue: OutputQueue = asyncio.Queue()
         try:
-            queue, progress.core = await self._open(request_id, prompt_ids, params, progress, group)
-            async for out in self.handle.stream(request_id, queue):
+            progress.core = await self._open(request, OutputSink.queue(queue), progress)
+            async for out in read_outputs(queue, lambda: self.handle.abort(request_id)):
                 progress.observe(out)
                 yield out
         finally:
             self._stop_follow(request_id)
             progress.done()
-            self.handle.close_stream(request_id)
 
     def _stop_follow(self, request_id: str) -> None:
         """The consumer left: a handover still receiving sends Cancel at once."""
@@ -200,32 +202,40 @@ class EdgeEngine:
         if task is not None:
             task.cancel()
 
-    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     emit: Callable[[RequestOutput | BaseException], None], group: str | None = None) -> None:
+    async def submit(self, request: EngineRequest, emit: Emit) -> None:
         """`generate` for a forwarder (the engine process): place and start the request, then hand each
-        output to `emit` straight from the engine's dispatch, with no task switch per token. `emit` gets an
-        exception if the engine fails. Cancelling this coroutine undoes it; `cancel(request_id)` aborts
+        output to `emit` straight from the engine's dispatch, with no task switch per token. `emit` gets
+        EngineDead if the engine fails. Cancelling this coroutine undoes it; `cancel(request_id)` aborts
         the request once submitted."""
-        progress = Progress(self, len(prompt_ids))
-        try:
-            _, progress.core = await self._open(request_id, prompt_ids, params, progress, group)
-        except BaseException:
-            self._stop_follow(request_id)
-            progress.done()
-            self.handle.close_stream(request_id)
-            raise
+        rid = request.request_id
+        progress = Progress(self, len(_ids(request)))
+        early: list[Output] | None = []     # outputs before the placement returns: observed once it has
 
-        def sink(item: RequestOutput | BaseException) -> None:
-            if not isinstance(item, BaseException):
+        def deliver(item: Output) -> None:
+            if not isinstance(item, EngineDead):
                 progress.observe(item)
-            if isinstance(item, BaseException) or item.finished:
-                self._started.pop(request_id, None)
+            if isinstance(item, EngineDead) or item.finished:
+                self._started.pop(rid, None)
                 progress.done()
-                self.handle.close_stream(request_id)
             emit(item)
 
-        self._started[request_id] = progress
-        self.handle.redirect(request_id, sink)
+        def sink(item: Output) -> None:
+            if early is not None:
+                early.append(item)
+            else:
+                deliver(item)
+        self._started[rid] = progress
+        try:
+            progress.core = await self._open(request, OutputSink(sink), progress)
+        except BaseException:
+            self._started.pop(rid, None)
+            self._stop_follow(rid)
+            progress.done()
+            raise
+        held: list[Output] = early or []
+        early = None
+        for item in held:
+            deliver(item)
 
     def cancel(self, request_id: str) -> None:
         """Abort a request begun with `submit` (its consumer went away); a no-op for any other id."""
@@ -233,7 +243,6 @@ class EdgeEngine:
         if progress is not None:
             self._stop_follow(request_id)
             progress.done()
-            self.handle.close_stream(request_id)
             self.handle.abort(request_id)
 
     def cancel_all(self) -> None:
@@ -241,25 +250,25 @@ class EdgeEngine:
         for request_id in list(self._started):
             self.cancel(request_id)
 
-    async def _open(self, request_id: str, prompt_ids: list[int], params: SamplingParams, progress: Progress,
-                    group: str | None) -> tuple[asyncio.Queue, CoreClient | None]:
-        """Place the prefill and start the request in its fairness `group`: (the queue its outputs arrive in;
-        the core that prefilled it or None)."""
-        where, reason, queue = await self._placement(request_id, prompt_ids, params, group)
+    async def _open(self, request: EngineRequest, sink: OutputSink, progress: Progress) -> CoreClient | None:
+        """Place the prefill and start the request (in its fairness group), its outputs going to `sink`; returns
+        the core that prefilled it, or None."""
+        where, reason, admitted = await self._placement(request, sink)
         progress.placed_at = time.perf_counter()
         self.metrics.queue_time.observe(progress.placed_at - progress.arrived)
         core = None
         if where == "remote":
-            queue, core = await self._remote_with_retries(request_id, prompt_ids, params, group)
+            core = await self._remote_with_retries(request, sink)
+            admitted = core is not None
             reason = "core_failed"
         if core is None:                  # placed here, or every core failed
             self.metrics.local_prefills.labels(reason).inc()
-        if queue is None:
-            queue = await self.handle.add(request_id, prompt_ids, params, group=group)
-        return queue, core
+        if not admitted:
+            await self.handle.submit(request, sink)
+        return core
 
-    async def _remote_with_retries(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                                   group: str | None = None) -> tuple[asyncio.Queue | None, CoreClient | None]:
+    async def _remote_with_retries(self, request: EngineRequest, sink: OutputSink) -> CoreClient | None:
+        """Prefill at a core, then decode here; None when every core tried failed (nothing admitted)."""
         tried: set[str] = set()
         for attempt in range(self.config.max_core_attempts):
             client = self.router.pick(tried)
@@ -267,30 +276,31 @@ class EdgeEngine:
                 break
             tried.add(client.address)
             try:
-                return await self._remote(client, request_id, prompt_ids, params, group=group), client
+                await self._remote(client, request, sink)
+                return client
             except RemotePrefillFailed as exc:
-                log.warning("request %s: core %s failed (%s); %s", request_id, client.address, exc,
+                log.warning("request %s: core %s failed (%s); %s", request.request_id, client.address, exc,
                             "retrying" if attempt + 1 < self.config.max_core_attempts else "prefilling locally")
                 self.metrics.failovers.inc()
-        return None, None
+        return None
 
     async def prefetch(self, prompt_ids: list[int]) -> dict:
         """Bring a context's KV to this edge ahead of requests (from a core if one is healthy, else by
         prefilling locally) and pin it in the prefix cache; later prompts starting with it only prefill
         the rest."""
-        rid = f"prefetch-{uuid.uuid4().hex}"
-        params = SamplingParams(max_tokens=1, temperature=0)
+        request = EngineRequest(f"prefetch-{uuid.uuid4().hex}", prompt_ids, SamplingParams(max_tokens=1,
+                                                                                           temperature=0))
         source = "local"
         for client in [c for c in [self.router.pick()] if c is not None]:
             try:
-                await self._remote(client, rid, prompt_ids, params, activate=False)
+                await self._remote(client, request, None)
                 source = client.address
             except RemotePrefillFailed as exc:
                 log.warning("prefetch from %s failed (%s); prefilling locally", client.address, exc)
         if source == "local":
-            async for _ in self.handle.generate(rid, prompt_ids, params, prefill_only=True):
+            async for _ in self.handle.generate(replace(request, prefill_only=True)):
                 pass
-        blocks = await self.handle.commit_prefix(rid)
+        blocks = await self.handle.commit_prefix(request.request_id)
         await self._keep_pinned(blocks)
         return {"tokens": len(prompt_ids), "cached_tokens": len(blocks) * self.handle.block_size,
                 "source": source}
@@ -310,19 +320,19 @@ class EdgeEngine:
             await self.handle.unpin(self.pinned.pop(0))
             self.metrics.contexts_unpinned.inc()
 
-    async def _remote(self, client: CoreClient, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      activate: bool = True, group: str | None = None) -> asyncio.Queue | None:
-        """Prefill at `client` and receive the KV; with `activate`, the request then decodes here and this
-        returns the queue its outputs arrive in."""
-        prefill = RemotePrefill(self.handle, client, request_id, prompt_ids, params, self.config.transfer_timeout,
-                                self.decoder_pool, self.metrics, self.config.handover_tokens, self.handover_counts,
-                                self.codec_rope, self.config.first_layer_macs, group)
-        queue = await prefill.run(self._codec, activate)
+    async def _remote(self, client: CoreClient, request: EngineRequest, sink: OutputSink | None) -> None:
+        """Prefill at `client` and receive the KV; with a `sink`, the request then decodes here, its outputs
+        going to `sink` (None: a prefetch, never activated)."""
+        prefill = RemotePrefill(self.handle, client, request.request_id, _ids(request), request.params,
+                                self.config.transfer_timeout, self.decoder_pool, self.metrics,
+                                self.config.handover_tokens, self.handover_counts, self.codec_rope,
+                                self.config.first_layer_macs, request.group)
+        await prefill.run(self._codec, sink)
+        rid = request.request_id
         if prefill.follow is not None:
-            self._follows[request_id] = prefill.follow
-            prefill.follow.add_done_callback(lambda t: self._follows.pop(request_id, None) if
-                                             self._follows.get(request_id) is t else None)
-        return queue
+            self._follows[rid] = prefill.follow
+            prefill.follow.add_done_callback(lambda t: self._follows.pop(rid, None) if
+                                             self._follows.get(rid) is t else None)
 
     # ---- EdgeService (edge/service.py; across the process boundary: edge/engine_client.py) ------------
     @property
@@ -368,6 +378,12 @@ class EdgeEngine:
                        "error": c.last_error} for c in self.router.clients],
         })
         return stats
+
+
+def _ids(request: EngineRequest) -> list[int]:
+    """An edge request's prompt: token ids (the frontend tokenizes)."""
+    assert isinstance(request.prompt, list), "an edge request's prompt is token ids"
+    return request.prompt
 
 
 def _megabytes_per_s(rate: float | None) -> float | None:

@@ -26,13 +26,19 @@ import asyncio
 import logging
 import socket
 from functools import partial
+from typing import TYPE_CHECKING
 
 from edgecore.edge.engine import EdgeEngine
 from edgecore.edge.ipc import (Abort, Call, CountError, Failed, FrameBuffer, Generate, GetMetrics, GetReadiness,
                                GetStats, Hello, IpcError, Message, MetricsReply, Outputs, PrefetchReply,
                                ReadinessReply, Reply, Request, RequestFailed, StatsReply, encode)
+from edgecore.shared.engine.handle import EngineRequest, Output
 from edgecore.shared.engine.output import RequestOutput
-from edgecore.shared.errors import RequestError
+from edgecore.shared.errors import EngineDead, RequestError
+
+if TYPE_CHECKING:
+    from edgecore.edge.engine_client import EngineClient
+    from edgecore.edge.service import EdgeService
 
 log = logging.getLogger("edgecore.edge.engine_process")
 
@@ -104,7 +110,8 @@ class EngineServer:
     async def _start(self, msg: Generate) -> None:
         rid = msg.request_id
         try:
-            await self.edge.submit(rid, msg.prompt_ids, msg.params, partial(self._emit, rid), msg.group)
+            await self.edge.submit(EngineRequest(rid, msg.prompt_ids, msg.params, group=msg.group),
+                                   partial(self._emit, rid))
         except asyncio.CancelledError:
             pass                                     # aborted by the frontend (client went away)
         except RequestError as exc:
@@ -115,9 +122,9 @@ class EngineServer:
         finally:
             self.starting.pop(rid, None)
 
-    def _emit(self, rid: str, item: RequestOutput | BaseException) -> None:
+    def _emit(self, rid: str, item: Output) -> None:
         """The request's sink, called from the engine's dispatch for each output."""
-        if isinstance(item, BaseException):
+        if isinstance(item, EngineDead):
             self._send(Failed(rid, str(item) or type(item).__name__))
             return
         if not self.pending:
@@ -144,3 +151,9 @@ class EngineServer:
         assert self.writer is not None
         if not self.writer.is_closing():
             self.writer.write(encode(msg))
+
+
+def _serves_edge_service(client: EngineClient) -> EdgeService:
+    """Never called: the type checker proves here that the frontend's `EngineClient` implements `EdgeService`,
+    the calls this process answers for the `EdgeEngine` it serves."""
+    return client

@@ -1,8 +1,8 @@
 """One prefill at a core, seen from the edge: the I/O around a sans-IO `KVReceiver`.
 
 Life cycle: `run()` reserves blocks for the prompt through the engine handle
-(the locally cached prefix becomes `skip_tokens`), opens the request's output
-stream, sends the PrefillRequest with the chosen codec, and then feeds every
+(the locally cached prefix becomes `skip_tokens`; the request's `OutputSink`,
+chosen by the caller, is given with it), sends the PrefillRequest with the chosen codec, and then feeds every
 event of the request to the receiver: a KVChunk's header is checked and
 counted before its payload is decoded (its frame MAC-verified on arrival; in a worker thread
 unless it is small, not awaited, so PrefillDone and Tokens behind it are handled meanwhile)
@@ -18,8 +18,7 @@ and the transfer metrics are recorded either way.
 
 Decode handover (a version-3 core, `core_decode` > 0; the per-request rules in
 the sans-IO `CoreDecode`, protocol/handover.py): the PrefillRequest lets the core
-decode up to `core_decode` tokens after the first. `run()` returns the output
-queue as soon as the first token is pushed into the reserved request
+decode up to `core_decode` tokens after the first. `run()` returns as soon as the first token is pushed into the reserved request
 (`push_token`: its output rules run here, the client sees it at once), and a
 task (`follow`) goes on: each Token is pushed in position order, KV chunks are
 written as before; once the KV is complete the edge sends Handover(position)
@@ -54,7 +53,7 @@ from edgecore.protocol.codecs import get_codec
 from edgecore.protocol.kv import SMALL_CHUNK_BYTES, decode_chunk
 from edgecore.protocol.state import KVData
 from edgecore.protocol.transport import PeerError
-from edgecore.shared.engine.handle import EngineHandle, FirstToken
+from edgecore.shared.engine.handle import EngineHandle, EngineRequest, FirstToken, OutputSink
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
 from edgecore.shared.kv.transfer import KVSlice, layers_at_edge, needed_from
@@ -91,13 +90,12 @@ class RemotePrefill:
         self.decode_error: BaseException | None = None
         self.dropped = False
 
-    async def run(self, choose_codec: Callable[[CoreClient, int], str], activate: bool = True
-                  ) -> asyncio.Queue | None:
-        """Prefill at the core and receive the KV; with `activate`, the request then decodes here and this
-        returns the queue its outputs arrive in. `choose_codec(client, tokens)` picks the codec."""
+    async def run(self, choose_codec: Callable[[CoreClient, int], str], sink: OutputSink | None) -> None:
+        """Prefill at the core and receive the KV; with a `sink`, the request then decodes here, its outputs going
+        to `sink` (None: it is never activated, a prefetch). `choose_codec(client, tokens)` picks the codec."""
         rid, handle, client = self.request_id, self.handle, self.client
-        cached = await handle.reserve(rid, self.prompt_ids, self.params, self.group)
-        queue = handle.open_stream(rid)
+        activate = sink is not None
+        cached = await handle.reserve(EngineRequest(rid, self.prompt_ids, self.params, group=self.group), sink)
         codec = choose_codec(client, len(self.prompt_ids) - cached)
         cfg = handle.config
         assert client.peer is not None          # a picked core is connected
@@ -114,7 +112,7 @@ class RemotePrefill:
             if limit > 0:
                 await self._first_token(receiver, codec, cached, limit)
                 self.follow = asyncio.create_task(self._follow(receiver, codec, cached, started))
-                return queue
+                return
             await self._receive(receiver, codec, cached)
             await self._written()
             done = receiver.done
@@ -128,7 +126,6 @@ class RemotePrefill:
         except BaseException as exc:
             self._drop()
             receiver.abandon(str(exc) or type(exc).__name__)
-            handle.close_stream(rid)
             handle.release(rid)
             await self._close(receiver)
             if isinstance(exc, (TransferFailed, asyncio.TimeoutError, PeerError, ProtocolError)):
@@ -136,10 +133,6 @@ class RemotePrefill:
             raise
         await self._close(receiver)
         self._count(codec, receiver, time.perf_counter() - started)
-        if not activate:
-            handle.close_stream(rid)
-            return None
-        return queue
 
     async def _request(self, codec: str, cached: int, limit: int = 0) -> asyncio.Queue:
         spec = m.SamplingSpec(**self.params.spec_fields())

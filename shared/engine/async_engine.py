@@ -1,20 +1,28 @@
-"""The in-thread `EngineHandle`: runs an `LLMEngine` on its own thread and streams its outputs into asyncio.
+"""The in-thread `EngineHandle`: runs an `LLMEngine` on its own thread and delivers its outputs into asyncio.
 
 Life cycle: `start()` spawns the engine thread, which first compiles the decode step when the
 engine config asks for it (`started()` waits for that); coroutines use the handle's
-typed methods (shared/engine/handle.py: `add`/`generate`, `abort`, `reserve`,
+typed methods (shared/engine/handle.py: `submit`/`generate`, `abort`, `reserve`,
 `write_kv`, `activate`, `read_kv`, `release`, prefix pins, stream routes),
-each of which becomes one command the engine thread runs between two steps, in
-the order they were made (the engine itself is never touched from two
-threads). After each step and each batch of commands the thread publishes an
-`EngineStats` snapshot, which `stats()` returns. A stream can be `redirect`ed to
-a callback that the dispatch calls per output (no task switch per token). The
-thread steps while there is work and sleeps on a condition otherwise; each
-step's outputs reach the event loop in one `call_soon_threadsafe` (outputs of
-requests opened with `collect` stay on the engine thread until the request
-finishes). `stop()` ends the thread. A failure inside a step is delivered to
-every waiting stream and command, so no caller hangs; the thread stays dead and
+each of which becomes one typed command (`_call`: a function of the engine and its
+result type) that the engine thread runs between two steps, in the order they
+were made (the engine itself is never touched from two threads). After each step
+and each batch of commands the thread publishes an `EngineStats` snapshot, which
+`stats()` returns; facts that never change are read once, here, before the thread
+starts. The thread steps while there is work and sleeps on a condition
+otherwise; each step's outputs reach the event loop in one `call_soon_threadsafe`,
+where `_dispatch` hands each to its request's `OutputSink` (no task switch per
+token). `stop()` ends the thread. A failure inside a step is delivered to every
+sink and waiting command, so no caller hangs; the thread stays dead and
 `on_failure` tells the node (a core stops serving, an edge exits for its supervisor).
+
+Who owns what: `_sinks` (request id → sink) belongs to the event-loop thread: a
+sink is registered before its admission command is queued (so it exists before
+any output can reach the loop) and dropped there after the request's last output,
+the engine's failure, `abort` or `release`. `_held` (the outputs of `at_finish`
+requests, kept until they finish) belongs to the engine thread: entered by the
+admission command, emptied by the step that finishes the request, by `abort` and
+by `release`. `_commands` is the only state both threads touch, under `_wake`.
 """
 
 from __future__ import annotations
@@ -23,19 +31,33 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from typing import Any
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
 from edgecore.shared.engine.engine import LayerHook, LLMEngine
-from edgecore.shared.engine.handle import EngineStats, FirstToken, Sink
+from edgecore.shared.engine.handle import (EngineHandle, EngineRequest, EngineStats, FirstToken, OutputQueue,
+                                           OutputSink, read_outputs)
 from edgecore.shared.engine.output import RequestOutput
-from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import EngineDead
 from edgecore.shared.kv.transfer import KVSlice, StreamRoute
 from edgecore.shared.malloc import return_free_memory
 
 log = logging.getLogger("edgecore.engine")
 IDLE_TRIM_S = 1.0      # idle seconds after work before the heap's free pages are returned
+
+T = TypeVar("T")
+Reply = Callable[[], None]                       # run on the event loop: settles a command's future
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command for the engine thread. `run(engine)` runs there between steps and returns the reply the
+    event loop runs (None: nobody waits); `refuse(error)` settles the waiting caller instead if the thread
+    died before running it (None: nobody waits)."""
+    run: Callable[[LLMEngine], Reply | None]
+    refuse: Callable[[BaseException], None] | None = None
 
 
 class AsyncEngine:
@@ -44,23 +66,24 @@ class AsyncEngine:
         self.engine = engine
         self.on_layer = on_layer
         self.threads = threads
-        self._commands: deque[tuple[Callable, asyncio.Future | None]] = deque()
+        self._commands: deque[Command] = deque()
         self._wake = threading.Condition()
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._collected: dict[str, list[RequestOutput]] = {}   # requests delivered only when finished
-        self._sinks: dict[str, Sink] = {}   # see redirect()
+        self._sinks: dict[str, OutputSink] = {}              # event-loop thread only
+        self._held: dict[str, list[RequestOutput]] = {}      # engine thread only (at_finish requests)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._started: asyncio.Future[None] | None = None
         self._stopping = False
         self.error: BaseException | None = None
         self.on_outputs: Callable[[list[RequestOutput]], None] | None = None   # observer (metrics)
         self.on_failure: Callable[[BaseException], None] | None = None   # the node's reaction to a dead thread
-        # Facts that never change (EngineHandle); everything else is asked of the engine thread.
+        # Facts that never change (EngineHandle), read before the thread starts; the rest is asked of it.
         self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.block_size = engine.block_manager.block_size
         self.kv_bytes_per_token = engine.kv_bytes_per_token
+        self.first_layer_macs: int = engine.runner.first_layer_macs
         self._stats: EngineStats = engine.stats()
 
     # ---- lifecycle --------------------------------------------------------
@@ -80,6 +103,8 @@ class AsyncEngine:
     async def started(self) -> None:
         """Wait until the engine thread is ready to step (its decode step compiled, if asked for); a node
         calls this before it serves. Raises EngineDead if the thread failed first."""
+        if self._started is None:
+            raise RuntimeError("AsyncEngine.start() has not been called")
         await asyncio.shield(self._started)
         if self.error is not None:
             raise EngineDead(f"engine failed while starting: {self.error}")
@@ -95,109 +120,74 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    # ---- facts and the published stats ---------------------------------------
     def stats(self) -> EngineStats:
         """The snapshot the engine thread published after its last step or batch of commands."""
         return self._stats
 
     # ---- ordinary requests (EngineHandle) ----------------------------------------
-    async def add(self, request_id: str, prompt: list[int] | str, params: SamplingParams, *,
-                  prefill_only: bool = False, priority: int = 0, collect: bool = False, group: str | None = None
-                  ) -> asyncio.Queue:
-        """Add a request; returns the queue its outputs arrive in (see `stream`)."""
-        _, queue = await self._admit(
-            request_id, lambda e: e.add_request(request_id, prompt, params, prefill_only, priority, group), collect)
-        return queue
+    async def submit(self, request: EngineRequest, sink: OutputSink) -> None:
+        """Admit `request`, its outputs going to `sink` (see EngineHandle.submit)."""
+        def add(e: LLMEngine) -> None:
+            r = request
+            e.add_request(r.request_id, r.prompt, r.params, r.prefill_only, r.priority, r.group)
+            self._hold_for(r.request_id, sink)
+        await self._admit(request.request_id, sink, add)
 
-    async def add_if_uncached_below(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                                    limit: int, group: str | None = None) -> tuple[int, asyncio.Queue | None]:
-        """Measure the prompt's cached prefix and, when fewer than `limit` tokens are left to compute, add
-        the request right there (one engine turn, not two). Returns (cached tokens, the output queue or
-        None when the request was not added)."""
+    async def submit_if_uncached_below(self, request: EngineRequest, sink: OutputSink, limit: int
+                                       ) -> tuple[int, bool]:
+        """Measure the prompt's cached prefix and, when fewer than `limit` tokens are left to compute, admit the
+        request right there (one engine turn, not two). Returns (cached tokens, whether it was admitted)."""
+        prompt_ids = request.prompt
+        assert isinstance(prompt_ids, list), "a prompt measured against the prefix cache is token ids"
+
         def place(e: LLMEngine) -> tuple[int, bool]:
             cached = e.cached_prefix(prompt_ids)
             if len(prompt_ids) - cached >= limit:
                 return cached, False
-            e.add_request(request_id, prompt_ids, params, group=group)
+            e.add_request(request.request_id, prompt_ids, request.params, request.prefill_only, request.priority,
+                          request.group)
+            self._hold_for(request.request_id, sink)
             return cached, True
 
-        (cached, added), queue = await self._admit(request_id, place)
+        cached, added = await self._admit(request.request_id, sink, place)
         if not added:
-            self.close_stream(request_id)
-            return cached, None
-        return cached, queue
+            self._drop_sink(request.request_id, sink)
+        return cached, added
 
-    async def generate(self, request_id: str, prompt: list[int] | str, params: SamplingParams, *,
-                       prefill_only: bool = False, priority: int = 0, collect: bool = False,
-                       group: str | None = None) -> AsyncIterator[RequestOutput]:
-        try:
-            queue = await self.add(request_id, prompt, params, prefill_only=prefill_only, priority=priority,
-                                   collect=collect, group=group)
-            async for out in self.stream(request_id, queue):
-                yield out
-        finally:
-            self.close_stream(request_id)
-
-    def open_stream(self, request_id: str, collect: bool = False) -> asyncio.Queue:
-        """A queue of the request's outputs; with `collect`, they arrive together when it finishes
-        (no per-token wake-ups for callers that only need the end result)."""
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue
-        if collect:
-            self._collected[request_id] = []
-        return queue
-
-    def redirect(self, request_id: str, sink: Sink) -> None:
-        """From now on hand the request's outputs to `sink`, called from the dispatch itself: no queue and
-        no task switch per token (outputs already queued go first). An engine failure reaches the sink as
-        an exception. Event-loop thread only; `close_stream` ends it."""
-        queue = self._streams.pop(request_id, None)
-        self._collected.pop(request_id, None)
-        self._sinks[request_id] = sink
-        while queue is not None and not queue.empty():
-            sink(queue.get_nowait())
-
-    def close_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        self._collected.pop(request_id, None)
-        self._sinks.pop(request_id, None)
-
-    async def stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """Outputs of a request already in the engine until it finishes; aborts it if the consumer leaves."""
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise EngineDead(f"engine failed: {item}")
-                for out in (item if isinstance(item, list) else (item,)):
-                    yield out
-                    if out.finished:
-                        finished = True
-                        return
-        finally:
-            if not finished:
-                self.abort(request_id)
+    async def generate(self, request: EngineRequest, *, at_finish: bool = False) -> AsyncIterator[RequestOutput]:
+        """`submit` with a queue sink, as an async iterator; a consumer that leaves early aborts the request."""
+        queue: OutputQueue = asyncio.Queue()
+        await self.submit(request, OutputSink.queue(queue, at_finish))
+        async for out in read_outputs(queue, lambda: self.abort(request.request_id)):
+            yield out
 
     def abort(self, request_id: str) -> None:
-        self._post(lambda e: e.abort(request_id))
+        """Abort the request; its sink gets nothing more."""
+        self._sinks.pop(request_id, None)
+
+        def abort(e: LLMEngine) -> None:
+            self._held.pop(request_id, None)
+            e.abort(request_id)
+        self._post(abort)
 
     async def cached_prefix(self, prompt_ids: list[int]) -> int:
         return await self._call(lambda e: e.cached_prefix(prompt_ids))
 
     # ---- KV from outside ------------------------------------------------------------
-    async def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      group: str | None = None) -> int:
+    async def reserve(self, request: EngineRequest, sink: OutputSink | None) -> int:
         """Reserve blocks for a prompt whose KV will be written from outside; returns its locally cached
         leading tokens. Raises NoFreeBlocks when the cache is full."""
-        return await self._call(lambda e: e.reserve(request_id, prompt_ids, params, group)[1])
+        def reserve(e: LLMEngine) -> int:
+            cached = e.reserve(request.request_id, request.prompt, request.params, request.group)[1]
+            if sink is not None:
+                self._hold_for(request.request_id, sink)
+            return cached
+        if sink is None:
+            return await self._call(reserve)
+        return await self._admit(request.request_id, sink, reserve)
 
     def write_kv(self, request_id: str, piece: KVSlice) -> None:
         self._post(lambda e: e.write_kv(request_id, piece))
-
-    @property
-    def first_layer_macs(self) -> int:
-        return self.engine.runner.first_layer_macs
 
     async def write_first_layer_kv(self, request_id: str) -> None:
         await self._call(lambda e: e.write_first_layer_kv(request_id))
@@ -211,7 +201,7 @@ class AsyncEngine:
         (one thread hand-off fewer on the way to the client)."""
         def push(e: LLMEngine) -> tuple[bool, list[RequestOutput]]:
             finished = e.push_token(request_id, token.token, token.logprob, token.top)
-            return finished, e.take_pending(request_id)
+            return finished, self._hold(e.take_pending(request_id))
         finished, outputs = await self._call(push)
         self._dispatch(outputs)
         return finished
@@ -224,7 +214,13 @@ class AsyncEngine:
         return await self._call(lambda e: e.read_kv_slices(request_id, start, end))
 
     def release(self, request_id: str) -> None:
-        self._post(lambda e: e.release(request_id))
+        """Free the request's KV (it ends); its sink gets nothing more."""
+        self._sinks.pop(request_id, None)
+
+        def release(e: LLMEngine) -> None:
+            self._held.pop(request_id, None)
+            e.release(request_id)
+        self._post(release)
 
     def add_stream_route(self, stream_id: str, route: StreamRoute) -> None:
         self._post(lambda e: e.add_stream_route(stream_id, route))
@@ -255,34 +251,52 @@ class AsyncEngine:
         await self._call(lambda e: e.runner.shutdown())
 
     # ---- commands (private: only the methods above run on the engine thread) ----------
-    async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run fn(engine) on the engine thread between steps; return its result."""
+    async def _call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run fn(engine) on the engine thread between steps; return its result (or raise its exception)."""
         if self.error is not None:
             raise EngineDead(f"engine failed: {self.error}")
-        fut = self.loop.create_future()
-        with self._wake:
-            self._commands.append((fn, fut))
-            self._wake.notify()
+        fut: asyncio.Future[T] = self.loop.create_future()
+
+        def run(e: LLMEngine) -> Reply:
+            try:
+                result = fn(e)
+            except Exception as exc:      # delivered to the awaiting coroutine
+                return partial(_settle_error, fut, exc)      # (`exc` is unbound after the block)
+            return partial(_settle, fut, result)
+        self._queue(Command(run, lambda exc: _settle_error(fut, exc)))
         return await fut
 
-    def _post(self, fn: Callable[[LLMEngine], Any]) -> None:
+    def _post(self, fn: Callable[[LLMEngine], None]) -> None:
         """Like `_call` without waiting for the result (errors are logged)."""
+        def run(e: LLMEngine) -> None:
+            try:
+                fn(e)
+            except Exception as exc:
+                log.warning("engine command failed: %s", exc)
+        self._queue(Command(run))
+
+    def _queue(self, command: Command) -> None:
         with self._wake:
-            self._commands.append((fn, None))
+            self._commands.append(command)
             self._wake.notify()
 
-    async def _admit(self, request_id: str, add: Callable[[LLMEngine], Any], collect: bool = False
-                     ) -> tuple[Any, asyncio.Queue]:
-        """Open the request's stream, then run `add(engine)` on the engine thread, which may add the request
-        (the stream exists before any output can). Returns add's result and the stream's queue. Cancelled
-        while `add` is queued, the request is aborted after it, so nothing runs on unobserved."""
-        queue = self.open_stream(request_id, collect)
+    async def _admit(self, request_id: str, sink: OutputSink, add: Callable[[LLMEngine], T]) -> T:
+        """Register the request's sink, then run `add(engine)` on the engine thread, which may add the request
+        (the sink exists before any output can). Returns add's result. If `add` fails the sink is dropped;
+        cancelled while `add` is queued, the request is aborted after it, so nothing runs on unobserved."""
+        self._sinks[request_id] = sink
         try:
-            return await self._call(add), queue
-        except BaseException:
-            self.close_stream(request_id)
+            return await self._call(add)
+        except asyncio.CancelledError:
             self.abort(request_id)
             raise
+        except BaseException:
+            self._drop_sink(request_id, sink)
+            raise
+
+    def _drop_sink(self, request_id: str, sink: OutputSink) -> None:
+        if self._sinks.get(request_id) is sink:
+            del self._sinks[request_id]
 
     # ---- engine thread ----------------------------------------------------
     def _run(self) -> None:
@@ -293,7 +307,7 @@ class AsyncEngine:
                 import torch
                 torch.set_num_threads(self.threads)
             engine.compile_decode()
-            self.loop.call_soon_threadsafe(_deliver, [(self._started, True, None)])
+            self.loop.call_soon_threadsafe(self._set_started)
             while True:
                 with self._wake:
                     while not self._commands and not engine.has_unfinished() and not self._stopping:
@@ -305,100 +319,98 @@ class AsyncEngine:
                     commands = list(self._commands)
                     self._commands.clear()
                 if commands:
-                    replies = self._run_commands(commands)
+                    replies = [r for r in (command.run(engine) for command in commands) if r is not None]
                     self._stats = engine.stats()      # before any reply: a caller sees its command's effect
                     if replies:
-                        self.loop.call_soon_threadsafe(_deliver, replies)
+                        self.loop.call_soon_threadsafe(_run_all, replies)
                 if engine.has_unfinished():
                     trimmed = False
-                    outputs = self._hold_collected(engine.step(self.on_layer))
+                    outputs = self._hold(engine.step(self.on_layer))
                     self._stats = engine.stats()      # one reference swap: readers see a whole snapshot
                     if outputs:
                         self.loop.call_soon_threadsafe(self._dispatch, outputs)
-        except BaseException as exc:   # a bug or resource failure: fail every stream, stay dead
+        except BaseException as exc:   # a bug or resource failure: fail every sink, stay dead
             log.exception("engine thread failed")
             self.error = exc
             self.loop.call_soon_threadsafe(self._fail_all, exc)
-            self.loop.call_soon_threadsafe(_deliver, [(self._started, True, None)])   # dead: commands say so
+            self.loop.call_soon_threadsafe(self._set_started)   # dead: `started` and commands say so
 
-    def _run_commands(self, commands: list[tuple[Callable[[LLMEngine], Any], asyncio.Future | None]]
-                      ) -> list[tuple[asyncio.Future, bool, Any]]:
-        """Engine thread: run queued commands in order; returns (future, ok, result or exception) of those
-        awaited (a failed posted command is logged)."""
-        replies = []
-        for fn, fut in commands:
-            try:
-                result = fn(self.engine)
-            except Exception as exc:  # delivered to the awaiting coroutine
-                if fut is not None:
-                    replies.append((fut, False, exc))
-                else:
-                    log.warning("engine command failed: %s", exc)
-            else:
-                if fut is not None:
-                    replies.append((fut, True, result))
-        return replies
+    def _hold_for(self, request_id: str, sink: OutputSink) -> None:
+        """Engine thread, in the admission command: an `at_finish` request's outputs are kept here."""
+        if sink.at_finish:
+            self._held[request_id] = []
 
-    def _hold_collected(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Engine thread: keep unfinished outputs of collected requests here, so a step whose outputs all
-        belong to them (batch work) does not wake the event loop at all."""
+    def _hold(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Engine thread: keep unfinished outputs of `at_finish` requests here, so a step whose outputs all
+        belong to them (batch work) does not wake the event loop at all; a finished one brings them all."""
+        if not self._held:
+            return outputs
         deliver = []
         for out in outputs:
-            held = self._collected.get(out.request_id)
-            if held is None or out.finished:
+            held = self._held.get(out.request_id)
+            if held is None:
+                deliver.append(out)
+            elif out.finished:
+                del self._held[out.request_id]
+                deliver.extend(held)
                 deliver.append(out)
             else:
                 held.append(out)
         return deliver
 
+    # ---- event loop -------------------------------------------------------
+    def _set_started(self) -> None:
+        if self._started is not None and not self._started.done():
+            self._started.set_result(None)
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        delivered = []
+        """Hand each output to its request's sink; a finished request's sink is dropped after its last one."""
         sinks = self._sinks
         for out in outputs:
-            sink = sinks.get(out.request_id)
-            if sink is not None:
-                delivered.append(out)
-                try:
-                    sink(out)
-                except Exception:       # one consumer's bug must not stop the others' outputs
-                    log.exception("output sink of %s failed", out.request_id)
+            sink = sinks.pop(out.request_id, None) if out.finished else sinks.get(out.request_id)
+            if sink is None:
                 continue
-            held = self._collected.get(out.request_id)
-            if held is not None:        # a collected request finished (see _hold_collected): all at once
-                self._collected[out.request_id] = []
-                held = held + [out]
-            delivered.extend(held or (out,))
-            queue = self._streams.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out if held is None else held)
+            try:
+                sink.emit(out)
+            except Exception:       # one consumer's bug must not stop the others' outputs
+                log.exception("output sink of %s failed", out.request_id)
         if self.on_outputs is not None:
-            self.on_outputs(delivered)
+            self.on_outputs(outputs)
 
     def _fail_all(self, exc: BaseException) -> None:
         try:
-            for queue in self._streams.values():
-                queue.put_nowait(exc)
-            dead = EngineDead(f"engine failed: {exc}")
-            for sink in list(self._sinks.values()):
+            sinks, self._sinks = list(self._sinks.values()), {}
+            for sink in sinks:
                 try:
-                    sink(dead)
+                    sink.emit(EngineDead(f"engine failed: {exc}"))
                 except Exception:       # one consumer's bug must not keep the others (or the node) waiting
                     log.exception("output sink failed on the engine's failure")
             with self._wake:
                 pending = list(self._commands)
                 self._commands.clear()
-            for _, fut in pending:
-                if fut is not None and not fut.done():
-                    fut.set_exception(EngineDead(f"engine failed: {exc}"))
+            for command in pending:       # never run: each awaited one fails with EngineDead
+                if command.refuse is not None:
+                    command.refuse(EngineDead(f"engine failed: {exc}"))
         finally:
             if self.on_failure is not None:
                 self.on_failure(exc)
 
 
-def _deliver(replies: list[tuple[asyncio.Future, bool, Any]]) -> None:
-    for fut, ok, value in replies:
-        if not fut.done():
-            if ok:
-                fut.set_result(value)
-            else:
-                fut.set_exception(value)
+def _settle(fut: asyncio.Future[T], value: T) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _settle_error(fut: asyncio.Future[T], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+def _run_all(replies: list[Reply]) -> None:
+    for reply in replies:
+        reply()
+
+
+def _satisfies_handle(engine: AsyncEngine) -> EngineHandle:
+    """Never called: the type checker proves here that `AsyncEngine` implements `EngineHandle`."""
+    return engine

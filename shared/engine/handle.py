@@ -2,23 +2,33 @@
 
 Life cycle of the seam: a node (edge engine, core prefill service, batch
 runner, contexts, control port) holds an `EngineHandle` and nothing else of the
-engine. Requests enter with `add` / `generate` (outputs stream back), leave with
-`abort`; each declares its fairness `group` (the scheduler shares a step's budget between groups; by default
-a request is a group of its own); the disaggregation entry points are `reserve` → `write_kv`* (and
-`write_first_layer_kv`, layer 0 computed here) → `activate` (KV from outside;
-with decode handover `reserve` → `push_token`* and `write_kv`* → `take_over`) and prefill-only requests → `read_kv` → `release`
-(KV handed out); `pin_prefix` / `commit_prefix` / `unpin` keep prefixes
-resident. Stream routes (`add_stream_route`, `drop_stream_route`) tell a
-parallel core's ranks where to send their KV. `stats()` returns the snapshot the
-engine thread published after its last step or command: no caller reads engine
-state from another thread. `AsyncEngine` implements the handle in-thread; the
-edge's HTTP frontend reaches its engine process through `EdgeService`
-(edge/service.py) instead, which is served over typed messages (edge/ipc.py).
+engine. A request enters as one typed `EngineRequest` (id, prompt, sampling
+parameters, fairness `group` — the scheduler shares a step's budget between
+groups; by default a request is a group of its own — priority, prefill-only)
+together with the one `OutputSink` its outputs go to, chosen at admission:
+`submit(request, sink)`; `generate(request)` is the async-iterator form over a
+queue sink. A sink gets each output (or, with `at_finish`, all of them together
+when the request finishes, held on the engine thread until then) and
+`EngineDead` if the engine fails; it is dropped after the request's last output,
+the failure, or the caller's `abort` / `release`. The disaggregation entry
+points are `reserve(request, sink)` → `write_kv`* (and `write_first_layer_kv`,
+layer 0 computed here) → `activate` (KV from outside; with decode handover
+`reserve` → `push_token`* and `write_kv`* → `take_over`) and prefill-only
+requests → `read_kv` → `release` (KV handed out); `pin_prefix` /
+`commit_prefix` / `unpin` keep prefixes resident. Stream routes
+(`add_stream_route`, `drop_stream_route`) tell a parallel core's ranks where to
+send their KV. Facts that never change (config, block size, layer 0's cost) are
+published once; `stats()` returns the snapshot the engine thread published after
+its last step or command: no caller reads engine state from another thread.
+`AsyncEngine` implements the handle in-thread; the edge's HTTP frontend reaches
+its engine process through `EdgeService` (edge/service.py) instead, which is
+served over typed messages (edge/ipc.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Protocol
 from collections.abc import AsyncIterator, Callable
 
@@ -27,6 +37,7 @@ import msgspec
 from edgecore.shared.config import ModelConfig
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.errors import EngineDead
 from edgecore.shared.kv.transfer import KVSlice, StreamRoute
 from edgecore.shared.tokenizer import Tokenizer
 
@@ -73,18 +84,72 @@ class FirstToken(msgspec.Struct, frozen=True):
     top: list[tuple[int, float]] = []
 
 
-Sink = Callable[[RequestOutput | BaseException], None]
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request as it enters an engine (`submit`, `generate`, `reserve`)."""
+    request_id: str
+    prompt: list[int] | str                 # token ids, or text the engine's tokenizer encodes
+    params: SamplingParams
+    group: str | None = None                # fairness group (`Sequence.group`); None: the request alone
+    priority: int = 0                       # lower runs first (batch work sets a higher number)
+    prefill_only: bool = False              # end PREFILLED with the KV kept for a reader (`read_kv`, `release`)
+    # Declared for later work; not used yet (the engine ignores them):
+    tenant: str | None = None
+    adapter: str | None = None
+    cache_salt: str | None = None
+
+
+Output = RequestOutput | EngineDead     # what a sink receives: an output, or the engine's failure (the last item)
+Emit = Callable[[Output], None]
+OutputQueue = asyncio.Queue[Output]
+
+
+@dataclass(frozen=True)
+class OutputSink:
+    """Where one request's outputs go, chosen at admission. `emit` runs on the event loop, from the engine's
+    dispatch, once per output in order (no task switch per token), and once with `EngineDead` if the engine
+    fails. With `at_finish` the engine thread holds the outputs until the request finishes, then they are
+    emitted together (callers that only need the end result cost no wake-up per step)."""
+    emit: Emit
+    at_finish: bool = False
+
+    @staticmethod
+    def queue(queue: OutputQueue, at_finish: bool = False) -> OutputSink:
+        """A sink that puts each output into `queue` (read it with `read_outputs`)."""
+        return OutputSink(queue.put_nowait, at_finish)
+
+
+async def read_outputs(queue: OutputQueue, abort: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    """A queue sink's outputs until the request finishes (EngineDead is raised); a consumer that leaves before
+    that calls `abort`, so nothing runs on unobserved."""
+    finished = False
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, EngineDead):
+                raise item
+            yield item
+            if item.finished:
+                finished = True
+                return
+    finally:
+        if not finished:
+            abort()
 
 
 class EngineHandle(Protocol):
     """Everything a node may ask of an engine. Coroutines wait for the engine thread; plain methods queue
     the command (in order with every other command) and return at once."""
 
-    config: ModelConfig                 # immutable facts about the engine's model
+    config: ModelConfig                 # immutable facts about the engine's model, published once
     tokenizer: Tokenizer | None
     max_model_len: int
     block_size: int
     kv_bytes_per_token: int
+    # Multiply-adds per token of computing layer 0's K/V locally (0: this engine cannot), and doing so for a
+    # reserved request's uncached tokens instead of receiving them (shared/kv/transfer.py `EDGE_LAYERS`).
+    first_layer_macs: int
 
     @property
     def alive(self) -> bool: ...
@@ -92,39 +157,29 @@ class EngineHandle(Protocol):
     def stats(self) -> EngineStats: ...
 
     # ---- ordinary requests ----------------------------------------------------------------------
-    async def add(self, request_id: str, prompt: list[int] | str, params: SamplingParams, *,
-                  prefill_only: bool = False, priority: int = 0, collect: bool = False, group: str | None = None
-                  ) -> asyncio.Queue: ...
+    async def submit(self, request: EngineRequest, sink: OutputSink) -> None:
+        """Admit the request, its outputs going to `sink`. Raises RequestError (nothing admitted) if the
+        engine refuses it; cancelled while queued, the request is aborted after it is added."""
 
-    async def add_if_uncached_below(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                                    limit: int, group: str | None = None) -> tuple[int, asyncio.Queue | None]: ...
+    async def submit_if_uncached_below(self, request: EngineRequest, sink: OutputSink, limit: int
+                                       ) -> tuple[int, bool]:
+        """Measure the prompt's cached prefix and, when fewer than `limit` tokens are left to compute, admit
+        the request right there (one engine turn, not two): (cached tokens, whether it was admitted)."""
 
-    def generate(self, request_id: str, prompt: list[int] | str, params: SamplingParams, *,
-                 prefill_only: bool = False, priority: int = 0, collect: bool = False, group: str | None = None
-                 ) -> AsyncIterator[RequestOutput]: ...
-
-    def stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]: ...
-
-    def open_stream(self, request_id: str, collect: bool = False) -> asyncio.Queue: ...
-
-    def redirect(self, request_id: str, sink: Sink) -> None: ...
-
-    def close_stream(self, request_id: str) -> None: ...
+    def generate(self, request: EngineRequest, *, at_finish: bool = False) -> AsyncIterator[RequestOutput]:
+        """`submit` with a queue sink, as an async iterator; a consumer that leaves early aborts the request."""
 
     def abort(self, request_id: str) -> None: ...
 
     async def cached_prefix(self, prompt_ids: list[int]) -> int: ...
 
     # ---- KV from outside ------------------------------------------------------------------------
-    async def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      group: str | None = None) -> int: ...
+    async def reserve(self, request: EngineRequest, sink: OutputSink | None) -> int:
+        """Reserve blocks for a prompt whose KV is written from outside (`request.prompt` as token ids); returns
+        its locally cached leading tokens. `sink` gets its outputs once activated (None: it never is, a
+        prefetch). Raises NoFreeBlocks when the cache is full."""
 
     def write_kv(self, request_id: str, piece: KVSlice) -> None: ...
-
-    # Multiply-adds per token of computing layer 0's K/V locally (0: this engine cannot), and doing so for a
-    # reserved request's uncached tokens instead of receiving them (shared/kv/transfer.py `EDGE_LAYERS`).
-    @property
-    def first_layer_macs(self) -> int: ...
 
     async def write_first_layer_kv(self, request_id: str) -> None: ...
 

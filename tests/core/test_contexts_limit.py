@@ -1,36 +1,11 @@
 """Pinned contexts at the core hold at most `PINNED_SHARE` of the KV pool: beyond it an ingest is a 400 that
 names the limit (nothing pinned, nothing stored), and deleting a context makes room again."""
 
-import itertools
-from types import SimpleNamespace
-
 import pytest
 
 from edgecore.core.contexts import PINNED_SHARE, Contexts
 from edgecore.shared.openai.request import ApiError
-
-
-class FakeHandle:
-    block_size = 16
-
-    def __init__(self, blocks_total: int):
-        self.blocks_total = blocks_total
-        self.next_block = itertools.count()
-        self.prompts: dict[str, int] = {}
-        self.unpinned: list[list[int]] = []
-
-    def stats(self):
-        return SimpleNamespace(blocks_total=self.blocks_total)
-
-    async def generate(self, rid, token_ids, params, prefill_only=False):
-        self.prompts[rid] = len(token_ids)
-        yield None
-
-    async def pin_prefix(self, rid):
-        return [next(self.next_block) for _ in range(self.prompts[rid] // self.block_size)]
-
-    async def unpin(self, blocks):
-        self.unpinned.append(blocks)
+from tests.shared.fake_handle import FakeHandle
 
 
 class FakeStore:
@@ -45,7 +20,7 @@ class FakeStore:
 
 
 async def test_contexts_beyond_their_share_are_refused_until_one_is_deleted():
-    handle, store = FakeHandle(64), FakeStore()
+    handle, store = FakeHandle(blocks_total=64), FakeStore()
     contexts = Contexts(handle, store)
     allowed = int(64 * PINNED_SHARE)                    # 32 blocks; each 200-token context pins 12
     a = await contexts.ingest(list(range(200)))
@@ -57,3 +32,4 @@ async def test_contexts_beyond_their_share_are_refused_until_one_is_deleted():
     assert len(contexts.pinned) == 2 and len(store.saved) == 2    # nothing pinned or stored for the refused one
     assert await contexts.delete(a["id"])
     assert (await contexts.ingest(list(range(2, 202))))["id"] not in (a["id"], b["id"])
+    assert all(r.prefill_only for r in handle.requests.values())     # each context is prefilled only

@@ -9,6 +9,7 @@ import pytest
 
 from edgecore.core.server import CoreConfig, CoreServer
 from edgecore.edge.engine import EdgeConfig, EdgeEngine
+from edgecore.shared.engine.handle import EngineRequest
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import EngineDead
 from tests.conftest import make_engine
@@ -38,7 +39,7 @@ async def test_a_failed_engine_thread_stops_the_core_and_fails_its_health(model_
             writer.close()
             break_steps(core.handle.engine)
             with pytest.raises(EngineDead, match="injected"):
-                await drain(core.handle.generate("r", [5, 6, 7], SamplingParams(max_tokens=2)))
+                await drain(core.handle.generate(EngineRequest("r", [5, 6, 7], SamplingParams(max_tokens=2))))
             for _ in range(50):                                 # on_failure runs on the event loop
                 if core.failure:
                     break

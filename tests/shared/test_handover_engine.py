@@ -108,7 +108,7 @@ def test_a_pushed_token_reaches_the_stream_with_the_reply_not_a_turn_later(token
     import threading
 
     from edgecore.shared.engine.async_engine import AsyncEngine
-    from edgecore.shared.engine.handle import FirstToken
+    from edgecore.shared.engine.handle import EngineRequest, FirstToken, OutputSink
 
     async def main():
         eng = make_engine()
@@ -122,9 +122,10 @@ def test_a_pushed_token_reaches_the_stream_with_the_reply_not_a_turn_later(token
         aengine = AsyncEngine(eng)
         aengine.start()
         try:
-            await aengine.reserve("r", tokenizer.encode("def f():"),
-                                  SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-            queue = aengine.open_stream("r")
+            queue = asyncio.Queue()
+            await aengine.reserve(EngineRequest("r", tokenizer.encode("def f():"),
+                                                SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)),
+                                  OutputSink.queue(queue))
             assert await aengine.push_token("r", FirstToken(5, None, [])) is False
             out = queue.get_nowait()           # already there: no engine step had to emit it
             assert out.new_token_ids == [5] and not out.finished
