@@ -4,20 +4,28 @@ Life cycle of an upload: multipart `purpose` + `file` streamed to a temporary
 file under the data directory (limit checked while streaming: 413 and the
 partial file removed), fsynced, renamed, then recorded. Batches are created in
 `validating` and handed to the `BatchRunner`.
+
+A full data volume: any route whose write it refuses (an upload, a batch, a
+cancel, a context) answers 507 with an OpenAI error object, code
+`insufficient_storage`, whose message starts "no space left on device
+(ENOSPC)" and gives the free space; the partial upload is removed and the
+store's WAL truncated. Counted in `edgecore:core_batch_failures_total{cause="disk_full"}`.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import BodyPartReader, MultipartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from edgecore.core.batch_runner import ENDPOINTS, BatchRunner
-from edgecore.core.batch_store import BatchStore
+from edgecore.core.batch_store import BatchStore, DiskFull, is_disk_full
 from edgecore.shared.engine.handle import EngineHandle
 from edgecore.shared.openai.http import json_body
 from edgecore.shared.openai.request import ApiError
@@ -25,6 +33,8 @@ from edgecore.shared.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from edgecore.core.contexts import Contexts
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _not_found(kind: str, ident: str) -> ApiError:
@@ -62,21 +72,32 @@ class BatchAPI:
         self.max_file_bytes = max_file_bytes
 
     def routes(self, app: web.Application) -> None:
-        r = app.router
-        r.add_post("/v1/files", self.upload)
-        r.add_get("/v1/files", self.list_files)
-        r.add_get("/v1/files/{id}", self.get_file)
-        r.add_get("/v1/files/{id}/content", self.file_content)
-        r.add_delete("/v1/files/{id}", self.delete_file)
-        r.add_post("/v1/batches", self.create_batch)
-        r.add_get("/v1/batches", self.list_batches)
-        r.add_get("/v1/batches/{id}", self.get_batch)
-        r.add_post("/v1/batches/{id}/cancel", self.cancel_batch)
-        r.add_post("/v1/contexts", self.create_context)
-        r.add_get("/v1/contexts", self.list_contexts)
-        r.add_get("/v1/contexts/{id}", self.get_context)
-        r.add_delete("/v1/contexts/{id}", self.delete_context)
-        r.add_post("/v1/contexts/{id}/push", self.push_context)
+        for method, path, handler in (
+                ("POST", "/v1/files", self.upload), ("GET", "/v1/files", self.list_files),
+                ("GET", "/v1/files/{id}", self.get_file), ("GET", "/v1/files/{id}/content", self.file_content),
+                ("DELETE", "/v1/files/{id}", self.delete_file), ("POST", "/v1/batches", self.create_batch),
+                ("GET", "/v1/batches", self.list_batches), ("GET", "/v1/batches/{id}", self.get_batch),
+                ("POST", "/v1/batches/{id}/cancel", self.cancel_batch),
+                ("POST", "/v1/contexts", self.create_context), ("GET", "/v1/contexts", self.list_contexts),
+                ("GET", "/v1/contexts/{id}", self.get_context),
+                ("DELETE", "/v1/contexts/{id}", self.delete_context),
+                ("POST", "/v1/contexts/{id}/push", self.push_context)):
+            app.router.add_route(method, path, self._no_space(handler))
+
+    def _no_space(self, handler: Handler) -> Handler:
+        """`handler`, answering a write the full volume refused with 507 (not a 500 with a traceback)."""
+        @functools.wraps(handler)
+        async def answer(request: web.Request) -> web.StreamResponse:
+            try:
+                return await handler(request)
+            except DiskFull as exc:
+                raise ApiError(507, str(exc), None, "insufficient_storage") from None
+            except OSError as exc:
+                if not is_disk_full(exc):
+                    raise
+                full = self.store.full(exc, f"answering {request.method} {request.path}")
+                raise ApiError(507, str(full), None, "insufficient_storage") from None
+        return answer
 
     # ---- files ----------------------------------------------------------------------
     async def upload(self, request: web.Request) -> web.Response:
@@ -102,15 +123,7 @@ class BatchAPI:
                         file_id = f"file-{uuid.uuid4().hex[:24]}"
                         filename = part.filename or "upload.jsonl"
                         tmp = self.store.files_dir / f"{file_id}.part"
-                        with open(tmp, "wb") as f:
-                            while chunk := await part.read_chunk(1 << 20):
-                                size += len(chunk)
-                                if size > self.max_file_bytes:
-                                    raise ApiError(413, f"File exceeds the limit of {self.max_file_bytes} bytes",
-                                                   "file", "file_too_large")
-                                f.write(chunk)
-                            f.flush()
-                            os.fsync(f.fileno())
+                        size = await self._receive(part, tmp)
             except (ValueError, AssertionError, web.RequestPayloadError, HttpProcessingError) as exc:
                 # no or bad boundary, a cut part, a 'purpose' that is not UTF-8, an undecodable part encoding
                 raise ApiError(400, f"malformed multipart body: {exc}", None, "invalid_body") from None
@@ -119,12 +132,33 @@ class BatchAPI:
             if tmp is None:
                 raise ApiError(400, "missing 'file' part", "file", "missing_required_parameter")
             assert file_id is not None and filename is not None      # set with `tmp`
-            tmp.rename(self.store.file_path(file_id))
+            tmp = tmp.rename(self.store.file_path(file_id))     # removed unless its row is written
+            obj = self.store.add_file(file_id, filename, purpose, size)
             tmp = None
-            return web.json_response(self.store.add_file(file_id, filename, purpose, size))
+            return web.json_response(obj)
         finally:
             if tmp is not None:
                 tmp.unlink(missing_ok=True)
+
+    async def _receive(self, part: BodyPartReader, tmp: Path) -> int:
+        """Stream the file part to `tmp` (fsynced); its size. Over the limit: 413; a full disk: `DiskFull`."""
+        size = 0
+        try:
+            with open(tmp, "wb") as f:
+                while chunk := await part.read_chunk(1 << 20):
+                    size += len(chunk)
+                    if size > self.max_file_bytes:
+                        raise ApiError(413, f"File exceeds the limit of {self.max_file_bytes} bytes", "file",
+                                       "file_too_large")
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            tmp.unlink(missing_ok=True)     # its space back before the WAL is checkpointed
+            raise self.store.full(exc, "storing the upload", size) from None
+        return size
 
     async def list_files(self, request: web.Request) -> web.Response:
         order = request.query.get("order", "desc")

@@ -1,4 +1,7 @@
-"""`edgecore batch submit`: upload a JSONL file, create a batch, show progress, download results."""
+"""`edgecore batch submit`: upload a JSONL file, create a batch, show progress, download results.
+
+A batch paused on the core's full disk stays in progress: the progress line shows its message (no space left,
+how much is needed) until it resumes; an upload the full disk refuses fails with the core's 507 message."""
 
 from __future__ import annotations
 
@@ -87,8 +90,9 @@ def run_submit(args: argparse.Namespace) -> int:
         c = batch["request_counts"]
         total = max(1, c["total"])
         filled = int(30 * (c["completed"] + c["failed"]) / total)
+        paused = ((batch.get("errors") or {}).get("data") or [{}])[0].get("message", "")   # e.g. a full disk
         sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {c['completed']} done, {c['failed']} failed of "
-                         f"{c['total']}  {batch['status']}\x1b[K")
+                         f"{c['total']}  {batch['status']}{'  ' + paused if paused else ''}\x1b[K")
         sys.stderr.flush()
     sys.stderr.write("\n")
     if batch["status"] == "failed":

@@ -14,11 +14,31 @@ again and every custom_id appears exactly once. `cancelling`
 (or expiry) aborts what is in flight and keeps finished results;
 `finalizing` writes the output and error files under deterministic ids, so
 finalizing twice after a crash rewrites the same files.
+
+A full data volume never loses a finished result, and never fails the batch:
+the batch pauses. A store write refused for lack of space (`DiskFull`:
+SQLite's "database or disk is full" or ENOSPC) keeps the results it held in
+memory, starts no further request (those in flight finish and are kept too),
+and leaves the batch in the status it had (`validating`, `in_progress`,
+`finalizing` or `cancelling`) with `errors.data[0]` = {"code": "insufficient_storage",
+"message": "paused: no space left on device (ENOSPC) ... N free, about M
+needed; ..."} (held in memory: writing it would need the space that is
+missing). The store truncates its WAL after each refusal. Every
+`space_poll` seconds the runner checks the free space; once it reaches what
+the write needed (or every `retry_every` seconds regardless) it saves the
+kept results and resumes the batch from its stored state, exactly as after a
+crash. Each refused write counts in `edgecore:core_batch_failures_total{cause="disk_full"}`
+and the pause is logged once (and its end once). A request task that fails
+with anything but a request error (a bug) becomes an `internal_error` line of
+the error file, counts in `{cause="task"}`, and is logged once per batch
+with the number of such lines. A core stopped while paused loses only the
+results kept in memory: their requests run again when it restarts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import sqlite3
@@ -28,7 +48,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import cast
 
-from edgecore.core.batch_store import BatchStore
+from edgecore.core.batch_store import BatchStore, DiskFull
 from edgecore.core.metrics import CoreMetrics
 from edgecore.shared.engine.handle import EngineHandle
 from edgecore.shared.errors import RequestError
@@ -43,6 +63,8 @@ ENDPOINTS: dict[str, tuple[ParseFn, bool]] = {"/v1/chat/completions": (parse_cha
 BATCH_PRIORITY = 1
 COMMIT_EVERY = 32
 COMMIT_DELAY = 0.05
+SPACE_POLL = 1.0          # seconds between free-space checks while paused on a full disk
+RETRY_EVERY = 30.0        # ... and between retries while the space still looks too small
 
 
 class BatchRunner:
@@ -61,6 +83,11 @@ class BatchRunner:
         self._unsaved: list[tuple[int, str, dict]] = []
         self._flush_handle: asyncio.TimerHandle | None = None
         self._batch_id: str | None = None
+        self._full: DiskFull | None = None          # the refused write a pause waits out
+        self._paused_id: str | None = None          # the batch paused on it
+        self._task_errors = 0                      # request tasks of the running batch that raised
+        self.space_poll, self.retry_every = SPACE_POLL, RETRY_EVERY
+        store.on_full = lambda _: self.metrics.batch_failures.labels("disk_full").inc()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -83,17 +110,60 @@ class BatchRunner:
     async def _loop(self) -> None:
         while True:
             for batch_id in self.store.unfinished_batches():
-                try:
-                    await self._process(batch_id)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:   # never lose the runner to one batch; the batch fails visibly
-                    log.exception("batch %s failed", batch_id)
-                    self.store.set_status(batch_id, "failed", errors=json.dumps({"object": "list", "data": [
-                        {"code": "internal_error", "message": "the batch failed inside the core", "param": None,
-                         "line": None}]}))
+                if not await self._attempt(batch_id):
+                    break                       # a full disk: nothing else runs until it has room
+            if self._full is not None:
+                await self._wait_for_space()
+                continue
             await self._wake.wait()
             self._wake.clear()
+
+    async def _attempt(self, batch_id: str) -> bool:
+        """Run the batch from its stored state; False when a full disk paused it."""
+        try:
+            try:
+                await self._process(batch_id)
+            except (asyncio.CancelledError, DiskFull):
+                raise
+            except Exception:   # never lose the runner to one batch; the batch fails visibly
+                log.exception("batch %s failed", batch_id)
+                self._fail(batch_id, "internal_error", "the batch failed inside the core", None)
+        except DiskFull as exc:
+            self._pause(batch_id, exc)
+            return False
+        self._resumed()
+        return True
+
+    def _pause(self, batch_id: str, exc: DiskFull) -> None:
+        if self._paused_id != batch_id:   # once per pause, not per refused write
+            log.warning("batch %s paused: %s; it resumes by itself once there is room", batch_id, exc)
+        self._paused_id, self._full = batch_id, exc
+        self.store.notices[batch_id] = {"object": "list", "data": [{
+            "code": "insufficient_storage", "param": None, "line": None,
+            "message": f"paused: {exc}; the batch resumes by itself once there is room"}]}
+
+    def _resumed(self) -> None:
+        if self._paused_id is not None:
+            log.info("batch %s resumed: %d bytes free on the data volume", self._paused_id, self.store.free_bytes())
+            self._paused_id = None
+
+    async def _wait_for_space(self) -> None:
+        """Wait until the volume has the room the refused write needed (or `retry_every` passed), then save
+        the results kept in memory; the loop then resumes the batch from its stored state."""
+        full, waited = self._full, 0.0
+        while full is not None:
+            await asyncio.sleep(self.space_poll)
+            waited += self.space_poll
+            if self.store.free_bytes() < full.needed and waited < self.retry_every:
+                continue
+            waited = 0.0
+            self.store.checkpoint()
+            self._full = None
+            self._flush()
+            full = self._full
+            if full is not None and self._paused_id is not None:
+                self._pause(self._paused_id, full)       # still full: the message says how much now
+        self.store.notices.clear()
 
     def _row(self, batch_id: str) -> sqlite3.Row:
         row = self.store.batch_row(batch_id)
@@ -111,6 +181,8 @@ class BatchRunner:
             row = self._row(batch_id)
         if row["status"] == "in_progress":
             outcome = await self._run(row)
+            if self._full is not None:    # results a full disk refused, kept in memory: paused
+                raise self._full
             if outcome == "cancelling":
                 self.store.set_status(batch_id, "cancelling")
             self.store.set_status(batch_id, "finalizing", **({"expired_at": int(time.time())}
@@ -192,6 +264,8 @@ class BatchRunner:
     # ---- execution --------------------------------------------------------------
     def _record(self, line: int, state: str, result: dict) -> None:
         self._unsaved.append((line, state, result))
+        if self._full is not None:        # paused on a full disk: kept until it has room
+            return
         if len(self._unsaved) >= COMMIT_EVERY:
             self._flush()
         elif self._flush_handle is None:
@@ -201,10 +275,15 @@ class BatchRunner:
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
-        if self._unsaved:
-            rows, self._unsaved = self._unsaved, []
+        if self._unsaved and self._full is None:
             assert self._batch_id is not None     # results are recorded only while `_run` runs a batch
-            self.store.finish_requests(self._batch_id, rows)
+            try:
+                self.store.finish_requests(self._batch_id, self._unsaved)
+            except DiskFull as exc:       # kept; the batch pauses (`_run_pending` starts nothing more)
+                self._full = exc
+                return
+            self._unsaved = []
+            self._resumed()
 
     async def _run(self, row: sqlite3.Row) -> str:
         batch_id, endpoint = row["id"], row["endpoint"]
@@ -216,18 +295,25 @@ class BatchRunner:
 
     async def _run_pending(self, row: sqlite3.Row, batch_id: str, endpoint: str) -> str:
         parse, chat = ENDPOINTS[endpoint]
-        pending = self.store.pending(batch_id)
+        kept = {line for line, _, _ in self._unsaved}        # finished, waiting for room on the disk
+        pending = [r for r in self.store.pending(batch_id) if r["line"] not in kept]
         slots = asyncio.Semaphore(self.max_inflight)
         tasks: set[asyncio.Task] = set()
         outcome = "done"
+        self._task_errors = 0
 
-        def done(t: asyncio.Task) -> None:
+        def done(t: asyncio.Task, req: sqlite3.Row) -> None:
             tasks.discard(t)
             slots.release()
+            if not t.cancelled() and (exc := t.exception()) is not None:
+                self._task_failed(batch_id, req, exc)
 
         self.metrics.batch_queued.set(len(pending))
         for req in pending:
             await slots.acquire()
+            if self._full is not None:    # a full disk: start nothing more; those in flight finish, kept
+                outcome = "paused"
+                break
             if batch_id in self._cancelled or self._row(batch_id)["cancelling_at"]:
                 outcome = "cancelling"
                 break
@@ -237,16 +323,31 @@ class BatchRunner:
             self.metrics.batch_queued.dec()
             task = asyncio.create_task(self._one(batch_id, req, parse, chat))
             tasks.add(task)
-            task.add_done_callback(done)
+            task.add_done_callback(functools.partial(done, req=req))
         while tasks:
             if outcome == "done" and batch_id in self._cancelled:
                 outcome = "cancelling"
-            if outcome != "done":
+            if outcome not in ("done", "paused"):
                 for task in list(tasks):
                     task.cancel()
             await asyncio.wait(set(tasks), timeout=0.2)
         self.metrics.batch_queued.set(0)
+        if self._task_errors > 1:
+            log.error("batch %s: %d requests failed inside the core (internal_error lines)", batch_id,
+                      self._task_errors)
         return outcome
+
+    def _task_failed(self, batch_id: str, req: sqlite3.Row, exc: BaseException) -> None:
+        """A request task raised (not a request error: a bug): an `internal_error` line, counted; the first of
+        a batch is logged with its traceback, the rest only counted (`_run_pending` logs their number)."""
+        self._task_errors += 1
+        self.metrics.batch_failures.labels("task").inc()
+        if self._task_errors == 1:
+            log.error("batch %s: line %d failed inside the core", batch_id, req["line"], exc_info=exc)
+        self._record(req["line"], "error", {
+            "id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": req["custom_id"], "response": None,
+            "error": {"code": "internal_error", "line": req["line"],
+                      "message": f"line {req['line']}: the core failed on this request ({type(exc).__name__})"}})
 
     async def _one(self, batch_id: str, req: sqlite3.Row, parse: ParseFn, chat: bool) -> None:
         engine = self.handle

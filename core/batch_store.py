@@ -5,16 +5,33 @@ core killed at any instant restarts with a consistent picture: a request is
 either pending or done-with-its-result, never half. File contents live under
 `data_dir/files/`, written to a temporary name, fsynced, then renamed; a file
 row exists only once its content is complete.
+
+A full disk: a write the volume has no room for (SQLite's "database or disk
+is full", or ENOSPC/EDQUOT from a file write) rolls its transaction back,
+checkpoints and truncates the WAL (`PRAGMA wal_checkpoint(TRUNCATE)`: a WAL
+left at its high-water mark keeps the volume full), calls `on_full` (the
+runner counts it) and raises `DiskFull`, whose message names ENOSPC, the free
+space and about how much the write needs. Nothing committed is lost; the
+caller decides (the runner pauses the batch, the API answers 507). `notices`
+holds, in memory, a batch's transient error (a pause for space): shown in its
+`errors` without a write to the full disk. Between failures the WAL is
+truncated to at most 1 MiB after each checkpoint (`journal_size_limit`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
+import shutil
 import sqlite3
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+
+log = logging.getLogger("edgecore.batch")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -39,6 +56,36 @@ TIMESTAMPS = ("created_at", "expires_at", "in_progress_at", "finalizing_at", "co
               "expired_at", "cancelling_at", "cancelled_at")
 
 
+# Room a write needs beyond its own bytes (pages rewritten around rows, the WAL frames and their checkpoint).
+SLACK = 128 << 10
+
+
+class DiskFull(Exception):
+    """A write refused for lack of space on the data volume (ENOSPC); nothing of it was committed."""
+
+    def __init__(self, what: str, where: Path, free: int, needed: int) -> None:
+        super().__init__(f"no space left on device (ENOSPC) {what} in {where}: {_size(free)} free, about "
+                         f"{_size(needed)} needed")
+        self.free, self.needed = free, needed
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc` says the volume is full: ENOSPC/EDQUOT, or SQLite's SQLITE_FULL ("database or disk is
+    full")."""
+    if isinstance(exc, DiskFull):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(exc, sqlite3.Error):
+        code = getattr(exc, "sqlite_errorcode", None)
+        return (code is not None and code & 0xFF == sqlite3.SQLITE_FULL) or "disk is full" in str(exc)
+    return False
+
+
+def _size(n: int) -> str:
+    return f"{n} B" if n < 1 << 10 else f"{n / 1024:.0f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
@@ -52,19 +99,43 @@ class BatchStore:
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA journal_size_limit=1048576")     # the WAL shrinks back after each checkpoint
         self.db.executescript(SCHEMA)
+        self.on_full: Callable[[DiskFull], None] | None = None     # set by the runner: counts refused writes
+        self.notices: dict[str, dict] = {}     # batch id → an error shown in its `errors` (not stored)
         for tmp in self.files_dir.glob("*.part"):   # uploads cut short by a crash
             tmp.unlink()
 
-    def tx(self) -> _Tx:
-        return _Tx(self.db)
+    def tx(self, what: str = "updating the batch database", payload: int = 0) -> _Tx:
+        """One transaction; a full disk rolls it back and raises `DiskFull` (`payload`: the bytes it writes)."""
+        return _Tx(self, what, payload)
+
+    # ---- a full volume ----------------------------------------------------------------
+    def free_bytes(self) -> int:
+        return shutil.disk_usage(self.dir).free
+
+    def checkpoint(self) -> None:
+        """Copy the WAL into the database and truncate it to zero bytes (best effort: the copy itself may need
+        room the volume lacks)."""
+        try:
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        except sqlite3.Error as exc:
+            log.debug("WAL checkpoint failed: %s", exc)
+
+    def full(self, exc: BaseException, what: str, payload: int = 0) -> DiskFull:
+        """The `DiskFull` for a write refused with `exc`, after the WAL is checkpointed; counted by `on_full`."""
+        self.checkpoint()
+        err = DiskFull(what, self.dir, self.free_bytes(), 2 * payload + SLACK)
+        if self.on_full is not None:
+            self.on_full(err)
+        return err
 
     # ---- files ----------------------------------------------------------------
     def file_path(self, file_id: str) -> Path:
         return self.files_dir / file_id
 
     def add_file(self, file_id: str, filename: str, purpose: str, size: int) -> dict:
-        with self.tx():
+        with self.tx("recording a file"):
             self.db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?)",
                             (file_id, filename, purpose, size, int(time.time())))
         obj = self.get_file(file_id)
@@ -75,10 +146,16 @@ class BatchStore:
         """Store `data` atomically (temporary name, fsync, rename, then the row); an existing id is replaced."""
         file_id = file_id or new_id("file")
         tmp = self.files_dir / f"{file_id}.part"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if is_disk_full(exc):
+                raise self.full(exc, f"writing {filename}", len(data)) from None
+            raise
         tmp.rename(self.file_path(file_id))
         return self.add_file(file_id, filename, purpose, len(data))
 
@@ -103,8 +180,15 @@ class BatchStore:
         return [file_object(r) for r in rows[:limit]], len(rows) > limit
 
     def delete_file(self, file_id: str) -> bool:
-        with self.tx():
-            gone = self.db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount
+        """Delete the row, then the content; on a full disk the content goes first (deleting frees space,
+        and the row's deletion needs some)."""
+        try:
+            with self.tx("deleting a file"):
+                gone = self.db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount
+        except DiskFull:
+            self.file_path(file_id).unlink(missing_ok=True)
+            with self.tx("deleting a file"):
+                gone = self.db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount
         self.file_path(file_id).unlink(missing_ok=True)
         return bool(gone)
 
@@ -112,7 +196,7 @@ class BatchStore:
     def create_batch(self, input_file_id: str, endpoint: str, window: str, metadata: dict | None) -> dict:
         batch_id = new_id("batch")
         now = int(time.time())
-        with self.tx():
+        with self.tx("creating a batch"):
             seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches").fetchone()[0]
             self.db.execute("INSERT INTO batches (id, seq, input_file_id, endpoint, completion_window, metadata, "
                             "status, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, 'validating', ?, ?)",
@@ -142,7 +226,7 @@ class BatchStore:
     def set_status(self, batch_id: str, status: str, **fields: int | str) -> None:
         fields[f"{status}_at"] = int(time.time())
         cols = ", ".join(f"{k} = ?" for k in fields)
-        with self.tx():
+        with self.tx(f"setting a batch {status}"):
             self.db.execute(f"UPDATE batches SET status = ?, {cols} WHERE id = ?",
                             (status, *fields.values(), batch_id))
 
@@ -158,7 +242,7 @@ class BatchStore:
 
     def batch_object(self, row: sqlite3.Row) -> dict:
         obj = {"id": row["id"], "object": "batch", "endpoint": row["endpoint"],
-               "errors": json.loads(row["errors"]) if row["errors"] else None,
+               "errors": self.notices.get(row["id"]) or (json.loads(row["errors"]) if row["errors"] else None),
                "input_file_id": row["input_file_id"], "completion_window": row["completion_window"],
                "status": row["status"], "output_file_id": row["output_file_id"],
                "error_file_id": row["error_file_id"],
@@ -171,7 +255,7 @@ class BatchStore:
     # ---- requests -------------------------------------------------------------
     def add_requests(self, batch_id: str, rows: list[tuple[int, str | None, str | None, str, str | None]]) -> None:
         """rows: (line, custom_id, body JSON, state 'pending'|'error', result JSON for errors)."""
-        with self.tx():
+        with self.tx("storing a batch's requests", sum(len(r[2] or "") + len(r[4] or "") for r in rows)):
             self.db.executemany("INSERT OR IGNORE INTO batch_requests VALUES (?, ?, ?, ?, ?, ?)",
                                 [(batch_id, *r) for r in rows])
             self.db.execute("UPDATE batches SET total = ? WHERE id = ?", (len(rows), batch_id))
@@ -182,10 +266,10 @@ class BatchStore:
 
     def finish_requests(self, batch_id: str, results: list[tuple[int, str, dict]]) -> None:
         """Record finished requests (line, state, result line) in one transaction."""
-        with self.tx():
+        rows = [(state, json.dumps(result), batch_id, line) for line, state, result in results]
+        with self.tx(f"saving {len(rows)} batch results", sum(len(r[1]) for r in rows)):
             self.db.executemany("UPDATE batch_requests SET state = ?, result = ? WHERE batch_id = ? AND line = ? "
-                                "AND state = 'pending'",
-                                [(state, json.dumps(result), batch_id, line) for line, state, result in results])
+                                "AND state = 'pending'", rows)
 
     def results(self, batch_id: str, state: str) -> list[str]:
         rows = self.db.execute("SELECT result FROM batch_requests WHERE batch_id = ? AND state = ? ORDER BY line",
@@ -194,7 +278,7 @@ class BatchStore:
 
     # ---- contexts -------------------------------------------------------------
     def save_context(self, ctx_id: str, token_ids: list[int]) -> None:
-        with self.tx():
+        with self.tx("saving a context"):
             self.db.execute("INSERT OR IGNORE INTO contexts VALUES (?, ?, ?)",
                             (ctx_id, json.dumps(token_ids), int(time.time())))
 
@@ -210,14 +294,32 @@ class BatchStore:
 
 
 class _Tx:
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
+    def __init__(self, store: BatchStore, what: str, payload: int) -> None:
+        self.store, self.db, self.what, self.payload = store, store.db, what, payload
 
     def __enter__(self) -> None:
         self.db.execute("BEGIN IMMEDIATE")
 
-    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
-        self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _: object) -> None:
+        if exc is None:
+            try:
+                self.db.execute("COMMIT")
+                return
+            except sqlite3.Error as failed:
+                exc = failed
+                if not is_disk_full(failed):
+                    self._rollback()
+                    raise
+        self._rollback()
+        if is_disk_full(exc):
+            raise self.store.full(exc, self.what, self.payload) from exc
+
+    def _rollback(self) -> None:
+        if self.db.in_transaction:      # SQLite may have rolled a full disk's transaction back itself
+            try:
+                self.db.execute("ROLLBACK")
+            except sqlite3.Error as exc:
+                log.warning("rollback failed: %s", exc)
 
 
 def file_object(row: sqlite3.Row) -> dict:

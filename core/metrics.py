@@ -2,7 +2,8 @@
 on every one (docs/metrics.md lists them).
 
 Life cycle: `CoreServer` builds one `CoreMetrics`; the prefill service counts requests, tokens and KV bytes
-as it serves edges, the batch runner its queued, running and completed requests and tokens, and a scrape
+as it serves edges, the batch runner its queued, running and completed requests and tokens (and its
+failures: writes a full disk refused, request tasks that raised), and a scrape
 refreshes the gauges from the engine's stats snapshot (`core/http.py`); the engine's cumulative counts are
 read from that snapshot by `EngineCollector` during the scrape.
 """
@@ -50,6 +51,11 @@ class CoreMetrics:
                                              "batch-API requests")
         self.batch_generation_tokens = m.counter("edgecore:core_batch_generation_tokens", "Tokens generated for "
                                                  "finished batch-API requests")
+        self.batch_failures = m.counter("edgecore:core_batch_failures", "Batch-subsystem failures: store "
+                                        "writes refused by a full disk (disk_full), request tasks that raised "
+                                        "(task)", "cause")
+        for cause in ("disk_full", "task"):
+            self.batch_failures.labels(cause)
         self.handover_requests = m.counter("edgecore:core_handover_requests", "Remote requests the core decoded "
                                            "for their edge until it took over")
         self.core_decoded_tokens = m.counter("edgecore:core_handover_tokens", "Tokens decoded for edges before "
