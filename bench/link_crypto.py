@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import ipaddress
 import ssl
 import statistics
 import tempfile
@@ -23,6 +21,7 @@ from pathlib import Path
 from common import emit, progress
 from transport import TIMEOUTS, make_chunks
 
+from edgecore.deploy.certs import LocalCA
 from edgecore.protocol import messages as m
 from edgecore.protocol.framing import Limits
 from edgecore.protocol.kv import decode_chunk
@@ -35,32 +34,11 @@ LIMITS = Limits(max_payload=64 << 20, max_buffer=80 << 20)
 
 def make_tls(folder: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     """(server, client) contexts for mutual TLS 1.3 under a fresh CA, as `tls_context` builds them."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bench CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
-    (folder / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    for name in ("core", "edge"):
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-                .issuer_name(ca_name).public_key(key.public_key()).serial_number(2 if name == "core" else 3)
-                .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-                .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                            x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                               critical=False)
-                .sign(ca_key, hashes.SHA256()))
-        (folder / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (folder / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                               serialization.PrivateFormat.PKCS8,
-                                                               serialization.NoEncryption()))
-    server = tls_context(True, str(folder / "core.pem"), str(folder / "core.key"), str(folder / "ca.pem"), True)
-    client = tls_context(False, str(folder / "edge.pem"), str(folder / "edge.key"), str(folder / "ca.pem"))
+    ca = LocalCA.create(folder / "ca")
+    core_cert, core_key = ca.issue("core", ["127.0.0.1", "localhost"], folder)
+    edge_cert, edge_key = ca.issue("edge", ["edge"], folder)
+    server = tls_context(True, core_cert, core_key, ca.ca_file, True)
+    client = tls_context(False, edge_cert, edge_key, ca.ca_file)
     for ctx in (server, client):
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     return server, client

@@ -31,6 +31,7 @@ def run_core(args: argparse.Namespace) -> int:
     from edgecore.shared.env import default_model, reserve_threads_for_engine, resolve_device
     from edgecore.shared.secrets import parse_hostport, read_api_keys, read_secret
     from edgecore.shared.service import run_service, setup_logging
+    from edgecore.shared.tls import server_tls
 
     settings = from_args(CoreSettings, args)
     setup_logging(f"[{settings.name}] ")
@@ -39,7 +40,8 @@ def run_core(args: argparse.Namespace) -> int:
     api_keys = read_api_keys(settings.api_key_file)
     check_control_port(http_host, api_keys)              # before anything loads: one line, exit non-zero
     control = ControlPort(limits_from_args(namespace(settings)), _push_edges(settings.push_edge),
-                          read_api_keys(settings.push_api_key_file)[0] if settings.push_api_key_file else None)
+                          read_api_keys(settings.push_api_key_file)[0] if settings.push_api_key_file else None,
+                          server_tls(settings.tls_cert, settings.tls_key))
     engine_threads = reserve_threads_for_engine()
     model_dir, device = settings.model or default_model(), resolve_device(settings.device)
     pp_split = [int(x) for x in settings.pp_split.split(",")] if settings.pp_split else None
@@ -47,8 +49,8 @@ def run_core(args: argparse.Namespace) -> int:
         _check_parallel(model_dir, pp_split, settings)         # one line before anything else is said or started
     cache, kv_line = kv_cache_config(namespace(settings), ModelConfig.from_dir(model_dir),
                                      resolve_dtype(settings.dtype, device).itemsize, tp=settings.tp)
-    ssl = tls_context(True, settings.tls_cert, settings.tls_key, settings.tls_ca, settings.tls_ca is not None) \
-        if settings.tls_cert else None
+    ssl = tls_context(True, settings.link_tls_cert, settings.link_tls_key, settings.link_tls_ca,
+                      settings.link_tls_ca is not None) if settings.link_tls_cert else None
     secret = read_secret(settings.secret_file)
     assert secret is not None                            # required: read_secret raises when there is none
     config = CoreConfig(model_dir=model_dir, secret=secret, host=host,
@@ -70,7 +72,8 @@ def run_core(args: argparse.Namespace) -> int:
         await core.start()
         logging.getLogger("edgecore.kv").info(kv_line)
         print(f"edgecore core '{settings.name}' ready: protocol {host}:{core.port}, "
-              f"http http://{http_host}:{core.http_port} ({protection(http_host, api_keys)})", flush=True)
+              f"http {'https' if control.tls else 'http'}://{http_host}:{core.http_port} "
+              f"({protection(http_host, api_keys)})", flush=True)
 
     return run_service(start, core.stop)
 

@@ -24,6 +24,7 @@ from edgecore.shared.http_server import ServerLimits, start_site
 from edgecore.shared.openai.extra_routes import add_model_routes, model_card
 from edgecore.shared.openai.http import error_middleware
 from edgecore.shared.secrets import is_loopback
+from edgecore.shared.tls import ServerTLS
 
 
 @dataclass
@@ -32,6 +33,7 @@ class ControlPort:
     limits: ServerLimits = field(default_factory=ServerLimits)
     push_edges: dict[str, str] = field(default_factory=dict)   # edge name → its API base URL
     push_api_key: bytes | None = None                          # what the core presents to those edges
+    tls: ServerTLS | None = None                               # HTTPS (--tls-cert / --tls-key)
 
 
 def check_control_port(host: str, api_keys: list[bytes]) -> None:
@@ -96,4 +98,4 @@ def build_app(core: CoreServer) -> web.Application:
 async def start_control_port(core: CoreServer, host: str, port: int) -> tuple[web.AppRunner, int]:
     check_control_port(host, core.config.api_keys)
     control = getattr(core.config, "control", None) or ControlPort()
-    return await start_site(build_app(core), host, port, control.limits)
+    return await start_site(build_app(core), host, port, control.limits, tls=control.tls)

@@ -29,9 +29,13 @@ class CoreSettings:
     max_batched_tokens: int = setting(2048, help="prefill token budget per step")
     kv_cache_memory: str = common.kv_cache_memory()
     kv_blocks: int | None = common.kv_blocks()
-    tls_cert: str | None = setting(None)
-    tls_key: str | None = setting(None)
-    tls_ca: str | None = setting(None, help="CA to verify edge certificates (enables mutual TLS)")
+    tls_cert: str | None = setting(None, metavar="PEM", help="serve the control port over HTTPS with this "
+                                   "certificate (chain); re-read when it changes")
+    tls_key: str | None = setting(None, metavar="PEM", help="the HTTPS certificate's private key")
+    link_tls_cert: str | None = setting(None, help="TLS around the (already encrypted) protocol port: its "
+                                        "certificate")
+    link_tls_key: str | None = setting(None)
+    link_tls_ca: str | None = setting(None, help="CA to verify edge certificates on the link (mutual TLS)")
     data_dir: str | None = setting(None, help="batch API storage (default: ./edgecore-data/NAME)")
     api_key_file: str | None = setting(None, help="API keys for the control port's /v1/ routes (batch API, "
                                        "contexts, model downloads) and /stats; required when --http is not a "

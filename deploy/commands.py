@@ -18,6 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run each region in its own network namespace with the links' delay, jitter, "
                         "bandwidth and loss (needs root)")
     p.add_argument("--data-dir", default=None, help="where cores keep batch data (default: temporary)")
+    p.add_argument("--tls", action="store_true",
+                   help="HTTPS on every node's HTTP port, with certificates from a local CA made for this run "
+                        "(clients trust its ca.pem, printed with the URLs)")
     p.set_defaults(func=run_up)
 
     d = sub.add_parser("deploy", help="render Kubernetes manifests from a topology",
@@ -51,7 +54,7 @@ def run_up(args: argparse.Namespace) -> int:
     if args.emulate_wan and os.geteuid() != 0:
         raise ConfigError("--emulate-wan needs root (network namespaces, tc and nftables)")
     topo = load_topology(args.topology) if args.topology else default_topology(args.model or default_model())
-    return Launcher(topo, args.emulate_wan, args.data_dir).run()
+    return Launcher(topo, args.emulate_wan, args.data_dir, tls=args.tls).run()
 
 
 def run_render(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, TextIO
 
+from edgecore.deploy.certs import LocalCA
 from edgecore.deploy.node_settings import core_settings, edge_settings, node_argv
 from edgecore.deploy.topology import CoreNode, EdgeNode, Topology
 from edgecore.shared.errors import EdgecoreError
@@ -46,7 +48,8 @@ class Proc:
 
 class Launcher:
     def __init__(self, topology: Topology, emulate_wan: bool = False, data_dir: str | None = None,
-                 ready_timeout: float = 180.0, out: TextIO = sys.stdout):
+                 ready_timeout: float = 180.0, out: TextIO = sys.stdout, tls: bool = False):
+        """`tls`: HTTPS on every node's HTTP port, certificates from a local CA made for this run."""
         self.topology = topology
         self.emulate_wan = emulate_wan
         self.data_dir = Path(data_dir) if data_dir else None
@@ -57,6 +60,9 @@ class Launcher:
         self.wan: WanEmulation | None = None
         self._lock = threading.Lock()
         self.edge_urls: dict[str, str] = {}
+        self.ca = LocalCA.create(Path(self.tmp.name) / "ca") if tls else None
+        self.scheme = "https" if tls else "http"
+        self._client_tls = ssl.create_default_context(cafile=self.ca.ca_file) if self.ca else None
 
     # ---- output ----------------------------------------------------------------
     def say(self, line: str) -> None:
@@ -90,7 +96,7 @@ class Launcher:
                 if proc.popen.poll() is not None:
                     raise EdgecoreError(f"{proc.label} exited with code {proc.popen.returncode} before it was ready")
                 try:
-                    with urllib.request.urlopen(proc.ready_url, timeout=2) as r:
+                    with urllib.request.urlopen(proc.ready_url, timeout=2, context=self._client_tls) as r:
                         if r.status == 200:
                             pending.remove(proc)
                 except OSError:
@@ -114,6 +120,12 @@ class Launcher:
             path.write_text(secrets.token_hex(24) + "\n")
             path.chmod(0o600)
         return str(path)
+
+    def _certificate(self, name: str, host: str) -> tuple[str | None, str | None]:
+        """(`tls_cert`, `tls_key`) settings for a node at `host` (None without --tls)."""
+        if self.ca is None:
+            return None, None
+        return self.ca.issue(name, sorted({host, "127.0.0.1", "localhost"}), Path(self.tmp.name) / "certs")
 
     def _check_ports(self) -> None:
         """Nodes share this host (or, with --emulate-wan, their region's namespace): one port each."""
@@ -149,7 +161,10 @@ class Launcher:
                                gather_kv=bool(self.wan) and core.tp * core.pp > 1)
             if topo.api_keys_file or self.wan:   # a control port beyond loopback needs an API key
                 settings = replace(settings, api_key_file=topo.api_keys_file or self._control_key_file())
-            self._spawn(f"{core.region}/{core.name}", node_argv(settings), f"http://{host}:{core.http_port}/ready",
+            cert, key = self._certificate(core.name, host)
+            settings = replace(settings, tls_cert=cert, tls_key=key)
+            self._spawn(f"{core.region}/{core.name}", node_argv(settings),
+                        f"{self.scheme}://{host}:{core.http_port}/ready",
                         self.wan.netns(core.region) if self.wan else None)
             addr[core.name] = (host, core.port)
         self._wait_ready(list(self.procs))
@@ -163,10 +178,12 @@ class Launcher:
             edge_args = replace(edge_settings(topo, edge), model=topo.model, listen=f"{host}:{edge.port}",
                                 core=tuple(cores), secret_file=secret if cores else None,
                                 api_key_file=topo.api_keys_file)
+            cert, key = self._certificate(edge.name, host)
+            edge_args = replace(edge_args, tls_cert=cert, tls_key=key)
             edges.append(self._spawn(f"{edge.region}/{edge.name}", node_argv(edge_args),
-                                     f"http://{host}:{edge.port}/ready",
+                                     f"{self.scheme}://{host}:{edge.port}/ready",
                                      self.wan.netns(edge.region) if self.wan else None))
-            self.edge_urls[edge.name] = f"http://{host}:{edge.port}/v1"
+            self.edge_urls[edge.name] = f"{self.scheme}://{host}:{edge.port}/v1"
         # A first --compile takes a minute or more per edge on a small machine, several at once longer.
         self._wait_ready(edges, COMPILE_WAIT if any(e.compile for e in topo.edges) else 0.0)
         self.say("edgecore is up:")
@@ -174,7 +191,8 @@ class Launcher:
             self.say(f"  {name}: {url}")
         if self.edge_urls:
             first = next(iter(self.edge_urls.values()))
-            self.say(f"try:\n  curl {first}/chat/completions -H 'Content-Type: application/json' "
+            cacert = f"--cacert {self.ca.ca_file} " if self.ca else ""
+            self.say(f"try:\n  curl {cacert}{first}/chat/completions -H 'Content-Type: application/json' "
                      f"-d '{{\"model\": \"{topo.model_name}\", \"messages\": [{{\"role\": \"user\", "
                      f"\"content\": \"What does the for statement do?\"}}], \"max_tokens\": 40}}'")
         self.say("Ctrl-C stops everything.")

@@ -33,18 +33,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_edge(args: argparse.Namespace) -> int:
     """The HTTP frontend, which starts the engine process (`--engine-fd`) unless `--engine-in-process`."""
     from edgecore.edge.http import EdgeHTTP, start_http
-    from edgecore.protocol.codecs import CODECS
     from edgecore.shared.env import default_model
-    from edgecore.shared.errors import ConfigError
     from edgecore.shared.secrets import parse_hostport, read_api_keys
     from edgecore.shared.service import run_service, setup_logging
+    from edgecore.shared.tls import server_tls
 
     settings, engine_fd = from_args(EdgeSettings, args), args.engine_fd
     setup_logging(f"[{settings.name}{'/engine' if engine_fd is not None else ''}] ")
-    codecs = list(settings.codec or ["lossless"])
-    for c in codecs:
-        if c not in CODECS:
-            raise ConfigError(f"unknown codec '{c}' (known: {', '.join(CODECS)})")
+    codecs = _codecs(settings)
     local_below = _local_prefill_below(settings.local_prefill_below)
     codec_policy(settings)
     model_dir = settings.model or default_model()
@@ -53,7 +49,7 @@ def run_edge(args: argparse.Namespace) -> int:
         return _run_engine_process(settings, engine_fd, model_dir, codecs, local_below)
     if settings.model_from:
         model_dir = _fetch_model(settings, settings.model_from)
-    host, port = parse_hostport(settings.listen)
+    (host, port), tls = parse_hostport(settings.listen), server_tls(settings.tls_cert, settings.tls_key)
     edge: EdgeEngine | EngineClient
     if settings.engine_in_process:
         edge = _edge_engine(settings, model_dir, codecs, local_below)
@@ -77,8 +73,9 @@ def run_edge(args: argparse.Namespace) -> int:
                 finished.set_result(1)
         edge.on_death = on_death
         await edge.start()
-        state["runner"], bound = await start_http(http, host, port)
-        print(f"edgecore edge '{settings.name}' ready: http://{host}:{bound}/v1 (model {http.served_model}, "
+        state["runner"], bound = await start_http(http, host, port, tls)
+        print(f"edgecore edge '{settings.name}' ready: {'https' if tls else 'http'}://{host}:{bound}/v1 (model "
+              f"{http.served_model}, "
               f"cores: {', '.join(settings.core) or 'none, local prefill'}; "
               f"{'/v1/, /stats, /tokenize and /detokenize need an API key' if http.api_keys else 'no API key'})",
               flush=True)
@@ -90,6 +87,16 @@ def run_edge(args: argparse.Namespace) -> int:
         await edge.stop()
 
     return run_service(start, stop)
+
+
+def _codecs(settings: EdgeSettings) -> list[str]:
+    from edgecore.protocol.codecs import CODECS
+    from edgecore.shared.errors import ConfigError
+    codecs = list(settings.codec or ["lossless"])
+    for c in codecs:
+        if c not in CODECS:
+            raise ConfigError(f"unknown codec '{c}' (known: {', '.join(CODECS)})")
+    return codecs
 
 
 def _engine_client(settings: EdgeSettings, model_dir: str) -> EngineClient:
@@ -167,7 +174,8 @@ def _edge_engine(settings: EdgeSettings, model_dir: str, codecs: list[str], loca
     logging.getLogger("edgecore.kv").info(kv_line)
     cores = [parse_hostport(c) for c in settings.core]
     core_dns = [parse_hostport(c) for c in settings.core_dns]
-    ssl = tls_context(False, settings.tls_cert, settings.tls_key, settings.tls_ca) if settings.tls_ca else None
+    ssl = (tls_context(False, settings.link_tls_cert, settings.link_tls_key, settings.link_tls_ca)
+           if settings.link_tls_ca else None)
     config = EdgeConfig(model_dir=model_dir, cores=cores, core_dns=core_dns,
                         secret=read_secret(settings.secret_file, required=bool(cores or core_dns)),
                         dtype=settings.dtype, device=device, codecs=codecs,

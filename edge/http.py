@@ -39,6 +39,7 @@ from edgecore.shared.openai.http import error_middleware, json_body, off_loop
 from edgecore.shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
 from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body, usage
 from edgecore.shared.openai.tools import ToolStream
+from edgecore.shared.tls import ServerTLS
 from edgecore.shared.tokenizer import TextTooLong
 
 log = logging.getLogger("edgecore.http")
@@ -304,9 +305,10 @@ class EdgeHTTP:
         return chunks
 
 
-async def start_http(http: EdgeHTTP, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve the API on host:port under `http.limits`. Returns (runner, bound port)."""
-    return await start_site(http.build_app(), host, port, http.limits, handler_cancellation=True)
+async def start_http(http: EdgeHTTP, host: str, port: int, tls: ServerTLS | None = None
+                     ) -> tuple[web.AppRunner, int]:
+    """Serve the API on host:port under `http.limits` (HTTPS with `tls`). Returns (runner, bound port)."""
+    return await start_site(http.build_app(), host, port, http.limits, handler_cancellation=True, tls=tls)
 
 
 async def _prepend(first: T | None, rest: AsyncIterator[T]) -> AsyncGenerator[T, None]:

@@ -69,9 +69,13 @@ class EdgeSettings:
     model_from_key_file: str | None = setting(None, help="API key file for --model-from's core (first key; "
                                               "default: the first of --api-key-file)")
     model_cache: str | None = setting(None, help="where fetched models are kept (default ~/.cache/edgecore/models)")
-    tls_ca: str | None = setting(None, help="CA for the cores' certificates (enables TLS to cores)")
-    tls_cert: str | None = setting(None, help="client certificate for mutual TLS")
-    tls_key: str | None = setting(None)
+    tls_cert: str | None = setting(None, metavar="PEM", help="serve the API over HTTPS with this certificate "
+                                   "(chain); re-read when it changes")
+    tls_key: str | None = setting(None, metavar="PEM", help="the HTTPS certificate's private key")
+    link_tls_ca: str | None = setting(None, help="CA for the cores' certificates: TLS around the (already "
+                                      "encrypted) link to cores")
+    link_tls_cert: str | None = setting(None, help="client certificate for mutual TLS on the link")
+    link_tls_key: str | None = setting(None)
     engine_in_process: bool = setting(False, help="run the engine inside the HTTP process instead of a process of "
                                                   "its own (simpler to debug; slower under load, as HTTP and the "
                                                   "engine then share one GIL)")

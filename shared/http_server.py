@@ -20,8 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from ssl import SSLContext
 from typing import Any, cast
 
 from aiohttp import web
@@ -29,6 +30,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from edgecore.shared.log_budget import limit_logger
+from edgecore.shared.tls import ServerTLS
 
 log = logging.getLogger("edgecore.http")
 
@@ -148,9 +150,11 @@ class GuardedHandler(RequestHandler):
 class GuardedSite(web.TCPSite):
     """A TCP site whose connections are `GuardedHandler`s."""
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int, limits: ServerLimits):
-        super().__init__(runner, host, port)
+    def __init__(self, runner: web.AppRunner, host: str, port: int, limits: ServerLimits,
+                 ssl: SSLContext | None = None):
+        super().__init__(runner, host, port, ssl_context=ssl)
         self.limits = limits
+        self.ssl = ssl
 
     async def start(self) -> None:
         await web.BaseSite.start(self)
@@ -161,19 +165,29 @@ class GuardedSite(web.TCPSite):
 
         def factory() -> GuardedHandler:
             return GuardedHandler(server, loop=loop, limits=self.limits, **kwargs)
-        self._server = await loop.create_server(factory, self._host, self._port, reuse_address=True)
+        self._server = await loop.create_server(
+            factory, self._host, self._port, reuse_address=True, ssl=self.ssl,
+            ssl_handshake_timeout=self.limits.header_timeout if self.ssl else None)   # a slow handshake: dropped
 
 
 async def start_site(app: web.Application, host: str, port: int, limits: ServerLimits,
-                     handler_cancellation: bool = False) -> tuple[web.AppRunner, int]:
-    """Bind `app` on host:port with `limits`. Returns (runner, bound port)."""
+                     handler_cancellation: bool = False, tls: ServerTLS | None = None) -> tuple[web.AppRunner, int]:
+    """Bind `app` on host:port with `limits` (HTTPS with `tls`, its certificate re-read while the site
+    runs). Returns (runner, bound port)."""
     limit_logger("edgecore.http")
     limit_logger("aiohttp.server")
     app[LIMITS_KEY] = limits
+    if tls is not None:
+        async def reloads(_: web.Application) -> AsyncIterator[None]:
+            task = asyncio.create_task(tls.watch())
+            yield
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        app.cleanup_ctx.append(reloads)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=handler_cancellation,
                            keepalive_timeout=limits.keepalive_timeout)
     await runner.setup()
-    site = GuardedSite(runner, host, port, limits)
+    site = GuardedSite(runner, host, port, limits, tls.context if tls is not None else None)
     try:
         await site.start()
     except BaseException:
