@@ -29,7 +29,8 @@ def run_core(args: argparse.Namespace) -> int:
     from edgecore.shared.config import EngineConfig, ModelConfig
     from edgecore.shared.models.loader import resolve_dtype
     from edgecore.shared.env import default_model, reserve_threads_for_engine, resolve_device
-    from edgecore.shared.secrets import parse_hostport, read_api_keys, read_secret
+    from edgecore.shared.link_auth import link_auth
+    from edgecore.shared.secrets import parse_hostport, read_api_keys
     from edgecore.shared.service import run_service, setup_logging
     from edgecore.shared.tls import server_tls
 
@@ -51,9 +52,9 @@ def run_core(args: argparse.Namespace) -> int:
                                      resolve_dtype(settings.dtype, device).itemsize, tp=settings.tp)
     ssl = tls_context(True, settings.link_tls_cert, settings.link_tls_key, settings.link_tls_ca,
                       settings.link_tls_ca is not None) if settings.link_tls_cert else None
-    secret = read_secret(settings.secret_file)
-    assert secret is not None                            # required: read_secret raises when there is none
-    config = CoreConfig(model_dir=model_dir, secret=secret, host=host,
+    secret, identity, trust = link_auth(settings.secret_file, settings.credential, settings.authority,
+                                        settings.revocations, needed=True)
+    config = CoreConfig(model_dir=model_dir, secret=secret or b"", identity=identity, trust=trust, host=host,
                         port=port, http_host=http_host, http_port=http_port, dtype=settings.dtype,
                         device=device, lease_seconds=settings.lease, cache=cache,
                         engine=EngineConfig(max_num_batched_tokens=settings.max_batched_tokens),
@@ -61,7 +62,9 @@ def run_core(args: argparse.Namespace) -> int:
                         api_keys=api_keys, control=control,
                         max_file_bytes=int(settings.max_file_mb * 1024 * 1024), tp=settings.tp, pp=settings.pp,
                         pp_split=pp_split,
-                        pp_micro_batches=settings.pp_micro_batches, gather_kv=settings.gather_kv,
+                        pp_micro_batches=settings.pp_micro_batches,
+                        # worker ranks' stream ports do not present credentials yet: rank 0 sends all KV
+                        gather_kv=settings.gather_kv or identity is not None,
                         stream_layers=not settings.kv_after_prefill, engine_threads=engine_threads,
                         rendezvous=settings.rendezvous,
                         handover=HandoverLimits(settings.handover_max_tokens, settings.handover_max_seconds,

@@ -28,6 +28,7 @@ from edgecore.core.metrics import CoreMetrics
 from edgecore.core.prefill_service import PrefillService
 from edgecore.core.transfer import HandoverLimits
 from edgecore.protocol.codecs import CODECS
+from edgecore.protocol.credentials import NodeIdentity, Trust
 from edgecore.protocol.transport import Timeouts, serve
 from edgecore.shared.config import CacheConfig, EngineConfig
 from edgecore.shared.engine.async_engine import AsyncEngine
@@ -50,7 +51,9 @@ log = logging.getLogger("edgecore.core")
 @dataclass
 class CoreConfig:
     model_dir: str
-    secret: bytes
+    secret: bytes                      # the cluster secret (b"" with per-node credentials only)
+    identity: NodeIdentity | None = None   # this core's credential and whom it trusts (per-node credentials)
+    trust: Trust | None = None
     host: str = "127.0.0.1"
     port: int = 7100
     http_host: str = "127.0.0.1"
@@ -144,7 +147,7 @@ class CoreServer:
         self.server = await serve(self.prefill.serve, host=c.host, port=c.port, secret=c.secret,
                                   fingerprint=self.fingerprint, codecs=c.codecs, timeouts=c.timeouts,
                                   ssl=c.ssl, name=c.name, layout=self.layout, load_fn=self.load,
-                                  streams=self.stream_ports)
+                                  streams=self.stream_ports, identity=c.identity, trust=c.trust)
         self.port = self.server.sockets[0].getsockname()[1]
         if self.failure is not None:     # failed while starting: the port opens closed
             self.server.close()

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from edgecore.edge.engine import EdgeEngine
     from edgecore.edge.engine_client import EngineClient
     from edgecore.edge.service import EdgeService
+    from edgecore.protocol.credentials import NodeIdentity, Trust
     from edgecore.shared.http_server import ServerLimits
 
 
@@ -99,13 +100,17 @@ def _codecs(settings: EdgeSettings) -> list[str]:
     return codecs
 
 
+def _link_auth(settings: EdgeSettings, needed: bool) -> tuple[bytes | None, NodeIdentity | None, Trust | None]:
+    from edgecore.shared.link_auth import link_auth
+    return link_auth(settings.secret_file, settings.credential, settings.authority, settings.revocations, needed)
+
+
 def _engine_client(settings: EdgeSettings, model_dir: str) -> EngineClient:
     """The frontend's handle on an engine process yet to start; a bad model or flag fails here, in one line."""
     from edgecore.edge.engine_client import EngineClient
     from edgecore.shared.config import ModelConfig
-    from edgecore.shared.secrets import read_secret
     ModelConfig.from_dir(model_dir)
-    read_secret(settings.secret_file, required=bool(settings.core or settings.core_dns))
+    _link_auth(settings, bool(settings.core or settings.core_dns))
     return EngineClient(["edge", *to_argv(settings)], model_dir)        # the same settings, parsed again there
 
 
@@ -165,7 +170,7 @@ def _edge_engine(settings: EdgeSettings, model_dir: str, codecs: list[str], loca
     from edgecore.shared.config import EngineConfig, ModelConfig
     from edgecore.shared.env import reserve_threads_for_engine, resolve_device
     from edgecore.shared.models.loader import resolve_dtype
-    from edgecore.shared.secrets import parse_hostport, read_secret
+    from edgecore.shared.secrets import parse_hostport
 
     engine_threads = reserve_threads_for_engine()
     device = resolve_device(settings.device)
@@ -176,8 +181,9 @@ def _edge_engine(settings: EdgeSettings, model_dir: str, codecs: list[str], loca
     core_dns = [parse_hostport(c) for c in settings.core_dns]
     ssl = (tls_context(False, settings.link_tls_cert, settings.link_tls_key, settings.link_tls_ca)
            if settings.link_tls_ca else None)
-    config = EdgeConfig(model_dir=model_dir, cores=cores, core_dns=core_dns,
-                        secret=read_secret(settings.secret_file, required=bool(cores or core_dns)),
+    secret, identity, trust = _link_auth(settings, bool(cores or core_dns))
+    config = EdgeConfig(model_dir=model_dir, cores=cores, core_dns=core_dns, secret=secret, identity=identity,
+                        trust=trust,
                         dtype=settings.dtype, device=device, codecs=codecs,
                         adaptive=settings.adaptive, ttft_target_ms=settings.ttft_target_ms,
                         **codec_policy(settings), local_prefill_below=local_below, cache=cache,

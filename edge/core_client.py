@@ -23,6 +23,7 @@ from collections.abc import Callable, Set
 from ssl import SSLContext
 
 from edgecore.protocol import messages as m
+from edgecore.protocol.credentials import NodeIdentity, Trust
 from edgecore.protocol.state import KVData
 from edgecore.protocol.transport import Peer, PeerError, Timeouts, connect
 
@@ -33,8 +34,11 @@ UNRESPONSIVE_AFTER = 5.0     # seconds a ping may go unanswered, with nothing el
 
 class CoreClient:
     def __init__(self, host: str, port: int, *, secret: bytes, fingerprint: str, codecs: list[str],
-                 timeouts: Timeouts = Timeouts(), ssl: SSLContext | None = None, name: str = "edge"):
+                 timeouts: Timeouts = Timeouts(), ssl: SSLContext | None = None, name: str = "edge",
+                 identity: NodeIdentity | None = None, trust: Trust | None = None):
+        """`identity` / `trust`: this edge's credential and the authorities it checks cores' against."""
         self.host, self.port = host, port
+        self.identity, self.trust = identity, trust
         self.secret, self.fingerprint, self.codecs = secret, fingerprint, codecs
         self.timeouts, self.ssl, self.name = timeouts, ssl, name
         self.peer: Peer | None = None
@@ -86,7 +90,7 @@ class CoreClient:
             try:
                 self.peer = await connect(self.host, self.port, secret=self.secret, fingerprint=self.fingerprint,
                                           codecs=self.codecs, timeouts=self.timeouts, ssl=self.ssl, name=self.name,
-                                          session=os.urandom(16).hex())
+                                          session=os.urandom(16).hex(), identity=self.identity, trust=self.trust)
             except PeerError as exc:
                 self.last_error = str(exc)
                 raise
@@ -103,7 +107,7 @@ class CoreClient:
             try:
                 stream = await connect(self.host, port, secret=self.secret, fingerprint=self.fingerprint,
                                        codecs=self.codecs, timeouts=self.timeouts, ssl=self.ssl, name=self.name,
-                                       session=self.peer.conn.session)
+                                       session=self.peer.conn.session, identity=self.identity, trust=self.trust)
             except PeerError as exc:        # requests fall back to KV gathered by the core's first rank
                 log.warning("core %s: stream port %d unreachable (%s); KV will come gathered", self.address,
                             port, exc)

@@ -48,6 +48,7 @@ from edgecore.edge.placement import PrefillModel
 from edgecore.edge.progress import Progress
 from edgecore.edge.remote_prefill import RemotePrefill, RemotePrefillFailed
 from prometheus_client import generate_latest
+from edgecore.protocol.credentials import NodeIdentity, Trust
 from edgecore.protocol.transport import Timeouts
 from edgecore.shared.config import CacheConfig, EngineConfig
 from edgecore.shared.engine.async_engine import AsyncEngine
@@ -71,6 +72,8 @@ class EdgeConfig:
     cores: list[tuple[str, int]] = field(default_factory=list)
     core_dns: list[tuple[str, int]] = field(default_factory=list)   # names resolved to cores (headless Service)
     secret: bytes | None = None
+    identity: NodeIdentity | None = None      # this edge's credential and whom it trusts (per-node credentials)
+    trust: Trust | None = None
     dtype: str = "auto"
     device: str = "cpu"
     codecs: list[str] = field(default_factory=lambda: ["lossless"])   # allowed; lossy only if listed
@@ -109,9 +112,10 @@ class EdgeEngine:
         wire_codecs = sorted(set(config.codecs) | {"lossless", "raw"})
 
         def client(host: str, port: int) -> CoreClient:
-            assert config.secret is not None, "cores need the cluster secret"
-            return CoreClient(host, port, secret=config.secret, fingerprint=self.fingerprint, codecs=wire_codecs,
-                              timeouts=config.timeouts, ssl=config.ssl, name=config.name)
+            assert config.secret is not None or config.identity is not None, "cores need a secret or credential"
+            return CoreClient(host, port, secret=config.secret or b"", fingerprint=self.fingerprint,
+                              codecs=wire_codecs, timeouts=config.timeouts, ssl=config.ssl, name=config.name,
+                              identity=config.identity, trust=config.trust)
         self.router = CoreRouter([client(h, p) for h, p in config.cores], dns=config.core_dns, make_client=client)
         self.decoder_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edgecore-decode")
         self.codec_rope = codec_rope(self.handle.config)     # what a core's encoder gives the codecs too

@@ -29,6 +29,9 @@ class EdgeSettings:
     listen: str = setting("127.0.0.1:8000", metavar="HOST:PORT", help="HTTP address")
     api_key_file: str | None = setting(None, help="API keys, one per line (or EDGECORE_API_KEYS)")
     secret_file: str | None = setting(None, help="cluster secret file (or EDGECORE_SECRET)")
+    credential: str | None = common.credential()
+    authority: str | None = common.authority()
+    revocations: str | None = common.revocations()
     served_model_name: str | None = setting(None, help="model id in the API (default: directory name)")
     name: str = setting("edge")
     codec: tuple[str, ...] | None = setting(None, metavar="NAME", help="allowed KV codec(s), in preference order "

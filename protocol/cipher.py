@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -35,7 +36,7 @@ from cryptography.hazmat.primitives.ciphers import AEADDecryptionContext, Cipher
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from edgecore.protocol.errors import ErrorCode, RemoteProtocolError
-from edgecore.protocol.framing import FIXED_SIZE
+from edgecore.protocol.framing import FIXED_SIZE, KEY_PHASE
 
 HASH_LEN = 32
 KEY_LEN = 32            # AES-256
@@ -115,6 +116,42 @@ class TrafficKeys:
 
     def updated(self) -> TrafficKeys:
         return TrafficKeys(hkdf_expand_label(self.secret, "traffic upd", b"", HASH_LEN), self.phase ^ 1)
+
+
+class LinkKeys:
+    """A sealed connection's keys: what this side sends with (updated per `Rekey`, counted in `updates`) and
+    what it receives with (the peer's current key and, once a frame shows the other phase, its next)."""
+
+    def __init__(self, send: TrafficKeys, receive: TrafficKeys, rekey: Rekey, clock: Callable[[], float]):
+        self.send, self.receive, self.rekey, self.clock = send, receive, rekey, clock
+        self._next: TrafficKeys | None = None
+        self._frames, self._bytes, self._since = 0, 0, clock()
+        self.updates = 0
+
+    def sending(self, nbytes: int) -> TrafficKeys:
+        """The key for the next frame (of `nbytes` plaintext): updated first when `rekey` says it is due."""
+        rekey = self.rekey
+        if self._frames >= rekey.frames or self._bytes >= rekey.bytes or self.clock() - self._since >= rekey.seconds:
+            self.send = self.send.updated()
+            self._frames, self._bytes, self._since = 0, 0, self.clock()
+            self.updates += 1
+        self._frames += 1
+        self._bytes += nbytes
+        return self.send
+
+    def opening(self, flags: int) -> TrafficKeys:
+        """The key a frame with these flags opens with: the current one, or (the other key phase) the peer's
+        next, which becomes current only through `verified`."""
+        if bool(flags & KEY_PHASE) == bool(self.receive.phase):
+            return self.receive
+        if self._next is None:
+            self._next = self.receive.updated()
+        return self._next
+
+    def verified(self, keys: TrafficKeys) -> None:
+        """A frame opened and verified under `keys`: if it is the peer's next key, it is now its current."""
+        if keys is not self.receive:
+            self.receive, self._next = keys, None
 
 
 class FrameCipher:

@@ -51,6 +51,8 @@ class Auth(_Msg, tag=3, frozen=True):
     capabilities: list[str] = []
     name: str = ""
     session: str = ""                  # client's random id, shared with its stream connections (see AuthOk)
+    credential: bytes = b""            # the edge's signed credential (credentials.py), when the fleet uses them
+    proof: bytes = b""                 # its signature over "edgecore/1 client" ‖ the transcript hash
 
 
 class AuthOk(_Msg, tag=4, frozen=True):
@@ -60,6 +62,8 @@ class AuthOk(_Msg, tag=4, frozen=True):
     name: str = ""
     layout: dict[str, int] = {}        # core layout: tp, pp, num_layers, num_kv_heads
     streams: list[int] = []            # ports where a parallel core's other ranks stream their own KV
+    credential: bytes = b""            # the core's signed credential (credentials.py)
+    proof: bytes = b""                 # its signature over "edgecore/1 server" ‖ the transcript hash
 
 
 class SamplingSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):

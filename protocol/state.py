@@ -44,7 +44,8 @@ import msgspec
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 from edgecore.protocol.events import NEED_DATA, BadFrame, FrameRejected, KVData, _NeedData
-from edgecore.protocol.cipher import Ephemeral, InPlaceOpen, KeySchedule, Rekey, TrafficKeys
+from edgecore.protocol.cipher import Ephemeral, InPlaceOpen, KeySchedule, LinkKeys, Rekey, TrafficKeys
+from edgecore.protocol.credentials import CLIENT_LABEL, SERVER_LABEL, Credential, NodeIdentity, Trust
 from edgecore.protocol.framing import (FIXED_SIZE, HANDSHAKE_LIMITS, KEY_PHASE, LEGACY_VERSION, SEALED, FrameParser,
                                       Limits, RawFrame, pack_fixed)
 from edgecore.protocol.framing import VERSION as FRAME_VERSION
@@ -81,6 +82,7 @@ TRANSITIONS: dict[tuple[Role, State, type], State] = {
     (S, State.AUTH, m.AuthOk): State.READY,
     **{(role, State.READY, cls): State.READY for role, types in READY_FROM.items() for cls in types},
 }
+NO_SECRET = b"edgecore: no cluster secret, node credentials only"   # the PSK input when there is no secret
 SENT_WINDOW = 4096          # sent frames remembered (seq → message) for Reject recovery
 _lenient = msgspec.msgpack.Decoder()
 _T = TypeVar("_T")
@@ -104,12 +106,16 @@ class Connection:
     def __init__(self, role: Role, secret: bytes, model_fingerprint: str, codecs: list[str],
                  limits: Limits | None = None, name: str = "", layout: dict[str, int] | None = None,
                  capabilities: list[str] | None = None, session: str = "", streams: list[int] | None = None,
-                 sealed: bool = True, rekey: Rekey = Rekey(), clock: Callable[[], float] = time.monotonic):
+                 sealed: bool = True, rekey: Rekey = Rekey(), clock: Callable[[], float] = time.monotonic,
+                 identity: NodeIdentity | None = None, trust: Trust | None = None):
         """`sealed`: encrypt every frame after the handshake (cipher.py) and refuse a peer that cannot; False
         keeps the authenticated-only frames of earlier releases (benchmarks compare against it). `rekey`: when
-        this side updates its sending key; `clock` times it."""
-        if not secret:
-            raise ValueError("a cluster secret is required")
+        this side updates its sending key; `clock` times it. `identity` / `trust`: this node's credential and
+        what it checks the peer's against (credentials.py); with them the cluster secret is optional."""
+        if not secret and identity is None:
+            raise ValueError("a cluster secret or a node credential is required")
+        if identity is not None and trust is None:
+            raise ValueError("a node with a credential needs the authorities it trusts to check its peers")
         self.role, self.peer_role = role, (S if role is C else C)
         self.fingerprint = model_fingerprint
         self.codecs = list(codecs)
@@ -126,7 +132,10 @@ class Connection:
         self.peer_capabilities: list[str] = []      # what the peer's Auth / AuthOk says it implements
         self.parser = FrameParser(HANDSHAKE_LIMITS)
         self._limits = limits or Limits()
-        self._keys = Keys(secret)
+        self._keys = Keys(secret or NO_SECRET)
+        self._identity, self._trust = identity, trust
+        self._th = b""                                      # the handshake's transcript hash, once known
+        self.peer_credential: Credential | None = None      # the peer's, once verified
         self._send_mac: HandshakeMac | SessionMac = self._keys.handshake
         self._recv_mac: HandshakeMac | SessionMac = self._keys.handshake
         self._send_seq = self._recv_seq = 0
@@ -137,13 +146,9 @@ class Connection:
         self._incoming: IncrementalVerify | InPlaceOpen | None = None   # the large frame now arriving
         self._ephemeral = Ephemeral() if sealed else None   # this connection's X25519 key pair, until keys are made
         self._shared = b""                                  # the X25519 secret with the peer's key share
-        self._send_keys: TrafficKeys | None = None          # sealed sessions: each direction's key and phase
-        self._recv_keys: TrafficKeys | None = None
-        self._recv_next: TrafficKeys | None = None          # the peer's next key, once it is needed
+        self._link: LinkKeys | None = None                  # a sealed session's keys, once agreed
         self._incoming_keys: TrafficKeys | None = None      # the key the large frame now arriving opens with
         self._rekey, self._clock = rekey, clock
-        self._sent_frames, self._sent_bytes, self._keyed_at = 0, 0, 0.0
-        self.key_updates = 0                                # this side's sending key updates (for tests, stats)
 
     # ---- handshake messages ----------------------------------------------------
     def hello(self) -> m.Hello:
@@ -160,13 +165,26 @@ class Connection:
     @property
     def sealed(self) -> bool:
         """Frames after the handshake are encrypted (true once keys are agreed on a sealed connection)."""
-        return self._send_keys is not None
+        return self._link is not None
+
+    @property
+    def key_updates(self) -> int:
+        """This side's sending key updates so far."""
+        return self._link.updates if self._link is not None else 0
 
     def auth(self) -> m.Auth:
-        return m.Auth(self.fingerprint, self.codecs, self.capabilities, self.name, self.session)
+        return m.Auth(self.fingerprint, self.codecs, self.capabilities, self.name, self.session,
+                      *self._prove(CLIENT_LABEL))
 
     def auth_ok(self) -> m.AuthOk:
-        return m.AuthOk(self.fingerprint, self.peer_codecs, self.capabilities, self.name, self.layout, self.streams)
+        return m.AuthOk(self.fingerprint, self.peer_codecs, self.capabilities, self.name, self.layout, self.streams,
+                        *self._prove(SERVER_LABEL))
+
+    def _prove(self, label: bytes) -> tuple[bytes, bytes]:
+        """(this node's signed credential, its signature over label ‖ the transcript hash), or empty."""
+        if self._identity is None:
+            return b"", b""
+        return self._identity.signed, self._identity.prove(label, self._th)
 
     # ---- state -------------------------------------------------------------------
     @property
@@ -234,8 +252,8 @@ class Connection:
 
     def _frame(self, ftype: int, header: bytes, payload: memoryview) -> list[bytes | memoryview]:
         seq, self._send_seq = self._send_seq, self._send_seq + 1
-        if self._send_keys is not None:
-            keys = self._sending_keys(len(header) + payload.nbytes)
+        if self._link is not None:
+            keys = self._link.sending(len(header) + payload.nbytes)
             fixed = pack_fixed(SEALED, len(header), payload.nbytes, flags=KEY_PHASE if keys.phase else 0)
             return keys.cipher.seal(seq, fixed, header, payload)
         head = pack_fixed(ftype, len(header), payload.nbytes) + header
@@ -271,8 +289,8 @@ class Connection:
         self._guard(self.parser.buffer_updated, nbytes)
         if self.parser.large_frame_pending:
             if self._incoming is None:     # a large frame is decrypted in place (or MACed) as its bytes arrive
-                if self._recv_keys is not None:
-                    self._incoming_keys = self._opening_keys(self.parser.pending_flags)
+                if self._link is not None:
+                    self._incoming_keys = self._link.opening(self.parser.pending_flags)
                     self._incoming = self._incoming_keys.cipher.opener(self._recv_seq)
                 elif isinstance(self._recv_mac, SessionMac):
                     self._incoming = self._recv_mac.verifier(self._recv_seq)
@@ -309,7 +327,7 @@ class Connection:
         if frame.version == LEGACY_VERSION:
             self._legacy(frame)
         seq, self._recv_seq = self._recv_seq, self._recv_seq + 1
-        sealed = self._recv_keys is not None
+        sealed = self._link is not None
         cls = m.MESSAGE_TYPES.get(frame.frame_type)
         inc, self._incoming = self._incoming, None
         keys, self._incoming_keys = self._incoming_keys, None
@@ -317,8 +335,8 @@ class Connection:
         if inc is not None:
             inc.update(frame.signed[inc.pos:])
             verified = inc.verify(frame.tag)
-        elif sealed:
-            keys = self._opening_keys(frame.flags)
+        elif self._link is not None:
+            keys = self._link.opening(frame.flags)
             plain = keys.cipher.open(seq, frame.signed[:FIXED_SIZE], frame.signed[FIXED_SIZE:], frame.tag)
             verified = plain is not None
             if plain is not None:
@@ -327,8 +345,8 @@ class Connection:
             verified = self._recv_mac.verify(seq, frame.signed, frame.tag)
         if not verified:
             return self._bad_frame(seq, frame, None if sealed else cls)
-        if keys is not None and keys is not self._recv_keys:     # the peer updated its key: keep the new one
-            self._recv_keys, self._recv_next = keys, None
+        if keys is not None and self._link is not None:          # the peer updated its key: keep the new one
+            self._link.verified(keys)
         self._bad_in_a_row = 0
         if sealed and frame.frame_type != SEALED:
             raise RemoteProtocolError(f"frame type {frame.frame_type} on a sealed connection")
@@ -407,6 +425,9 @@ class Connection:
             self.version = msg.version
             self._start_session(bytes(frame.header))
         elif isinstance(msg, (m.Auth, m.AuthOk)):
+            if self._trust is not None:       # who the peer is, before anything it says is used
+                label, role = (CLIENT_LABEL, "edge") if isinstance(msg, m.Auth) else (SERVER_LABEL, "core")
+                self.peer_credential = self._trust.verify(msg.credential, msg.proof, label, self._th, role)
             if msg.model_fingerprint != self.fingerprint:     # the peer is authenticated: names may be shown
                 raise RemoteProtocolError(
                     f"model mismatch: peer serves model {msg.model_fingerprint[:16]}, this side "
@@ -419,29 +440,6 @@ class Connection:
             else:
                 self.peer_layout, self.streams = dict(msg.layout), list(msg.streams)
 
-    def _sending_keys(self, nbytes: int) -> TrafficKeys:
-        """The key for the next sealed frame: updated first when `rekey` says this one is due."""
-        assert self._send_keys is not None
-        rekey = self._rekey
-        if (self._sent_frames >= rekey.frames or self._sent_bytes >= rekey.bytes
-                or self._clock() - self._keyed_at >= rekey.seconds):
-            self._send_keys = self._send_keys.updated()
-            self._sent_frames, self._sent_bytes, self._keyed_at = 0, 0, self._clock()
-            self.key_updates += 1
-        self._sent_frames += 1
-        self._sent_bytes += nbytes
-        return self._send_keys
-
-    def _opening_keys(self, flags: int) -> TrafficKeys:
-        """The key a sealed frame with these flags opens with: the current one, or (the other key phase) the
-        peer's next, which becomes current only once a frame verifies under it."""
-        assert self._recv_keys is not None
-        if bool(flags & KEY_PHASE) == bool(self._recv_keys.phase):
-            return self._recv_keys
-        if self._recv_next is None:
-            self._recv_next = self._recv_keys.updated()
-        return self._recv_next
-
     def _exchange(self, share: bytes) -> None:
         """The X25519 exchange with the peer's key share, as soon as it arrives (a bad one fails here)."""
         if self._ephemeral is None:
@@ -453,13 +451,12 @@ class Connection:
         self._shared = self._ephemeral.exchange(bytes(share))
 
     def _start_session(self, welcome_header: bytes) -> None:
-        th = transcript_hash(self._hello_header, welcome_header)
+        th = self._th = transcript_hash(self._hello_header, welcome_header)
         if self._ephemeral is not None:     # sealed: TLS 1.3's psk_dhe_ke schedule (cipher.py)
             schedule = KeySchedule(self._keys.psk, self._shared, th)
             self._ephemeral, self._shared = None, b""    # used once: a later leak cannot recover this session
             c2s, s2c = TrafficKeys(schedule.client_secret), TrafficKeys(schedule.server_secret)
-            self._send_keys, self._recv_keys = (c2s, s2c) if self.role is C else (s2c, c2s)
-            self._keyed_at = self._clock()
+            self._link = LinkKeys(*((c2s, s2c) if self.role is C else (s2c, c2s)), self._rekey, self._clock)
             return
         c2s_mac, s2c_mac = self._keys.session(th)
         self._send_mac, self._recv_mac = (c2s_mac, s2c_mac) if self.role is C else (s2c_mac, c2s_mac)

@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable
 
 from edgecore.protocol import messages as m
 from edgecore.protocol.cipher import Rekey
+from edgecore.protocol.credentials import NodeIdentity, Trust
 from edgecore.protocol.errors import ErrorCode, ProtocolError
 from edgecore.protocol.events import BadFrame, FrameRejected, _NeedData
 from edgecore.protocol.framing import Limits
@@ -155,11 +156,23 @@ class Peer:
         self._pings: dict[int, float] = {}
         self._nonce = itertools.count(1)
         self._heartbeat: asyncio.Task | None = None
+        self._unguard: Callable[[], None] | None = None      # stops the revocation watch of this connection
 
     @property
     def peername(self) -> str:
         info = self.transport.get_extra_info("peername")
         return f"{info[0]}:{info[1]}" if info else "?"
+
+    def guard(self, trust: Trust | None) -> None:
+        """Close this connection if the peer's credential is revoked while it lives (checked as the
+        revocation file changes, `Trust.watch`)."""
+        cred = self.conn.peer_credential
+        if trust is None or cred is None:
+            return
+        def revoked(serial: str) -> None:
+            log.warning("closing %s: its credential %s (%s) was revoked", self.peername, serial, cred.name)
+            asyncio.get_running_loop().create_task(self.fail(f"credential {serial} revoked", ErrorCode.AUTH_FAILED))
+        self._unguard = trust.track(cred.serial, revoked)
 
     def start_heartbeat(self) -> None:
         if self.timeouts.heartbeat > 0 and self._heartbeat is None:
@@ -280,6 +293,8 @@ class Peer:
                 self.transport.close()
             if self._heartbeat is not None:
                 self._heartbeat.cancel()
+            if self._unguard is not None:
+                self._unguard()
 
     async def close(self) -> None:
         self._abort()
@@ -312,11 +327,13 @@ async def _handshake_server(peer: Peer) -> None:
 async def connect(host: str, port: int, *, secret: bytes, fingerprint: str, codecs: list[str],
                   timeouts: Timeouts = Timeouts(), ssl: ssl_module.SSLContext | None = None,
                   name: str = "edge", limits: Limits | None = None, session: str = "", sealed: bool = True,
-                  rekey: Rekey = Rekey()) -> Peer:
+                  rekey: Rekey = Rekey(), identity: NodeIdentity | None = None, trust: Trust | None = None
+                  ) -> Peer:
     """`sealed`: encrypt the link (the default; False only to measure against authenticated-only frames);
-    `rekey`: when this side updates its sending key."""
+    `rekey`: when this side updates its sending key; `identity` / `trust`: this node's credential and the
+    authorities and revocations it checks the core's against (credentials.py)."""
     conn = Connection(Role.CLIENT, secret, fingerprint, codecs, limits, name, session=session, sealed=sealed,
-                      rekey=rekey)
+                      rekey=rekey, identity=identity, trust=trust)
     loop = asyncio.get_running_loop()
     try:
         _, stream = await asyncio.wait_for(loop.create_connection(lambda: _Stream(conn), host, port, ssl=ssl),
@@ -335,6 +352,7 @@ async def connect(host: str, port: int, *, secret: bytes, fingerprint: str, code
         await peer.close()
         raise
     peer.start_heartbeat()
+    peer.guard(trust)
     return peer
 
 
@@ -345,7 +363,8 @@ async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0, sec
                 codecs: list[str], timeouts: Timeouts = Timeouts(), ssl: ssl_module.SSLContext | None = None,
                 name: str = "core", layout: dict[str, int] | None = None, limits: Limits | None = None,
                 load_fn: Callable[[], int] | None = None, streams: list[int] | None = None, sealed: bool = True,
-                rekey: Rekey = Rekey()) -> asyncio.base_events.Server:
+                rekey: Rekey = Rekey(), identity: NodeIdentity | None = None, trust: Trust | None = None
+                ) -> asyncio.base_events.Server:
     async def on_connect(stream: _Stream) -> None:
         peer = Peer(stream.conn, stream, timeouts, load_fn)
         try:
@@ -363,6 +382,7 @@ async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0, sec
             await peer.fail("internal error during the handshake", ErrorCode.INTERNAL)
             return
         peer.start_heartbeat()
+        peer.guard(trust)
         try:
             await handler(peer)
         except PeerError as exc:
@@ -378,7 +398,7 @@ async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0, sec
 
     def factory() -> _Stream:
         stream = _Stream(Connection(Role.SERVER, secret, fingerprint, codecs, limits, name, layout,
-                                    streams=streams, sealed=sealed, rekey=rekey))
+                                    streams=streams, sealed=sealed, rekey=rekey, identity=identity, trust=trust))
 
         def started(s: _Stream) -> None:
             task = loop.create_task(on_connect(s))

@@ -75,3 +75,21 @@ def keepalive_timeout() -> Any:
     """keepalive_timeout: float"""
     return setting(_LIMITS.keepalive_timeout, help="seconds an idle kept-alive connection stays open "
                                                    f"(default {_LIMITS.keepalive_timeout:g})")
+
+
+def credential() -> Any:
+    """credential: str | None"""
+    return setting(None, metavar="FILE", help="this node's credential (edgecore keys issue): it proves who the "
+                                              "node is on the link, with or without a cluster secret")
+
+
+def authority() -> Any:
+    """authority: str | None"""
+    return setting(None, metavar="FILE", help="the cluster authorities peers' credentials must be issued by "
+                                              "(authority.pub; several lines during a rollover)")
+
+
+def revocations() -> Any:
+    """revocations: str | None"""
+    return setting(None, metavar="FILE", help="revoked credential serials, one per line; re-read when it changes "
+                                              "(a revoked peer's connections close within seconds)")
