@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from edgecore.core.settings import CoreSettings
 from edgecore.shared.settings import add_arguments, from_args, namespace
+
+if TYPE_CHECKING:
+    from edgecore.core.http import ControlPort
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,29 +24,23 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_core(args: argparse.Namespace) -> int:
     import logging
 
-    from edgecore.core.http import ControlPort, check_control_port, protection
+    from edgecore.core.http import protection
     from edgecore.core.server import CoreConfig, CoreServer
     from edgecore.core.transfer import HandoverLimits
-    from edgecore.shared.http_server import limits_from_args
     from edgecore.protocol.transport import tls_context
     from edgecore.shared.cli import kv_cache_config
     from edgecore.shared.config import EngineConfig, ModelConfig
     from edgecore.shared.models.loader import resolve_dtype
     from edgecore.shared.env import default_model, reserve_threads_for_engine, resolve_device
     from edgecore.shared.link_auth import link_auth
-    from edgecore.shared.secrets import parse_hostport, read_api_keys
+    from edgecore.shared.secrets import parse_hostport
     from edgecore.shared.service import run_service, setup_logging
-    from edgecore.shared.tls import server_tls
 
     settings = from_args(CoreSettings, args)
     setup_logging(f"[{settings.name}] ")
     host, port = parse_hostport(settings.listen)
     http_host, http_port = parse_hostport(settings.http)
-    api_keys = read_api_keys(settings.api_key_file)
-    check_control_port(http_host, api_keys)              # before anything loads: one line, exit non-zero
-    control = ControlPort(limits_from_args(namespace(settings)), _push_edges(settings.push_edge),
-                          read_api_keys(settings.push_api_key_file)[0] if settings.push_api_key_file else None,
-                          server_tls(settings.tls_cert, settings.tls_key))
+    api_keys, control = _control_port(settings, http_host)
     engine_threads = reserve_threads_for_engine()
     model_dir, device = settings.model or default_model(), resolve_device(settings.device)
     pp_split = [int(x) for x in settings.pp_split.split(",")] if settings.pp_split else None
@@ -79,6 +77,20 @@ def run_core(args: argparse.Namespace) -> int:
               f"({protection(http_host, api_keys)})", flush=True)
 
     return run_service(start, core.stop)
+
+
+def _control_port(settings: CoreSettings, http_host: str) -> tuple[list[bytes], ControlPort]:
+    """The control port's API keys and settings; refuses (one line, before anything loads) a port beyond
+    loopback without a key."""
+    from edgecore.core.http import ControlPort, check_control_port
+    from edgecore.shared.http_server import limits_from_args
+    from edgecore.shared.secrets import read_api_keys
+    from edgecore.shared.tls import server_tls
+    api_keys = read_api_keys(settings.api_key_file)
+    check_control_port(http_host, api_keys)
+    return api_keys, ControlPort(limits_from_args(namespace(settings)), _push_edges(settings.push_edge),
+                                 read_api_keys(settings.push_api_key_file)[0] if settings.push_api_key_file else None,
+                                 server_tls(settings.tls_cert, settings.tls_key))
 
 
 def _check_parallel(model_dir: str, pp_split: list[int] | None, settings: CoreSettings) -> None:

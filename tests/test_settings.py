@@ -104,7 +104,8 @@ def test_values_render_exactly():
 def test_the_engine_process_gets_the_frontends_settings():
     from edgecore.edge.cli import _engine_client
     settings = changed(EdgeSettings)
-    settings = dataclasses.replace(settings, core=(), core_dns=(), secret_file=None)
+    settings = dataclasses.replace(settings, core=(), core_dns=(), secret_file=None, credential=None, authority=None,
+                                   revocations=None)          # (files checked before the engine process starts)
     client = _engine_client(settings, str(MODEL_DIR))
     argv = [*client.argv, "--model", client.model_dir, "--engine-fd", "3"]      # as EngineClient.start runs it
     assert parse(argv) == dataclasses.replace(settings, model=str(MODEL_DIR))
