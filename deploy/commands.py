@@ -21,6 +21,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls", action="store_true",
                    help="HTTPS on every node's HTTP port, with certificates from a local CA made for this run "
                         "(clients trust its ca.pem, printed with the URLs)")
+    p.add_argument("--shared-secret", action="store_true",
+                   help="shared-secret mode, for a quick local run: every node authenticates with one cluster "
+                        "secret (the topology's cluster_secret_file, or one generated for the run) instead of "
+                        "the default per-node credentials (an authority and one credential per node, made for "
+                        "the run)")
     p.set_defaults(func=run_up)
 
     d = sub.add_parser("deploy", help="render Kubernetes manifests from a topology",
@@ -54,7 +59,7 @@ def run_up(args: argparse.Namespace) -> int:
     if args.emulate_wan and os.geteuid() != 0:
         raise ConfigError("--emulate-wan needs root (network namespaces, tc and nftables)")
     topo = load_topology(args.topology) if args.topology else default_topology(args.model or default_model())
-    return Launcher(topo, args.emulate_wan, args.data_dir, tls=args.tls).run()
+    return Launcher(topo, args.emulate_wan, args.data_dir, tls=args.tls, shared_secret=args.shared_secret).run()
 
 
 def run_render(args: argparse.Namespace) -> int:

@@ -3,12 +3,19 @@ monitoring overlay per region; `kubectl apply -k overlays/REGION` runs that regi
 
 Life cycle: `render(topo, out)` builds every object (k8s_workloads, k8s_policy,
 k8s_monitoring) and writes this layout under OUT, returning the files written:
-  base/                    Namespace, ConfigMap (the topology), NetworkPolicies, and a kustomize
-                           secretGenerator reading base/secrets/* (files the user creates; nothing
-                           secret is written here; secrets/.gitignore keeps them out of git)
+  base/                    Namespace, ConfigMap (the topology), NetworkPolicies, and kustomize
+                           secretGenerators reading base/secrets/* (files the user creates; nothing
+                           secret is written here; secrets/.gitignore keeps them out of git): the
+                           shared Secret (api-keys, authority.pub, cluster-secret only when the
+                           topology names one) and the revocation list (revoked.txt; no hash suffix,
+                           so `kubectl apply` updates it in place and running nodes re-read it)
   overlays/REGION/         base + the region's nodes: per core a headless Service, StatefulSet
                            (data claim per replica) and PDB; per edge a Deployment, Service and PDB;
-                           the region's model claim unless the model is bundled in the image
+                           the region's model claim unless the model is bundled in the image; a
+                           secretGenerator per node, `edgecore-credential-NODE` from
+                           overlays/REGION/secrets/NODE.cred (kustomize reads files only under the
+                           kustomization's own folder, and a region's overlay carries only its own
+                           nodes' keys)
   overlays/REGION-monitoring/  REGION + ServiceMonitor + queue-depth autoscaler per edge
 Edges find cores through the cores' headless Services (DNS), nearest region first.
 `k8s_check.check(out)` validates what was written (`render --check`).
@@ -20,14 +27,18 @@ from pathlib import Path
 
 from edgecore.deploy.k8s_monitoring import monitoring_manifests, replica_patch
 from edgecore.deploy.k8s_policy import network_policies
-from edgecore.deploy.k8s_workloads import (APP, SECRET_KEYS, core_manifests, edge_manifests, model_volume_claim,
-                                           needs_model_volume)
-from edgecore.deploy.topology import Topology
+from edgecore.deploy.k8s_workloads import (API_KEYS_KEY, APP, AUTHORITY_KEY, CLUSTER_SECRET_KEY, CREDENTIAL_KEY,
+                                           REVOCATIONS_KEY, core_manifests, credential_secret, edge_manifests,
+                                           model_volume_claim, needs_model_volume, revocations_secret)
+from edgecore.deploy.topology import CoreNode, EdgeNode, Topology
 from edgecore.deploy.yaml_out import dump
 
 KUSTOMIZE = "kustomize.config.k8s.io/v1beta1"
 # Pod security: the pods run non-root without privileges, so the namespace can enforce `restricted`.
 POD_SECURITY = {"pod-security.kubernetes.io/enforce": "restricted"}
+# Input files of the base's generators beyond those `[kubernetes.secret_files]` names (relative to base/)
+AUTHORITY_FILE, REVOCATIONS_FILE = "secrets/authority.pub", "secrets/revoked.txt"
+GITIGNORE = "# the secretGenerator's input files: never commit them\n*\n!.gitignore\n"
 
 
 def namespace(topo: Topology) -> dict:
@@ -37,11 +48,27 @@ def namespace(topo: Topology) -> dict:
 
 def base_kustomization(topo: Topology) -> dict:
     files = topo.kube.secret_files
+    shared = [f"{API_KEYS_KEY}={files.api_keys}", f"{AUTHORITY_KEY}={AUTHORITY_FILE}"]
+    if topo.secret_file:        # the topology names a cluster secret: it applies beside the credentials
+        shared.append(f"{CLUSTER_SECRET_KEY}={files.cluster_secret}")
     return {"apiVersion": KUSTOMIZE, "kind": "Kustomization", "namespace": topo.kube.namespace,
             "resources": ["namespace.yaml", "configmap.yaml", "networkpolicy.yaml"],
-            "secretGenerator": [{"name": topo.secret_name, "type": "Opaque",
-                                 "files": [f"{SECRET_KEYS[0]}={files.cluster_secret}",
-                                           f"{SECRET_KEYS[1]}={files.api_keys}"]}]}
+            "secretGenerator": [{"name": topo.secret_name, "type": "Opaque", "files": shared},
+                                {"name": revocations_secret(topo), "type": "Opaque",
+                                 "files": [f"{REVOCATIONS_KEY}={REVOCATIONS_FILE}"],
+                                 "options": {"disableNameSuffixHash": True}}]}
+
+
+def region_kustomization(topo: Topology, region: str, resources: list[str]) -> dict:
+    """The region's overlay: base, its objects, and one Secret per node from secrets/NODE.cred."""
+    everyone: tuple[CoreNode | EdgeNode, ...] = (*topo.cores, *topo.edges)
+    nodes = [n for n in everyone if n.region == region]
+    out: dict[str, object] = {"apiVersion": KUSTOMIZE, "kind": "Kustomization", "namespace": topo.kube.namespace,
+                              "resources": ["../../base", *resources]}
+    if nodes:
+        out["secretGenerator"] = [{"name": credential_secret(n), "type": "Opaque",
+                                   "files": [f"{CREDENTIAL_KEY}=secrets/{n.name}.cred"]} for n in nodes]
+    return out
 
 
 def region_objects(topo: Topology, region: str) -> dict[str, list[dict]]:
@@ -76,16 +103,15 @@ def render(topo: Topology, out: str | Path) -> list[Path]:
     write(out / "base" / "networkpolicy.yaml", network_policies(topo))
     write(out / "base" / "kustomization.yaml", base_kustomization(topo))
     if not (out / "base" / "secrets" / ".gitignore").exists():
-        write(out / "base" / "secrets" / ".gitignore", "# the secretGenerator's input files: never commit them\n"
-                                                        "*\n!.gitignore\n")
+        write(out / "base" / "secrets" / ".gitignore", GITIGNORE)
     for region in topo.regions:
         overlay = out / "overlays" / region
         files = region_objects(topo, region)
         for name, docs in files.items():
             write(overlay / name, docs)
-        write(overlay / "kustomization.yaml", {"apiVersion": KUSTOMIZE, "kind": "Kustomization",
-                                               "namespace": topo.kube.namespace,
-                                               "resources": ["../../base", *files]})
+        write(overlay / "kustomization.yaml", region_kustomization(topo, region, list(files)))
+        if not (overlay / "secrets" / ".gitignore").exists():
+            write(overlay / "secrets" / ".gitignore", GITIGNORE)
         monitoring = out / "overlays" / f"{region}-monitoring"
         write(monitoring / "monitoring.yaml", monitoring_manifests(topo, region))
         kustomization: dict[str, object] = {"apiVersion": KUSTOMIZE, "kind": "Kustomization", "namespace": topo.kube.namespace,

@@ -3,10 +3,12 @@ Service, a PodDisruptionBudget for each, and a region's model volume claim.
 
 Life cycle: pure functions from the topology (`Topology`, `CoreNode`,
 `EdgeNode`) to manifest dicts; `k8s.render` writes them into the region's
-overlay. Pods run as the image's non-root user, read the generated Secret
-(`cluster-secret`, `api-keys`), mount the region's model claim read-only
-unless the model is the one bundled in the image, and are probed on
-/health (startup, sized for model loading; liveness) and /ready.
+overlay. Pods run as the image's non-root user and mount three Secrets read-only: the shared one
+(`api-keys`, `authority.pub`, and `cluster-secret` only when the topology names a cluster secret), their
+own node's credential (`edgecore-credential-NODE`, key `credential`; no other node's) and the revocation
+list (`revoked.txt`, a Secret without a hash suffix, so that an update reaches running pods, which re-read
+it). They mount the region's model claim read-only unless the model is the one bundled in the image, and
+are probed on /health (startup, sized for model loading; liveness) and /ready.
 """
 
 from __future__ import annotations
@@ -21,8 +23,15 @@ from edgecore.deploy.topology import CoreNode, EdgeNode, Resources, Topology, ku
 
 APP = "edgecore"
 MODEL_MOUNT = "/models"
-SECRET_MOUNT = "/etc/edgecore"
-SECRET_KEYS = ("cluster-secret", "api-keys")
+SECRET_MOUNT = "/etc/edgecore"                  # the shared Secret
+CREDENTIAL_MOUNT = "/etc/edgecore-node"         # the node's own credential (mounts do not nest: volumes
+REVOCATIONS_MOUNT = "/etc/edgecore-revocations"  # of Secrets are read-only, no mount point can be made in one)
+CLUSTER_SECRET_KEY, API_KEYS_KEY, AUTHORITY_KEY = "cluster-secret", "api-keys", "authority.pub"
+CREDENTIAL_KEY, REVOCATIONS_KEY = "credential", "revoked.txt"
+# what every node runs with: --credential, --authority, --revocations (and --secret-file, `_cluster_secret`)
+CREDENTIAL_FILE = f"{CREDENTIAL_MOUNT}/{CREDENTIAL_KEY}"
+AUTHORITY_FILE = f"{SECRET_MOUNT}/{AUTHORITY_KEY}"
+REVOCATIONS_FILE = f"{REVOCATIONS_MOUNT}/{REVOCATIONS_KEY}"
 RUN_AS = 10001          # the image's user (deploy/docker/Dockerfile)
 STARTUP_PERIOD = 10
 
@@ -103,9 +112,39 @@ def _probes(topo: Topology) -> dict:
             "readinessProbe": probe("/ready", 5, 3), "livenessProbe": probe("/health", 10, 3)}
 
 
-def _secret_volume(topo: Topology) -> dict:
-    return {"name": "secrets", "secret": {"secretName": topo.secret_name, "defaultMode": 0o440,
-                                          "items": [{"key": k, "path": k} for k in SECRET_KEYS]}}
+def shared_secret_keys(topo: Topology) -> tuple[str, ...]:
+    """Keys of the shared Secret: the cluster secret only when the topology names one (per-node
+    credentials are the default; with both, both apply)."""
+    return (API_KEYS_KEY, AUTHORITY_KEY, *((CLUSTER_SECRET_KEY,) if topo.secret_file else ()))
+
+
+def credential_secret(node: CoreNode | EdgeNode) -> str:
+    """The Secret holding one node's credential (node names are unique across the topology)."""
+    return f"edgecore-credential-{node.name}"
+
+
+def revocations_secret(topo: Topology) -> str:
+    return f"{topo.secret_name}-revocations"
+
+
+def _secret(volume: str, name: str, keys: tuple[str, ...]) -> dict:
+    return {"name": volume, "secret": {"secretName": name, "defaultMode": 0o440,
+                                       "items": [{"key": k, "path": k} for k in keys]}}
+
+
+def _cluster_secret(topo: Topology) -> str | None:
+    return f"{SECRET_MOUNT}/{CLUSTER_SECRET_KEY}" if topo.secret_file else None
+
+
+def _secret_mounts(topo: Topology, node: CoreNode | EdgeNode) -> tuple[list[dict], list[dict]]:
+    """A node's Secrets: (its volume mounts, its volumes)."""
+    mounts = [{"name": volume, "mountPath": path, "readOnly": True}
+              for volume, path in (("secrets", SECRET_MOUNT), ("credential", CREDENTIAL_MOUNT),
+                                   ("revocations", REVOCATIONS_MOUNT))]
+    volumes = [_secret("secrets", topo.secret_name, shared_secret_keys(topo)),
+               _secret("credential", credential_secret(node), (CREDENTIAL_KEY,)),
+               _secret("revocations", revocations_secret(topo), (REVOCATIONS_KEY,))]
+    return mounts, volumes
 
 
 def _pod(topo: Topology, lab: dict, region: str, port: int, container: dict, volumes: list[dict]) -> dict:
@@ -135,13 +174,14 @@ def core_manifests(topo: Topology, core: CoreNode) -> list[dict]:
                "spec": {"clusterIP": "None", "selector": sel, "publishNotReadyAddresses": False,
                         "ports": [{"name": "kv", "port": core.port, "targetPort": "kv"},
                                   {"name": "http", "port": core.http_port, "targetPort": "http"}]}}
+    mounts, volumes = _secret_mounts(topo, core)
     settings = replace(core_settings(core), model=_model_path(topo), listen=f"0.0.0.0:{core.port}",
-                       http=f"0.0.0.0:{core.http_port}", secret_file=f"{SECRET_MOUNT}/cluster-secret",
-                       data_dir="/data", api_key_file=f"{SECRET_MOUNT}/api-keys",   # control port beyond loopback
+                       http=f"0.0.0.0:{core.http_port}", secret_file=_cluster_secret(topo),
+                       credential=CREDENTIAL_FILE, authority=AUTHORITY_FILE, revocations=REVOCATIONS_FILE,
+                       data_dir="/data", api_key_file=f"{SECRET_MOUNT}/{API_KEYS_KEY}",  # control port beyond loopback
                        # the Service exposes one KV port, so rank 0 sends every rank's KV
                        gather_kv=core.tp * core.pp > 1)
-    mounts = [{"name": "secrets", "mountPath": SECRET_MOUNT, "readOnly": True}, {"name": "data", "mountPath": "/data"}]
-    volumes = [_secret_volume(topo)]
+    mounts.append({"name": "data", "mountPath": "/data"})
     if needs_model_volume(topo, core.region):
         mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": models_claim(core.region),
@@ -170,16 +210,17 @@ def core_address(topo: Topology, core: CoreNode) -> str:
 def edge_manifests(topo: Topology, edge: EdgeNode) -> list[dict]:
     name = edge_name(edge)
     lab, sel = labels("edge", edge.name, edge.region), selector("edge", edge.name)
-    settings = replace(edge_settings(topo, edge), listen=f"0.0.0.0:{edge.port}",
-                       secret_file=f"{SECRET_MOUNT}/cluster-secret", api_key_file=f"{SECRET_MOUNT}/api-keys")
-    mounts = [{"name": "secrets", "mountPath": SECRET_MOUNT, "readOnly": True},
-              {"name": "cache", "mountPath": "/cache"}]
-    volumes = [_secret_volume(topo), {"name": "cache", "emptyDir": {}}]
+    mounts, volumes = _secret_mounts(topo, edge)
+    settings = replace(edge_settings(topo, edge), listen=f"0.0.0.0:{edge.port}", secret_file=_cluster_secret(topo),
+                       credential=CREDENTIAL_FILE, authority=AUTHORITY_FILE, revocations=REVOCATIONS_FILE,
+                       api_key_file=f"{SECRET_MOUNT}/{API_KEYS_KEY}")
+    mounts.append({"name": "cache", "mountPath": "/cache"})
+    volumes.append({"name": "cache", "emptyDir": {}})
     cores = topo.cores_for(edge.region)
     if cores:   # the nearest core serves the packed model; every reachable core is a prefill target
         first = cores[0]
         settings = replace(settings, model_from=f"http://{core_address(topo, first)}:{first.http_port}",
-                           model_cache="/cache", model_from_key_file=f"{SECRET_MOUNT}/api-keys",
+                           model_cache="/cache", model_from_key_file=f"{SECRET_MOUNT}/{API_KEYS_KEY}",
                            core_dns=tuple(f"{core_address(topo, core)}:{core.port}" for core in cores))
     else:
         settings = replace(settings, model=_model_path(topo))

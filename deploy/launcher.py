@@ -1,6 +1,6 @@
 """`edgecore up`: run a whole topology on this machine as processes.
 
-Life cycle: make or read the cluster secret → start every core (its own
+Life cycle: make the run's credentials → start every core (its own
 process group), wait until each answers /ready → start every edge pointed at
 its cores, nearest first, wait for /ready → print each edge's URL and an
 example request → wait for SIGINT/SIGTERM/SIGHUP or a node dying (a signal
@@ -10,10 +10,19 @@ share a port on one host are refused first. Each node's output is echoed
 with a `[region/node]` prefix. With `--emulate-wan` the nodes run inside
 per-region network namespaces (deploy/wan.py) and reach each other through
 emulated links.
+
+Credentials: by default the launcher makes a cluster authority for the run in its temporary folder
+(`keys/`, laid out as `edgecore keys --dir` expects: authority.key, authority.pub, NODE.cred per node,
+issued.txt, an empty revoked.txt) and starts every node with `--credential`, `--authority` and
+`--revocations`; `edgecore keys revoke NAME --dir THAT/keys` revokes a node of the live run. The cluster
+secret applies too only when the topology names `[secrets] cluster_secret_file`. `shared_secret=True`
+(`edgecore up --shared-secret`) is the older mode: one cluster secret (the topology's, or one generated for
+the run) and no credentials.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import secrets
 import signal
@@ -31,12 +40,32 @@ from typing import IO, TYPE_CHECKING, TextIO
 from edgecore.deploy.certs import LocalCA
 from edgecore.deploy.node_settings import core_settings, edge_settings, node_argv
 from edgecore.deploy.topology import CoreNode, EdgeNode, Topology
+from edgecore.protocol.credentials import Authority, NodeIdentity
 from edgecore.shared.errors import EdgecoreError
 
 if TYPE_CHECKING:
     from edgecore.deploy.wan import WanEmulation
 
 COMPILE_WAIT = 300.0     # seconds more to wait for edges with `compile = true` (a first compile; cached after)
+CREDENTIAL_DAYS = 90.0   # validity of a run's credentials (`edgecore keys issue`'s default)
+
+
+@dataclass(frozen=True)
+class NodeAuth:
+    """How the nodes of a run authenticate on the core-edge link: the settings every node gets."""
+    secret_file: str | None                  # the cluster secret (shared-secret mode, or named by the topology)
+    keys: Path | None = None                 # the run's authority folder (per-node credentials), else None
+
+    def credential(self, name: str) -> str | None:
+        return str(self.keys / f"{name}.cred") if self.keys else None
+
+    @property
+    def authority(self) -> str | None:
+        return str(self.keys / "authority.pub") if self.keys else None
+
+    @property
+    def revocations(self) -> str | None:
+        return str(self.keys / "revoked.txt") if self.keys else None
 
 
 @dataclass
@@ -48,9 +77,12 @@ class Proc:
 
 class Launcher:
     def __init__(self, topology: Topology, emulate_wan: bool = False, data_dir: str | None = None,
-                 ready_timeout: float = 180.0, out: TextIO = sys.stdout, tls: bool = False):
-        """`tls`: HTTPS on every node's HTTP port, certificates from a local CA made for this run."""
+                 ready_timeout: float = 180.0, out: TextIO = sys.stdout, tls: bool = False,
+                 shared_secret: bool = False):
+        """`tls`: HTTPS on every node's HTTP port, certificates from a local CA made for this run.
+        `shared_secret`: one cluster secret for every node and no per-node credentials."""
         self.topology = topology
+        self.shared_secret = shared_secret
         self.emulate_wan = emulate_wan
         self.data_dir = Path(data_dir) if data_dir else None
         self.ready_timeout = ready_timeout
@@ -114,6 +146,49 @@ class Launcher:
         path.chmod(0o600)
         return str(path)
 
+    def _private(self, path: Path, text: str) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+
+    def _credentials(self) -> Path:
+        """An authority for this run and one credential per node (its role and region), in the layout of
+        `edgecore keys --dir`; the folder."""
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+        folder = Path(self.tmp.name) / "keys"
+        folder.mkdir(mode=0o700)
+        authority = Authority.generate()
+        self._private(folder / "authority.key",
+                      f"authority-key {base64.b64encode(authority.private.private_bytes_raw()).decode()}\n")
+        (folder / "authority.pub").write_text(f"authority {base64.b64encode(authority.public).decode()}\n")
+        issued = []
+        nodes: tuple[CoreNode | EdgeNode, ...] = (*self.topology.cores, *self.topology.edges)
+        for node in nodes:
+            key = Ed25519PrivateKey.generate()
+            role = "core" if isinstance(node, CoreNode) else "edge"
+            identity = NodeIdentity(authority.issue(node.name, role, node.region, key, CREDENTIAL_DAYS), key)
+            self._private(folder / f"{node.name}.cred", identity.dumps())
+            c = identity.credential
+            issued.append(f"{c.serial} {c.name} {c.role} {c.region or '-'} until "
+                          f"{time.strftime('%Y-%m-%d', time.gmtime(c.not_after))}\n")
+        (folder / "issued.txt").write_text("".join(issued))
+        (folder / "revoked.txt").write_text("")
+        return folder
+
+    def _auth(self) -> NodeAuth:
+        """The run's link authentication, and one line saying which it is."""
+        if self.shared_secret:
+            secret = self._secret_file()
+            self.say(f"link authentication: shared-secret mode (one cluster secret for every node, a quick local "
+                     f"run; no per-node credentials): {secret}")
+            return NodeAuth(secret)
+        keys = self._credentials()
+        both = f", and the cluster secret {self.topology.secret_file}" if self.topology.secret_file else ""
+        self.say(f"link authentication: per-node credentials from an authority made for this run{both}: "
+                 f"credentials, authority.pub and revoked.txt in {keys} "
+                 f"(`edgecore keys revoke NAME --dir {keys}` revokes a node)")
+        return NodeAuth(self.topology.secret_file, keys)
+
     def _control_key_file(self) -> str:
         path = Path(self.tmp.name) / "control.keys"
         if not path.exists():
@@ -143,7 +218,7 @@ class Launcher:
     def start(self) -> None:
         self._check_ports()
         topo = self.topology
-        secret = self._secret_file()
+        auth = self._auth()
         addr = {}
         if self.emulate_wan:
             from edgecore.deploy.wan import WanEmulation
@@ -156,7 +231,9 @@ class Launcher:
             # edges reach it over the link interfaces.
             bind = "0.0.0.0" if self.wan else host
             settings = replace(core_settings(core), model=topo.model, listen=f"{bind}:{core.port}",
-                               http=f"{bind}:{core.http_port}", secret_file=secret, data_dir=str(data),
+                               http=f"{bind}:{core.http_port}", secret_file=auth.secret_file,
+                               credential=auth.credential(core.name), authority=auth.authority,
+                               revocations=auth.revocations, data_dir=str(data),
                                # the emulated link relays one port per core: rank 0 sends all KV
                                gather_kv=bool(self.wan) and core.tp * core.pp > 1)
             if topo.api_keys_file or self.wan:   # a control port beyond loopback needs an API key
@@ -176,8 +253,9 @@ class Launcher:
                 target = self.wan.core_address(edge.region, core) if self.wan else addr[core.name]
                 cores.append(f"{target[0]}:{target[1]}")
             edge_args = replace(edge_settings(topo, edge), model=topo.model, listen=f"{host}:{edge.port}",
-                                core=tuple(cores), secret_file=secret if cores else None,
-                                api_key_file=topo.api_keys_file)
+                                core=tuple(cores), secret_file=auth.secret_file if cores else None,
+                                credential=auth.credential(edge.name), authority=auth.authority,
+                                revocations=auth.revocations, api_key_file=topo.api_keys_file)
             cert, key = self._certificate(edge.name, host)
             edge_args = replace(edge_args, tls_cert=cert, tls_key=key)
             edges.append(self._spawn(f"{edge.region}/{edge.name}", node_argv(edge_args),

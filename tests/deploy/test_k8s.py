@@ -125,7 +125,7 @@ def test_render_cli(tmp_path):
     r = subprocess.run([sys.executable, "-m", "edgecore", "deploy", "render", "--topology",
                         str(ROOT / "deploy" / "topology.toml"), "--out", str(tmp_path / "out"), "--check"],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "wrote 17 files" in r.stdout and "validates" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "wrote 20 files" in r.stdout and "validates" in r.stdout, r.stdout + r.stderr
 
 
 def test_parallel_core_gets_its_layout_and_parses(tmp_path):

@@ -78,3 +78,90 @@ def test_up_with_tls_gives_every_node_a_certificate_from_one_local_ca(tmp_path, 
                 except ssl.SSLWantReadError:
                     pass
         assert client_side.version() is not None, label
+
+
+def started(tmp_path, monkeypatch, text: str, **kwargs) -> tuple[Launcher, dict, str]:
+    """A launcher started on `text` with nodes that do not run: (it, label → parsed argv, what it printed)."""
+    (tmp_path / "topology.toml").write_text(text)
+    spawned = {}
+
+    def spawn(self, label, args, ready_url, netns=None):
+        spawned[label] = build_parser().parse_args(args)
+        return Proc(label, None, ready_url)
+    monkeypatch.setattr(Launcher, "_spawn", spawn)
+    monkeypatch.setattr(Launcher, "_wait_ready", lambda self, procs, extra=0.0: None)
+    out = io.StringIO()
+    launcher = Launcher(load_topology(tmp_path / "topology.toml"), out=out, **kwargs)
+    launcher.start()
+    return launcher, spawned, out.getvalue()
+
+
+NODES = ('[[regions.dc.cores]]\nname = "core-dc"\n[[regions.west.edges]]\nname = "edge-west"\n'
+         '[[regions.lone.edges]]\nname = "edge-lone"\nport = 8001\n'
+         '[[links]]\nfrom = "west"\nto = "dc"\ndelay_ms = 5\n')
+
+
+def test_up_issues_every_node_its_own_credential(tmp_path, monkeypatch):
+    """By default: an authority for the run, one credential per node (its role and region), an empty
+    revocation list, no cluster secret; the folder works with `edgecore keys`."""
+    from pathlib import Path
+
+    from edgecore.deploy.cli import main
+    from edgecore.protocol.credentials import load_node_credentials
+    launcher, spawned, said = started(tmp_path, monkeypatch, NODES)
+    try:
+        roles = {"dc/core-dc": ("core", "dc"), "west/edge-west": ("edge", "west"), "lone/edge-lone": ("edge", "lone")}
+        assert set(spawned) == set(roles)
+        serials = set()
+        for label, ns in spawned.items():
+            assert ns.secret_file is None
+            identity, trust = load_node_credentials(ns.credential, ns.authority, ns.revocations)
+            c = identity.credential
+            assert (c.name, (c.role, c.region)) == (label.split("/")[1], roles[label])
+            assert Path(ns.revocations).read_text() == "" and trust.revoked == set()
+            assert Path(ns.credential).stat().st_mode & 0o077 == 0
+            serials.add(c.serial)
+        assert len(serials) == 3 and len({ns.authority for ns in spawned.values()}) == 1
+        keys = Path(spawned["dc/core-dc"].credential).parent
+        assert f"per-node credentials from an authority made for this run: credentials, authority.pub and " \
+               f"revoked.txt in {keys}" in said and "cluster secret" not in said
+        assert main(["keys", "revoke", "edge-west", "--dir", str(keys)]) == 0     # as the printed line says
+        _, trust = load_node_credentials(spawned["dc/core-dc"].credential, spawned["dc/core-dc"].authority,
+                                         spawned["dc/core-dc"].revocations)
+        west = load_node_credentials(spawned["west/edge-west"].credential, spawned["west/edge-west"].authority,
+                                     None)[0]
+        assert trust.revoked == {west.credential.serial}
+    finally:
+        launcher.tmp.cleanup()
+
+
+def test_up_shared_secret_mode_and_a_named_secret(tmp_path, monkeypatch):
+    """--shared-secret: one generated cluster secret, no credentials (an edge without cores needs none).
+    A topology naming a cluster secret: credentials and that secret both."""
+    from pathlib import Path
+    launcher, spawned, said = started(tmp_path, monkeypatch, NODES, shared_secret=True)
+    try:
+        secret = spawned["dc/core-dc"].secret_file
+        assert secret and Path(secret).read_text() and spawned["west/edge-west"].secret_file == secret
+        assert spawned["lone/edge-lone"].secret_file is None
+        assert all(ns.credential is ns.authority is ns.revocations is None for ns in spawned.values())
+        assert "shared-secret mode" in said and secret in said and "per-node" in said
+    finally:
+        launcher.tmp.cleanup()
+    (tmp_path / "cluster.secret").write_text("s" * 32)
+    named = f'[secrets]\ncluster_secret_file = "{tmp_path / "cluster.secret"}"\n' + NODES
+    launcher, spawned, said = started(tmp_path, monkeypatch, named)
+    try:
+        assert spawned["dc/core-dc"].secret_file == spawned["west/edge-west"].secret_file == \
+            str(tmp_path / "cluster.secret")
+        assert all(ns.credential and ns.authority and ns.revocations for ns in spawned.values())
+        assert f"and the cluster secret {tmp_path / 'cluster.secret'}" in said
+    finally:
+        launcher.tmp.cleanup()
+
+
+def test_up_has_a_shared_secret_switch():
+    args = build_parser().parse_args(["up", "--shared-secret"])
+    assert args.shared_secret and not build_parser().parse_args(["up"]).shared_secret
+    up = build_parser()._subparsers._group_actions[0].choices["up"].format_help()
+    assert "shared-secret mode, for a quick local run" in " ".join(up.split())
