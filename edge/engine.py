@@ -162,7 +162,7 @@ class EdgeEngine:
         if threshold == 0:                # never here: no engine turn to measure the cached prefix
             return "remote", "", False
         if threshold is None:             # the measured crossover: decided here, on the event loop
-            cached = await self.handle.cached_prefix(prompt_ids)
+            cached = await self.handle.cached_prefix(prompt_ids, request.cache_salt)
             uncached = len(prompt_ids) - cached
             best = self.router.pick()
             if best is not None and self.prefill_model.local_is_faster(uncached, best.address, best.rtt):
@@ -186,9 +186,9 @@ class EdgeEngine:
                             self.config.kv_quality_budget, curve)
 
     # ---- the request -------------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
-        request = EngineRequest(request_id, prompt_ids, params, group=group)
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        request = EngineRequest(request_id, prompt_ids, params, group=group, cache_salt=cache_salt)
         progress = Progress(self, len(prompt_ids))
         queue: OutputQueue = asyncio.Queue()
         try:
@@ -255,8 +255,9 @@ class EdgeEngine:
             self.cancel(request_id)
 
     async def _open(self, request: EngineRequest, sink: OutputSink, progress: Progress) -> CoreClient | None:
-        """Place the prefill and start the request (in its fairness group), its outputs going to `sink`; returns
-        the core that prefilled it, or None."""
+        """Place the prefill and start the request (in its fairness group, its prefix cache scoped by its
+        `cache_salt`, here and at the core), its outputs going to `sink`; returns the core that prefilled it, or
+        None."""
         where, reason, admitted = await self._placement(request, sink)
         progress.placed_at = time.perf_counter()
         self.metrics.queue_time.observe(progress.placed_at - progress.arrived)

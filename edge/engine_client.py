@@ -119,8 +119,8 @@ class EngineClient:
         assert self.hello is not None            # connected
         return self.hello.fingerprint
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         if self.dead is not None:
             raise EngineDead(self.dead)
         queue: asyncio.Queue = asyncio.Queue()
@@ -128,7 +128,7 @@ class EngineClient:
         self.active += 1
         finished = False
         try:
-            self._send(Generate(request_id, prompt_ids, params, group))
+            self._send(Generate(request_id, prompt_ids, params, group, cache_salt))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):

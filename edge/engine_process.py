@@ -110,8 +110,8 @@ class EngineServer:
     async def _start(self, msg: Generate) -> None:
         rid = msg.request_id
         try:
-            await self.edge.submit(EngineRequest(rid, msg.prompt_ids, msg.params, group=msg.group),
-                                   partial(self._emit, rid))
+            await self.edge.submit(EngineRequest(rid, msg.prompt_ids, msg.params, group=msg.group,
+                                                 cache_salt=msg.cache_salt), partial(self._emit, rid))
         except asyncio.CancelledError:
             pass                                     # aborted by the frontend (client went away)
         except RequestError as exc:

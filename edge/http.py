@@ -7,7 +7,8 @@ every failure, our own bugs included, into a counted OpenAI error object → the
 handler reads the body (size-limited: 413), decodes JSON (400), validates
 fields (400/404), checks the request's sequences (prompts × n ≤
 `max_seqs_per_request`: 400) and capacity (sequences in flight ≤
-`max_concurrent`: 503) → one engine stream per choice (prompts × n), merged → either
+`max_concurrent`: 503) → its prefix-cache scope (the API key's salt combined with
+the body's `cache_salt`: `effective_cache_salt`) → one engine stream per choice (prompts × n), merged → either
 one JSON response, or SSE chunks as tokens decode (role first, deltas — with
 tools, text that may open a tool call is held and the calls sent as
 `tool_calls` deltas at the end — finish_reason, optional usage chunk,
@@ -23,7 +24,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -35,7 +36,7 @@ from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.errors import EngineDead, RequestError
 from edgecore.shared.http_server import ServerLimits, start_site
 from edgecore.shared.openai.extra_routes import add_edge_routes, model_card
-from edgecore.shared.openai.http import error_middleware, json_body, off_loop
+from edgecore.shared.openai.http import effective_cache_salt, error_middleware, json_body, off_loop
 from edgecore.shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
 from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body, usage
 from edgecore.shared.openai.tools import ToolStream
@@ -48,12 +49,12 @@ T = TypeVar("T")
 
 
 class EdgeHTTP:
-    def __init__(self, edge: EdgeService, served_model: str, api_keys: list[bytes] | None = None,
+    def __init__(self, edge: EdgeService, served_model: str, api_keys: Sequence[bytes] | None = None,
                  max_body: int = 8 * 1024 * 1024, max_concurrent: int = 256, max_seqs_per_request: int = 64,
                  limits: ServerLimits | None = None):
         self.edge = edge
         self.served_model = served_model
-        self.api_keys = api_keys or []
+        self.api_keys = list(api_keys or [])          # `ApiKey`s carry their tenant's cache salt
         self.max_body = max_body
         self.max_concurrent = max_concurrent            # sequences (choices) in flight, all requests together
         self.max_seqs_per_request = max_seqs_per_request
@@ -162,9 +163,10 @@ class EdgeHTTP:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         count = len(parsed.params)
+        salt = effective_cache_salt(request, parsed.cache_salt)
         self.sequences += count          # checked in _capacity with no await since: no other request raced in
         try:
-            async with contextlib.aclosing(self._choices(parsed, rid)) as outputs:
+            async with contextlib.aclosing(self._choices(parsed, rid, salt)) as outputs:
                 if parsed.stream:     # the first output before the 200: an engine's refusal is still a 4xx
                     first = await anext(outputs, None)
                     return await self._stream(request, parsed, chat, rid, created, _prepend(first, outputs))
@@ -172,13 +174,15 @@ class EdgeHTTP:
         finally:
             self.sequences -= count
 
-    async def _choices(self, parsed: ParsedRequest, rid: str) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """(choice index, RequestOutput) as they come. One choice streams straight from the engine;
-        several are merged through a queue. An engine failure becomes an ApiError."""
+    async def _choices(self, parsed: ParsedRequest, rid: str, salt: str | None
+                       ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """(choice index, RequestOutput) as they come, every choice under the request's cache `salt`. One choice
+        streams straight from the engine; several are merged through a queue. An engine failure becomes an
+        ApiError."""
         count = len(parsed.params)
         if count == 1:
             try:
-                async for out in self.edge.generate(f"{rid}-0", parsed.prompts[0], parsed.params[0], rid):
+                async for out in self.edge.generate(f"{rid}-0", parsed.prompts[0], parsed.params[0], rid, salt):
                     yield 0, out
             except RequestError as exc:    # what only the engine can check (a grammar's language, ...)
                 raise ApiError(400, str(exc), exc.param, exc.code) from None
@@ -190,7 +194,7 @@ class EdgeHTTP:
         async def pump(i: int) -> None:
             try:
                 async for out in self.edge.generate(f"{rid}-{i}", parsed.prompts[i // parsed.n], parsed.params[i],
-                                                    rid):
+                                                    rid, salt):
                     queue.put_nowait((i, out))
                 queue.put_nowait((i, None))
             except RequestError as exc:

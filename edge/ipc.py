@@ -35,6 +35,7 @@ class Generate(msgspec.Struct, tag="generate"):
     prompt_ids: list[int]
     params: SamplingParams
     group: str | None = None        # the request's fairness group (EdgeService.generate)
+    cache_salt: str | None = None   # the request's prefix-cache scope (EdgeService.generate)
 
 
 class Abort(msgspec.Struct, tag="abort"):

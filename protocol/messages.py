@@ -94,6 +94,8 @@ class PrefillRequest(_Msg, tag=5, frozen=True):
                                        # K/V depend on each token alone); the core sends none of theirs
     group: str = ""                    # the edge's fairness group of the request (the choices of one HTTP
                                        # request); "" = the request alone. The core shares its steps by it
+    cache_salt: str = ""               # the request's prefix-cache scope: the core reuses cached KV only between
+                                       # requests with the same salt; "" = unsalted (an older edge sends none)
 
 
 class KVChunk(_Msg, tag=6, frozen=True):

@@ -129,7 +129,7 @@ class AsyncEngine:
         """Admit `request`, its outputs going to `sink` (see EngineHandle.submit)."""
         def add(e: LLMEngine) -> None:
             r = request
-            e.add_request(r.request_id, r.prompt, r.params, r.prefill_only, r.priority, r.group)
+            e.add_request(r.request_id, r.prompt, r.params, r.prefill_only, r.priority, r.group, r.cache_salt)
             self._hold_for(r.request_id, sink)
         await self._admit(request.request_id, sink, add)
 
@@ -141,11 +141,11 @@ class AsyncEngine:
         assert isinstance(prompt_ids, list), "a prompt measured against the prefix cache is token ids"
 
         def place(e: LLMEngine) -> tuple[int, bool]:
-            cached = e.cached_prefix(prompt_ids)
+            cached = e.cached_prefix(prompt_ids, request.cache_salt)
             if len(prompt_ids) - cached >= limit:
                 return cached, False
             e.add_request(request.request_id, prompt_ids, request.params, request.prefill_only, request.priority,
-                          request.group)
+                          request.group, request.cache_salt)
             self._hold_for(request.request_id, sink)
             return cached, True
 
@@ -170,15 +170,16 @@ class AsyncEngine:
             e.abort(request_id)
         self._post(abort)
 
-    async def cached_prefix(self, prompt_ids: list[int]) -> int:
-        return await self._call(lambda e: e.cached_prefix(prompt_ids))
+    async def cached_prefix(self, prompt_ids: list[int], cache_salt: str | None = None) -> int:
+        return await self._call(lambda e: e.cached_prefix(prompt_ids, cache_salt))
 
     # ---- KV from outside ------------------------------------------------------------
     async def reserve(self, request: EngineRequest, sink: OutputSink | None) -> int:
         """Reserve blocks for a prompt whose KV will be written from outside; returns its locally cached
         leading tokens. Raises NoFreeBlocks when the cache is full."""
         def reserve(e: LLMEngine) -> int:
-            cached = e.reserve(request.request_id, request.prompt, request.params, request.group)[1]
+            cached = e.reserve(request.request_id, request.prompt, request.params, request.group,
+                               request.cache_salt)[1]
             if sink is not None:
                 self._hold_for(request.request_id, sink)
             return cached

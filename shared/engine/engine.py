@@ -95,7 +95,7 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------
     def _new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams, prefill_only: bool,
-                      priority: int = 0, group: str | None = None) -> Sequence:
+                      priority: int = 0, group: str | None = None, cache_salt: str | None = None) -> Sequence:
         if request_id in self.requests:
             raise RequestError(f"request id '{request_id}' is already in use", param="request_id")
         if isinstance(prompt, str):
@@ -119,7 +119,7 @@ class LLMEngine:
         if need > capacity:
             raise RequestError(f"the request needs {need} tokens of KV cache but the cache holds {capacity}",
                                param="prompt", code="context_length_exceeded")
-        seq = Sequence(request_id, ids, params, prefill_only, priority, group)
+        seq = Sequence(request_id, ids, params, prefill_only, priority, group, cache_salt)
         if params.guided is not None:
             seq.grammar = self._grammars().matcher(params.guided)
         self.requests[request_id] = OutputState(seq, self.tokenizer, self.eos_ids, self.max_model_len)
@@ -133,10 +133,13 @@ class LLMEngine:
         return self.grammars
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    prefill_only: bool = False, priority: int = 0, group: str | None = None) -> Sequence:
+                    prefill_only: bool = False, priority: int = 0, group: str | None = None,
+                    cache_salt: str | None = None) -> Sequence:
         """Queue a request; `group`: its fairness group (the scheduler shares each step between groups), by
-        default the request alone."""
-        seq = self._new_sequence(request_id, prompt, params or SamplingParams(), prefill_only, priority, group)
+        default the request alone; `cache_salt`: its prefix cache's scope (blocks are reused only between
+        requests with the same salt; None: unsalted)."""
+        seq = self._new_sequence(request_id, prompt, params or SamplingParams(), prefill_only, priority, group,
+                                 cache_salt)
         self.scheduler.add(seq)
         return seq
 
@@ -159,9 +162,9 @@ class LLMEngine:
         state = self.requests.get(request_id)
         return state.seq if state else None
 
-    def cached_prefix(self, prompt_ids: list[int]) -> int:
-        """How many leading tokens of the prompt the prefix cache holds (whole blocks)."""
-        return len(self.block_manager.match_prefix(prompt_ids)) * self.block_manager.block_size
+    def cached_prefix(self, prompt_ids: list[int], cache_salt: str | None = None) -> int:
+        """How many leading tokens of the prompt the prefix cache holds under `cache_salt` (whole blocks)."""
+        return len(self.block_manager.match_prefix(prompt_ids, cache_salt)) * self.block_manager.block_size
 
     # ---- stepping -------------------------------------------------------
     def compile_decode(self) -> None:
@@ -249,7 +252,8 @@ class LLMEngine:
         self.runner.drop_route(stream_id)
 
     def pin_prefix(self, request_id: str) -> list[int]:
-        """Keep a parked request's full, cached blocks resident after it is released (contexts)."""
+        """Keep a parked request's full, cached blocks resident after it is released (contexts; they are
+        cached under the request's salt, so only requests with that salt reuse them: contexts are unsalted)."""
         seq = self.requests[request_id].seq
         full = seq.table.blocks[:seq.table.num_hashed]
         self.block_manager.pin(full)
@@ -270,13 +274,14 @@ class LLMEngine:
 
     # ---- (b) KV from outside: decode it -----------------------------------
     def reserve(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                group: str | None = None) -> tuple[Sequence, int]:
+                group: str | None = None, cache_salt: str | None = None) -> tuple[Sequence, int]:
         """Allocate blocks for a prompt whose KV will be written from outside.
 
         Returns the sequence and how many leading tokens are already in the local
-        prefix cache (their KV need not be sent). Raises NoFreeBlocks when full.
+        prefix cache under `cache_salt` (their KV need not be sent). Raises NoFreeBlocks when full.
         """
-        seq = self._new_sequence(request_id, prompt, params or SamplingParams(), False, group=group)
+        seq = self._new_sequence(request_id, prompt, params or SamplingParams(), False, group=group,
+                                 cache_salt=cache_salt)
         try:
             cached = self.block_manager.allocate_prompt(seq.table, seq.token_ids, seq.num_tokens)
         except NoFreeBlocks:

@@ -4,7 +4,9 @@ Life cycle of the seam: a node (edge engine, core prefill service, batch
 runner, contexts, control port) holds an `EngineHandle` and nothing else of the
 engine. A request enters as one typed `EngineRequest` (id, prompt, sampling
 parameters, fairness `group` — the scheduler shares a step's budget between
-groups; by default a request is a group of its own — priority, prefill-only)
+groups; by default a request is a group of its own — priority, prefill-only,
+`cache_salt` — the prefix cache's scope: blocks are reused only between requests
+with the same salt, and `cached_prefix` measures under one)
 together with the one `OutputSink` its outputs go to, chosen at admission:
 `submit(request, sink)`; `generate(request)` is the async-iterator form over a
 queue sink. A sink gets each output (or, with `at_finish`, all of them together
@@ -94,10 +96,12 @@ class EngineRequest:
     group: str | None = None                # fairness group (`Sequence.group`); None: the request alone
     priority: int = 0                       # lower runs first (batch work sets a higher number)
     prefill_only: bool = False              # end PREFILLED with the KV kept for a reader (`read_kv`, `release`)
+    # Prefix-cache scope: cached blocks are reused only between requests with the same salt (mixed into the
+    # first block's hash, shared/kv/block_manager.py); None: unsalted, shared by every request without one.
+    cache_salt: str | None = None
     # Declared for later work; not used yet (the engine ignores them):
     tenant: str | None = None
     adapter: str | None = None
-    cache_salt: str | None = None
 
 
 Output = RequestOutput | EngineDead     # what a sink receives: an output, or the engine's failure (the last item)
@@ -171,7 +175,8 @@ class EngineHandle(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
-    async def cached_prefix(self, prompt_ids: list[int]) -> int: ...
+    async def cached_prefix(self, prompt_ids: list[int], cache_salt: str | None = None) -> int:
+        """How many leading tokens of the prompt the prefix cache holds under `cache_salt` (whole blocks)."""
 
     # ---- KV from outside ------------------------------------------------------------------------
     async def reserve(self, request: EngineRequest, sink: OutputSink | None) -> int:

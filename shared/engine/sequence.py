@@ -40,7 +40,8 @@ class Status(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 prefill_only: bool = False, priority: int = 0, group: str | None = None):
+                 prefill_only: bool = False, priority: int = 0, group: str | None = None,
+                 cache_salt: str | None = None):
         self.request_id = request_id
         # the fairness group the scheduler shares the step budget by (the choices of one HTTP request, one
         # batch's line, ...): declared at admission; a request given none is a group of its own
@@ -54,7 +55,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0      # prompt tokens served from the prefix cache (first admission)
         self.num_preemptions = 0
-        self.table = BlockTable()
+        # the prefix cache's scope: blocks are shared only with requests of the same salt (None: unsalted)
+        self.cache_salt = cache_salt
+        self.table = BlockTable(salt=cache_salt)
         self.arrival = next(_arrival)
         self.finish_reason: str | None = None
         # per prompt position, when asked for (prompt_logprobs.py)

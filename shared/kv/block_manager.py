@@ -13,6 +13,12 @@ on block i means the whole prefix up to it matches. Only full blocks are ever
 shared, and the last prompt token is always recomputed (its logits are needed),
 so shared blocks are never written.
 
+Cache salt (a tenant's scope, vLLM's `cache_salt`): a sequence's table carries its salt
+(`BlockTable.salt`), which is mixed into the hash of its first block only; since every later hash
+chains on it, every block hash of a salted prompt differs from the same tokens' under any other salt
+(or none), so blocks are reused only between requests with the same salt. None: the unsalted chain,
+shared by every request without a salt (pinned contexts are unsalted).
+
 Released prefixes: in a model whose every layer attends only to a window or a chunk, the leading
 blocks no layer can attend to any more are released while the sequence runs (`release_before`);
 their table entries become -1 (the runner reads them as block 0, masked out).
@@ -31,19 +37,24 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
-def block_hash(prev: int | None, tokens: Iterable[int]) -> int:
+def block_hash(prev: int | None, tokens: Iterable[int], salt: str | None = None) -> int:
+    """H(prev ‖ tokens), and for a salted chain's first block (`salt`, given with `prev` None) ‖ the salt."""
     h = hashlib.blake2b(digest_size=8)
     h.update((prev or 0).to_bytes(8, "little"))
     h.update(array("q", tokens).tobytes())
+    if salt is not None:        # after a fixed-size token block, so no unsalted input can equal a salted one
+        raw = salt.encode("utf-8", "surrogatepass")
+        h.update(b"salt" + len(raw).to_bytes(8, "little") + raw)
     return int.from_bytes(h.digest(), "little")
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
-    """Chained hashes of the full blocks among the first `limit` tokens."""
+def prefix_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None,
+                  salt: str | None = None) -> list[int]:
+    """Chained hashes of the full blocks among the first `limit` tokens (`salt`: mixed into the first)."""
     n = len(token_ids) if limit is None else min(limit, len(token_ids))
     hashes, prev = [], None
     for start in range(0, n - block_size + 1, block_size):
-        prev = block_hash(prev, token_ids[start:start + block_size])
+        prev = block_hash(prev, token_ids[start:start + block_size], salt if prev is None else None)
         hashes.append(prev)
     return hashes
 
@@ -63,6 +74,7 @@ class BlockTable:
     last_hash: int | None = None
     num_released: int = 0      # leading entries released (-1) because no layer attends to them
     uncached_before: int = 0   # blocks holding positions before this are never cached (KV partly missing)
+    salt: str | None = None    # the cache salt mixed into the first block's hash (kept across `free_table`)
 
 
 class NoFreeBlocks(Exception):
@@ -110,12 +122,12 @@ class BlockManager:
         self.blocks[bid].ref_count = 1
         return bid
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Cached block ids covering the longest cached prefix (never the last token)."""
+    def match_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
+        """Cached block ids covering the longest cached prefix under `salt` (never the last token)."""
         if not self.caching:
             return []
         hits = []
-        for h in prefix_hashes(token_ids, self.block_size, len(token_ids) - 1):
+        for h in prefix_hashes(token_ids, self.block_size, len(token_ids) - 1, salt):
             bid = self.cached.get(h)
             if bid is None:
                 break
@@ -125,11 +137,11 @@ class BlockManager:
     def allocate_prompt(self, table: BlockTable, token_ids: Sequence[int], max_new_tokens: int,
                         use_cache: bool = True) -> int:
         """Give a new sequence its cached prefix blocks plus fresh blocks for up to
-        `max_new_tokens` more tokens (`use_cache=False`: no cached prefix). Returns how many tokens
-        are already cached.
+        `max_new_tokens` more tokens (`use_cache=False`: no cached prefix; the prefix is looked up under
+        `table.salt`). Returns how many tokens are already cached.
         All or nothing: raises NoFreeBlocks and changes nothing when short.
         """
-        hits = self.match_prefix(token_ids) if use_cache else []
+        hits = self.match_prefix(token_ids, table.salt) if use_cache else []
         cached_tokens = len(hits) * self.block_size
         cover = cached_tokens + min(len(token_ids) - cached_tokens, max_new_tokens)
         fresh = -(-cover // self.block_size) - len(hits)
@@ -159,14 +171,14 @@ class BlockManager:
             table.blocks.append(self._take())
 
     def register_full_blocks(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
-        """Enter every newly completed block (KV computed) into the prefix cache."""
+        """Enter every newly completed block (KV computed) into the prefix cache (under `table.salt`)."""
         if not self.caching:
             return
         full = min(num_computed, len(token_ids)) // self.block_size
         bs = self.block_size
         while table.num_hashed < full:
             i = table.num_hashed
-            h = block_hash(table.last_hash, token_ids[i * bs:(i + 1) * bs])
+            h = block_hash(table.last_hash, token_ids[i * bs:(i + 1) * bs], table.salt if i == 0 else None)
             block = self.blocks[table.blocks[i]]
             if block.hash is None and i * bs >= table.uncached_before:
                 block.hash = h

@@ -2,7 +2,8 @@
 
 `error_middleware(api_keys, max_body, on_error)` checks the bearer key on
 `/v1/` paths, `/stats`, `/tokenize` and `/detokenize` (the scheme case-insensitively; the key's SHA-256
-looked up among the configured keys' digests, `ApiKeys`), refuses a declared Content-Length over the limit (413
+looked up among the configured keys' digests, `ApiKeys`; a key's tenant salt, if it has one, is left on the
+request under `KEY_SALT` for `effective_cache_salt`), refuses a declared Content-Length over the limit (413
 at once) and a Content-Encoding it cannot decode (415), and turns `ApiError`, oversized bodies
 (413), bodies that cannot be read (400: a cut or corrupt compressed body),
 aiohttp's own HTTP errors (404, 405, …) and, as a last resort, any exception of
@@ -30,6 +31,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from edgecore.shared.http_server import LIMITS_KEY
 from edgecore.shared.openai.request import ApiError
+from edgecore.shared.secrets import ApiKey
 
 log = logging.getLogger("edgecore.http")
 
@@ -38,34 +40,58 @@ _T = TypeVar("_T")
 OFF_LOOP_BODY = 1 << 16      # bytes of body from which parsing runs on a worker thread
 PROTECTED = ("/v1/", "/stats", "/tokenize", "/detokenize")   # need the API key when keys are configured;
 # /health, /ready, /metrics and /version stay open (probes and scrapers hold no key)
+KEY_SALT = web.RequestKey("edgecore_key_salt", str)   # the presented key's cache salt (absent: none)
 
 
 class ApiKeys:
-    """The configured API keys, held as SHA-256 digests in a set: a check hashes the presented key once and looks
-    the digest up, so it costs the same with one key or 100,000 and its timing depends on the digest (which
-    the client cannot steer toward a key's), never on how much of a key matched. The keys themselves are not kept."""
+    """The configured API keys, held as SHA-256 digests in a dict (digest → the key's cache salt, for an
+    `ApiKey` that has one): a check hashes the presented key once and looks the digest up, so it costs the same
+    with one key or 100,000 and its timing depends on the digest (which the client cannot steer toward a
+    key's), never on how much of a key matched. The keys themselves are not kept."""
 
     def __init__(self, keys: Iterable[bytes]):
-        self._digests = frozenset(hashlib.sha256(k).digest() for k in keys)
+        self._salts: dict[bytes, str | None] = {
+            hashlib.sha256(k).digest(): k.salt if isinstance(k, ApiKey) else None for k in keys}
 
     def __len__(self) -> int:
-        return len(self._digests)
+        return len(self._salts)
 
     def accepts(self, given: bytes) -> bool:
-        return hashlib.sha256(given).digest() in self._digests
+        return hashlib.sha256(given).digest() in self._salts
+
+    def lookup(self, given: bytes) -> tuple[bool, str | None]:
+        """(whether `given` is a configured key, its cache salt)."""
+        digest = hashlib.sha256(given).digest()
+        return digest in self._salts, self._salts.get(digest)
 
 
 def check_bearer(request: web.Request, keys: ApiKeys) -> None:
+    """401 unless the request presents a configured key (none configured: anything passes); a key with a salt
+    leaves it on the request (`KEY_SALT`)."""
     if not keys:
         return
     scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
     given = token.strip().encode() if scheme.lower() == "bearer" else b""
-    if not keys.accepts(given):
+    known, salt = keys.lookup(given)
+    if not known:
         raise ApiError(401, "Incorrect or missing API key. Pass it as 'Authorization: Bearer KEY'.", None,
                        "invalid_api_key")
+    if salt is not None:
+        request[KEY_SALT] = salt
 
 
-def error_middleware(api_keys: list[bytes], max_body: int,
+def effective_cache_salt(request: web.Request, cache_salt: str | None) -> str | None:
+    """The prefix-cache scope of a request: the salt of its API key combined with the body's `cache_salt`, so a
+    request can only narrow its key's scope, never name another tenant's: key salt ‖ NUL ‖ request salt (each
+    "" when absent), unambiguous since a key's salt holds no NUL. None when neither is given: the shared,
+    unsalted cache."""
+    key_salt = request.get(KEY_SALT)
+    if key_salt is None and cache_salt is None:
+        return None
+    return f"{key_salt or ''}\0{cache_salt or ''}"
+
+
+def error_middleware(api_keys: Iterable[bytes], max_body: int,
                      on_error: Callable[[int], None] | None = None) -> Middleware:
     keys = ApiKeys(api_keys)
 

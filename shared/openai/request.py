@@ -7,7 +7,7 @@ checked there, unsupported parameters rejected; structured output read by
 the model's template (tools and tool messages through `tools.py`), tokenizes, checks token ids, `logit_bias` keys and the
 context length, and returns a `ParsedRequest`: a list of prompts (token ids) ×
 `n` generated choices (`best_of` of them for completions), each with its
-`SamplingParams`. Every problem raises `ApiError` with the HTTP status, OpenAI
+`SamplingParams`, and the request's `cache_salt` (vLLM's prefix-cache scope). Every problem raises `ApiError` with the HTTP status, OpenAI
 error type, `param` and `code`; nothing here can raise anything else.
 """
 
@@ -46,6 +46,7 @@ class ParsedRequest:
     keep: int = 0                         # choices returned per prompt: the best `keep` of `n` (0: all n)
     prompt_logprobs: int | None = None    # top-N per prompt token (vLLM's prompt_logprobs, or echo+logprobs)
     tools: ToolSet | None = None          # chat with tools: the output is split into content and tool calls
+    cache_salt: str | None = None         # the body's `cache_salt` (the server combines it with the key's salt)
 
     @property
     def returned(self) -> int:
@@ -191,7 +192,7 @@ def parse_completion(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len
     stream, include_usage = _stream_opts(req)
     return ParsedRequest(prompts, texts, params, best_of, stream, include_usage, req.logprobs, bool(req.echo),
                          {"prompt_logprobs": req.prompt_logprobs is not None}, n if best_of > n else 0,
-                         prompt_logprobs)
+                         prompt_logprobs, cache_salt=req.cache_salt)
 
 
 def render_message(msg: ChatMessage, i: int) -> dict:
@@ -254,4 +255,4 @@ def parse_chat(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len: int)
     stream, include_usage = _stream_opts(req)
     return ParsedRequest([ids], [""], params, req.n, stream, include_usage, logprobs,
                          extra={"prompt_logprobs": req.prompt_logprobs is not None},
-                         prompt_logprobs=req.prompt_logprobs, tools=tools)
+                         prompt_logprobs=req.prompt_logprobs, tools=tools, cache_salt=req.cache_salt)

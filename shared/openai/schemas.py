@@ -19,6 +19,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from edgecore.shared.openai.errors import ApiError
+from edgecore.shared.secrets import MAX_CACHE_SALT
 
 MAX_N = 16
 MAX_STOP = 4
@@ -56,6 +57,9 @@ class SamplingFields(Struct, kw_only=True):
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # vLLM's prefix-cache scope: cached KV is reused only between requests with the same salt (combined with
+    # the API key's own salt, edge/http.py); null: none
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     # Structured output (guided.py reads and checks them).
     response_format: Any = None
     guided_json: Any = None

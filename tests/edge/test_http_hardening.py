@@ -38,7 +38,7 @@ class EngineEdge:
     def count_error(self, status: str) -> None:
         self.errors.append(status)
 
-    async def generate(self, rid, prompt, params, group=None):
+    async def generate(self, rid, prompt, params, group=None, cache_salt=None):
         self.active += 1
         queue = self.queues[rid] = asyncio.Queue()
         try:

@@ -32,7 +32,7 @@ class FakeEdge:
     def count_error(self, status):
         pass
 
-    async def generate(self, rid, prompt, params, group=None):
+    async def generate(self, rid, prompt, params, group=None, cache_salt=None):
         lps = [TokenLogprob(65, -0.5, [(65, -0.5)] * (params.logprobs or 0))] if params.logprobs is not None \
             else None
         yield RequestOutput(rid, [65], "A", True, "length", lps, len(prompt), 0, 1)

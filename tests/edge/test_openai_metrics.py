@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(60)
 async def test_a_500_inside_a_stream_is_counted(server):  # noqa: F811
     real = server["edge"].generate
 
-    async def dies(rid, prompt, params, group=None):
+    async def dies(rid, prompt, params, group=None, cache_salt=None):
         async for out in real(rid, prompt, params):
             yield out
             raise EngineDead("the engine process exited")

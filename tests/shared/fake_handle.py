@@ -104,7 +104,7 @@ class FakeHandle:
         self._record("abort", request_id)
         self.sinks.pop(request_id, None)
 
-    async def cached_prefix(self, prompt_ids: list[int]) -> int:
+    async def cached_prefix(self, prompt_ids: list[int], cache_salt: str | None = None) -> int:
         self._record("cached_prefix", prompt_ids)
         return self.cached
 

@@ -23,9 +23,9 @@ async def test_cancelled_while_the_add_is_queued_the_request_is_aborted_after_it
         hold, loop = asyncio.Event(), asyncio.get_running_loop()
         match_prefix = engine.block_manager.match_prefix
 
-        def blocking_match(ids):          # the engine thread waits inside this command
+        def blocking_match(ids, salt=None):          # the engine thread waits inside this command
             asyncio.run_coroutine_threadsafe(hold.wait(), loop).result()
-            return match_prefix(ids)
+            return match_prefix(ids, salt)
         engine.block_manager.match_prefix = blocking_match
         blocked = asyncio.ensure_future(aengine.cached_prefix([1, 2, 3]))
         await asyncio.sleep(0.05)

@@ -18,7 +18,7 @@ async def run():
     aengine = AsyncEngine(engine, threads=threads)
     aengine.start()
     seen = []
-    engine.block_manager.match_prefix = lambda ids: seen.append(torch.get_num_threads()) or []
+    engine.block_manager.match_prefix = lambda ids, salt=None: seen.append(torch.get_num_threads()) or []
     await aengine.cached_prefix([1])    # runs on the engine thread
     seen = seen[0]
     aengine.stop()
