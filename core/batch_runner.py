@@ -358,8 +358,11 @@ class BatchRunner:
 
         async def choice(i: int) -> None:
             from edgecore.shared.engine.handle import EngineRequest
+            # a line's choices are one group; a line's `cache_salt` scopes its prefix cache as on the edge (an
+            # unsalted key's scope: NUL ‖ the salt; the batch API keeps no key salt yet)
+            salt = None if parsed.cache_salt is None else f"\0{parsed.cache_salt}"
             request = EngineRequest(f"{batch_id}/{req['line']}/{i}", parsed.prompts[i // parsed.n], parsed.params[i],
-                                    group=f"{batch_id}/{req['line']}", priority=BATCH_PRIORITY)   # a line's choices
+                                    group=f"{batch_id}/{req['line']}", priority=BATCH_PRIORITY, cache_salt=salt)
             async for out in self.handle.generate(request, at_finish=True):
                 results[i].add(out)
 
