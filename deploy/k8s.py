@@ -15,7 +15,9 @@ k8s_monitoring) and writes this layout under OUT, returning the files written:
                            secretGenerator per node, `edgecore-credential-NODE` from
                            overlays/REGION/secrets/NODE.cred (kustomize reads files only under the
                            kustomization's own folder, and a region's overlay carries only its own
-                           nodes' keys)
+                           nodes' keys); with `[kubernetes] tls` also `edgecore-tls-NODE`
+                           (kubernetes.io/tls) from secrets/NODE.crt and NODE.key, and in base/ the CA
+                           the nodes' certificates chain to (secrets/tls-ca.crt), both without hash suffix
   overlays/REGION-monitoring/  REGION + ServiceMonitor + queue-depth autoscaler per edge
 Edges find cores through the cores' headless Services (DNS), nearest region first.
 `k8s_check.check(out)` validates what was written (`render --check`).
@@ -28,8 +30,9 @@ from pathlib import Path
 from edgecore.deploy.k8s_monitoring import monitoring_manifests, replica_patch
 from edgecore.deploy.k8s_policy import network_policies
 from edgecore.deploy.k8s_workloads import (API_KEYS_KEY, APP, AUTHORITY_KEY, CLUSTER_SECRET_KEY, CREDENTIAL_KEY,
-                                           REVOCATIONS_KEY, core_manifests, credential_secret, edge_manifests,
-                                           model_volume_claim, needs_model_volume, revocations_secret)
+                                           REVOCATIONS_KEY, TLS_CA_KEY, TLS_CERT_KEY, TLS_KEY_KEY, core_manifests,
+                                           credential_secret, edge_manifests, model_volume_claim, needs_model_volume,
+                                           revocations_secret, tls_ca_secret, tls_secret)
 from edgecore.deploy.topology import CoreNode, EdgeNode, Topology
 from edgecore.deploy.yaml_out import dump
 
@@ -38,6 +41,9 @@ KUSTOMIZE = "kustomize.config.k8s.io/v1beta1"
 POD_SECURITY = {"pod-security.kubernetes.io/enforce": "restricted"}
 # Input files of the base's generators beyond those `[kubernetes.secret_files]` names (relative to base/)
 AUTHORITY_FILE, REVOCATIONS_FILE = "secrets/authority.pub", "secrets/revoked.txt"
+TLS_CA_FILE = "secrets/tls-ca.crt"      # `[kubernetes] tls` only
+# Secrets updated in place: no hash suffix, so `kubectl apply` keeps the name and running pods re-read the files
+IN_PLACE = {"disableNameSuffixHash": True}
 GITIGNORE = "# the secretGenerator's input files: never commit them\n*\n!.gitignore\n"
 
 
@@ -51,12 +57,14 @@ def base_kustomization(topo: Topology) -> dict:
     shared = [f"{API_KEYS_KEY}={files.api_keys}", f"{AUTHORITY_KEY}={AUTHORITY_FILE}"]
     if topo.secret_file:        # the topology names a cluster secret: it applies beside the credentials
         shared.append(f"{CLUSTER_SECRET_KEY}={files.cluster_secret}")
+    generators = [{"name": topo.secret_name, "type": "Opaque", "files": shared},
+                  {"name": revocations_secret(topo), "type": "Opaque",
+                   "files": [f"{REVOCATIONS_KEY}={REVOCATIONS_FILE}"], "options": IN_PLACE}]
+    if topo.kube.tls:           # the CA edges (model downloads) and Prometheus verify the nodes' certificates with
+        generators.append({"name": tls_ca_secret(topo), "type": "Opaque", "files": [f"{TLS_CA_KEY}={TLS_CA_FILE}"],
+                           "options": IN_PLACE})
     return {"apiVersion": KUSTOMIZE, "kind": "Kustomization", "namespace": topo.kube.namespace,
-            "resources": ["namespace.yaml", "configmap.yaml", "networkpolicy.yaml"],
-            "secretGenerator": [{"name": topo.secret_name, "type": "Opaque", "files": shared},
-                                {"name": revocations_secret(topo), "type": "Opaque",
-                                 "files": [f"{REVOCATIONS_KEY}={REVOCATIONS_FILE}"],
-                                 "options": {"disableNameSuffixHash": True}}]}
+            "resources": ["namespace.yaml", "configmap.yaml", "networkpolicy.yaml"], "secretGenerator": generators}
 
 
 def region_kustomization(topo: Topology, region: str, resources: list[str]) -> dict:
@@ -65,9 +73,14 @@ def region_kustomization(topo: Topology, region: str, resources: list[str]) -> d
     nodes = [n for n in everyone if n.region == region]
     out: dict[str, object] = {"apiVersion": KUSTOMIZE, "kind": "Kustomization", "namespace": topo.kube.namespace,
                               "resources": ["../../base", *resources]}
-    if nodes:
-        out["secretGenerator"] = [{"name": credential_secret(n), "type": "Opaque",
-                                   "files": [f"{CREDENTIAL_KEY}=secrets/{n.name}.cred"]} for n in nodes]
+    generators: list[dict] = [{"name": credential_secret(n), "type": "Opaque",
+                               "files": [f"{CREDENTIAL_KEY}=secrets/{n.name}.cred"]} for n in nodes]
+    if topo.kube.tls:       # a renewed certificate is applied in place: nodes re-read it, no restart
+        generators += [{"name": tls_secret(n), "type": "kubernetes.io/tls",
+                        "files": [f"{TLS_CERT_KEY}=secrets/{n.name}.crt", f"{TLS_KEY_KEY}=secrets/{n.name}.key"],
+                        "options": IN_PLACE} for n in nodes]
+    if generators:
+        out["secretGenerator"] = generators
     return out
 
 

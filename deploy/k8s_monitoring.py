@@ -6,25 +6,37 @@ Operator `ServiceMonitor` over the region's Services (port `http`, /metrics),
 and per edge either a KEDA `ScaledObject` (default) or an autoscaling/v2
 HPA on a Pods metric (served by prometheus-adapter), both on
 `edgecore:num_requests_waiting` (edge/metrics.py) per replica. `replica_patch`
-removes the Deployments' fixed replica count so the autoscaler owns it.
+removes the Deployments' fixed replica count so the autoscaler owns it. With `[kubernetes] tls` the
+scrape is HTTPS, verified against the CA Secret: one ServiceMonitor per node then, as each names the
+node's Service as the certificate's server name (Prometheus scrapes pod addresses).
 """
 
 from __future__ import annotations
 
-from edgecore.deploy.k8s_workloads import APP, edge_name
-from edgecore.deploy.topology import EdgeNode, Topology
+from edgecore.deploy.k8s_workloads import APP, TLS_CA_KEY, edge_name, tls_ca_secret, tls_names
+from edgecore.deploy.topology import CoreNode, EdgeNode, Topology
 
 QUEUE_METRIC = "edgecore:num_requests_waiting"
 ADAPTER_METRIC = "edgecore_num_requests_waiting"     # the name prometheus-adapter serves it under (docs/deploy.md)
 
 
-def service_monitor(topo: Topology, region: str) -> dict:
+def service_monitor(topo: Topology, region: str, node: CoreNode | EdgeNode | None = None) -> dict:
+    """The region's Services (`node`: that node's Service only, scraped over HTTPS)."""
+    endpoint: dict = {"port": "http", "path": "/metrics", "interval": "15s"}
+    match = {"app.kubernetes.io/name": APP, "edgecore.dev/region": region}
+    name = f"edgecore-{region}"
+    if node is not None:
+        names = tls_names(topo, node)                   # [Service, ..., Service.NAMESPACE.svc]
+        ca = {"secret": {"name": tls_ca_secret(topo), "key": TLS_CA_KEY}}
+        endpoint |= {"scheme": "https", "tlsConfig": {"ca": ca, "serverName": names[-1], "insecureSkipVerify": False}}
+        match["edgecore.dev/node"] = node.name
+        name = f"edgecore-{names[0]}"
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
-            "metadata": {"name": f"edgecore-{region}",
+            "metadata": {"name": name,
                          "labels": {"app.kubernetes.io/name": APP, **topo.kube.prometheus.service_monitor_labels}},
-            "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": APP, "edgecore.dev/region": region}},
+            "spec": {"selector": {"matchLabels": match},
                      "namespaceSelector": {"matchNames": [topo.kube.namespace]},
-                     "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}]}}
+                     "endpoints": [endpoint]}}
 
 
 def queue_query(topo: Topology, edge: EdgeNode) -> str:
@@ -58,4 +70,8 @@ def replica_patch() -> dict:
 
 
 def monitoring_manifests(topo: Topology, region: str) -> list[dict]:
-    return [service_monitor(topo, region), *(autoscaler(topo, e) for e in topo.edges if e.region == region)]
+    everyone: tuple[CoreNode | EdgeNode, ...] = (*topo.cores, *topo.edges)
+    nodes = [n for n in everyone if n.region == region]
+    monitors = [service_monitor(topo, region, n) for n in nodes] if topo.kube.tls and nodes \
+        else [service_monitor(topo, region)]
+    return [*monitors, *(autoscaler(topo, e) for e in topo.edges if e.region == region)]

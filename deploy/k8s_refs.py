@@ -5,9 +5,12 @@ would apply (resources followed recursively; a secretGenerator becomes a
 Secret with its keys, not its contents); `problems(directory)` then checks
 each workload's pods: mounted Secrets exist with the keys mounted, claims
 exist (or come from the StatefulSet's templates), volume mounts name
-volumes, `--core-dns NAME:PORT` names a headless Service with that port
-(in this overlay or another region's, applied to the same cluster),
-and selectors of Services and PodDisruptionBudgets match a workload's pods.
+volumes, files the node reads from Secrets (`SECRET_FILE_FLAGS`: credential,
+keys, certificate) are keys of a mounted Secret, `--core-dns NAME:PORT` names
+a headless Service with that port (in this overlay or another region's,
+applied to the same cluster), selectors of Services and PodDisruptionBudgets
+match a workload's pods, and the Secret a ServiceMonitor verifies
+certificates with (`tlsConfig.ca`) exists with that key.
 Images, the default ServiceAccount, StorageClasses and node labels are
 outside the build (docs/deploy.md lists them).
 """
@@ -17,6 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+
+# arguments naming a file the node reads from a mounted Secret
+SECRET_FILE_FLAGS = ("--credential", "--authority", "--revocations", "--secret-file", "--api-key-file",
+                     "--model-from-key-file", "--tls-cert", "--tls-key")
 
 
 def gather(directory: Path, yaml: ModuleType) -> tuple[str | None, list[dict]]:
@@ -59,8 +66,12 @@ def _pod_problems(workload: dict, by_kind: dict[str, dict[str, dict]], services:
     for container in spec["containers"]:
         found += [f"volumeMount {m['name']} names no volume" for m in container.get("volumeMounts", [])
                   if m["name"] not in volumes and m["name"] not in templates]
+        files = {f"{m['mountPath']}/{i['path']}" for m in container.get("volumeMounts", [])
+                 if "secret" in volumes.get(m["name"], {}) for i in volumes[m["name"]]["secret"].get("items", [])}
         args = container.get("args", [])
         for flag, value in zip(args, args[1:]):
+            if flag in SECRET_FILE_FLAGS and value not in files:
+                found.append(f"{flag} {value} is no key of a mounted Secret")
             if flag == "--core-dns":
                 name, port = value.split(":")[0].split(".")[0], int(value.rsplit(":", 1)[1])
                 svc = services.get(name)
@@ -81,6 +92,12 @@ def problems(directory: Path, yaml: ModuleType, elsewhere: Sequence[dict] = ()) 
     services = {o["metadata"]["name"]: o for o in [*elsewhere, *objects] if o["kind"] == "Service"}
     for w in workloads:
         found += [f"{w['kind']}/{w['metadata']['name']}: {p}" for p in _pod_problems(w, by_kind, services)]
+    for name, monitor in by_kind.get("ServiceMonitor", {}).items():
+        for endpoint in monitor["spec"].get("endpoints", []):
+            ref = endpoint.get("tlsConfig", {}).get("ca", {}).get("secret")
+            if ref and ref["key"] not in by_kind.get("Secret", {}).get(ref.get("name"), {}).get("data", {}):
+                found.append(f"ServiceMonitor/{name}: tlsConfig.ca: Secret {ref.get('name')} with key {ref['key']} "
+                             "is not generated")
     for kind, key in (("Service", ("spec", "selector")), ("PodDisruptionBudget", ("spec", "selector", "matchLabels"))):
         for name, o in by_kind.get(kind, {}).items():
             selector = o

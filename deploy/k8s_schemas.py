@@ -25,6 +25,15 @@ LABEL_SELECTOR = _closed({"matchLabels": STR_MAP, "matchExpressions": {"type": "
      "values": {"type": "array", "items": STR}}, ("key", "operator"))}})
 
 
+_KEY_REF = _closed({"name": STR, "key": STR, "optional": {"type": "boolean"}}, ("key",))
+# Prometheus Operator SafeTLSConfig: a Secret's or ConfigMap's key (exactly one of the two)
+_SECRET_OR_CONFIG_MAP = {**_closed({"secret": _KEY_REF, "configMap": _KEY_REF}),
+                         "oneOf": [{"required": ["secret"]}, {"required": ["configMap"]}]}
+TLS_CONFIG = _closed({"ca": _SECRET_OR_CONFIG_MAP, "cert": _SECRET_OR_CONFIG_MAP, "keySecret": _KEY_REF,
+                      "serverName": STR, "insecureSkipVerify": {"type": "boolean"},
+                      "caFile": STR, "certFile": STR, "keyFile": STR})
+
+
 def _object(api_version: str, kind: str, spec: dict) -> dict:
     return _closed({"apiVersion": {"const": api_version}, "kind": {"const": kind}, "metadata": METADATA,
                     "spec": spec}, ("apiVersion", "kind", "metadata", "spec"))
@@ -41,7 +50,7 @@ SERVICE_MONITOR = _object("monitoring.coreos.com/v1", "ServiceMonitor", _closed(
         "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
         "interval": {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?"
                                                   r"(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
-        "scrapeTimeout": STR, "honorLabels": {"type": "boolean"}})},
+        "scrapeTimeout": STR, "honorLabels": {"type": "boolean"}, "tlsConfig": TLS_CONFIG})},
 }, ("selector",)))
 
 SCALED_OBJECT = _object("keda.sh/v1alpha1", "ScaledObject", _closed({

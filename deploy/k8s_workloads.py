@@ -9,6 +9,10 @@ own node's credential (`edgecore-credential-NODE`, key `credential`; no other no
 list (`revoked.txt`, a Secret without a hash suffix, so that an update reaches running pods, which re-read
 it). They mount the region's model claim read-only unless the model is the one bundled in the image, and
 are probed on /health (startup, sized for model loading; liveness) and /ready.
+With `[kubernetes] tls`, each pod also mounts its own node's `kubernetes.io/tls` Secret
+(`edgecore-tls-NODE`) and serves its HTTP port over HTTPS from it (`--tls-cert`/`--tls-key`; probes
+use HTTPS); edges that fetch the model from a core also mount the CA Secret and trust it for that
+download (SSL_CERT_FILE).
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ CREDENTIAL_KEY, REVOCATIONS_KEY = "credential", "revoked.txt"
 CREDENTIAL_FILE = f"{CREDENTIAL_MOUNT}/{CREDENTIAL_KEY}"
 AUTHORITY_FILE = f"{SECRET_MOUNT}/{AUTHORITY_KEY}"
 REVOCATIONS_FILE = f"{REVOCATIONS_MOUNT}/{REVOCATIONS_KEY}"
+# `[kubernetes] tls`: the node's certificate and key (a kubernetes.io/tls Secret's keys), and the CA edges trust
+TLS_MOUNT, TLS_CA_MOUNT = "/etc/edgecore-tls", "/etc/edgecore-tls-ca"
+TLS_CERT_KEY, TLS_KEY_KEY, TLS_CA_KEY = "tls.crt", "tls.key", "ca.crt"
+TLS_CERT_FILE, TLS_KEY_FILE = f"{TLS_MOUNT}/{TLS_CERT_KEY}", f"{TLS_MOUNT}/{TLS_KEY_KEY}"
+TLS_CA_FILE = f"{TLS_CA_MOUNT}/{TLS_CA_KEY}"
 RUN_AS = 10001          # the image's user (deploy/docker/Dockerfile)
 STARTUP_PERIOD = 10
 
@@ -105,8 +114,10 @@ def _resources(res: Resources, gpus: int) -> dict:
 
 
 def _probes(topo: Topology) -> dict:
+    get = {"scheme": "HTTPS"} if topo.kube.tls else {}      # (the kubelet does not verify the certificate)
+
     def probe(path: str, period: int, failures: int) -> dict:
-        return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "timeoutSeconds": 3,
+        return {"httpGet": {"path": path, "port": "http", **get}, "periodSeconds": period, "timeoutSeconds": 3,
                 "failureThreshold": failures}
     return {"startupProbe": probe("/health", STARTUP_PERIOD, math.ceil(topo.kube.startup_seconds / STARTUP_PERIOD)),
             "readinessProbe": probe("/ready", 5, 3), "livenessProbe": probe("/health", 10, 3)}
@@ -127,6 +138,24 @@ def revocations_secret(topo: Topology) -> str:
     return f"{topo.secret_name}-revocations"
 
 
+def tls_secret(node: CoreNode | EdgeNode) -> str:
+    """`[kubernetes] tls`: the kubernetes.io/tls Secret of one node (`tls.crt`, `tls.key`)."""
+    return f"edgecore-tls-{node.name}"
+
+
+def tls_ca_secret(topo: Topology) -> str:
+    """`[kubernetes] tls`: the CA (`ca.crt`) edges trust for the cores' control ports, as Prometheus does."""
+    return f"{topo.secret_name}-tls-ca"
+
+
+def tls_names(topo: Topology, node: CoreNode | EdgeNode) -> list[str]:
+    """DNS names a node's certificate must hold: its Service's (as Prometheus scrapes it: the last), and
+    for a core the address edges use (`core_dns`)."""
+    name = core_name(node) if isinstance(node, CoreNode) else edge_name(node)
+    extra = [core_address(topo, node)] if isinstance(node, CoreNode) else []
+    return list(dict.fromkeys([name, *extra, f"{name}.{topo.kube.namespace}.svc"]))
+
+
 def _secret(volume: str, name: str, keys: tuple[str, ...]) -> dict:
     return {"name": volume, "secret": {"secretName": name, "defaultMode": 0o440,
                                        "items": [{"key": k, "path": k} for k in keys]}}
@@ -144,15 +173,24 @@ def _secret_mounts(topo: Topology, node: CoreNode | EdgeNode) -> tuple[list[dict
     volumes = [_secret("secrets", topo.secret_name, shared_secret_keys(topo)),
                _secret("credential", credential_secret(node), (CREDENTIAL_KEY,)),
                _secret("revocations", revocations_secret(topo), (REVOCATIONS_KEY,))]
+    if topo.kube.tls:
+        mounts.append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
+        volumes.append(_secret("tls", tls_secret(node), (TLS_CERT_KEY, TLS_KEY_KEY)))
     return mounts, volumes
+
+
+def _tls(topo: Topology) -> tuple[str | None, str | None]:
+    """(`tls_cert`, `tls_key`): HTTPS from the node's mounted tls Secret (None, None without `[kubernetes] tls`)."""
+    return (TLS_CERT_FILE, TLS_KEY_FILE) if topo.kube.tls else (None, None)
 
 
 def _pod(topo: Topology, lab: dict, region: str, port: int, container: dict, volumes: list[dict]) -> dict:
     """A pod template: non-root, no service-account token, scraped on `port`'s /metrics."""
     container = {**container, **_probes(topo),
                  "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
-    return {"metadata": {"labels": lab, "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
-                                                         "prometheus.io/path": "/metrics"}},
+    scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics",
+              **({"prometheus.io/scheme": "https"} if topo.kube.tls else {})}
+    return {"metadata": {"labels": lab, "annotations": scrape},
             "spec": {"nodeSelector": {"topology.kubernetes.io/region": region},
                      "automountServiceAccountToken": False,
                      "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
@@ -181,6 +219,8 @@ def core_manifests(topo: Topology, core: CoreNode) -> list[dict]:
                        data_dir="/data", api_key_file=f"{SECRET_MOUNT}/{API_KEYS_KEY}",  # control port beyond loopback
                        # the Service exposes one KV port, so rank 0 sends every rank's KV
                        gather_kv=core.tp * core.pp > 1)
+    cert, key = _tls(topo)
+    settings = replace(settings, tls_cert=cert, tls_key=key)
     mounts.append({"name": "data", "mountPath": "/data"})
     if needs_model_volume(topo, core.region):
         mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
@@ -214,14 +254,22 @@ def edge_manifests(topo: Topology, edge: EdgeNode) -> list[dict]:
     settings = replace(edge_settings(topo, edge), listen=f"0.0.0.0:{edge.port}", secret_file=_cluster_secret(topo),
                        credential=CREDENTIAL_FILE, authority=AUTHORITY_FILE, revocations=REVOCATIONS_FILE,
                        api_key_file=f"{SECRET_MOUNT}/{API_KEYS_KEY}")
+    cert, key = _tls(topo)
+    settings = replace(settings, tls_cert=cert, tls_key=key)
     mounts.append({"name": "cache", "mountPath": "/cache"})
     volumes.append({"name": "cache", "emptyDir": {}})
+    env: list[dict] = []
     cores = topo.cores_for(edge.region)
     if cores:   # the nearest core serves the packed model; every reachable core is a prefill target
         first = cores[0]
-        settings = replace(settings, model_from=f"http://{core_address(topo, first)}:{first.http_port}",
+        scheme = "https" if topo.kube.tls else "http"
+        settings = replace(settings, model_from=f"{scheme}://{core_address(topo, first)}:{first.http_port}",
                            model_cache="/cache", model_from_key_file=f"{SECRET_MOUNT}/{API_KEYS_KEY}",
                            core_dns=tuple(f"{core_address(topo, core)}:{core.port}" for core in cores))
+        if topo.kube.tls:   # the model download verifies the core's certificate against the CA (urllib's default)
+            mounts.append({"name": "tls-ca", "mountPath": TLS_CA_MOUNT, "readOnly": True})
+            volumes.append(_secret("tls-ca", tls_ca_secret(topo), (TLS_CA_KEY,)))
+            env.append({"name": "SSL_CERT_FILE", "value": TLS_CA_FILE})
     else:
         settings = replace(settings, model=_model_path(topo))
         if needs_model_volume(topo, edge.region):
@@ -233,7 +281,9 @@ def edge_manifests(topo: Topology, edge: EdgeNode) -> list[dict]:
                  "resources": _resources(edge.resources, edge.resources.gpu or 0), "volumeMounts": mounts}
     if edge.compile:    # torch's compile cache on the pod's volume: a restarted container compiles from it
         # (about 15-25 s on a 2-core machine, against a minute or more from scratch)
-        container["env"] = [{"name": "TORCHINDUCTOR_CACHE_DIR", "value": "/cache/torchinductor"}]
+        env.insert(0, {"name": "TORCHINDUCTOR_CACHE_DIR", "value": "/cache/torchinductor"})
+    if env:
+        container["env"] = env
     deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": lab},
                   "spec": {"replicas": edge.replicas, "selector": {"matchLabels": sel},
                            "template": _pod(topo, lab, edge.region, edge.port, container, volumes)}}

@@ -161,6 +161,7 @@ class Kubernetes(_Spec, frozen=True):
     storage_class: str | None = None            # default storage class when unset
     startup_seconds: Annotated[int, Meta(ge=10, le=86400)] = 600      # model loading before liveness counts
     core_dns: Annotated[str, Meta(pattern=CORE_DNS_PATTERN)] = "{service}"
+    tls: bool = False           # HTTPS on the HTTP ports from a kubernetes.io/tls Secret per node (docs/deploy.md)
     secret_files: SecretFiles = msgspec.field(default_factory=SecretFiles)
     prometheus: Prometheus = msgspec.field(default_factory=Prometheus)
     autoscaling: Autoscaling = msgspec.field(default_factory=Autoscaling)

@@ -159,7 +159,7 @@ def test_parallel_core_gets_its_layout_and_parses(tmp_path):
 
 def test_any_valid_topology_renders_manifests_that_check(tmp_path):
     """Random valid topologies (regions, cores with parallel layouts and GPUs, edges, links, batch
-    clients, both autoscaling modes) render to output that `check` passes and whose policies hold."""
+    clients, both autoscaling modes, HTTPS on or off) render to output that `check` passes and whose policies hold."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
@@ -188,6 +188,7 @@ def test_any_valid_topology_renders_manifests_that_check(tmp_path):
         rnames = [f"r{r}" for r, (cores, edges) in regions.items() if cores or edges]
         for a, b in zip(rnames, rnames[1:]):
             lines.append(f'[[links]]\nfrom = "{a}"\nto = "{b}"\ndelay_ms = {data.draw(st.integers(0, 50))}')
+        lines.append(f'[kubernetes]\ntls = {json.dumps(data.draw(st.booleans()))}')     # HTTPS or not
         lines.append(f'[kubernetes.autoscaling]\nmode = "{mode}"')
         lines.append('[[kubernetes.batch_clients]]\nname = "etl"\npod_labels = { app = "etl" }')
         (tmp_path / "t.toml").write_text("\n".join(lines) + "\n")
