@@ -46,7 +46,9 @@ from edgecore.edge.core_client import CoreClient, CoreRouter
 from edgecore.edge.metrics import EdgeMetrics
 from edgecore.edge.placement import PrefillModel
 from edgecore.edge.progress import Progress
+from edgecore.edge.prefill_plan import RemotePrefillSettings
 from edgecore.edge.remote_prefill import RemotePrefill, RemotePrefillFailed
+from edgecore.edge.transfer_metrics import TransferMetrics
 from prometheus_client import generate_latest
 from edgecore.protocol.credentials import NodeIdentity, Trust
 from edgecore.protocol.transport import Timeouts
@@ -328,10 +330,10 @@ class EdgeEngine:
     async def _remote(self, client: CoreClient, request: EngineRequest, sink: OutputSink | None) -> None:
         """Prefill at `client` and receive the KV; with a `sink`, the request then decodes here, its outputs
         going to `sink` (None: a prefetch, never activated)."""
-        prefill = RemotePrefill(self.handle, client, request.request_id, _ids(request), request.params,
-                                self.config.transfer_timeout, self.decoder_pool, self.metrics,
-                                self.config.handover_tokens, self.handover_counts, self.codec_rope,
-                                self.config.first_layer_macs, request.group)
+        settings = RemotePrefillSettings(self.config.transfer_timeout, self.config.handover_tokens, self.codec_rope,
+                                         self.config.first_layer_macs)
+        prefill = RemotePrefill(self.handle, client, request, settings=settings, pool=self.decoder_pool,
+                                metrics=TransferMetrics(self.metrics, self.handover_counts))
         await prefill.run(self._codec, sink)
         rid = request.request_id
         if prefill.follow is not None:
