@@ -121,6 +121,7 @@ def patch_edge(stamps: dict) -> None:
     from edgecore.deploy import wan_relay
     from edgecore.edge.core_client import CoreClient
     from edgecore.edge.engine import EdgeEngine
+    from edgecore.edge.handover_follower import HandoverFollower
     from edgecore.edge.remote_prefill import RemotePrefill
     from edgecore.shared.engine.async_engine import AsyncEngine
     from edgecore.protocol import messages as m
@@ -136,14 +137,15 @@ def patch_edge(stamps: dict) -> None:
         hook = (lambda *a, **kw: put(event, rid(*a, **kw))) if when == "before" else \
             (lambda _, *a, **kw: put(event, rid(*a, **kw)))
         _wrap(cls, name, is_async=is_async, **{when: hook})
-    own = lambda self, *a, **kw: self.request_id       # noqa: E731 (a RemotePrefill's own request)
+    own = lambda self, *a, **kw: self.request_id       # noqa: E731 (a RemotePrefill's or follower's own request)
+    of_request = lambda self, request, *a, **kw: request.request_id     # noqa: E731 (an EngineRequest argument)
     on(AsyncEngine, "activate", "edge_activated")
     on(RemotePrefill, "_request", "edge_request_sent", own)
-    on(RemotePrefill, "_push", "edge_push_called", own, when="before")
-    on(RemotePrefill, "_push", "edge_pushed", own)
+    on(HandoverFollower, "_push", "edge_push_called", own, when="before")
+    on(HandoverFollower, "_push", "edge_pushed", own)
     on(LLMEngine, "push_token", "edge_engine_push", when="before", is_async=False)
-    on(EdgeEngine, "_placement", "edge_placed")
-    on(AsyncEngine, "reserve", "edge_reserved")
+    on(EdgeEngine, "_placement", "edge_placed", of_request)
+    on(AsyncEngine, "reserve", "edge_reserved", of_request)
     on(AsyncEngine, "take_over", "edge_taken_over")
 
     def recv_after(ev, *a, **kw):
@@ -254,7 +256,7 @@ async def run(args, model_dir: Path) -> dict:
                       engine=LLMEngine.from_dir(model_dir, "bf16", "cpu", cache, budget))
     await edge.start()
     gen = torch.Generator().manual_seed(1)
-    variants = {"chunk-decode": ["chunks_awaited", "current"], "push": ["push_output_next_turn", "current"],
+    variants = {"chunk-decode": ["chunks_inline", "current"], "push": ["push_output_next_turn", "current"],
                 "": ["current"]}[args.compare]
     runs: dict = {v: {} for v in variants}
     try:
@@ -278,28 +280,22 @@ _CURRENT: dict = {}
 
 
 def use_variant(variant: str) -> None:
-    """The code as it was before a change, for `--compare`: `chunks_awaited`, the edge's request task awaits
-    each KV chunk's decode before its next event (a PrefillDone behind a chunk waits for it);
-    `push_output_next_turn`, a pushed token's output leaves with the engine thread's next turn (a step), not
-    with the command's reply. `current`: the code as it is."""
-    from edgecore.edge.remote_prefill import RemotePrefill
-    from edgecore.protocol.kv import decode_chunk
-    from edgecore.protocol.state import KVData
+    """The code as it was before a change, for `--compare`: `chunks_inline`, every KV chunk is unpacked on the
+    event loop as it arrives (a PrefillDone or Token behind a chunk waits for it), where the chunk writer hands
+    chunks over its small-chunk size to worker threads; `push_output_next_turn`, a pushed token's output
+    leaves with the engine thread's next turn (a step), not with the command's reply. `current`: the code as
+    it is."""
+    from edgecore.edge.chunk_writer import ChunkWriter, unpack
     from edgecore.shared.engine.async_engine import AsyncEngine
     if not _CURRENT:
-        _CURRENT.update(kv=RemotePrefill._on_kv_event, push=AsyncEngine.push_token)
+        _CURRENT.update(kv=ChunkWriter.write, push=AsyncEngine.push_token)
 
-    async def awaited(self, receiver, ev):
-        if not isinstance(ev, KVData):
-            return await _CURRENT["kv"](self, receiver, ev)
-        c = ev.chunk
-        receiver.on_chunk(c, len(ev.payload), time.perf_counter())
-        kv = await asyncio.get_running_loop().run_in_executor(self.decoder_pool, decode_chunk, ev, self.rope)
-        self._write(c, kv)
+    def inline(self, data):
+        self._write(data.chunk, unpack(data, self.rope))
 
     async def next_turn(self, request_id, token):
         return await self._call(lambda e: e.push_token(request_id, token.token, token.logprob, token.top))
-    RemotePrefill._on_kv_event = awaited if variant == "chunks_awaited" else _CURRENT["kv"]
+    ChunkWriter.write = inline if variant == "chunks_inline" else _CURRENT["kv"]
     AsyncEngine.push_token = next_turn if variant == "push_output_next_turn" else _CURRENT["push"]
 
 
