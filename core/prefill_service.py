@@ -19,11 +19,23 @@ Decode handover (version-3 edges that ask with `core_decode`; on a parallel core
 too: rank 0 samples and sends the tokens, the other ranks' direct streams stop
 at the prompt's last token as for any request): the request runs as an ordinary
 one; PrefillDone and then each decoded
-token (a Token frame) go ahead of queued KV (`SessionQueue.put_urgent`), until
+token (a Token frame) go ahead of queued KV (`Outbox.put(urgent=True)`), until
 the edge's Handover, Cancel, the `HandoverLimits` bound (tokens, seconds) or the
 request's end, each answered with DecodeStop. A core with `refuse_waiting` or more
 requests waiting refuses (DecodeStop "refused" right after PrefillDone: the edge
 waits for the KV as in the old mode).
+
+Bounds per connection (a peer that sends and stops reading must not grow the
+core): at most `max_inflight` requests in flight (from the PrefillRequest to
+the Ack, the lease's end or a failure); one beyond is answered at once with an
+Error OVERLOADED and never reaches the engine. At most `max_admitted` of them in
+the engine at once (prefilling, or decoding for a handover): the rest wait here,
+so one connection cannot take every running slot. At most about
+`outbox_bytes` of KV copied and queued for the connection's sender
+(core/outbox.py): beyond it the engine's layer hook stops copying and the rest
+is read back from the pool once the sender drains (core/kv_sender.py). A sender
+that cannot write for the idle timeout drops the connection (protocol/transport.py),
+which frees everything.
 """
 
 from __future__ import annotations
@@ -35,12 +47,12 @@ import logging
 import socket
 import sys
 import time
-from collections import deque
 from concurrent.futures import Executor
 
-from edgecore.core.kv_sender import LayerStreamer, send_queued
+from edgecore.core.kv_sender import LayerStreamer, queue_rest, send_queued
 from edgecore.core.metrics import CoreMetrics
-from edgecore.core.transfer import HandoverLimits, KVSend, Outgoing, Transfer
+from edgecore.core.outbox import Outbox
+from edgecore.core.transfer import HandoverLimits, Transfer
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode
 from edgecore.protocol.events import KVData
@@ -49,12 +61,14 @@ from edgecore.shared.engine.handle import EngineHandle, EngineRequest
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
-from edgecore.shared.kv.transfer import EDGE_LAYERS, KVSlice, StreamRoute, cut_slice, needed_from
+from edgecore.shared.kv.transfer import EDGE_LAYERS, StreamRoute
 
 log = logging.getLogger("edgecore.core")
 
 
 UNSENT_LOWAT = 32 * 1024      # kernel backlog of a version-3 connection
+MAX_INFLIGHT = 64             # requests in flight per connection (default)
+OUTBOX_BYTES = 64 * 1024 * 1024   # raw KV bytes copied and queued per connection (default)
 PIECE_BYTES = 128 * 1024      # KV frame size of a request whose tokens go ahead of its KV (5 ms at 200 Mbit/s)
 
 
@@ -69,81 +83,40 @@ def _limit_unsent(transport: asyncio.BaseTransport) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, UNSENT_LOWAT)
 
 
-class SessionQueue(asyncio.Queue[Outgoing]):
-    """FIFO of KVSend and messages, except that `put_urgent` items (a handover's tokens) go ahead of every
-    ordinary item queued, in order among themselves: the first tokens do not wait behind the KV."""
-
-    _queue: deque[Outgoing]             # asyncio.Queue's own storage (made by `_init`), which typeshed leaves out
-
-    def _init(self, maxsize: int) -> None:
-        super()._init(maxsize)
-        self._urgent = 0
-        self._next_urgent = False
-
-    def _put(self, item: Outgoing) -> None:
-        if self._next_urgent:
-            self._queue.insert(self._urgent, item)
-            self._urgent += 1
-        elif isinstance(item, KVSend) and item.transfer.piece_bytes:
-            self._queue.extend(_pieces(item, item.transfer.piece_bytes))
-        else:
-            self._queue.append(item)
-
-    def _get(self) -> Outgoing:
-        if self._urgent:
-            self._urgent -= 1
-        return self._queue.popleft()
-
-    def put_urgent(self, item: Outgoing) -> None:
-        self._next_urgent = True
-        try:
-            self.put_nowait(item)
-        finally:
-            self._next_urgent = False
-
-
-def _pieces(item: KVSend, piece_bytes: int) -> list[KVSend]:
-    """A slice cut by token ranges into frames of about `piece_bytes`: a token queued behind it waits for
-    one piece on the wire, not a whole layer."""
-    p = item.piece
-    per_token = max(1, (p.k[:, :1].nbytes + p.v[:, :1].nbytes))
-    step = max(1, piece_bytes // per_token)
-    if p.token_end - p.token_start <= step:
-        return [item]
-    return [KVSend(item.transfer, KVSlice(p.layer, a, min(a + step, p.token_end), p.head_start,
-                                          p.k[:, a - p.token_start:a - p.token_start + step],
-                                          p.v[:, a - p.token_start:a - p.token_start + step]))
-            for a in range(p.token_start, p.token_end, step)]
-
-
 class Session:
     _ids = itertools.count(1)
 
-    def __init__(self, peer: Peer) -> None:
+    def __init__(self, peer: Peer, outbox_bytes: int | None = OUTBOX_BYTES, admitted: int = MAX_INFLIGHT) -> None:
         self.id = next(self._ids)
         self.peer = peer
-        self.queue = SessionQueue()                    # KVSend and protocol messages, sent in order
-        self.transfers: dict[str, Transfer] = {}       # by the edge's request id
+        self.outbox = Outbox(outbox_bytes)             # KVSend and protocol messages, sent in order
+        self.transfers: dict[str, Transfer] = {}       # by the edge's request id: its requests in flight
+        self.engine_slots = asyncio.Semaphore(admitted)   # its requests in the engine at once
 
 
 class PrefillService:
     def __init__(self, handle: EngineHandle, streamer: LayerStreamer, metrics: CoreMetrics, encoder_pool: Executor,
                  dtype_name: str, lease_seconds: float, parallel: bool = False, direct_streams: bool = False,
-                 handover: HandoverLimits | None = None) -> None:
+                 handover: HandoverLimits | None = None, max_inflight: int = MAX_INFLIGHT,
+                 max_admitted: int | None = None, outbox_bytes: int | None = OUTBOX_BYTES) -> None:
         """`parallel`: the engine spans ranks; `direct_streams`: its other ranks serve stream ports;
-        `handover`: how much this core decodes for edges before they take over."""
+        `handover`: how much this core decodes for edges before they take over. Per connection:
+        `max_inflight` requests in flight, `max_admitted` of them in the engine at once (default: half the
+        in-flight cap), `outbox_bytes` of KV queued for its sender (None: no bound)."""
         self.handle, self.streamer, self.metrics = handle, streamer, metrics
         self.encoder_pool, self.dtype_name, self.lease_seconds = encoder_pool, dtype_name, lease_seconds
         self.parallel, self.direct_streams = parallel, direct_streams
         self.limits = handover or HandoverLimits()
+        self.max_inflight, self.outbox_bytes = max(1, max_inflight), outbox_bytes
+        self.max_admitted = max(1, max_admitted if max_admitted is not None else max_inflight // 2)
         self.sessions: set[Session] = set()
-        self.counts = {"decode_requests": 0, "decoded_tokens": 0, "handovers": 0, "refused": 0}
+        self.counts = {"decode_requests": 0, "decoded_tokens": 0, "handovers": 0, "refused": 0, "overloaded": 0}
 
     # ---- one edge connection ---------------------------------------------
     async def serve(self, peer: Peer) -> None:
         if peer.conn.handover:
             _limit_unsent(peer.transport)
-        session = Session(peer)
+        session = Session(peer, self.outbox_bytes, self.max_admitted)
         self.sessions.add(session)
         self.metrics.connections.inc()
         sender = asyncio.create_task(self._sender(session))
@@ -152,7 +125,11 @@ class PrefillService:
             while True:
                 msg = await peer.recv()
                 if isinstance(msg, m.PrefillRequest):
-                    task = asyncio.create_task(self._prefill(session, msg))
+                    req = self._accept(session, msg)
+                    if req is None:       # refused: while the sender is stuck, stop reading (the peer waits too)
+                        await session.outbox.drained(items=self.max_inflight)
+                        continue
+                    task = asyncio.create_task(self._start(session, req, msg))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 elif isinstance(msg, m.Ack):
@@ -178,7 +155,7 @@ class PrefillService:
             self.metrics.kv_chunks.inc()
             self.metrics.kv_bytes_sent.labels(req.codec).inc(len(data.payload))
             self.metrics.kv_raw_bytes.labels(req.codec).inc(data.chunk.raw_len)
-        await send_queued(session.queue, session.peer, self.encoder_pool, self.dtype_name, counted,
+        await send_queued(session.outbox, session.peer, self.encoder_pool, self.dtype_name, counted,
                           rope=self.streamer.rope, step_scales=self.streamer.step_scales)
 
     # ---- one remote request ------------------------------------------------
@@ -186,6 +163,9 @@ class PrefillService:
         rid, error = msg.request_id, None
         if rid in session.transfers:
             error = f"request id {rid} is already in flight on this connection"
+        elif len(session.transfers) >= self.max_inflight:
+            return m.Error(ErrorCode.OVERLOADED, f"busy: this connection has {self.max_inflight} requests in "
+                           "flight, the most a core takes from one connection; retry elsewhere or later", rid)
         elif codec is None:
             error = (f"none of the codecs {msg.codecs} is available (negotiated: "
                      f"{session.peer.conn.peer_codecs})")
@@ -193,58 +173,77 @@ class PrefillService:
             error = f"skip_tokens {msg.skip_tokens} must be below the prompt length {len(msg.token_ids)}"
         elif not 0 <= msg.edge_layers <= EDGE_LAYERS:
             error = f"edge_layers {msg.edge_layers} must be between 0 and {EDGE_LAYERS} (layer 0 only)"
+        else:
+            try:
+                SamplingParams.from_spec(msg.sampling, max_tokens=1)
+            except RequestError as exc:
+                error = str(exc)
         if error is None:
             return None
         return m.Error(ErrorCode.BAD_REQUEST if codec else ErrorCode.CODEC, error, rid)
 
-    async def _prefill(self, session: Session, msg: m.PrefillRequest) -> None:
+    def _accept(self, session: Session, msg: m.PrefillRequest) -> Transfer | None:
+        """Check a PrefillRequest and register its Transfer (in the receive loop, no await: the in-flight count
+        is exact); a refusal is queued for the edge ahead of any KV, and None returned."""
         peer, rid = session.peer, msg.request_id
         codec = next((c for c in msg.codecs if c in peer.conn.peer_codecs), None)
         refusal = self._refusal(session, msg, codec)
-        s = msg.sampling
-        try:
-            params = SamplingParams.from_spec(s, max_tokens=1)
-        except RequestError as exc:
-            refusal = refusal or m.Error(ErrorCode.BAD_REQUEST, str(exc), rid)
         if refusal is not None or codec is None:      # (no codec always comes with a refusal)
             self.metrics.prefill_requests.labels("rejected").inc()
-            await peer.send(refusal or m.Error(ErrorCode.CODEC, "no codec", rid))
-            return
+            if refusal is not None and refusal.code == ErrorCode.OVERLOADED:
+                self.counts["overloaded"] += 1
+            session.outbox.put(refusal or m.Error(ErrorCode.CODEC, "no codec", rid), urgent=True)
+            return None
         direct = self.direct_streams and msg.direct and bool(peer.conn.session)
-        req = Transfer(f"s{session.id}/{rid}", rid, session.queue, codec, len(msg.token_ids), msg.skip_tokens,
-                       msg.edge_layers, gather=self.parallel and not direct, group=f"s{session.id}/{msg.group or rid}",
+        req = Transfer(f"s{session.id}/{rid}", rid, session.outbox, codec, len(msg.token_ids), msg.skip_tokens,
+                       msg.edge_layers, gather=(self.parallel and not direct) or self.streamer.mode == "hold",
+                       group=f"s{session.id}/{msg.group or rid}", resumable=not direct,
                        piece_bytes=PIECE_BYTES if msg.core_decode else 0)
         session.transfers[rid] = req
-        self.streamer.remote[req.internal_id] = req
+        self.streamer.register(req)
         if direct:      # the other ranks learn the route with the first step that computes this request
             self.handle.add_stream_route(req.internal_id, StreamRoute(rid, peer.conn.session, codec, msg.skip_tokens,
                                                                       len(msg.token_ids), msg.edge_layers))
-        limit, why_not = self._decode_limit(msg, req.gather)
+        return req
+
+    async def _prefill(self, session: Session, msg: m.PrefillRequest) -> None:
+        """One PrefillRequest from check to PrefillDone (the receive loop runs `_accept` itself, then `_start`
+        as a task)."""
+        req = self._accept(session, msg)
+        if req is not None:
+            await self._start(session, req, msg)
+
+    async def _start(self, session: Session, req: Transfer, msg: m.PrefillRequest) -> None:
+        rid, s = msg.request_id, msg.sampling
+        limit, why_not = self._decode_limit(msg, req.gather, session.outbox)
         if limit:
             req.decode = asyncio.current_task()
             await self._decode(session, req, list(msg.token_ids), SamplingParams.from_spec(s, max_tokens=1 + limit, ignore_eos=True),
                                msg.deadline_ms)
             return
-        first = await self._run(session, req, list(msg.token_ids), params, msg.deadline_ms)
+        first = await self._run(session, req, list(msg.token_ids), SamplingParams.from_spec(s, max_tokens=1),
+                                msg.deadline_ms)
         if first is not None and req.prefill_done():
             await self._finish(session, req, first, urgent=msg.core_decode > 0)
             if msg.core_decode > 0:          # asked for, not given: the edge waits for the KV
                 if why_not == "refused":
                     self.counts["refused"] += 1
                     self.metrics.handover_refusals.inc()
-                session.queue.put_urgent(m.DecodeStop(rid, 1, why_not))
+                session.outbox.put(m.DecodeStop(rid, 1, why_not), urgent=True)
 
     # ---- decode handover --------------------------------------------------------------
-    def _decode_limit(self, msg: m.PrefillRequest, gather: bool) -> tuple[int, str]:
+    def _decode_limit(self, msg: m.PrefillRequest, gather: bool, outbox: Outbox) -> tuple[int, str]:
         """(tokens after the first this core decodes for the request, why none when 0): "refused" under
-        prefill pressure, "bound" when the limits or the context leave none. None either when the KV is
+        prefill pressure or while the connection's outbox is above its low-water mark (its edge reads slowly:
+        a decoding request's KV must be queued before the request ends, whatever the bound), "bound" when the limits or the context leave none. None either when the KV is
         gathered after the prefill from a model whose every layer is windowed: decoding on would release the
         blocks the edge still needs before they are read."""
         if msg.core_decode <= 0:
             return 0, "refused"
         if gather and self.handle.config.releases_kv:
             return 0, "bound"
-        if self.handle.stats().waiting >= self.limits.refuse_waiting:
+        if self.handle.stats().waiting >= self.limits.refuse_waiting or \
+                (outbox.bound is not None and outbox.nbytes > outbox.low_water):
             return 0, "refused"
         limit = min(msg.core_decode, self.limits.max_tokens, self.handle.max_model_len - len(msg.token_ids) - 1)
         return max(0, limit), "bound"
@@ -260,18 +259,21 @@ class PrefillService:
         self.counts["decode_requests"] += 1
         self.metrics.handover_requests.inc()
         try:
-            async with asyncio.timeout(deadline_ms / 1000 if deadline_ms > 0 else None) as scope:
+            async with asyncio.timeout(deadline_ms / 1000 if deadline_ms > 0 else None) as scope, \
+                    session.engine_slots:
                 async for out in self.handle.generate(EngineRequest(req.internal_id, token_ids, params,
                                                                     group=req.group)):
                     if req.position == 0:
                         if not req.prefill_done():
                             return
                         await self._finish(session, req, out, urgent=True, lease=False)
+                        if req.cancelled:
+                            return
                         scope.reschedule(loop.time() + self.limits.max_seconds)
                     else:
                         info = out.logprobs[0] if out.logprobs else None
-                        session.queue.put_urgent(m.Token(rid, req.position, out.new_token_ids[0],
-                                                         info.logprob if info else 0.0, list(info.top) if info else []))
+                        session.outbox.put(m.Token(rid, req.position, out.new_token_ids[0], info.logprob if info else
+                                                   0.0, list(info.top) if info else []), urgent=True)
                         self.counts["decoded_tokens"] += 1
                         self.metrics.core_decoded_tokens.inc()
                     req.position += 1
@@ -295,7 +297,7 @@ class PrefillService:
     def _decode_stopped(self, session: Session, req: Transfer, reason: str) -> None:
         """Decoding ended: tell the edge where, and start the lease that waits for its Ack."""
         req.decode = None
-        session.queue.put_urgent(m.DecodeStop(req.request_id, req.position, reason))
+        session.outbox.put(m.DecodeStop(req.request_id, req.position, reason), urgent=True)
         if session.transfers.get(req.request_id) is req and req.lease is None:
             req.lease = asyncio.get_running_loop().call_later(self.lease_seconds, self._release, session,
                                                               req.request_id)
@@ -317,7 +319,7 @@ class PrefillService:
         first = None
         try:
             deadline = deadline_ms / 1000 if deadline_ms > 0 else None
-            async with asyncio.timeout(deadline):
+            async with asyncio.timeout(deadline), session.engine_slots:      # a slot of this connection's
                 async for out in self.handle.generate(EngineRequest(req.internal_id, token_ids, params,
                                                                     group=req.group, prefill_only=True)):
                     if out.finished:
@@ -337,24 +339,27 @@ class PrefillService:
 
     async def _finish(self, session: Session, req: Transfer, first: RequestOutput, urgent: bool = False,
                       lease: bool = True) -> None:
-        """The prefill ended: queue any KV kept back, then PrefillDone (`urgent`: ahead of queued KV, for a
-        version-3 edge that forwards it at once); start the lease (`lease`; a decoding request's starts
+        """The prefill ended: queue the KV the layer hook did not (gathered, or paused by a full outbox:
+        `queue_rest`, in windows as the sender drains), then PrefillDone (`urgent`: first, ahead of queued KV,
+        for a version-3 edge that forwards it at once; a decoding request's rest is read at once, before the
+        engine ends the request and frees its KV); start the lease (`lease`; a decoding request's starts
         when it stops)."""
         info = first.logprobs[0] if first.logprobs else None
         done = m.PrefillDone(req.request_id, first.new_token_ids[0], info.logprob if info else 0.0,
                              list(info.top) if info else [], req.total_tokens, first.num_cached_tokens,
                              req.timings(time.perf_counter()))
-        if req.gather:
-            starts = needed_from(self.handle.config, req.total_tokens, req.edge_layers)   # windowed: the window
-            for whole in await self.handle.read_kv(req.internal_id, req.skip_tokens, req.total_tokens):
-                req.held.extend(KVSend(req, piece) for piece in cut_slice(whole, starts))
-        for item in req.held:            # baseline mode, gathered KV: all of it after the last layer
-            session.queue.put_nowait(item)
-        req.held.clear()
         if urgent:
-            session.queue.put_urgent(done)
-        else:
-            session.queue.put_nowait(done)
+            session.outbox.put(done, urgent=True)
+        if req.gather or req.paused:
+            try:
+                await queue_rest(self.handle, req, wait=req.decode is None)
+            except KeyError:         # the engine had ended the request (a decoding one) and freed its KV
+                self._release(session, req.request_id, cancelled=True)
+                session.outbox.put(m.Error(ErrorCode.INTERNAL, "the KV left the core's cache before it could "
+                                           "be sent", req.request_id), urgent=True)
+                return
+        if not urgent:
+            session.outbox.put(done)
         self.metrics.prefill_requests.labels("ok").inc()
         self.metrics.prompt_tokens.inc(req.total_tokens)
         self.metrics.cached_tokens.inc(first.num_cached_tokens)
@@ -368,7 +373,7 @@ class PrefillService:
     def _forget(self, session: Session, rid: str) -> Transfer | None:
         req = session.transfers.pop(rid, None)
         if req is not None:
-            self.streamer.remote.pop(req.internal_id, None)
+            self.streamer.forget(req.internal_id)
             if self.parallel:
                 self.handle.drop_stream_route(req.internal_id)
         return req
@@ -380,10 +385,11 @@ class PrefillService:
             return
         if cancelled or not req.release():
             req.cancel()
+            session.outbox.drop(req)         # its KV queued, not sent: freed now
         if req.decode is not None and req.decode is not asyncio.current_task():   # Cancel, disconnect, lease
             req.decode.cancel()
             req.decode = None
-            session.queue.put_urgent(m.DecodeStop(rid, req.position, "cancelled"))
+            session.outbox.put(m.DecodeStop(rid, req.position, "cancelled"), urgent=True)
         if req.lease is not None:
             req.lease.cancel()
             self.metrics.leases.dec()

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from edgecore.core.kv_sender import LayerStreamer
 from edgecore.core.metrics import CoreMetrics
-from edgecore.core.prefill_service import PrefillService
+from edgecore.core.prefill_service import MAX_INFLIGHT, OUTBOX_BYTES, PrefillService
 from edgecore.core.transfer import HandoverLimits
 from edgecore.protocol.codecs import CODECS
 from edgecore.protocol.credentials import NodeIdentity, Trust
@@ -81,6 +81,9 @@ class CoreConfig:
     gather_kv: bool = False             # parallel core: rank 0 sends all KV, the other ranks serve no streams
     control: ControlPort | None = None  # core/http.py ControlPort: server limits, push targets (None: defaults)
     rendezvous: str = "127.0.0.1:0"     # parallel core: HOST:PORT of the ranks' TCP store (port 0: any free)
+    max_inflight: int = MAX_INFLIGHT    # per edge connection: requests in flight (beyond: Error OVERLOADED)
+    max_admitted: int | None = None     # per edge connection: requests in the engine at once (None: half its seqs)
+    outbox_bytes: int | None = OUTBOX_BYTES   # per edge connection: KV bytes copied and queued for its sender
 
 
 class CoreServer:
@@ -106,9 +109,11 @@ class CoreServer:
         self.fingerprint = model_fingerprint(config.model_dir, self.handle.config)
         self.metrics = CoreMetrics(model_name(config.model_dir), self.handle.stats, self.handle.block_size)
         self.encoder_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edgecore-encode")
+        admitted = config.max_admitted or min(config.max_inflight, max(1, config.engine.max_num_seqs // 2))
         self.prefill = PrefillService(self.handle, self.streamer, self.metrics, self.encoder_pool,
                                       DTYPE_NAMES[engine.dtype], config.lease_seconds, self.parallel,
-                                      self.parallel and bool(self.stream_ports), config.handover)
+                                      self.parallel and bool(self.stream_ports), config.handover,
+                                      config.max_inflight, admitted, config.outbox_bytes)
         self.server: asyncio.Server | None = None
         self.http_runner: web.AppRunner | None = None
         self.started = False

@@ -8,9 +8,11 @@ advertises the ports in its Welcome; an edge connects to each with the session
 id of its main connection (Hello.session) and from then on asks for direct
 streaming (PrefillRequest.direct). For such a request the driver sends the
 route (request id, session, codec, token range) with the first step plan that
-computes it; `apply(routes)` registers it with this rank's `LayerStreamer`,
-whose `on_layer` hook queues each layer's new K/V, as computed, for the
-session's sender. A route is forgotten once its last tokens have left, or when
+computes it; `apply(routes)` registers it with this rank's `LayerStreamer`
+(on the engine thread, which owns the streamer's table: `register`/`forget`,
+then `sync`), whose `on_layer` hook queues each layer's new K/V, as computed,
+in the session's `Outbox` (no bound here: a rank has no way to read skipped KV
+back; the edge's main connection caps its requests in flight instead). A route is forgotten once its last tokens have left, or when
 the driver drops it (the request was cancelled). Edges send nothing on a
 stream connection but pings; anything else is answered with an Error.
 """
@@ -25,7 +27,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from edgecore.core.kv_sender import LayerStreamer, send_queued
-from edgecore.core.transfer import Outgoing, Transfer
+from edgecore.core.outbox import Outbox
+from edgecore.core.transfer import Transfer
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode
 from edgecore.protocol.transport import Peer, PeerError, serve
@@ -41,7 +44,7 @@ log = logging.getLogger("edgecore.streams")
 @dataclass
 class _Session:
     peer: Peer
-    queue: asyncio.Queue[Outgoing]
+    outbox: Outbox
 
 
 class StreamServer:
@@ -74,9 +77,9 @@ class StreamServer:
         if not key:
             await peer.fail("a stream connection needs a session id in its Hello", ErrorCode.BAD_REQUEST)
             return
-        session = _Session(peer, asyncio.Queue())
+        session = _Session(peer, Outbox())
         self.sessions[key] = session
-        sender = asyncio.create_task(send_queued(session.queue, peer, self.encoder_pool, self.dtype_name,
+        sender = asyncio.create_task(send_queued(session.outbox, peer, self.encoder_pool, self.dtype_name,
                                                  rope=self.streamer.rope, step_scales=self.streamer.step_scales))
         try:
             while True:
@@ -94,18 +97,21 @@ class StreamServer:
     # ---- engine (worker main) thread ---------------------------------------
     def apply(self, routes: StepRoutes) -> None:
         """Register the step's new routes and forget dropped ones (before the step runs)."""
-        remote = self.streamer.remote
+        streamer = self.streamer
+        streamer.sync()
         for stream_id in routes.drop:
-            req = remote.pop(stream_id, None)
+            req = streamer.remote.get(stream_id)
             if req is not None:
                 req.cancel()
+            streamer.forget(stream_id)
         for stream_id, route in routes.new.items():
             session = self.sessions.get(route.session)
             if session is None:       # the edge's stream connection is gone: its transfer fails over
                 log.warning("no stream connection for session %s (request %s)", route.session[:8], route.request_id)
                 continue
-            remote[stream_id] = Transfer(stream_id, route.request_id, session.queue, route.codec, route.total_tokens,
-                                         route.skip_tokens, route.edge_layers)
+            streamer.register(Transfer(stream_id, route.request_id, session.outbox, route.codec,
+                                       route.total_tokens, route.skip_tokens, route.edge_layers, resumable=False))
+        streamer.sync()
 
     def on_layer(self, layer: int, items: list[tuple[Sequence, int]]) -> None:
         self.streamer.on_layer(layer, items)

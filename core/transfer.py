@@ -27,8 +27,17 @@ the `HandoverLimits` bound or the request's end; `decode` is that task,
 `position` the next output position. The KV already left layer by layer, so
 nothing waits for it; the lease starts when decoding stops.
 
-Written by the engine thread only: `sent_until`, `last_layer_at`; by the
-sender only: `first_chunk_sent_at`.
+Bounded copying (core/outbox.py, core/kv_sender.py): the layer hook copies a
+layer only while the connection's outbox has room; when it has none, the hook
+marks the transfer `paused` and never copies for it again. After the prefill,
+the service queues what was left — each layer from `layer_until` (or all of
+it, for a gathered transfer) — reading it back from the pool, where the KV
+stays until the edge's Ack, in windows the outbox has room for (`queue_rest`).
+
+Written by the engine thread only: `sent_until`, `last_layer_at`, `needed`,
+`layer_until` and `paused` (until it is set; after that, and for a gathered
+transfer, the event loop owns `layer_until`); by the sender only:
+`first_chunk_sent_at`.
 """
 
 from __future__ import annotations
@@ -37,10 +46,14 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from edgecore.protocol.messages import Message
 from edgecore.shared.errors import ConfigError
 from edgecore.shared.kv.transfer import KVSlice
+
+if TYPE_CHECKING:
+    from edgecore.core.outbox import Outbox
 
 
 class TransferState(enum.Enum):
@@ -61,7 +74,7 @@ _NEXT = {
 class Transfer:
     internal_id: str                   # the engine's request id
     request_id: str                    # the edge's request id
-    queue: asyncio.Queue[Outgoing]     # the connection's sender queue (KVSend and messages, in order)
+    outbox: Outbox                     # the connection's outbox (KVSend and messages, in order; core/outbox.py)
     codec: str
     total_tokens: int                  # prompt length
     skip_tokens: int = 0               # tokens the edge holds already
@@ -71,6 +84,9 @@ class Transfer:
     state: TransferState = TransferState.PREFILLING
     sent_until: int = 0                # tokens fully queued (all layers); engine thread only
     needed: list[int] | None = None    # per global layer, the first token the edge needs (`needed_from`); engine thread
+    layer_until: list[int] | None = None   # per global layer, tokens queued so far (see the module's docstring)
+    paused: bool = False               # the layer hook found the outbox full: the rest is read back after the prefill
+    resumable: bool = True             # the layer hook may pause it (False: a parallel core's direct streams)
     received_at: float = field(default_factory=time.perf_counter)
     first_chunk_sent_at: float | None = None
     last_layer_at: float | None = None

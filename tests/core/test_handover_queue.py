@@ -1,11 +1,11 @@
-"""The core's session queue under decode handover: tokens go ahead of queued KV (in order among themselves),
-and a handover request's KV is cut into small frames that cover the slice exactly."""
+"""A connection's outbox under decode handover: tokens go ahead of queued KV (in order among themselves), and a
+handover request's KV is cut, by whoever queues it, into small frames that cover the slice exactly."""
 
 import asyncio
 
 import torch
 
-from edgecore.core.prefill_service import SessionQueue, _pieces
+from edgecore.core.outbox import Outbox, pieces
 from edgecore.core.transfer import HandoverLimits, KVSend, Transfer
 from edgecore.protocol import messages as m
 from edgecore.shared.errors import ConfigError
@@ -21,16 +21,16 @@ def kv(tokens, start=0, heads=2, dim=32):
 
 def test_urgent_items_overtake_queued_kv_in_their_own_order():
     async def scenario():
-        q = SessionQueue()
+        q = Outbox()
         t = Transfer("i", "r", q, "lossless", 100)
         a, b = KVSend(t, kv(4)), KVSend(t, kv(4, 4))
-        q.put_nowait(a)
-        q.put_nowait(b)
-        q.put_urgent(m.PrefillDone("r", 1))
-        q.put_urgent(m.Token("r", 1, 2))
+        q.put(a)
+        q.put(b)
+        q.put(m.PrefillDone("r", 1), urgent=True)
+        q.put(m.Token("r", 1, 2), urgent=True)
         got = [await q.get()]
-        q.put_urgent(m.Token("r", 2, 3))          # after one urgent item was taken
-        q.put_nowait(m.PrefillDone("x", 0))       # an ordinary message keeps its FIFO place
+        q.put(m.Token("r", 2, 3), urgent=True)    # after one urgent item was taken
+        q.put(m.PrefillDone("x", 0))              # an ordinary message keeps its FIFO place
         while not q.empty():
             got.append(q.get_nowait())
         return got, a, b
@@ -43,21 +43,24 @@ def test_urgent_items_overtake_queued_kv_in_their_own_order():
 def test_pieces_cover_the_slice_exactly(tokens, start):
     t = Transfer("i", "r", None, "lossless", start + tokens, piece_bytes=8 * 1024)
     item = KVSend(t, kv(tokens, start))
-    pieces = _pieces(item, t.piece_bytes)
+    cut = pieces(item, t.piece_bytes)
     per_token = 2 * 2 * 32 * 4
-    assert all((p.piece.token_end - p.piece.token_start) * per_token <= 8 * 1024 for p in pieces)
-    assert [p.piece.token_start for p in pieces][0] == start and pieces[-1].piece.token_end == start + tokens
-    assert all(x.piece.token_end == y.piece.token_start for x, y in zip(pieces, pieces[1:]))
-    assert torch.equal(torch.cat([p.piece.k for p in pieces], 1), item.piece.k)
-    assert torch.equal(torch.cat([p.piece.v for p in pieces], 1), item.piece.v)
+    assert all((p.piece.token_end - p.piece.token_start) * per_token <= 8 * 1024 for p in cut)
+    assert [p.piece.token_start for p in cut][0] == start and cut[-1].piece.token_end == start + tokens
+    assert all(x.piece.token_end == y.piece.token_start for x, y in zip(cut, cut[1:]))
+    assert torch.equal(torch.cat([p.piece.k for p in cut], 1), item.piece.k)
+    assert torch.equal(torch.cat([p.piece.v for p in cut], 1), item.piece.v)
 
 
 def test_only_handover_transfers_are_cut():
     async def scenario():
-        q = SessionQueue()
-        q.put_nowait(KVSend(Transfer("i", "r", q, "lossless", 700), kv(700)))
-        q.put_nowait(KVSend(Transfer("j", "s", q, "lossless", 700, piece_bytes=64 * 1024), kv(700)))
-        return [q.get_nowait().transfer.request_id for _ in range(q.qsize())]
+        q = Outbox()
+        for t in (Transfer("i", "r", q, "lossless", 700), Transfer("j", "s", q, "lossless", 700, piece_bytes=64 * 1024)):
+            q.extend(pieces(KVSend(t, kv(700)), t.piece_bytes))
+        assert q.nbytes == 2 * 700 * 2 * 2 * 32 * 4
+        got = [q.get_nowait().transfer.request_id for _ in range(len(q))]
+        assert q.nbytes == 0
+        return got
 
     assert asyncio.run(scenario()) == ["r"] + ["s"] * 6      # 700 tokens × 512 B in 64 KiB frames of 128 tokens
 

@@ -36,16 +36,17 @@ class FakePeer:
         self.sent.append(msg)
 
 
-def service(handle: FakeHandle, parallel: bool = False) -> PrefillService:
-    streamer: LayerStreamer = SimpleNamespace(remote={}, rope=None, step_scales=None)   # type: ignore[assignment]
+def service(handle: FakeHandle, parallel: bool = False, **limits) -> PrefillService:
+    streamer: LayerStreamer = SimpleNamespace(register=lambda t: None, forget=lambda i: None, mode="stream",
+                                              rope=None, step_scales=None)   # type: ignore[assignment]
     return PrefillService(handle, streamer, CoreMetrics(), encoder_pool=None, dtype_name="float32",
-                          lease_seconds=30.0, parallel=parallel)
+                          lease_seconds=30.0, parallel=parallel, **limits)
 
 
 def queued(session: Session) -> list:
     items = []
-    while not session.queue.empty():
-        items.append(session.queue.get_nowait())
+    while not session.outbox.empty():
+        items.append(session.outbox.get_nowait())
     return items
 
 
@@ -95,10 +96,20 @@ async def test_an_engine_refusal_is_an_error_to_the_edge_and_nothing_is_kept():
     assert not session.transfers and queued(session) == []
 
 
+async def test_a_bad_sampling_spec_is_refused_before_the_engine():
+    handle = FakeHandle()
+    session = Session(FakePeer())
+    await service(handle)._prefill(session, m.PrefillRequest("r9", PROMPT, codecs=["lossless"],
+                                                             sampling=m.SamplingSpec(temperature=-1.0)))
+    (error,) = queued(session)
+    assert handle.calls == [] and error.code == ErrorCode.BAD_REQUEST and not session.transfers
+
+
 async def test_a_request_without_a_shared_codec_never_reaches_the_engine():
-    handle, peer = FakeHandle(), FakePeer()
-    await service(handle)._prefill(Session(peer), m.PrefillRequest("r3", PROMPT, codecs=["q3e"]))
-    assert handle.calls == [] and isinstance(peer.sent[0], m.Error) and peer.sent[0].code == ErrorCode.CODEC
+    handle, session = FakeHandle(), Session(FakePeer())
+    await service(handle)._prefill(session, m.PrefillRequest("r3", PROMPT, codecs=["q3e"]))
+    (error,) = queued(session)
+    assert handle.calls == [] and isinstance(error, m.Error) and error.code == ErrorCode.CODEC
 
 
 async def test_with_decode_handover_the_core_decodes_and_its_tokens_go_first():
