@@ -197,7 +197,8 @@ class PrefillService:
         direct = self.direct_streams and msg.direct and bool(peer.conn.session)
         req = Transfer(f"s{session.id}/{rid}", rid, session.outbox, codec, len(msg.token_ids), msg.skip_tokens,
                        msg.edge_layers, gather=(self.parallel and not direct) or self.streamer.mode == "hold",
-                       group=f"s{session.id}/{msg.group or rid}", resumable=not direct,
+                       group=f"s{session.id}/{msg.group or rid}", cache_salt=msg.cache_salt or None,
+                       resumable=not direct,
                        piece_bytes=PIECE_BYTES if msg.core_decode else 0)
         session.transfers[rid] = req
         self.streamer.register(req)
@@ -262,7 +263,7 @@ class PrefillService:
             async with asyncio.timeout(deadline_ms / 1000 if deadline_ms > 0 else None) as scope, \
                     session.engine_slots:
                 async for out in self.handle.generate(EngineRequest(req.internal_id, token_ids, params,
-                                                                    group=req.group)):
+                                                                    group=req.group, cache_salt=req.cache_salt)):
                     if req.position == 0:
                         if not req.prefill_done():
                             return
@@ -321,7 +322,8 @@ class PrefillService:
             deadline = deadline_ms / 1000 if deadline_ms > 0 else None
             async with asyncio.timeout(deadline), session.engine_slots:      # a slot of this connection's
                 async for out in self.handle.generate(EngineRequest(req.internal_id, token_ids, params,
-                                                                    group=req.group, prefill_only=True)):
+                                                                    group=req.group, cache_salt=req.cache_salt,
+                                                                    prefill_only=True)):
                     if out.finished:
                         first = out
         except RequestError as exc:
