@@ -41,6 +41,7 @@ def run_core(args: argparse.Namespace) -> int:
     host, port = parse_hostport(settings.listen)
     http_host, http_port = parse_hostport(settings.http)
     api_keys, control = _control_port(settings, http_host)
+    _check_connection_limits(settings)
     engine_threads = reserve_threads_for_engine()
     model_dir, device = settings.model or default_model(), resolve_device(settings.device)
     pp_split = [int(x) for x in settings.pp_split.split(",")] if settings.pp_split else None
@@ -66,7 +67,10 @@ def run_core(args: argparse.Namespace) -> int:
                         stream_layers=not settings.kv_after_prefill, engine_threads=engine_threads,
                         rendezvous=settings.rendezvous,
                         handover=HandoverLimits(settings.handover_max_tokens, settings.handover_max_seconds,
-                                                settings.handover_refuse_waiting))
+                                                settings.handover_refuse_waiting),
+                        max_inflight=settings.max_inflight_per_connection,
+                        max_admitted=settings.max_running_per_connection,
+                        outbox_bytes=int(settings.outbox_mb * 1024 * 1024))
     core = CoreServer(config)
 
     async def start() -> None:
@@ -77,6 +81,14 @@ def run_core(args: argparse.Namespace) -> int:
               f"({protection(http_host, api_keys)})", flush=True)
 
     return run_service(start, core.stop)
+
+
+def _check_connection_limits(settings: CoreSettings) -> None:
+    from edgecore.shared.errors import ConfigError
+    running = settings.max_running_per_connection
+    if settings.max_inflight_per_connection < 1 or (running is not None and running < 1) or settings.outbox_mb <= 0:
+        raise ConfigError("--max-inflight-per-connection and --max-running-per-connection must be at least 1, "
+                          "--outbox-mb above 0")
 
 
 def _control_port(settings: CoreSettings, http_host: str) -> tuple[list[bytes], ControlPort]:

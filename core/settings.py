@@ -74,3 +74,10 @@ class CoreSettings:
     handover_refuse_waiting: int = setting(8, help="decode handover: refuse to decode for edges while this many "
                                                    "requests wait here (prefill pressure); the edge then waits for "
                                                    "the KV")
+    max_inflight_per_connection: int = setting(64, help="requests one edge connection may have in flight; beyond "
+                                                        "it a request gets Error OVERLOADED (the edge goes elsewhere)")
+    max_running_per_connection: int | None = setting(None, help="requests of one edge connection in the engine at "
+                                                                "once, the rest waiting here (default: half the "
+                                                                "engine's sequences, at most the in-flight cap)")
+    outbox_mb: float = setting(64.0, help="KV one edge connection may have copied and queued for sending; beyond "
+                                          "it the KV stays in the pool until the connection drains")
