@@ -19,12 +19,10 @@ import time
 from pathlib import Path
 
 from common import emit, progress
-from transport import TIMEOUTS, make_chunks
+from transport import TIMEOUTS, make_chunks, run_protocol
 
 from edgecore.deploy.certs import LocalCA
-from edgecore.protocol import messages as m
 from edgecore.protocol.framing import Limits
-from edgecore.protocol.kv import decode_chunk
 from edgecore.protocol.state import KVData
 from edgecore.protocol.transport import connect, serve, tls_context
 
@@ -45,34 +43,9 @@ def make_tls(folder: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
 
 
 async def stream(chunks: list[KVData], sealed: bool, tls: tuple[ssl.SSLContext, ssl.SSLContext] | None) -> float:
-    """Bytes per second of KV received and decoded at the edge side."""
-    done = asyncio.get_running_loop().create_future()
-
-    async def core(peer):
-        await peer.recv()
-        for c in chunks:
-            await peer.send(KVData(c.chunk, c.payload))
-        await peer.send(m.PrefillDone("r", 1))
-        await done
-
-    server = await serve(core, secret=SECRET, fingerprint=FP, codecs=["raw"], timeouts=TIMEOUTS, limits=LIMITS,
-                         sealed=sealed, ssl=tls[0] if tls else None)
-    port = server.sockets[0].getsockname()[1]
-    peer = await connect("127.0.0.1", port, secret=SECRET, fingerprint=FP, codecs=["raw"], timeouts=TIMEOUTS,
-                         limits=LIMITS, sealed=sealed, ssl=tls[1] if tls else None)
-    t = time.perf_counter()
-    await peer.send(m.PrefillRequest("r", [1], codecs=["raw"]))
-    received = 0
-    while not isinstance(ev := await peer.recv(), m.PrefillDone):
-        assert isinstance(ev, KVData)
-        k, v = decode_chunk(ev)
-        received += k.nbytes + v.nbytes
-    elapsed = time.perf_counter() - t
-    done.set_result(None)
-    await peer.close()
-    server.close()
-    await server.wait_closed()
-    return received / elapsed
+    """Bytes per second of KV received and decoded at the edge side (bench/transport.py's stream)."""
+    return await run_protocol(chunks, {"sealed": sealed, "ssl": tls[0] if tls else None},
+                              {"sealed": sealed, "ssl": tls[1] if tls else None})
 
 
 async def handshake_cpu(sealed: bool, tls: tuple[ssl.SSLContext, ssl.SSLContext] | None, n: int) -> float:

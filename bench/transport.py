@@ -37,7 +37,9 @@ def make_chunks(total: int, chunk: int) -> list[KVData]:
     return [template] * (total // chunk)
 
 
-async def run_protocol(chunks: list[KVData]) -> float:
+async def run_protocol(chunks: list[KVData], server_kw: dict | None = None, client_kw: dict | None = None) -> float:
+    """Bytes per second of KV received and decoded at the edge side; `server_kw` / `client_kw`: more of
+    `serve`'s / `connect`'s arguments (bench/link_crypto.py: sealed or not, TLS)."""
     done = asyncio.get_running_loop().create_future()
 
     async def core(peer):
@@ -49,10 +51,11 @@ async def run_protocol(chunks: list[KVData]) -> float:
         await done
 
     limits = Limits(max_payload=64 << 20, max_buffer=80 << 20)
-    server = await serve(core, secret=SECRET, fingerprint=FP, codecs=["raw"], timeouts=TIMEOUTS, limits=limits)
+    server = await serve(core, secret=SECRET, fingerprint=FP, codecs=["raw"], timeouts=TIMEOUTS, limits=limits,
+                         **(server_kw or {}))
     port = server.sockets[0].getsockname()[1]
     peer = await connect("127.0.0.1", port, secret=SECRET, fingerprint=FP, codecs=["raw"], timeouts=TIMEOUTS,
-                         limits=limits)
+                         limits=limits, **(client_kw or {}))
     t = time.perf_counter()
     await peer.send(m.PrefillRequest("r", [1], codecs=["raw"]))
     received = 0

@@ -211,8 +211,13 @@ class InPlaceOpen:
             self._dec.update_into(data, data)
 
     def verify(self, tag: bytes | memoryview) -> bool:
-        try:
-            self._dec.finalize_with_tag(bytes(tag))
-        except InvalidTag:
-            return False
-        return True
+        return tag_ok(self._dec, tag)
+
+
+def tag_ok(dec: AEADDecryptionContext, tag: bytes | memoryview) -> bool:
+    """Finish a GCM decryption (or GMAC verification) fed in pieces: does the frame's tag match?"""
+    try:
+        dec.finalize_with_tag(bytes(tag))
+    except InvalidTag:
+        return False
+    return True

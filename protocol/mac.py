@@ -23,6 +23,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from edgecore.protocol.cipher import tag_ok
 from edgecore.protocol.framing import TAG_SIZE
 
 SALT = b"edgecore/2"
@@ -96,11 +97,7 @@ class IncrementalVerify:
         self._dec.authenticate_additional_data(data)
 
     def verify(self, tag: bytes | memoryview) -> bool:
-        try:
-            self._dec.finalize_with_tag(bytes(tag))
-        except InvalidTag:
-            return False
-        return True
+        return tag_ok(self._dec, tag)
 
 
 class Keys:
