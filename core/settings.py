@@ -32,6 +32,7 @@ class CoreSettings:
     max_batched_tokens: int = setting(2048, help="prefill token budget per step")
     kv_cache_memory: str = common.kv_cache_memory()
     kv_blocks: int | None = common.kv_blocks()
+    kv_resident_memory: str | None = common.kv_resident_memory()
     tls_cert: str | None = setting(None, metavar="PEM", help="serve the control port over HTTPS with this "
                                    "certificate (chain); re-read when it changes")
     tls_key: str | None = setting(None, metavar="PEM", help="the HTTPS certificate's private key")

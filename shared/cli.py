@@ -53,11 +53,12 @@ def kv_cache_memory(args: argparse.Namespace) -> int | None:
 
 def kv_cache_config(args: argparse.Namespace, config: ModelConfig, value_bytes: int,
                     tp: int = 1) -> tuple[CacheConfig, str]:
-    """The CacheConfig from --kv-blocks or --kv-cache-memory, and the start-up line that says what a deployment
-    gets (for the log, once the node starts); a size that holds no block is a ConfigError."""
+    """The CacheConfig from --kv-blocks or --kv-cache-memory and --kv-resident-memory (a bound above the budget
+    is the budget), and the start-up line that says what a deployment gets (for the log, once the node starts);
+    a size that holds no block is a ConfigError."""
     from edgecore.shared.config import CacheConfig
     from edgecore.shared.errors import ConfigError
-    from edgecore.shared.kv.budget import describe, kv_blocks
+    from edgecore.shared.kv.budget import describe, kv_blocks, parse_size
     block_size = CacheConfig.block_size
     memory = kv_cache_memory(args)
     if memory is None:
@@ -67,7 +68,15 @@ def kv_cache_config(args: argparse.Namespace, config: ModelConfig, value_bytes: 
             blocks = kv_blocks(config, value_bytes, block_size, memory, tp)
         except ValueError as exc:
             raise ConfigError(f"--kv-cache-memory: {exc}") from None
-    return CacheConfig(num_blocks=blocks), describe(config, value_bytes, block_size, blocks, tp)
+    resident: int | None = None
+    bound = getattr(args, "kv_resident_memory", None)
+    if bound is not None:
+        try:
+            resident = min(blocks, kv_blocks(config, value_bytes, block_size, parse_size(bound), tp))
+        except ValueError as exc:
+            raise ConfigError(f"--kv-resident-memory: {exc}") from None
+    return (CacheConfig(num_blocks=blocks, resident_blocks=resident),
+            describe(config, value_bytes, block_size, blocks, tp, resident))
 
 
 def register(sub: argparse._SubParsersAction) -> None:

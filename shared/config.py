@@ -362,10 +362,12 @@ def _build(arch: str, spec: Arch, hf: HFConfig, params: Any, generation: dict, s
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache geometry: `num_blocks` blocks of `block_size` tokens each."""
+    """Paged KV cache geometry: `num_blocks` blocks of `block_size` tokens each; `resident_blocks`: blocks ever
+    touched before cached blocks are evicted rather than new pages touched (None: all of them; block_manager.py)."""
     block_size: int = 16
     num_blocks: int = 2048
     enable_prefix_caching: bool = True
+    resident_blocks: int | None = None
 
 
 @dataclass(frozen=True)

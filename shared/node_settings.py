@@ -47,6 +47,16 @@ def kv_cache_memory() -> Any:
                         f"fit (default {DEFAULT_KV_CACHE_MEMORY}); on CPU it becomes resident only as it fills")
 
 
+def kv_resident_memory() -> Any:
+    """kv_resident_memory: str | None"""
+    return setting(None, metavar="SIZE",
+                   help="resident bound for the KV cache, e.g. 256MiB: once the pool has touched this much "
+                        "memory, cached prefixes are evicted (least recently used first) before a new page is "
+                        "touched, so resident KV levels off here under unique traffic (fewer prefixes stay cached); "
+                        "live sequences may still take the whole --kv-cache-memory (default: the whole "
+                        "--kv-cache-memory, i.e. no bound)")
+
+
 def kv_blocks() -> Any:
     """kv_blocks: int | None"""
     return setting(None, metavar="N", help="KV cache blocks of 16 tokens, instead of sizing the cache from "

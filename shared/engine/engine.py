@@ -71,7 +71,8 @@ class LLMEngine:
         self.pool = KVPool(config, self.cache_config, self.dtype, self.device, num_kv_heads=kv_heads,
                            num_layers=len(model.model.layers))
         self.block_manager = BlockManager(self.cache_config.num_blocks, self.cache_config.block_size,
-                                          self.cache_config.enable_prefix_caching)
+                                          self.cache_config.enable_prefix_caching,
+                                          resident_blocks=self.cache_config.resident_blocks)
         self.scheduler = Scheduler(self.block_manager, self.engine_config)
         self.runner = ModelRunner(model, self.pool, config.sliding_window, self.engine_config.compile_decode)
         self.releases_kv = config.releases_kv      # (blocks released in `step`)

@@ -4,9 +4,24 @@ Life cycle of a block: free → allocated to one or more sequences (ref_count �
 → once full and computed, registered in the prefix cache under the chained
 hash of its tokens → released (ref_count 0): a hashed block waits in an LRU of
 evictable cached blocks (a later request with the same prefix takes it back),
-an unhashed one returns to the front of the free list. Allocation takes free blocks first (the most
-recently freed first, so a pool mapped lazily stays resident only up to its high-water mark), then
-evicts the least recently released cached block.
+an unhashed one returns to the front of the free list.
+
+Allocation and resident memory: on CPU the pool (shared/kv/pool.py) maps its memory lazily, so a block
+costs resident memory from the first time it is handed out ("touched") until the process ends; `touched`
+counts those blocks (untouched ones are handed out in id order). A request's new block comes from, in order:
+1. a touched free block (the most recently freed first): no new page, no cached prefix lost;
+2. an untouched block, while fewer than `resident_blocks` blocks were ever touched;
+3. the least recently released cached block (evicted: its prefix is forgotten);
+4. an untouched block beyond `resident_blocks` (only when every touched block is in use by live sequences:
+   the bound never makes a request wait; `num_blocks`, the budget, is the hard ceiling).
+`resident_blocks` (`--kv-resident-memory`; None: `num_blocks`) is the trade-off between prefix-cache hit
+rate and resident memory. Without a bound (today's behaviour) every released full block stays cached until
+the whole budget has been touched: the best hit rate the budget allows, but under sustained unique traffic
+resident KV climbs to the whole budget, since a never-touched block is preferred to evicting a cached one.
+With a bound, cached blocks are evicted (LRU) and their pages reused before a new page is touched, so
+resident KV levels off at max(bound, the most blocks live sequences ever held at once), while prefixes
+still hit as long as they were used among the last `resident_blocks` blocks' worth of traffic. The bound
+is bookkeeping only: pages touched beyond it (a burst of live sequences) stay resident and are reused.
 
 Chained hash: hash(block i) = H(hash(block i-1) ‖ tokens of block i), so a hit
 on block i means the whole prefix up to it matches. Only full blocks are ever
@@ -82,8 +97,13 @@ class NoFreeBlocks(Exception):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 resident_blocks: int | None = None) -> None:
+        if resident_blocks is not None and resident_blocks < 1:
+            raise ValueError(f"resident_blocks must be at least 1, not {resident_blocks}")
         self.block_size = block_size
+        # Blocks ever touched before cached ones are evicted rather than a new page touched (module docstring).
+        self.resident_blocks = num_blocks if resident_blocks is None else min(resident_blocks, num_blocks)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()   # hashed blocks with ref 0, LRU first
@@ -108,10 +128,12 @@ class BlockManager:
 
     # ---- allocation -----------------------------------------------------
     def _take(self) -> int:
-        if self.free:
+        # The free list holds touched blocks first, then the untouched ones in id order (ids >= touched).
+        if self.free and (self.free[0] < self.touched or self.touched < self.resident_blocks
+                          or not self.evictable):
             bid = self.free.popleft()
             self.touched = max(self.touched, bid + 1)
-        elif self.evictable:
+        elif self.evictable:        # at the resident bound: forget the least recently used prefix, reuse its pages
             bid, _ = self.evictable.popitem(last=False)
             old = self.blocks[bid]
             if old.hash is not None and self.cached.get(old.hash) == bid:
@@ -232,6 +254,6 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         for bid in list(self.evictable):
             self.blocks[bid].hash = None
-            self.free.append(bid)
+            self.free.appendleft(bid)       # touched: ahead of the untouched blocks
         self.evictable.clear()
         self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].ref_count > 0}

@@ -5,7 +5,10 @@ config and dtype are known, `kv_blocks(...)` turns the budget into whole blocks 
 this process (a tensor-parallel rank holds its share of the KV heads, so the same budget holds more blocks
 per rank); `describe(...)` is the start-up line that says what that gives: tokens, bytes, bytes per token.
 The pool itself (`KVPool`) maps its memory lazily on CPU, so a budget is a ceiling on resident memory, not
-what a fresh node holds: pages become resident as the cache first fills them.
+what a fresh node holds: pages become resident as the cache first fills them, and without a bound sustained
+unique traffic fills them all (a never-touched block is preferred to evicting a cached prefix).
+`--kv-resident-memory SIZE` turns into `CacheConfig.resident_blocks` the same way (at most the budget's
+blocks): past it the block manager evicts cached prefixes before touching new pages (shared/kv/block_manager.py).
 """
 
 from __future__ import annotations
@@ -50,12 +53,16 @@ def kv_blocks(config: ModelConfig, value_bytes: int, block_size: int, memory: in
     return blocks
 
 
-def describe(config: ModelConfig, value_bytes: int, block_size: int, num_blocks: int, tp: int = 1) -> str:
+def describe(config: ModelConfig, value_bytes: int, block_size: int, num_blocks: int, tp: int = 1,
+             resident_blocks: int | None = None) -> str:
     per_token = bytes_per_token(config, value_bytes, tp)
     tokens = num_blocks * block_size
+    bound = "" if resident_blocks is None or resident_blocks >= num_blocks else (
+        f"; resident bound {resident_blocks} blocks = {_human(resident_blocks * block_size * per_token)} "
+        "(cached prefixes are evicted before new pages are touched)")
     return (f"KV cache: {num_blocks} blocks of {block_size} tokens = {tokens:,} tokens, "
             f"{_human(tokens * per_token)} ({per_token:,} bytes per token at {value_bytes} bytes per value"
-            f"{f', this rank of {tp}' if tp > 1 else ''})")
+            f"{f', this rank of {tp}' if tp > 1 else ''}){bound}")
 
 
 def _human(n: int) -> str:
