@@ -4,7 +4,8 @@ Life cycle: the HTTP handler passes the decoded JSON object; `parse_completion`
 or `parse_chat` converts it to its schema (`schemas.py`: every type and range
 checked there, unsupported parameters rejected; structured output read by
 `guided.py`), renders chat messages with
-the model's template (tools and tool messages through `tools.py`), tokenizes, checks token ids, `logit_bias` keys and the
+the model's template (tools and tool messages through `tools.py`; a template with no tool format gets
+the tools in a system message, `ToolSet.preamble`), tokenizes, checks token ids, `logit_bias` keys and the
 context length, and returns a `ParsedRequest`: a list of prompts (token ids) ×
 `n` generated choices (`best_of` of them for completions), each with its
 `SamplingParams`, and the request's `cache_salt` (vLLM's prefix-cache scope). Every problem raises `ApiError` with the HTTP status, OpenAI
@@ -47,6 +48,7 @@ class ParsedRequest:
     prompt_logprobs: int | None = None    # top-N per prompt token (vLLM's prompt_logprobs, or echo+logprobs)
     tools: ToolSet | None = None          # chat with tools: the output is split into content and tool calls
     cache_salt: str | None = None         # the body's `cache_salt` (the server combines it with the key's salt)
+    continuous_usage: bool = False        # vLLM's `continuous_usage_stats` (with include_usage): usage in every chunk
 
     @property
     def returned(self) -> int:
@@ -136,9 +138,12 @@ def _params(req: SamplingFields, prompts: list[list[int]], n: int, max_tokens: i
     return params
 
 
-def _stream_opts(req: SamplingFields) -> tuple[bool, bool]:
+def _stream_opts(req: SamplingFields) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous usage): as vLLM, `continuous_usage_stats` counts only with
+    `include_usage`."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return bool(req.stream), include_usage
+    continuous = include_usage and bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    return bool(req.stream), include_usage, continuous
 
 
 def _completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab: int, max_model_len: int
@@ -189,10 +194,10 @@ def parse_completion(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len
     logprobs = req.logprobs if req.logprobs is not None or best_of == n else 0
     max_tokens = _max_tokens(req.max_tokens, 16, prompts, max_model_len, "prompt")
     params = _params(req, prompts, best_of, max_tokens, vocab, logprobs, prompt_logprobs)
-    stream, include_usage = _stream_opts(req)
+    stream, include_usage, continuous = _stream_opts(req)
     return ParsedRequest(prompts, texts, params, best_of, stream, include_usage, req.logprobs, bool(req.echo),
                          {"prompt_logprobs": req.prompt_logprobs is not None}, n if best_of > n else 0,
-                         prompt_logprobs, cache_salt=req.cache_salt)
+                         prompt_logprobs, cache_salt=req.cache_salt, continuous_usage=continuous)
 
 
 def render_message(msg: ChatMessage, i: int) -> dict:
@@ -215,6 +220,15 @@ def render_message(msg: ChatMessage, i: int) -> dict:
     return out
 
 
+def _with_system(messages: list[dict], text: str) -> list[dict]:
+    """`text` at the end of the first message when that is a system message, else as a system message before
+    the others."""
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]["content"]
+        return [{**messages[0], "content": f"{first}\n\n{text}" if first else text}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
 TEMPLATE_OWN = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
                           "strftime_now", "limit"}) | frozenset(DEFAULT_NAMESPACE)   # and Jinja's (`namespace`, `range`)
 
@@ -232,12 +246,15 @@ def parse_chat(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len: int)
     req: ChatRequest = decode_body(body, ChatRequest)
     tools = tool_set(req, tokenizer.chat_template)
     rendered = [render_message(msg, i) for i, msg in enumerate(req.messages)]
+    if tools is not None and tools.json_calls:     # no tool format in the template: the default tool prompt
+        rendered = _with_system(rendered, tools.preamble())
     extra = _template_kwargs(req.chat_template_kwargs)
     if req.reasoning_effort is not None:      # as vLLM: a template variable (gpt-oss's templates read it)
         extra.setdefault("reasoning_effort", req.reasoning_effort)
     try:
         ids = _encode(lambda: tokenizer.encode_chat(rendered, add_generation_prompt=True, limit=max_model_len,
-                                                    tools=tools.tools if tools else None, **extra),
+                                                    tools=tools.tools if tools and not tools.json_calls else None,
+                                                    **extra),
                       max_model_len, "messages")
     except RequestError as exc:
         raise _bad(str(exc), "messages", "invalid_value") from None
@@ -252,7 +269,8 @@ def parse_chat(body: dict, tokenizer: Tokenizer, vocab: int, max_model_len: int)
         raise _bad("'prompt_logprobs' cannot be streamed by this server", "prompt_logprobs", "invalid_value")
     assert req.n is not None    # decode_body turns a null 'n' into 1
     params = _params(req, [ids], req.n, max_tokens, vocab, logprobs, req.prompt_logprobs, tools)
-    stream, include_usage = _stream_opts(req)
+    stream, include_usage, continuous = _stream_opts(req)
     return ParsedRequest([ids], [""], params, req.n, stream, include_usage, logprobs,
                          extra={"prompt_logprobs": req.prompt_logprobs is not None},
-                         prompt_logprobs=req.prompt_logprobs, tools=tools, cache_salt=req.cache_salt)
+                         prompt_logprobs=req.prompt_logprobs, tools=tools, cache_salt=req.cache_salt,
+                         continuous_usage=continuous)

@@ -18,7 +18,6 @@ from functools import lru_cache
 
 from edgecore.shared.engine.output import RequestOutput, TokenLogprob
 from edgecore.shared.openai.request import ParsedRequest
-from edgecore.shared.openai.tools import split_calls
 from edgecore.shared.token_bytes import TokenBytes
 from edgecore.shared.tokenizer import Tokenizer
 
@@ -120,6 +119,13 @@ def usage(parsed: ParsedRequest, completion_tokens: int, cached: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def usage_so_far(parsed: ParsedRequest, i: int, tokens: int) -> dict:
+    """vLLM's continuous usage (`stream_options.continuous_usage_stats`) in a streamed chunk of choice `i`: its
+    prompt's tokens and the `tokens` it has generated so far."""
+    prompt_tokens = len(parsed.prompts[i // parsed.n])
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
+
+
 def best_of(parsed: ParsedRequest, results: list[ChoiceResult]) -> list[tuple[int, ChoiceResult]]:
     """(prompt index, result) of the choices returned: all of them, or with `best_of` the `keep` best of each
     prompt's `n` by cumulative logprob (stable: ties keep generation order)."""
@@ -141,7 +147,7 @@ def response_body(parsed: ParsedRequest, results: list[ChoiceResult], chat: bool
             message: dict = {"role": "assistant", "content": r.text}
             reason = r.finish_reason
             if parsed.tools is not None:
-                content, calls = split_calls(r.text, parsed.tools.parallel)
+                content, calls = parsed.tools.split(r.text)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     reason = "tool_calls" if reason == "stop" else reason

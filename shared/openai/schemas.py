@@ -34,7 +34,7 @@ Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 
 class StreamOptions(Struct):
     include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False     # vLLM's usage in every chunk: not implemented (a 400)
+    continuous_usage_stats: bool | None = False     # vLLM's usage in every chunk (with include_usage, as vLLM)
 
 
 class SamplingFields(Struct, kw_only=True):
@@ -188,9 +188,6 @@ def decode_body(body: dict, schema: type[_S]) -> _S:
         if not req.stream:
             raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options",
                            "invalid_value")
-        if req.stream_options.continuous_usage_stats:
-            raise ApiError(400, "'stream_options.continuous_usage_stats' is not supported by this server",
-                           "stream_options.continuous_usage_stats", "unsupported_parameter")
     if req.n is None:
         req.n = 1
     return req

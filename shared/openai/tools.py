@@ -7,10 +7,17 @@ model's tool-call format (chosen from its chat template: the Hermes
 `render_message` turns assistant `tool_calls` (arguments parsed to objects, as
 HF templates print them) and `tool` messages into template messages. With
 `tool_choice` "required" or a named function, `ToolSet.guided` is a grammar
-that admits exactly one well-formed call (`grammar.py` enforces it). After
-generation, `split_calls` turns a choice's text into (content, tool calls)
-for the response; while streaming, `ToolStream` passes content through,
-holds back text that may open a call, and hands out the calls at the end.
+that admits only well-formed calls (`grammar.py` enforces it): one Hermes call
+when the template has that format; otherwise, for any model (as vLLM does),
+plain JSON: a named function's arguments object, or for "required" a JSON
+array of `{"name", "parameters"}` calls (one when `parallel_tool_calls` is
+false), with the tools described in a system message (`ToolSet.preamble`:
+each function's JSON schema, one a line, and how to reply) instead of the
+template's own tool text. "auto" still needs a template that writes calls.
+After generation, `ToolSet.split` turns a choice's text into (content, tool
+calls) for the response; while streaming, `ToolSet.stream()` passes content
+through, holds back text that may open a call (all of it in the JSON form),
+and hands out the calls at the end.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from edgecore.shared.engine import grammar
 from edgecore.shared.engine.sampling_params import GuidedSpec
+from edgecore.shared.errors import RequestError
 from edgecore.shared.openai.errors import ApiError
 from edgecore.shared.openai.schemas import ChatRequest
 
@@ -38,8 +47,33 @@ def _bad(message: str, param: str, code: str = "invalid_value") -> ApiError:
 class ToolSet:
     tools: list[dict]                 # as the chat template takes them ({"type": "function", "function": {...}})
     choice: str                       # "auto", "required", or a function's name
-    guided: GuidedSpec | None         # required / named: the one-call grammar
+    guided: GuidedSpec | None         # required / named: the grammar of the calls
     parallel: bool = True             # `parallel_tool_calls`: false keeps the first call of a choice only
+    json_calls: bool = False          # no template tool format: calls are plain JSON, tools go in `preamble()`
+
+    def split(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, OpenAI `tool_calls`) of a finished choice's text."""
+        if self.json_calls:
+            return split_json_calls(text, self.choice, self.parallel)
+        return split_calls(text, self.parallel)
+
+    def stream(self) -> ToolStream:
+        """A streamed choice's splitter."""
+        return JsonToolStream(self) if self.json_calls else ToolStream(self.parallel)
+
+    def preamble(self) -> str:
+        """The default tool prompt for templates without a tool format: the functions' JSON schemas, one a line,
+        and the reply the grammar enforces."""
+        functions = [t["function"] for t in self.tools]
+        if self.choice != "required":
+            fn = next(f for f in functions if f["name"] == self.choice)
+            return (f"You can call this function:\n{json.dumps(fn, ensure_ascii=False)}\n"
+                    f"Call {fn['name']} now: reply with its arguments alone, as one JSON object that matches its "
+                    f"parameters.")
+        lines = "\n".join(json.dumps(f, ensure_ascii=False) for f in functions)
+        how = "one or more of them" if self.parallel else "exactly one of them"
+        return (f"You can call these functions:\n{lines}\nCall {how} now: reply with a JSON array of calls alone, "
+                f'each {{"name": <function name>, "parameters": <its arguments as a JSON object>}}.')
 
 
 def _function(tool: Any, i: int) -> dict:
@@ -63,12 +97,60 @@ def _call_schema(fn: dict) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
+_DEFS = ("$defs", "definitions")
+
+
+def _lift_defs(functions: list[dict]) -> tuple[list[dict], dict]:
+    """The functions with their parameters' `$defs` / `definitions` (which `#/$defs/...` references name from the
+    schema's root) moved out, and those definitions merged, for a schema that nests the parameters: as vLLM does,
+    two functions may not define one name differently."""
+    lifted: list[dict] = []
+    defs: dict[str, dict] = {}
+    for f in functions:
+        params = dict(f["parameters"])
+        for key in _DEFS:
+            found = params.pop(key, None)
+            if not isinstance(found, dict):
+                continue
+            for name, schema in found.items():
+                if defs.setdefault(key, {}).setdefault(name, schema) != schema:
+                    raise _bad(f"the tools define {key} {name!r} differently; give each definition its own name",
+                               "tools")
+        lifted.append({**f, "parameters": params})
+    return lifted, defs
+
+
 def _grammar(functions: list[dict]) -> GuidedSpec:
+    functions, defs = _lift_defs(functions)
     schema: dict = {"anyOf": [_call_schema(f) for f in functions]} if len(functions) > 1 \
         else _call_schema(functions[0])
+    schema.update(defs)
     schema["x-guidance"] = {"whitespace_flexible": False}
     lark = f'start: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}\ncall: %json {json.dumps(schema)}'
     return GuidedSpec("lark", lark, "tool_choice")
+
+
+def _json_grammar(functions: list[dict], named: bool, parallel: bool) -> GuidedSpec:
+    """The plain-JSON calls (vLLM's forms): a named function's arguments object; for "required" an array of
+    {"name", "parameters"} objects, at least one (exactly one unless `parallel`)."""
+    if named:
+        schema = dict(functions[0]["parameters"])
+        schema.setdefault("type", "object")
+        return GuidedSpec("json_schema", json.dumps(schema), "tool_choice")
+    functions, defs = _lift_defs(functions)
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": f["parameters"]},
+              "required": ["name", "parameters"], "additionalProperties": False} for f in functions]
+    schema = {"type": "array", "items": {"anyOf": calls} if len(calls) > 1 else calls[0], "minItems": 1,
+              **({} if parallel else {"maxItems": 1}), **defs}
+    return GuidedSpec("json_schema", json.dumps(schema), "tool_choice")
+
+
+def _checked(spec: GuidedSpec) -> GuidedSpec:
+    try:
+        grammar.check(spec)
+    except RequestError as exc:
+        raise _bad(f"the tools' parameters cannot be used as a grammar: {exc}", "tools") from None
+    return spec
 
 
 def _choice(value: Any, names: list[str]) -> str:
@@ -96,15 +178,18 @@ def tool_set(req: ChatRequest, chat_template: str | None) -> ToolSet | None:
         return None
     if choice == "none":
         return None
-    if not chat_template or OPEN not in chat_template:
+    parallel = getattr(req, "parallel_tool_calls", None) is not False
+    hermes = chat_template is not None and OPEN in chat_template
+    if choice == "auto" and not hermes:
         raise _bad("this model's chat template has no tool-call format this server can parse "
-                   f"(the Hermes '{OPEN}' form)", "tools", "unsupported_parameter")
+                   f"(the Hermes '{OPEN}' form); 'tool_choice' 'required' or a named function works with any model",
+                   "tools", "unsupported_parameter")
     guided = None
     if choice != "auto":
         chosen = functions if choice == "required" else [f for f in functions if f["name"] == choice]
-        guided = _grammar(chosen)
-    parallel = getattr(req, "parallel_tool_calls", None)
-    return ToolSet([{"type": "function", "function": f} for f in functions], choice, guided, parallel is not False)
+        guided = _checked(_grammar(chosen) if hermes else _json_grammar(chosen, choice != "required", parallel))
+    return ToolSet([{"type": "function", "function": f} for f in functions], choice, guided, parallel,
+                   json_calls=not hermes)
 
 
 def _arguments(text: Any, param: str) -> Any:
@@ -154,6 +239,43 @@ def split_calls(text: str, parallel: bool = True) -> tuple[str | None, list[dict
     return (content if content.strip() else None), (calls if parallel else calls[:1])
 
 
+def _call(name: str, args: Any) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def split_json_calls(text: str, choice: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
+    """The plain-JSON form (`_json_grammar`): (None, the calls) of a named function's arguments object or of a
+    "required" array of {"name", "parameters"}; a text that is not such JSON (cut short by `max_tokens`) stays
+    content. In a cut array the calls complete before the cut are kept."""
+    text_ = text.strip()
+    if choice != "required":
+        try:
+            args = json.loads(text_)
+        except json.JSONDecodeError:
+            return text, []
+        return (None, [_call(choice, args)]) if isinstance(args, dict) else (text, [])
+    items: list = []
+    try:
+        items = json.loads(text_)
+    except json.JSONDecodeError:           # cut short: the complete items before the cut
+        decoder, at = json.JSONDecoder(), 1
+        while text_.startswith("[") and at < len(text_):
+            try:
+                item, at = decoder.raw_decode(text_, at)
+            except json.JSONDecodeError:
+                break
+            items.append(item)
+            at += len(text_[at:]) - len(text_[at:].lstrip(", \n\t"))
+    if not isinstance(items, list):
+        return text, []
+    calls = [_call(item["name"], item.get("parameters", item.get("arguments", {}))) for item in items
+             if isinstance(item, dict) and isinstance(item.get("name"), str)]
+    if not calls:
+        return text, []
+    return None, calls if parallel else calls[:1]
+
+
 class ToolStream:
     """One streamed choice: content deltas pass through until text that may open a call; the rest is held
     and split into calls when the choice finishes."""
@@ -184,3 +306,21 @@ class ToolStream:
         if not calls:
             return held, []
         return content or "", calls
+
+
+class JsonToolStream(ToolStream):
+    """A streamed choice in the plain-JSON form: the whole text is the call(s), so all of it is held and split
+    at the end (content only if it is not such JSON)."""
+
+    def __init__(self, tools: ToolSet):
+        super().__init__(tools.parallel)
+        self.tools = tools
+
+    def push(self, delta: str) -> str:
+        self.held += delta
+        return ""
+
+    def finish(self) -> tuple[str, list[dict]]:
+        held, self.held = self.held, ""
+        content, calls = self.tools.split(held)
+        return ("", calls) if calls else (held, [])

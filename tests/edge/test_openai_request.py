@@ -51,8 +51,6 @@ def rejected(fn, tokenizer, **kw) -> ApiError:
      "unsupported_parameter"),
     ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),   # without stream
-    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats",
-     "unsupported_parameter"),
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "unsupported_parameter"),
     ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "unsupported_parameter"),
     ({"reasoning_effort": "extreme"}, "reasoning_effort", "invalid_value"),
