@@ -37,6 +37,7 @@ def run_edge(args: argparse.Namespace) -> int:
     from edgecore.shared.env import default_model
     from edgecore.shared.secrets import parse_hostport, read_api_keys
     from edgecore.shared.service import run_service, setup_logging
+    from edgecore.shared.tenants import TenantRegistry
     from edgecore.shared.tls import server_tls
 
     settings, engine_fd = from_args(EdgeSettings, args), args.engine_fd
@@ -51,17 +52,18 @@ def run_edge(args: argparse.Namespace) -> int:
     if settings.model_from:
         model_dir = _fetch_model(settings, settings.model_from)
     (host, port), tls = parse_hostport(settings.listen), server_tls(settings.tls_cert, settings.tls_key)
+    served = _served_name(settings, model_dir)
+    tenants = TenantRegistry.load(settings.tenants, [served]) if settings.tenants else None   # a bad file: no start
     edge: EdgeEngine | EngineClient
     if settings.engine_in_process:
         edge = _edge_engine(settings, model_dir, codecs, local_below)
     else:
         edge = _engine_client(settings, model_dir)
-    served = _served_name(settings, model_dir)
     # An in-process EdgeEngine's tokenizer is None for a model without tokenizer files (EdgeService says
     # Tokenizer): such a model serves token-id prompts only, as it did before.
     http = EdgeHTTP(cast("EdgeService", edge), served, read_api_keys(settings.api_key_file),
                     int(settings.max_body_mb * 1024 * 1024), settings.max_concurrent,
-                    settings.max_seqs_per_request, limits)
+                    settings.max_seqs_per_request, limits, tenants)
     state: dict[str, web.AppRunner] = {}
 
     async def start() -> asyncio.Future[int]:
@@ -78,7 +80,8 @@ def run_edge(args: argparse.Namespace) -> int:
         print(f"edgecore edge '{settings.name}' ready: {'https' if tls else 'http'}://{host}:{bound}/v1 (model "
               f"{http.served_model}, "
               f"cores: {', '.join(settings.core) or 'none, local prefill'}; "
-              f"{'/v1/, /stats, /tokenize and /detokenize need an API key' if http.api_keys else 'no API key'})",
+              f"{'/v1/, /stats, /tokenize and /detokenize need an API key' if http.api_keys or tenants else 'no API key'}"
+              f"{f'; {len(tenants.states)} tenant(s) from {settings.tenants}' if tenants else ''})",
               flush=True)
         return finished
 

@@ -189,8 +189,10 @@ class EdgeEngine:
 
     # ---- the request -------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        request = EngineRequest(request_id, prompt_ids, params, group=group, cache_salt=cache_salt)
+                       cache_salt: str | None = None, *, tenant: str | None = None, weight: float = 1.0,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        request = EngineRequest(request_id, prompt_ids, params, group=group, priority=priority, cache_salt=cache_salt,
+                                tenant=tenant, weight=weight)
         progress = Progress(self, len(prompt_ids))
         queue: OutputQueue = asyncio.Queue()
         try:

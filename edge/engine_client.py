@@ -120,7 +120,8 @@ class EngineClient:
         return self.hello.fingerprint
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, *, tenant: str | None = None, weight: float = 1.0,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         if self.dead is not None:
             raise EngineDead(self.dead)
         queue: asyncio.Queue = asyncio.Queue()
@@ -128,7 +129,7 @@ class EngineClient:
         self.active += 1
         finished = False
         try:
-            self._send(Generate(request_id, prompt_ids, params, group, cache_salt))
+            self._send(Generate(request_id, prompt_ids, params, group, cache_salt, tenant, weight, priority))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):

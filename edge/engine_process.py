@@ -111,7 +111,8 @@ class EngineServer:
         rid = msg.request_id
         try:
             await self.edge.submit(EngineRequest(rid, msg.prompt_ids, msg.params, group=msg.group,
-                                                 cache_salt=msg.cache_salt), partial(self._emit, rid))
+                                                 priority=msg.priority, cache_salt=msg.cache_salt,
+                                                 tenant=msg.tenant, weight=msg.weight), partial(self._emit, rid))
         except asyncio.CancelledError:
             pass                                     # aborted by the frontend (client went away)
         except RequestError as exc:

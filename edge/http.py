@@ -6,12 +6,15 @@ middleware checks the API key (constant-time) on /v1/ and /stats and turns
 every failure, our own bugs included, into a counted OpenAI error object → the
 handler reads the body (size-limited: 413), decodes JSON (400), validates
 fields (400/404), checks the request's sequences (prompts × n ≤
-`max_seqs_per_request`: 400) and capacity (sequences in flight ≤
-`max_concurrent`: 503) → its prefix-cache scope (the API key's salt combined with
+`max_seqs_per_request`: 400), its tenant's terms (with a tenants file: the key's tenant,
+its models — 404 — and limits: requests and tokens per minute, sequences in flight — 429 with
+Retry-After, nothing charged —; shared/tenants.py) and capacity (sequences in flight ≤
+`max_concurrent`: 503), then charges the tenant → its prefix-cache scope (the API key's salt combined with
 the body's `cache_salt`: `effective_cache_salt`) → one engine stream per choice (prompts × n), merged → either
 one JSON response, or SSE chunks as tokens decode (role first, deltas — with
 tools, text that may open a tool call is held and the calls sent as
-`tool_calls` deltas at the end — finish_reason, optional usage chunk,
+`tool_calls` deltas at the end — finish_reason, optional usage chunk (with vLLM's
+`continuous_usage_stats` every chunk also carries its choice's usage so far),
 `data: [DONE]`). A client that
 disconnects cancels the handler, which aborts every choice and frees its KV
 at the edge and the core.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -31,28 +35,36 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from edgecore.edge.metrics import TenantMetrics
 from edgecore.edge.service import EdgeService
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.errors import EngineDead, RequestError
 from edgecore.shared.http_server import ServerLimits, start_site
 from edgecore.shared.openai.extra_routes import add_edge_routes, model_card
-from edgecore.shared.openai.http import effective_cache_salt, error_middleware, json_body, off_loop
+from edgecore.shared.openai.http import TENANT, effective_cache_salt, error_middleware, json_body, off_loop
 from edgecore.shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
-from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body, usage
+from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body, usage, usage_so_far
 from edgecore.shared.openai.tools import ToolStream
+from edgecore.shared.tenants import BAND_SPAN, Grant, RateLimited, TenantRegistry
 from edgecore.shared.tls import ServerTLS
 from edgecore.shared.tokenizer import TextTooLong
 
 log = logging.getLogger("edgecore.http")
 json_encode = msgspec.json.Encoder().encode
 T = TypeVar("T")
+GRANT = web.RequestKey("edgecore_grant", Grant)              # the tenant's charge for the request being served
+ENGINE_TERMS = web.RequestKey("edgecore_engine_terms", dict)  # tenant, weight, priority for EdgeService.generate
 
 
 class EdgeHTTP:
     def __init__(self, edge: EdgeService, served_model: str, api_keys: Sequence[bytes] | None = None,
                  max_body: int = 8 * 1024 * 1024, max_concurrent: int = 256, max_seqs_per_request: int = 64,
-                 limits: ServerLimits | None = None):
+                 limits: ServerLimits | None = None, tenants: TenantRegistry | None = None):
         self.edge = edge
+        self.tenants = tenants                          # shared/tenants.py; None: the API keys alone, no limits
+        self.tenant_metrics = TenantMetrics(served_model)
+        if tenants is not None:
+            tenants.on_change = lambda: self.tenant_metrics.keep(tenants.names)
         self.served_model = served_model
         self.api_keys = list(api_keys or [])          # `ApiKey`s carry their tenant's cache salt
         self.max_body = max_body
@@ -66,7 +78,7 @@ class EdgeHTTP:
     # ---- app ----------------------------------------------------------------
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body, middlewares=[error_middleware(
-            self.api_keys, self.max_body, lambda status: self.edge.count_error(str(status)))])
+            self.api_keys, self.max_body, lambda status: self.edge.count_error(str(status)), self.tenants)])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -79,7 +91,9 @@ class EdgeHTTP:
             self.served_model, self.edge.max_model_len, self.created))   # /tokenize, /detokenize, /version, ...
         return app
 
-    def _capacity(self, parsed: ParsedRequest) -> None:
+    def _capacity(self, parsed: ParsedRequest, request: web.Request) -> None:
+        """400 for too many sequences, 429 for a tenant's limit, 503 for the node's capacity; then the tenant is
+        charged (`GRANT`, finished in `_serve`)."""
         count = len(parsed.params)
         if count > self.max_seqs_per_request:
             prompts = count // parsed.n
@@ -92,22 +106,61 @@ class EdgeHTTP:
         if self.sequences + count > self.max_concurrent:
             raise ApiError(503, f"The server is at capacity ({self.max_concurrent} sequences in flight); retry "
                                 f"shortly", None, "server_overloaded", headers={"retry-after": "1"})
+        state = request.get(TENANT)
+        if state is None:
+            return
+        try:
+            grant = state.admit(count, sum(map(len, parsed.prompts)), sum(p.max_tokens for p in parsed.params))
+        except RateLimited as exc:
+            self.tenant_metrics.rate_limited.labels(exc.tenant, exc.limit).inc()
+            kind = "tokens" if exc.limit == "tokens_per_minute" else "requests"
+            headers = {f"x-ratelimit-limit-{kind}": str(exc.value)}
+            headers.update({"retry-after": str(max(1, math.ceil(exc.retry_after)))} if exc.retry_after is not None
+                           else {"x-should-retry": "false"})
+            raise ApiError(429, str(exc), None, "rate_limit_exceeded", kind, headers) from None
+        request[GRANT] = grant
+        self.tenant_metrics.requests.labels(state.name).inc()
+        self.tenant_metrics.prompt_tokens.labels(state.name).inc(sum(map(len, parsed.prompts)))
+
+    def _tenant_terms(self, request: web.Request, body: dict) -> None:
+        """The key's tenant may use the model asked for (404 otherwise, as for a model that does not exist), and
+        the request's engine terms: its tenant, weight and priority (the tenant's band, then vLLM's `priority`
+        field, 0 to BAND_SPAN-1, lower first, ordering the request among its band's)."""
+        priority = body.pop("priority", None)
+        if priority is None:
+            priority = 0
+        if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority < BAND_SPAN:
+            raise ApiError(400, f"'priority' must be an integer from 0 (the default, most urgent) to {BAND_SPAN - 1}",
+                           "priority", "invalid_value")
+        state = request.get(TENANT)
+        if state is None:
+            if priority:
+                request[ENGINE_TERMS] = {"priority": priority}
+            return
+        model = body.get("model") or self.served_model
+        if not state.tenant.allows(model):
+            raise ApiError(404, f"The model '{model}' does not exist or you do not have access to it.", "model",
+                           "model_not_found")
+        request[ENGINE_TERMS] = {"tenant": state.name, "weight": state.tenant.weight,
+                                 "priority": state.tenant.engine_priority(priority)}
 
     # ---- endpoints ------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request)
         check_model(body, self.served_model)
+        self._tenant_terms(request, body)
         parsed = await off_loop(request, parse_completion, body, self.edge.tokenizer, self.edge.vocab_size,
                                 self.edge.max_model_len)
-        self._capacity(parsed)
+        self._capacity(parsed, request)
         return await self._serve(request, parsed, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request)
         check_model(body, self.served_model)
+        self._tenant_terms(request, body)
         parsed = await off_loop(request, parse_chat, body, self.edge.tokenizer, self.edge.vocab_size,
                                 self.edge.max_model_len)
-        self._capacity(parsed)
+        self._capacity(parsed, request)
         return await self._serve(request, parsed, chat=True)
 
     async def prefetch(self, request: web.Request) -> web.Response:
@@ -152,7 +205,7 @@ class EdgeHTTP:
         return web.json_response(readiness, status=200 if readiness["ready"] else 503)
 
     async def metrics(self, _: web.Request) -> web.Response:
-        return web.Response(body=(await self.edge.get_metrics()).encode(),
+        return web.Response(body=(await self.edge.get_metrics() + self.tenant_metrics.text()).encode(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def stats(self, _: web.Request) -> web.Response:
@@ -164,25 +217,44 @@ class EdgeHTTP:
         created = int(time.time())
         count = len(parsed.params)
         salt = effective_cache_salt(request, parsed.cache_salt)
+        grant = request.get(GRANT)       # the tenant's charge, taken in _capacity
         self.sequences += count          # checked in _capacity with no await since: no other request raced in
         try:
-            async with contextlib.aclosing(self._choices(parsed, rid, salt)) as outputs:
+            choices = self._choices(parsed, rid, salt, request.get(ENGINE_TERMS))
+            async with contextlib.aclosing(choices if grant is None else self._metered(choices, grant)) as outputs:
                 if parsed.stream:     # the first output before the 200: an engine's refusal is still a 4xx
                     first = await anext(outputs, None)
                     return await self._stream(request, parsed, chat, rid, created, _prepend(first, outputs))
                 return await self._collect(parsed, chat, rid, created, outputs)
         finally:
             self.sequences -= count
+            if grant is not None:
+                grant.finish()
+                self.tenant_metrics.in_flight.labels(grant.state.name).set(grant.state.in_flight)
 
-    async def _choices(self, parsed: ParsedRequest, rid: str, salt: str | None
+    async def _metered(self, outputs: AsyncGenerator[tuple[int, RequestOutput], None], grant: Grant
                        ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """(choice index, RequestOutput) as they come, every choice under the request's cache `salt`. One choice
-        streams straight from the engine; several are merged through a queue. An engine failure becomes an
-        ApiError."""
+        """`outputs`, the tokens generated counted for the tenant (metrics; `grant` returns what was unused)."""
+        counter = self.tenant_metrics.generation_tokens.labels(grant.state.name)
+        self.tenant_metrics.in_flight.labels(grant.state.name).set(grant.state.in_flight)
+        async with contextlib.aclosing(outputs):
+            async for i, out in outputs:
+                if out.new_token_ids:
+                    grant.generated += len(out.new_token_ids)
+                    counter.inc(len(out.new_token_ids))
+                yield i, out
+
+    async def _choices(self, parsed: ParsedRequest, rid: str, salt: str | None, terms: dict[str, Any] | None = None
+                       ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """(choice index, RequestOutput) as they come, every choice under the request's cache `salt` (and its
+        tenant's engine `terms`, `_tenant_terms`). One choice streams straight from the engine; several are
+        merged through a queue. An engine failure becomes an ApiError."""
         count = len(parsed.params)
+        terms = terms or {}
         if count == 1:
             try:
-                async for out in self.edge.generate(f"{rid}-0", parsed.prompts[0], parsed.params[0], rid, salt):
+                async for out in self.edge.generate(f"{rid}-0", parsed.prompts[0], parsed.params[0], rid, salt,
+                                                    **terms):
                     yield 0, out
             except RequestError as exc:    # what only the engine can check (a grammar's language, ...)
                 raise ApiError(400, str(exc), exc.param, exc.code) from None
@@ -194,7 +266,7 @@ class EdgeHTTP:
         async def pump(i: int) -> None:
             try:
                 async for out in self.edge.generate(f"{rid}-{i}", parsed.prompts[i // parsed.n], parsed.params[i],
-                                                    rid, salt):
+                                                    rid, salt, **terms):
                     queue.put_nowait((i, out))
                 queue.put_nowait((i, None))
             except RequestError as exc:
@@ -243,29 +315,30 @@ class EdgeHTTP:
 
         # Token chunks differ only in their choice: the rest of the event is encoded once.
         head = b"data: " + json_encode({**base, "choices": []})[:-2]      # ends with "choices":[
+        toks = [0] * count          # tokens generated so far, per choice
 
-        if chat:
-            for i in range(count):
-                await send({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
-        elif parsed.echo:
-            for i in range(count):
-                await send({**base, "choices": [{"index": i, "text": parsed.prompt_texts[i // parsed.n],
-                                                 "logprobs": None, "finish_reason": None}]})
-        ntoks = 0
+        def tail(i: int) -> bytes:  # a chunk's end: with vLLM's continuous usage, its choice's usage so far
+            return b'],"usage":' + json_encode(usage_so_far(parsed, i, toks[i])) + b"}\n\n" \
+                if parsed.continuous_usage else b"]}\n\n"
+
+        for i in range(count) if chat or parsed.echo else ():     # chat: the role; completions: the echo
+            opening = {"delta": {"role": "assistant", "content": ""}} if chat \
+                else {"text": parsed.prompt_texts[i // parsed.n]}
+            await resp.write(head + json_encode({"index": i, **opening, "logprobs": None, "finish_reason": None})
+                             + tail(i))
         cached: dict[int, int] = {}
         offsets = [0] * count
-        tool_streams = [ToolStream(parsed.tools.parallel) for _ in range(count)] if parsed.tools is not None else []
+        tool_streams = [parsed.tools.stream() for _ in range(count)] if parsed.tools is not None else []
         try:
             async for i, out in outputs:
                 cached.setdefault(i // parsed.n, out.num_cached_tokens)
-                ntoks += len(out.new_token_ids)
+                toks[i] += len(out.new_token_ids)
                 if not out.new_text and not out.finished and not out.logprobs:
                     continue
                 reason = out.finish_reason if out.finished else None
                 if chat and tool_streams:
                     for choice in self._tool_chunks(tool_streams[i], i, out, parsed):
-                        await resp.write(head + json_encode(choice) + b"]}\n\n")
+                        await resp.write(head + json_encode(choice) + tail(i))
                     continue
                 if chat:
                     lp = self.texts.chat_logprobs(out.logprobs or []) if parsed.logprobs is not None else None
@@ -276,9 +349,9 @@ class EdgeHTTP:
                         if parsed.logprobs is not None else None
                     choice = {"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": reason}
                 offsets[i] += len(out.new_text)
-                await resp.write(head + json_encode(choice) + b"]}\n\n")
+                await resp.write(head + json_encode(choice) + tail(i))
             if parsed.include_usage:
-                await send({**base, "choices": [], "usage": usage(parsed, ntoks, sum(cached.values()))})
+                await send({**base, "choices": [], "usage": usage(parsed, sum(toks), sum(cached.values()))})
         except ApiError as exc:       # the 200 is sent: the error goes in the stream, and is counted
             self.edge.count_error(str(exc.status))
             await send(exc.body())

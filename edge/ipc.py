@@ -36,6 +36,9 @@ class Generate(msgspec.Struct, tag="generate"):
     params: SamplingParams
     group: str | None = None        # the request's fairness group (EdgeService.generate)
     cache_salt: str | None = None   # the request's prefix-cache scope (EdgeService.generate)
+    tenant: str | None = None       # the request's tenant, its weight and its engine priority (band and own)
+    weight: float = 1.0
+    priority: int = 0
 
 
 class Abort(msgspec.Struct, tag="abort"):

@@ -6,7 +6,9 @@ per-request histograms as outputs arrive, placement and transfers count themselv
 handover its outcome, `HANDOVER_OUTCOMES`, and the core's tokens), and a scrape refreshes the
 gauges from the engine's stats snapshot (`EdgeEngine.get_metrics`); the engine's own cumulative counts
 (preemptions, prefix cache, tokens per step, cache configuration) are read from that snapshot by
-`EngineCollector` during the scrape.
+`EngineCollector` during the scrape. `TenantMetrics` is the HTTP frontend's own (requests, tokens and 429s per
+tenant, counted where requests are admitted; a `tenant` label whose values are the tenants file's names only),
+appended to the engine's exposition on each scrape.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from edgecore.shared.metrics import EngineCollector, ModelMetrics
 
@@ -77,3 +79,31 @@ class EdgeMetrics:
         self.handover_tokens = m.counter("edgecore:handover_tokens_received", "Tokens after the first received "
                                          "from cores decoding for this edge and sent to clients")
         r.register(EngineCollector(model_name, stats, block_size))
+
+
+class TenantMetrics:
+    """Per-tenant counts of the HTTP frontend (edge/http.py); exposed even without tenants (no samples then)."""
+
+    def __init__(self, model_name: str = "model"):
+        r = self.registry = CollectorRegistry()
+        m = ModelMetrics(r, model_name)
+        self.requests = m.counter("edgecore:tenant_requests", "Requests admitted, by tenant", "tenant")
+        self.prompt_tokens = m.counter("edgecore:tenant_prompt_tokens", "Prompt tokens of admitted requests, by "
+                                       "tenant", "tenant")
+        self.generation_tokens = m.counter("edgecore:tenant_generation_tokens", "Tokens generated, by tenant",
+                                           "tenant")
+        self.rate_limited = m.counter("edgecore:tenant_rate_limited", "Requests refused with a 429 by a tenant's "
+                                      "limit, by tenant and limit", "tenant", "limit")
+        self.in_flight = m.gauge("edgecore:tenant_sequences_in_flight", "Sequences (prompts × n) of a tenant's "
+                                 "requests being served", "tenant")
+
+    def keep(self, names: list[str]) -> None:
+        """Drop the series of tenants no longer in the tenants file (the label stays bounded by it)."""
+        wanted = set(names)
+        for bound in (self.requests, self.prompt_tokens, self.generation_tokens, self.in_flight, self.rate_limited):
+            for labels in list(bound.metric._metrics):       # (tenant[, limit], model_name)
+                if labels[0] not in wanted:
+                    bound.metric.remove(*labels)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()

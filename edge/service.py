@@ -6,8 +6,8 @@ and uses nothing else of it. Two classes implement it: `EdgeEngine`
 `EngineClient` (edge/engine_client.py: the same calls as typed messages to the
 edge's engine process, edge/ipc.py). The service is ready once its engine
 runs; `generate` streams one request's outputs (a consumer that leaves aborts
-the request; `cache_salt` scopes its prefix cache: shared/engine/handle.py
-`EngineRequest`); the rest are reads of published state and small commands.
+the request; `cache_salt` scopes its prefix cache, `tenant`, `weight` and
+`priority` place it among the tenants: shared/engine/handle.py `EngineRequest`); the rest are reads of published state and small commands.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class EdgeService(Protocol):
     def fingerprint(self) -> str: ...
 
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None,
-                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]: ...
+                 cache_salt: str | None = None, *, tenant: str | None = None, weight: float = 1.0,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]: ...
 
     async def prefetch(self, prompt_ids: list[int]) -> dict: ...
 

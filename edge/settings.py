@@ -28,6 +28,10 @@ class EdgeSettings:
                                         "a headless Service), re-resolved periodically")
     listen: str = setting("127.0.0.1:8000", metavar="HOST:PORT", help="HTTP address")
     api_key_file: str | None = setting(None, help="API keys, one per line (or EDGECORE_API_KEYS)")
+    tenants: str | None = setting(None, metavar="FILE", help="tenants (TOML, shared/tenants.py): each tenant's API "
+                                  "key digests, rate and concurrency limits, engine weight, priority band and "
+                                  "models; other keys get a 401 (those of --api-key-file stay valid, unlimited); "
+                                  "re-read when it changes")
     secret_file: str | None = setting(None, help="cluster secret file (or EDGECORE_SECRET)")
     credential: str | None = common.credential()
     authority: str | None = common.authority()

@@ -96,6 +96,8 @@ class PrefillRequest(_Msg, tag=5, frozen=True):
                                        # request); "" = the request alone. The core shares its steps by it
     cache_salt: str = ""               # the request's prefix-cache scope: the core reuses cached KV only between
                                        # requests with the same salt; "" = unsalted (an older edge sends none)
+    tenant: str = ""                   # the edge's tenant of the request (shared/tenants.py): the core shares its
+                                       # steps between tenants, then groups; "" = none (older peers ignore it)
 
 
 class KVChunk(_Msg, tag=6, frozen=True):

@@ -129,7 +129,8 @@ class AsyncEngine:
         """Admit `request`, its outputs going to `sink` (see EngineHandle.submit)."""
         def add(e: LLMEngine) -> None:
             r = request
-            e.add_request(r.request_id, r.prompt, r.params, r.prefill_only, r.priority, r.group, r.cache_salt)
+            e.add_request(r.request_id, r.prompt, r.params, r.prefill_only, r.priority, r.group, r.cache_salt,
+                          r.tenant, r.weight)
             self._hold_for(r.request_id, sink)
         await self._admit(request.request_id, sink, add)
 
@@ -145,7 +146,7 @@ class AsyncEngine:
             if len(prompt_ids) - cached >= limit:
                 return cached, False
             e.add_request(request.request_id, prompt_ids, request.params, request.prefill_only, request.priority,
-                          request.group, request.cache_salt)
+                          request.group, request.cache_salt, request.tenant, request.weight)
             self._hold_for(request.request_id, sink)
             return cached, True
 
@@ -179,7 +180,7 @@ class AsyncEngine:
         leading tokens. Raises NoFreeBlocks when the cache is full."""
         def reserve(e: LLMEngine) -> int:
             cached = e.reserve(request.request_id, request.prompt, request.params, request.group,
-                               request.cache_salt)[1]
+                               request.cache_salt, request.tenant, request.weight, request.priority)[1]
             if sink is not None:
                 self._hold_for(request.request_id, sink)
             return cached

@@ -96,7 +96,8 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------
     def _new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams, prefill_only: bool,
-                      priority: int = 0, group: str | None = None, cache_salt: str | None = None) -> Sequence:
+                      priority: int = 0, group: str | None = None, cache_salt: str | None = None,
+                      tenant: str | None = None, weight: float = 1.0) -> Sequence:
         if request_id in self.requests:
             raise RequestError(f"request id '{request_id}' is already in use", param="request_id")
         if isinstance(prompt, str):
@@ -120,7 +121,7 @@ class LLMEngine:
         if need > capacity:
             raise RequestError(f"the request needs {need} tokens of KV cache but the cache holds {capacity}",
                                param="prompt", code="context_length_exceeded")
-        seq = Sequence(request_id, ids, params, prefill_only, priority, group, cache_salt)
+        seq = Sequence(request_id, ids, params, prefill_only, priority, group, cache_salt, tenant, weight)
         if params.guided is not None:
             seq.grammar = self._grammars().matcher(params.guided)
         self.requests[request_id] = OutputState(seq, self.tokenizer, self.eos_ids, self.max_model_len)
@@ -135,12 +136,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     prefill_only: bool = False, priority: int = 0, group: str | None = None,
-                    cache_salt: str | None = None) -> Sequence:
+                    cache_salt: str | None = None, tenant: str | None = None, weight: float = 1.0) -> Sequence:
         """Queue a request; `group`: its fairness group (the scheduler shares each step between groups), by
         default the request alone; `cache_salt`: its prefix cache's scope (blocks are reused only between
-        requests with the same salt; None: unsalted)."""
+        requests with the same salt; None: unsalted); `tenant` and `weight`: its tenant and the tenant's share
+        of the engine (the scheduler shares each step between tenants by weight, then between their groups)."""
         seq = self._new_sequence(request_id, prompt, params or SamplingParams(), prefill_only, priority, group,
-                                 cache_salt)
+                                 cache_salt, tenant, weight)
         self.scheduler.add(seq)
         return seq
 
@@ -275,14 +277,15 @@ class LLMEngine:
 
     # ---- (b) KV from outside: decode it -----------------------------------
     def reserve(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                group: str | None = None, cache_salt: str | None = None) -> tuple[Sequence, int]:
+                group: str | None = None, cache_salt: str | None = None, tenant: str | None = None,
+                weight: float = 1.0, priority: int = 0) -> tuple[Sequence, int]:
         """Allocate blocks for a prompt whose KV will be written from outside.
 
         Returns the sequence and how many leading tokens are already in the local
         prefix cache under `cache_salt` (their KV need not be sent). Raises NoFreeBlocks when full.
         """
-        seq = self._new_sequence(request_id, prompt, params or SamplingParams(), False, group=group,
-                                 cache_salt=cache_salt)
+        seq = self._new_sequence(request_id, prompt, params or SamplingParams(), False, priority, group,
+                                 cache_salt, tenant, weight)
         try:
             cached = self.block_manager.allocate_prompt(seq.table, seq.token_ids, seq.num_tokens)
         except NoFreeBlocks:

@@ -99,9 +99,11 @@ class EngineRequest:
     # Prefix-cache scope: cached blocks are reused only between requests with the same salt (mixed into the
     # first block's hash, shared/kv/block_manager.py); None: unsalted, shared by every request without one.
     cache_salt: str | None = None
-    # Declared for later work; not used yet (the engine ignores them):
+    # The tenant the request belongs to (shared/tenants.py; None: none) and its weight: the scheduler shares each
+    # step between tenants by weight, then between their groups (`Sequence.tenant`, `Sequence.weight`).
     tenant: str | None = None
-    adapter: str | None = None
+    adapter: str | None = None              # declared for later work; not used yet (the engine ignores it)
+    weight: float = 1.0
 
 
 Output = RequestOutput | EngineDead     # what a sink receives: an output, or the engine's failure (the last item)

@@ -1,24 +1,34 @@
 """Continuous-batching scheduler: decides, each step, which sequences compute how many tokens.
 
-Bookkeeping only (no tensors). Sequences belong to request groups (`Sequence.group`,
-declared at admission: the choices of one HTTP request are one group), and a step's token budget is
-shared fairly between groups so one big request cannot starve small ones.
+Bookkeeping only (no tensors). Sequences belong to tenants (`Sequence.tenant`, with a `weight`; "" for a
+node without tenants) and, inside a tenant, to request groups (`Sequence.group`, declared at admission: the
+choices of one HTTP request are one group). A step's token budget and the sequence slots are shared in two
+levels, so one tenant cannot starve another and one big request cannot starve small ones:
+tenants by weight (weighted fair shares), then the groups of each tenant equally.
 Life cycle of a step:
-1. `schedule()` computes each group's share of the per-step token budget
-   (the budget divided among the groups of the most urgent priority present).
-   Running sequences come first (oldest first): a decoding one gets its 1
-   token, a prefilling one its next chunk within its group's share, and the
-   blocks to hold them. When the pool is exhausted a sequence of the group
-   holding the most running sequences (its newest) is preempted: its blocks
+1. `schedule()` computes the shares of the per-step token budget among the
+   sequences of the most urgent priority present (priority: lower first; a
+   tenant's band and its request's own priority, shared/tenants.py): each
+   tenant's share is budget × weight / the weights of the tenants present,
+   split equally between that tenant's groups. Running sequences come first,
+   most urgent priority first, then oldest first: a decoding one gets its 1
+   token, a prefilling one of the urgent priority its next chunk within its
+   group's share (a less urgent prefill waits for what is left, step 3), and
+   the blocks to hold them. When the pool is exhausted a sequence is preempted:
+   the least urgent, then of the tenant holding the most running sequences for
+   its weight, then of the group holding the most (its newest): its blocks
    are freed and it goes back to the front of the queue to be recomputed
    later (its full blocks usually survive in the prefix cache).
 2. Then, if nothing was preempted, waiting sequences are admitted with their
-   cached prefix and a first chunk: by priority, then round-robin over groups
-   (the group with the fewest running sequences first, ties in queue order),
-   each within its group's share, while budget, sequence slots and blocks
-   allow. A group whose share is spent waits for the next step.
-3. Budget left over (shares unused by small groups) goes to the prefills that
-   still have tokens, oldest first, so the step is never emptier than needed.
+   cached prefix and a first chunk: by priority, then the tenant with the
+   fewest running sequences for its weight (slots are shared by weight), then
+   the group with the fewest running sequences, ties in queue order, each
+   within its group's share, while budget, sequence slots and blocks allow.
+   A group whose share is spent waits for the next step.
+3. Budget left over goes first to the prefills of tenants that have not used
+   their share (a tenant's unused group shares stay with the tenant), then to
+   any prefill that still has tokens, oldest first, so the step is never
+   emptier than needed.
 4. After the model ran, `complete(scheduled)` advances each sequence's
    computed count and registers newly filled blocks in the prefix cache.
 Finishing and aborting free a sequence's blocks through `finish()`.
@@ -32,6 +42,26 @@ from dataclasses import dataclass, field
 from edgecore.shared.config import EngineConfig
 from edgecore.shared.engine.sequence import Sequence, Status
 from edgecore.shared.kv.block_manager import BlockManager, NoFreeBlocks
+
+
+Key = tuple[str, str]          # (tenant, group): where a sequence's tokens are counted
+
+
+def _key(seq: Sequence) -> Key:
+    return seq.tenant, seq.group
+
+
+@dataclass
+class Shares:
+    """One step's token shares: per (tenant, group) and per tenant among the most urgent priority's sequences;
+    `default` for a group of a less urgent priority (what it may be admitted with)."""
+    groups: dict[Key, int] = field(default_factory=dict)
+    tenants: dict[str, int] = field(default_factory=dict)
+    urgent: int = 0
+    default: int = 0
+
+    def of(self, seq: Sequence) -> int:
+        return self.groups.get(_key(seq), self.default)
 
 
 @dataclass
@@ -72,15 +102,19 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        share = self._share(budget)
-        used: Counter[str] = Counter()           # tokens each group got this step
-        waiting_for_share: list[Sequence] = []   # prefills whose group's share was spent
+        self.running.sort(key=lambda s: s.priority)      # stable: most urgent first, then in admission order
+        shares = self.shares(budget)
+        used: Counter[Key] = Counter()           # tokens each (tenant, group) got this step
+        waiting_for_share: list[Sequence] = []   # prefills whose group's share was spent (or less urgent ones)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            group = seq.group
             need = seq.num_tokens - seq.num_computed_tokens
-            n = min(need, budget) if need <= 1 else min(need, budget, share - used[group])
+            if need <= 1:
+                n = min(need, budget)
+            else:
+                share = shares.of(seq) if seq.priority == shares.urgent else 0
+                n = min(need, budget, share - used[_key(seq)])
             if n <= 0:
                 waiting_for_share.append(seq)
                 i += 1
@@ -89,48 +123,64 @@ class Scheduler:
                 continue         # `seq` itself was preempted: index i now holds the next one
             batch.items.append((seq, n))
             budget -= n
-            used[group] += n
+            used[_key(seq)] += n
             i += 1
         if batch.preempted:
             return batch
-        budget = self._admit(batch, budget, share, used)
-        self._fill(batch, budget, waiting_for_share)
+        budget = self._admit(batch, budget, shares, used)
+        self._fill(batch, budget, waiting_for_share, shares, used)
         return batch
 
-    def _share(self, budget: int) -> int:
-        """Tokens per request group this step: the budget over the groups of the most urgent priority."""
+    def shares(self, budget: int) -> Shares:
+        """This step's shares of `budget`: among the sequences of the most urgent priority, tenants by weight,
+        then each tenant's groups equally."""
         seqs = [*self.running, *self.waiting]
         if not seqs:
-            return budget
+            return Shares(default=budget)
         urgent = min(s.priority for s in seqs)
-        groups = {s.group for s in seqs if s.priority == urgent}
-        return max(1, budget // len(groups))
+        groups: dict[str, set[str]] = {}
+        weights: dict[str, float] = {}
+        for s in seqs:
+            if s.priority == urgent:
+                groups.setdefault(s.tenant, set()).add(s.group)
+                weights[s.tenant] = max(weights.get(s.tenant, 0.0), s.weight)
+        total = sum(weights.values())
+        out = Shares(urgent=urgent, default=max(1, budget // sum(len(g) for g in groups.values())))
+        for tenant, names in groups.items():
+            mine = budget * weights[tenant] / total
+            out.tenants[tenant] = max(1, int(mine))
+            for group in names:
+                out.groups[(tenant, group)] = max(1, int(mine / len(names)))
+        return out
 
-    def _admit(self, batch: ScheduledBatch, budget: int, share: int, used: Counter) -> int:
-        """Admit waiting sequences by priority, then the group with the fewest running ones. Returns the budget left."""
+    def _admit(self, batch: ScheduledBatch, budget: int, shares: Shares, used: Counter) -> int:
+        """Admit waiting sequences by priority, then the tenant with the fewest running ones for its weight, then
+        the group with the fewest. Returns the budget left."""
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
             return budget
-        running = Counter(s.group for s in self.running)
-        queues: dict[tuple[int, str], deque[tuple[int, Sequence]]] = {}
+        running = Counter(_key(s) for s in self.running)
+        tenants = Counter(s.tenant for s in self.running)
+        queues: dict[tuple[int, str, str], deque[tuple[int, Sequence]]] = {}
         for pos, seq in enumerate(self.waiting):
-            queues.setdefault((seq.priority, seq.group), deque()).append((pos, seq))
+            queues.setdefault((seq.priority, *_key(seq)), deque()).append((pos, seq))
         admitted: set[int] = set()
         while queues and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            key = min(queues, key=lambda k: (k[0], running[k[1]], queues[k][0][0]))
-            group = key[1]
-            room = min(budget, share - used[group])
+            qkey = min(queues, key=lambda k: (k[0], tenants[k[1]] / queues[k][0][1].weight, running[k[1:]],
+                                              queues[k][0][0]))
+            seq = queues[qkey][0][1]
+            key = _key(seq)
+            room = min(budget, shares.of(seq) - used[key])
             if room <= 0:
-                del queues[key]          # this group's share is spent: it waits for the next step
+                del queues[qkey]         # this group's share is spent: it waits for the next step
                 continue
-            seq = queues[key][0][1]
             try:
                 cached = self.bm.allocate_prompt(seq.table, seq.token_ids, room,
                                                  use_cache=seq.params.prompt_logprobs is None)
             except NoFreeBlocks:
                 break
-            queues[key].popleft()
-            if not queues[key]:
-                del queues[key]
+            queues[qkey].popleft()
+            if not queues[qkey]:
+                del queues[qkey]
             admitted.add(id(seq))
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached
@@ -138,49 +188,80 @@ class Scheduler:
             n = min(seq.num_tokens - cached, room)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            running[group] += 1
+            running[key] += 1
+            tenants[seq.tenant] += 1
             batch.items.append((seq, n))
             budget -= n
-            used[group] += n
+            used[key] += n
         if admitted:
             self.waiting = deque(s for s in self.waiting if id(s) not in admitted)
         return budget
 
-    def _fill(self, batch: ScheduledBatch, budget: int, waiting_for_share: list[Sequence]) -> None:
-        """Give budget the shares left unused to prefills that still have tokens (no preemption for it)."""
-        candidates = [(k, seq) for k, (seq, _) in enumerate(batch.items)] + [(None, s) for s in waiting_for_share]
-        for k, seq in candidates:
-            if budget <= 0:
-                return
-            have = batch.items[k][1] if k is not None else 0
-            extra = min(seq.num_tokens - seq.num_computed_tokens - have, budget)
-            if extra <= 0:
-                continue
-            try:
-                self.bm.grow(seq.table, seq.num_computed_tokens + have + extra)
-            except NoFreeBlocks:
-                return
-            if k is None:
-                batch.items.append((seq, extra))
-            else:
-                batch.items[k] = (seq, have + extra)
-            budget -= extra
+    def _fill(self, batch: ScheduledBatch, budget: int, waiting_for_share: list[Sequence], shares: Shares,
+              used: Counter) -> None:
+        """Give the budget left to prefills that still have tokens (no preemption for it): first each tenant's
+        unused share to its own prefills, then whatever is left to any, oldest first."""
+        spent: Counter[str] = Counter()
+        for (tenant, _), n in used.items():
+            spent[tenant] += n
+        room = {t: share - spent[t] for t, share in shares.tenants.items()}
+        candidates: list[tuple[int | None, Sequence]] = [(k, seq) for k, (seq, _) in enumerate(batch.items)]
+        candidates += [(None, s) for s in waiting_for_share]
+        for own in (True, False):
+            for c, (k, seq) in enumerate(candidates):
+                if budget <= 0:
+                    return
+                limit = min(budget, room.get(seq.tenant, 0)) if own else budget
+                extra, k = self._extend(batch, k, seq, limit)
+                if extra < 0:
+                    return
+                candidates[c] = (k, seq)
+                budget -= extra
+                room[seq.tenant] = room.get(seq.tenant, 0) - extra
+
+    def _extend(self, batch: ScheduledBatch, k: int | None, seq: Sequence, limit: int) -> tuple[int, int | None]:
+        """Up to `limit` more tokens for `seq` (item `k` of the batch, None: not in it yet): (tokens given, -1
+        when the pool is full; its item's index)."""
+        have = batch.items[k][1] if k is not None else 0
+        extra = min(seq.num_tokens - seq.num_computed_tokens - have, limit)
+        if extra <= 0:
+            return 0, k
+        try:
+            self.bm.grow(seq.table, seq.num_computed_tokens + have + extra)
+        except NoFreeBlocks:
+            return -1, k
+        if k is None:
+            batch.items.append((seq, extra))
+            return extra, len(batch.items) - 1
+        batch.items[k] = (seq, have + extra)
+        return extra, k
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch, index: int) -> bool:
-        """Blocks for `seq` (at `index` in running), preempting not-yet-scheduled sequences (index ≥ `index`)
-        of the group that holds the most running ones. False when `seq` itself was preempted."""
+        """Blocks for `seq` (at `index` in running), preempting not-yet-scheduled sequences (index ≥ `index`):
+        the least urgent, of the tenant holding the most running ones for its weight, of the group holding the
+        most, the newest. False when `seq` itself was preempted."""
         while True:
             try:
                 self.bm.grow(seq.table, num_tokens)
                 return True
             except NoFreeBlocks:
-                held = Counter(s.group for s in self.running)
-                at = max(range(index, len(self.running)), key=lambda j: (held[self.running[j].group], j))
+                at = self._victim(index)
                 victim = self.running.pop(at)
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     return False
+
+    def _victim(self, index: int) -> int:
+        """Of the running sequences from `index` on: the least urgent, of the tenant holding the most running
+        sequences for its weight, of the group holding the most, the newest."""
+        held = Counter(_key(s) for s in self.running)
+        tenants = Counter(s.tenant for s in self.running)
+
+        def load(j: int) -> tuple[int, float, int, int]:
+            s = self.running[j]
+            return s.priority, tenants[s.tenant] / s.weight, held[_key(s)], j
+        return max(range(index, len(self.running)), key=load)
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free_table(seq.table)

@@ -41,11 +41,15 @@ class Status(enum.Enum):
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  prefill_only: bool = False, priority: int = 0, group: str | None = None,
-                 cache_salt: str | None = None):
+                 cache_salt: str | None = None, tenant: str | None = None, weight: float = 1.0):
         self.request_id = request_id
         # the fairness group the scheduler shares the step budget by (the choices of one HTTP request, one
         # batch's line, ...): declared at admission; a request given none is a group of its own
         self.group = request_id if group is None else group
+        # the tenant the request belongs to ("" none) and its weight: the scheduler shares a step between the
+        # tenants present by weight first, then between each tenant's groups (shared/tenants.py)
+        self.tenant = tenant or ""
+        self.weight = weight
         self.token_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.params = params

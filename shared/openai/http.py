@@ -3,7 +3,9 @@
 `error_middleware(api_keys, max_body, on_error)` checks the bearer key on
 `/v1/` paths, `/stats`, `/tokenize` and `/detokenize` (the scheme case-insensitively; the key's SHA-256
 looked up among the configured keys' digests, `ApiKeys`; a key's tenant salt, if it has one, is left on the
-request under `KEY_SALT` for `effective_cache_salt`), refuses a declared Content-Length over the limit (413
+request under `KEY_SALT` for `effective_cache_salt`; with a tenants file, `shared/tenants.py`, the same digest
+finds the key's tenant, left under `TENANT`, whose cache scope becomes the key's salt: a key that is neither a
+tenant's nor configured is a 401), refuses a declared Content-Length over the limit (413
 at once) and a Content-Encoding it cannot decode (415), and turns `ApiError`, oversized bodies
 (413), bodies that cannot be read (400: a cut or corrupt compressed body),
 aiohttp's own HTTP errors (404, 405, …) and, as a last resort, any exception of
@@ -32,6 +34,7 @@ from aiohttp.typedefs import Handler, Middleware
 from edgecore.shared.http_server import LIMITS_KEY
 from edgecore.shared.openai.request import ApiError
 from edgecore.shared.secrets import ApiKey
+from edgecore.shared.tenants import TenantRegistry, TenantState
 
 log = logging.getLogger("edgecore.http")
 
@@ -41,6 +44,7 @@ OFF_LOOP_BODY = 1 << 16      # bytes of body from which parsing runs on a worker
 PROTECTED = ("/v1/", "/stats", "/tokenize", "/detokenize")   # need the API key when keys are configured;
 # /health, /ready, /metrics and /version stay open (probes and scrapers hold no key)
 KEY_SALT = web.RequestKey("edgecore_key_salt", str)   # the presented key's cache salt (absent: none)
+TENANT = web.RequestKey("edgecore_tenant", TenantState)   # the presented key's tenant (absent: none)
 
 
 class ApiKeys:
@@ -61,19 +65,27 @@ class ApiKeys:
 
     def lookup(self, given: bytes) -> tuple[bool, str | None]:
         """(whether `given` is a configured key, its cache salt)."""
-        digest = hashlib.sha256(given).digest()
+        return self.lookup_digest(hashlib.sha256(given).digest())
+
+    def lookup_digest(self, digest: bytes) -> tuple[bool, str | None]:
+        """`lookup` of a key already hashed (its SHA-256 `digest`)."""
         return digest in self._salts, self._salts.get(digest)
 
 
-def check_bearer(request: web.Request, keys: ApiKeys) -> None:
-    """401 unless the request presents a configured key (none configured: anything passes); a key with a salt
-    leaves it on the request (`KEY_SALT`)."""
-    if not keys:
+def check_bearer(request: web.Request, keys: ApiKeys, tenants: TenantRegistry | None = None) -> None:
+    """401 unless the request presents a configured key or a tenant's (none of either configured: anything
+    passes); a key with a salt leaves it on the request (`KEY_SALT`), a tenant's key its tenant (`TENANT`) and
+    the tenant's cache scope as its salt. The key is hashed once, whatever the number of keys and tenants."""
+    if not keys and tenants is None:
         return
     scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
-    given = token.strip().encode() if scheme.lower() == "bearer" else b""
-    known, salt = keys.lookup(given)
-    if not known:
+    digest = hashlib.sha256(token.strip().encode() if scheme.lower() == "bearer" else b"").digest()
+    tenant = tenants.find(digest) if tenants is not None else None
+    known, salt = keys.lookup_digest(digest)
+    if tenant is not None:
+        request[TENANT] = tenant
+        salt = tenant.tenant.salt
+    elif not known:
         raise ApiError(401, "Incorrect or missing API key. Pass it as 'Authorization: Bearer KEY'.", None,
                        "invalid_api_key")
     if salt is not None:
@@ -91,15 +103,15 @@ def effective_cache_salt(request: web.Request, cache_salt: str | None) -> str | 
     return f"{key_salt or ''}\0{cache_salt or ''}"
 
 
-def error_middleware(api_keys: Iterable[bytes], max_body: int,
-                     on_error: Callable[[int], None] | None = None) -> Middleware:
+def error_middleware(api_keys: Iterable[bytes], max_body: int, on_error: Callable[[int], None] | None = None,
+                     tenants: TenantRegistry | None = None) -> Middleware:
     keys = ApiKeys(api_keys)
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             if request.path.startswith(PROTECTED):
-                check_bearer(request, keys)
+                check_bearer(request, keys, tenants)
             _check_body_headers(request, max_body)
             return await handler(request)
         except ApiError as exc:
@@ -116,7 +128,9 @@ def error_middleware(api_keys: Iterable[bytes], max_body: int,
             err = ApiError(exc.status, exc.reason or "error", None, None)
         except Exception:               # a bug of ours: logged (rate-limited), answered as JSON, counted
             rid = uuid.uuid4().hex[:16]
-            log.exception("internal error answering %s %s (request id %s)", request.method, request.path, rid)
+            tenant = request.get(TENANT)
+            log.exception("internal error answering %s %s (request id %s%s)", request.method, request.path, rid,
+                          f", tenant {tenant.name}" if tenant is not None else "")
             err = ApiError(500, f"internal error (request id {rid})", None, "internal_error",
                            headers={"x-request-id": rid})
             if request.writer is not None and request.writer.output_size > 0:

@@ -144,12 +144,12 @@ async def test_async_engine_passes_the_salt_on_every_path():
         aengine.stop()
 
 
-def test_the_prefill_request_carries_the_salt_as_its_last_field():
-    salted = m.PrefillRequest("r", [1, 2, 3], group="g", cache_salt="acme\0s")
+def test_the_prefill_request_carries_the_salt_after_the_group():
+    salted = m.PrefillRequest("r", [1, 2, 3], group="g", cache_salt="acme\0s", tenant="acme")
     fields = msgspec.msgpack.decode(m.encoder.encode(salted))
-    assert fields[-2:] == ["g", "acme\0s"] and m.decoder.decode(m.encoder.encode(salted)) == salted
-    older = m.decoder.decode(msgspec.msgpack.encode(fields[:-1]))       # what an edge without the field sends
-    assert older.cache_salt == "" and older.group == "g"
+    assert fields[-3:] == ["g", "acme\0s", "acme"] and m.decoder.decode(m.encoder.encode(salted)) == salted
+    older = m.decoder.decode(msgspec.msgpack.encode(fields[:-2]))       # what an edge without the fields sends
+    assert older.cache_salt == "" and older.tenant == "" and older.group == "g"
 
 
 # ---- API keys and the request's salt -------------------------------------------------------------------
