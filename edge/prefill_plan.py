@@ -50,6 +50,7 @@ class PrefillPlan:
     deadline_ms: int
     group: str | None = None       # the request's fairness group, here and at the core
     cache_salt: str | None = None  # the request's prefix-cache scope, here and at the core
+    tenant: str | None = None      # the request's tenant: its fair share here and at the core
 
     @classmethod
     def build(cls, request: EngineRequest, skip_tokens: int, codec: str, settings: RemotePrefillSettings, *,
@@ -62,7 +63,7 @@ class PrefillPlan:
         edge_layers = layers_at_edge(first_layer_macs, len(prompt) - skip_tokens, settings.first_layer_budget,
                                      get_codec(codec).lossless)
         return cls(request.request_id, prompt, params, codec, skip_tokens, limit, edge_layers, direct,
-                   int(settings.timeout * 1000), request.group, request.cache_salt)
+                   int(settings.timeout * 1000), request.group, request.cache_salt, request.tenant)
 
     @property
     def total_tokens(self) -> int:
@@ -73,7 +74,7 @@ class PrefillPlan:
         return m.PrefillRequest(self.request_id, self.prompt_ids, m.SamplingSpec(**self.params.spec_fields()),
                                 [self.codec], self.deadline_ms, self.skip_tokens, direct=self.direct,
                                 core_decode=self.core_decode, edge_layers=self.edge_layers, group=self.group or "",
-                                cache_salt=self.cache_salt or "")
+                                cache_salt=self.cache_salt or "", tenant=self.tenant or "")
 
     def receiver(self, cfg: ModelConfig) -> KVReceiver:
         """The sans-IO check of the KV this plan asks for (a decoding core streams as the ranks of a parallel

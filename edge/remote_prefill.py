@@ -70,7 +70,8 @@ class RemotePrefill:
         self.handle, self.client, self.settings, self.metrics = handle, client, settings, metrics
         self.request_id = request.request_id
         self.request = EngineRequest(request.request_id, request.prompt, request.params, group=request.group,
-                                     cache_salt=request.cache_salt)
+                                     priority=request.priority, cache_salt=request.cache_salt, tenant=request.tenant,
+                                     weight=request.weight)
         self.writer = ChunkWriter(handle, request.request_id, pool, settings.rope)
         self.plan: PrefillPlan | None = None            # once reserved and the codec chosen
         self.receiver: KVReceiver | None = None         # made with the plan
