@@ -344,6 +344,111 @@ def mla_against_dense(args, tmp: Path, dense_results: dict, dense_dir: Path) -> 
          mla_ratio_to_b={str(k): {n: v["ratio_to_b"] for n, v in r.items()} for k, r in mla_results.items()})
 
 
+SLOW_QUEUE = 64 * 1024     # bytes at the bottleneck: a small access router's queue; 32 ms at 16 Mbit/s, 10 at 50
+
+
+async def slow_link_rows(args, model_dir: Path) -> dict:
+    """Rows at slow links with a bounded bottleneck queue (`SLOW_QUEUE`, the relay pacing at the link rate):
+    for each link rate, prompt length, codec and handover on/off, per request: TTFT against the core's own
+    prefill + one round trip (+ 30 ms, the target), the largest gap between streamed tokens while the KV is
+    still crossing (against 2 x the median gap + 20 ms), and the KV's goodput (the edge's wire bytes over the
+    span from its first to its last chunk) as a fraction of the link."""
+    from edgecore.edge.kv_receiver import KVReceiver
+    spans: list[tuple[float, float, int]] = []
+    sample = KVReceiver.bandwidth_sample
+
+    def recorded(self):            # the KV's first and last chunk at the edge, in this process's clock
+        if self._first_at is not None and self._last_at is not None:
+            spans.append((self._first_at, self._last_at, self.encoded_bytes))
+        return sample(self)
+    KVReceiver.bandwidth_sample = recorded
+    cache = CacheConfig(num_blocks=(8192 + 256) // 16 * 2)
+    budget = EngineConfig(max_num_batched_tokens=1024, max_num_seqs=4)
+    secret_file = model_dir.parent / "secret-slow"
+    secret_file.write_bytes(b"ttft-slow")
+    os.environ["EDGECORE_THREADS"] = str(torch.get_num_threads())
+    core, port, http = start_core(str(secret_file), "--model", str(model_dir), "--dtype", "bf16", "--max-batched-tokens",
+                                  str(budget.max_num_batched_tokens), "--kv-blocks", str(cache.num_blocks), "--lease",
+                                  "30", data_dir=str(model_dir.parent / "core-slow"),
+                                  env={"EDGECORE_KV_PACING": args.pacing})
+    gen, rows = torch.Generator().manual_seed(3), {}
+    try:
+        for mbit in args.slow_mbit:
+            relay = WanRelay(LinkSpec(delay_ms=args.delay_ms, bandwidth_mbit=mbit, buffer_bytes=SLOW_QUEUE))
+            relay_port = await relay.start(("127.0.0.1", 0), ("127.0.0.1", port))
+            for codec in args.slow_codecs:
+                for handover in args.slow_handover:
+                    edge = EdgeEngine(EdgeConfig(str(model_dir), cores=[("127.0.0.1", relay_port)], secret=b"ttft-slow",
+                                                 codecs=[codec], local_prefill_below=0, cache=cache, engine=budget,
+                                                 transfer_timeout=600, handover_tokens=64 if handover else 0),
+                                      engine=LLMEngine.from_dir(model_dir, "bf16", "cpu", cache, budget))
+                    await edge.start()
+                    try:
+                        for n in args.lengths:
+                            key = f"{mbit:g}mbit/{n}/{codec}/handover_{'on' if handover else 'off'}"
+                            rows[key] = await _slow_row(args, edge, http, gen, n, mbit, handover, spans)
+                            progress(f"{key}: {rows[key]}")
+                    finally:
+                        await edge.stop()
+            await relay.stop()
+    finally:
+        core.stop()
+        KVReceiver.bandwidth_sample = sample
+    return rows
+
+
+async def _slow_row(args, edge, http: int, gen, n: int, mbit: float, handover: bool, spans: list) -> dict:
+    reqs = []
+    for r in range(args.repeats):
+        prompt = torch.randint(5, 4000, (n,), generator=gen).tolist()
+        before = await asyncio.to_thread(core_prefill_seconds, http)
+        spans.clear()
+        params = SamplingParams(max_tokens=64 if handover else 2, temperature=0, ignore_eos=True)
+        t, stamps = time.perf_counter(), []
+        async for out in edge.generate(f"slow-{mbit}-{n}-{r}-{handover}", prompt, params):
+            stamps += [time.perf_counter()] * len(out.new_token_ids)
+        await asyncio.sleep(0.3)
+        (s1, c1), (s0, c0) = await asyncio.to_thread(core_prefill_seconds, http), before
+        first, last, nbytes = spans[-1]
+        during = [b - a for a, b in zip(stamps, stamps[1:]) if b <= last]
+        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+        reqs.append({"ttft": stamps[0] - t, "prefill": (s1 - s0) / max(1.0, c1 - c0), "kv_end": last - t,
+                     "max_gap_during_kv": max(during) if during else None, "median_gap": statistics.median(gaps),
+                     "goodput": nbytes * 8 / max(1e-3, last - first) / (mbit * 1e6), "tokens_during_kv": len(during)})
+    med = lambda k: statistics.median(x[k] for x in reqs if x[k] is not None) if any(  # noqa: E731
+        x[k] is not None for x in reqs) else None
+    ms = lambda v: None if v is None else round(v * 1e3, 1)  # noqa: E731
+    row = {"ttft_ms": ms(med("ttft")), "core_prefill_ms": ms(med("prefill")),
+           "ttft_over_own_prefill_ms": ms(statistics.median(x["ttft"] - x["prefill"] for x in reqs)),
+           "kv_transfer_end_ms": ms(med("kv_end")), "kv_goodput_of_link": round(med("goodput"), 3),
+           "requests": len(reqs)}
+    if handover:
+        row.update(max_gap_during_kv_ms=ms(med("max_gap_during_kv")), median_gap_ms=ms(med("median_gap")),
+                   tokens_during_kv=med("tokens_during_kv"))
+        row["target_ttft_over_prefill_ms"] = 2 * args.delay_ms + 30
+        row["ttft_target_met"] = row["ttft_over_own_prefill_ms"] <= row["target_ttft_over_prefill_ms"]
+        if row["max_gap_during_kv_ms"] is not None:
+            row["target_max_gap_ms"] = round(2 * row["median_gap_ms"] + 20, 1)
+            row["max_gap_target_met"] = row["max_gap_during_kv_ms"] <= row["target_max_gap_ms"]
+    return row
+
+
+def slow_main(args) -> None:
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "random-8k"
+        write_model(model_dir)
+        rows = asyncio.run(slow_link_rows(args, model_dir))
+    emit(args.slow_out, "rows", len(rows), link_mbit=args.slow_mbit, delay_ms=args.delay_ms,
+         bottleneck_queue_bytes=SLOW_QUEUE, pacing=args.pacing, lengths=args.lengths, codecs=args.slow_codecs,
+         repeats=args.repeats, load_average={"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
+         queue_why="64 KiB: a small access router's per-port queue (32 ms at 16 Mbit/s, 10 ms at 50); the relay "
+                   "holds at most that many bytes not yet serialized, so a sender that does not pace fills it",
+         targets={"ttft": "TTFT - own prefill <= round trip (2 x one-way) + 30 ms, with handover",
+                  "gap": "largest gap while the KV crosses <= 2 x the core's decode step (median gap) + 20 ms",
+                  "goodput": ">= 0.9 of the link"}, results=rows)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="512,2048,8192")
@@ -353,8 +458,20 @@ def main():
     ap.add_argument("--sliding-window-only", action="store_true", help="run only the sliding-window row "
                     "(written to bench/results/ttft_sliding.json)")
     ap.add_argument("--mla", action="store_true", help="also the MLA model; write ttft_mla.json only")
+    ap.add_argument("--slow", action="store_true", help="only the slow-link rows (bounded bottleneck queue), "
+                    "written to bench/results/<--slow-out>.json")
+    ap.add_argument("--slow-mbit", default="16,50")
+    ap.add_argument("--slow-codecs", default="lossless,q3e")
+    ap.add_argument("--slow-handover", default="on,off")
+    ap.add_argument("--slow-out", default="ttft_slow_link")
+    ap.add_argument("--pacing", default="paced", help="the core's EDGECORE_KV_PACING: paced, bounded or off")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    if args.slow:
+        args.slow_mbit = [float(x) for x in args.slow_mbit.split(",")]
+        args.slow_codecs = args.slow_codecs.split(",")
+        args.slow_handover = [x == "on" for x in args.slow_handover.split(",")]
+        return slow_main(args)
     load_start = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
         sliding = None if args.mla else asyncio.run(sliding_window_row(args, Path(tmp)))

@@ -48,6 +48,7 @@ class Outbox:
         self._lock = threading.Lock()
         self._ready = asyncio.Event()        # something to take
         self._room = asyncio.Event()         # at or below the low-water mark
+        self._urgent_in = asyncio.Event()    # an urgent item was put (wakes the sender's pacing wait)
         self._room.set()
 
     @property
@@ -86,6 +87,8 @@ class Outbox:
         if not reserved and isinstance(item, KVSend):
             self.reserve(_size(item), force=True)
         (self._urgent if urgent else self._ordinary).append(item)
+        if urgent:
+            self._urgent_in.set()
         self._ready.set()
         self._update_room()
 
@@ -99,6 +102,25 @@ class Outbox:
             self._ready.clear()
             await self._ready.wait()
         return self.get_nowait()
+
+    def has_urgent(self) -> bool:
+        return bool(self._urgent)
+
+    def take_urgent(self) -> Outgoing | None:
+        """The oldest urgent item, or None: the sender asks between two KV frames, so a token never waits
+        behind more than the frame being written."""
+        return self._urgent.popleft() if self._urgent else None
+
+    async def wait_urgent(self, timeout: float) -> None:
+        """Sleep up to `timeout` seconds, less if an urgent item is put meanwhile (the sender's pacing wait)."""
+        if self._urgent or self.closed:
+            return
+        self._urgent_in.clear()
+        timer = asyncio.get_running_loop().call_later(timeout, self._urgent_in.set)
+        try:
+            await self._urgent_in.wait()
+        finally:
+            timer.cancel()
 
     def get_nowait(self) -> Outgoing:
         if self.empty():
@@ -130,6 +152,7 @@ class Outbox:
         with self._lock:
             self.nbytes = 0
         self._room.set()
+        self._urgent_in.set()
 
     def _uncount(self, n: int) -> None:
         if n:

@@ -49,7 +49,7 @@ import sys
 import time
 from concurrent.futures import Executor
 
-from edgecore.core.kv_sender import LayerStreamer, queue_rest, send_queued
+from edgecore.core.kv_sender import LayerStreamer, Pacer, queue_rest, send_queued
 from edgecore.core.metrics import CoreMetrics
 from edgecore.core.outbox import Outbox
 from edgecore.core.transfer import HandoverLimits, Transfer
@@ -60,6 +60,7 @@ from edgecore.protocol.transport import Peer, PeerError
 from edgecore.shared.engine.handle import EngineHandle, EngineRequest
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
+from edgecore.shared.env import kv_pacing_mode
 from edgecore.shared.errors import RequestError
 from edgecore.shared.kv.transfer import EDGE_LAYERS, StreamRoute
 
@@ -67,9 +68,26 @@ log = logging.getLogger("edgecore.core")
 
 
 UNSENT_LOWAT = 32 * 1024      # kernel backlog of a version-3 connection
+WRITE_BUFFER = 32 * 1024      # asyncio's write buffer of a version-3 connection (its default high mark: 64 KiB)
 MAX_INFLIGHT = 64             # requests in flight per connection (default)
 OUTBOX_BYTES = 64 * 1024 * 1024   # raw KV bytes copied and queued per connection (default)
 PIECE_BYTES = 128 * 1024      # KV frame size of a request whose tokens go ahead of its KV (5 ms at 200 Mbit/s)
+
+
+def bound_write_path(peer: Peer) -> Pacer | None:
+    """A version-3 connection's write path, below its outbox: asyncio's buffer and the kernel's unsent bytes
+    kept small, and a `Pacer` that writes KV at the link's rate (docs/wire-format.md §5a, "Latency-critical
+    frames"). Its sender passes the pacer to `send_queued`. `EDGECORE_KV_PACING` (for the measurements that
+    chose this, bench/ttft.py --slow): "off" (the kernel's backlog bounded only, as before), "bounded" (every
+    buffer bounded, frames cut small, not paced), anything else paced."""
+    _limit_unsent(peer.transport)
+    mode = kv_pacing_mode()
+    if mode == "off":
+        return None
+    peer.limit_write_buffer(WRITE_BUFFER)
+    pacer = Pacer(peer)
+    pacer.enabled = mode != "bounded"
+    return pacer
 
 
 def _limit_unsent(transport: asyncio.BaseTransport) -> None:
@@ -92,6 +110,7 @@ class Session:
         self.outbox = Outbox(outbox_bytes)             # KVSend and protocol messages, sent in order
         self.transfers: dict[str, Transfer] = {}       # by the edge's request id: its requests in flight
         self.engine_slots = asyncio.Semaphore(admitted)   # its requests in the engine at once
+        self.pacer: Pacer | None = None                # version 3: KV paced, tokens between any two frames
 
 
 class PrefillService:
@@ -114,9 +133,9 @@ class PrefillService:
 
     # ---- one edge connection ---------------------------------------------
     async def serve(self, peer: Peer) -> None:
-        if peer.conn.handover:
-            _limit_unsent(peer.transport)
         session = Session(peer, self.outbox_bytes, self.max_admitted)
+        if peer.conn.handover:
+            session.pacer = bound_write_path(peer)
         self.sessions.add(session)
         self.metrics.connections.inc()
         sender = asyncio.create_task(self._sender(session))
@@ -156,7 +175,7 @@ class PrefillService:
             self.metrics.kv_bytes_sent.labels(req.codec).inc(len(data.payload))
             self.metrics.kv_raw_bytes.labels(req.codec).inc(data.chunk.raw_len)
         await send_queued(session.outbox, session.peer, self.encoder_pool, self.dtype_name, counted,
-                          rope=self.streamer.rope, step_scales=self.streamer.step_scales)
+                          rope=self.streamer.rope, step_scales=self.streamer.step_scales, pacer=session.pacer)
 
     # ---- one remote request ------------------------------------------------
     def _refusal(self, session: Session, msg: m.PrefillRequest, codec: str | None) -> m.Error | None:
@@ -198,6 +217,7 @@ class PrefillService:
         req = Transfer(f"s{session.id}/{rid}", rid, session.outbox, codec, len(msg.token_ids), msg.skip_tokens,
                        msg.edge_layers, gather=(self.parallel and not direct) or self.streamer.mode == "hold",
                        group=f"s{session.id}/{msg.group or rid}", cache_salt=msg.cache_salt or None,
+                       tenant=msg.tenant or None,
                        resumable=not direct,
                        piece_bytes=PIECE_BYTES if msg.core_decode else 0)
         session.transfers[rid] = req
@@ -263,7 +283,8 @@ class PrefillService:
             async with asyncio.timeout(deadline_ms / 1000 if deadline_ms > 0 else None) as scope, \
                     session.engine_slots:
                 async for out in self.handle.generate(EngineRequest(req.internal_id, token_ids, params,
-                                                                    group=req.group, cache_salt=req.cache_salt)):
+                                                                    group=req.group, cache_salt=req.cache_salt,
+                                                                    tenant=req.tenant)):
                     if req.position == 0:
                         if not req.prefill_done():
                             return
@@ -323,7 +344,7 @@ class PrefillService:
             async with asyncio.timeout(deadline), session.engine_slots:      # a slot of this connection's
                 async for out in self.handle.generate(EngineRequest(req.internal_id, token_ids, params,
                                                                     group=req.group, cache_salt=req.cache_salt,
-                                                                    prefill_only=True)):
+                                                                    tenant=req.tenant, prefill_only=True)):
                     if out.finished:
                         first = out
         except RequestError as exc:

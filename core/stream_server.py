@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgecore.core.kv_sender import LayerStreamer, send_queued
 from edgecore.core.outbox import Outbox
+from edgecore.core.prefill_service import bound_write_path
 from edgecore.core.transfer import Transfer
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode
@@ -79,8 +80,10 @@ class StreamServer:
             return
         session = _Session(peer, Outbox())
         self.sessions[key] = session
+        pacer = bound_write_path(peer) if peer.conn.handover else None    # shares the bottleneck with rank 0's
         sender = asyncio.create_task(send_queued(session.outbox, peer, self.encoder_pool, self.dtype_name,
-                                                 rope=self.streamer.rope, step_scales=self.streamer.step_scales))
+                                                 rope=self.streamer.rope, step_scales=self.streamer.step_scales,
+                                                 pacer=pacer))
         try:
             while True:
                 msg = await peer.recv()

@@ -4,9 +4,10 @@ Life cycle: `WanRelay(spec).start(listen, target)` accepts connections and, for
 each, opens the target and pumps both directions through a `Link`: every read
 is stamped with the time its last bit would leave a link of `bandwidth_bps`
 (serialization, FIFO) plus the propagation delay (± uniform jitter, never
-reordering), and is written when that time comes. The queue between reader
-and writer holds at most `buffer_bytes` (a router buffer): beyond it the
-reader stops reading, so TCP back-pressure reaches the sender. Packet loss is
+reordering), and is written when that time comes. The bytes not yet serialized
+(a router's queue) are at most `buffer_bytes`: beyond it the reader stops
+reading, so TCP back-pressure reaches the sender; bytes being propagated take no
+queue space (a link's bandwidth-delay product is not limited by its buffer). Packet loss is
 not emulated here (nftables does that under `--emulate-wan`).
 """
 
@@ -48,18 +49,47 @@ class Link:
         return self.last_release
 
 
+class _Queue:
+    """The router queue's occupancy in bytes: a read's bytes count from the read until the link has
+    serialized them (they are then on the wire: the propagation delay holds no queue space)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = max(1, limit), 0
+        self._room = asyncio.Event()
+
+    def room(self) -> int:
+        return self.limit - self.used
+
+    async def wait_room(self, least: int) -> None:
+        while self.room() < min(least, self.limit):
+            self._room.clear()
+            await self._room.wait()
+
+    def add(self, n: int) -> None:
+        self.used += n
+
+    def leave(self, n: int) -> None:
+        self.used -= n
+        self._room.set()
+
+
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Link) -> None:
     queue: asyncio.Queue = asyncio.Queue()
-    budget = asyncio.Semaphore(max(1, link.spec.buffer_bytes // 65536))
+    held = _Queue(link.spec.buffer_bytes)
+    loop = asyncio.get_running_loop()
 
     async def feed() -> None:
         try:
             while True:
-                await budget.acquire()
-                data = await reader.read(65536)
+                await held.wait_room(4096)
+                data = await reader.read(min(65536, held.room()))
                 if not data:
                     break
-                queue.put_nowait((link.release_time(len(data), time.monotonic()), data))
+                now = time.monotonic()
+                held.add(len(data))
+                release = link.release_time(len(data), now)
+                loop.call_later(max(0.0, link.free_at - now), held.leave, len(data))
+                queue.put_nowait((release, data))
         except (ConnectionError, OSError):
             pass
         queue.put_nowait((None, None))
@@ -74,7 +104,6 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link
             if wait > 0:
                 await asyncio.sleep(wait)
             writer.write(data)
-            budget.release()
             await writer.drain()
     except (ConnectionError, OSError):
         pass

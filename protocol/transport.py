@@ -23,7 +23,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import socket
 import ssl as ssl_module
+import sys
 import time
 import typing
 from dataclasses import dataclass
@@ -38,6 +40,8 @@ from edgecore.protocol.framing import Limits
 from edgecore.protocol.state import Connection, KVData, Role
 
 log = logging.getLogger("edgecore.protocol")
+
+_TCP_INFO = getattr(socket, "TCP_INFO", None) if sys.platform.startswith("linux") else None
 
 
 @dataclass(frozen=True)
@@ -199,6 +203,36 @@ class Peer:
         nonce = next(self._nonce)
         self._pings[nonce] = time.monotonic()
         await self.send(m.Ping(nonce))
+
+    # ---- the write path's bounds (a KV-carrying connection keeps what waits below the outbox small) ----------
+    def limit_write_buffer(self, high: int) -> None:
+        """Cap the asyncio transport's write buffer: `send` waits (drain) once more than `high` bytes are
+        buffered, so a latency-critical frame written next waits behind at most about `high` bytes here."""
+        with contextlib.suppress(Exception):
+            self.transport.set_write_buffer_limits(high=high, low=high // 4)
+
+    def unsent(self) -> int:
+        """Bytes written by this side but not yet sent by the kernel: the transport's buffer plus the socket's
+        not-sent backlog (TCP_INFO `tcpi_notsent_bytes`, Linux; elsewhere the transport's buffer only)."""
+        pending = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if _TCP_INFO is not None and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 160)
+                if len(info) >= 148:
+                    pending += int.from_bytes(info[144:148], sys.byteorder)
+        return pending
+
+    async def probe(self) -> int:
+        """Send a Ping now (its nonce): `answered(nonce)` then gives the round trip once the Pong is in."""
+        nonce = next(self._nonce)
+        self._pings[nonce] = time.monotonic()
+        await self.send(m.Ping(nonce))
+        return nonce
+
+    def answered(self, nonce: int) -> float | None:
+        """The round trip of the probe `nonce` once its Pong came (None while it is outstanding)."""
+        return None if nonce in self._pings else self.rtt
 
     async def send(self, event: m.Message | KVData) -> None:
         if self.closed or self.stream.closed or not self.conn.usable:
