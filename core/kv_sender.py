@@ -195,8 +195,10 @@ class Source(Protocol):
 
 # ---- pacing: KV leaves at the link's rate, so nothing queues in front of a latency-critical frame ------------
 PIECE_SECONDS = 0.004             # a paced KV frame lasts about this long on the link
-PIECE_MIN, PIECE_MAX = 16 * 1024, 128 * 1024
-UNPACED_PIECE = 64 * 1024         # before the link's rate is known
+# Frames are cut only as small as the link needs (each chunk carries its own codec parameters, so smaller frames
+# cost bytes): 4 ms of a fast link is a large frame; before a measurement, the size handover pieces always had.
+PIECE_MIN, PIECE_MAX = 16 * 1024, 1024 * 1024
+UNPACED_PIECE = 128 * 1024        # before the link's rate is known
 GAIN = 0.95                       # KV is paced at this share of the measured link rate
 SAMPLE_SECONDS = 0.1              # a rate sample: this long with bytes waiting to be sent all along,
 SAMPLE_BYTES = 128 * 1024         # and at least this much out (a relay or router takes bytes in bursts)
