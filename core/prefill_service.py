@@ -76,10 +76,11 @@ PIECE_BYTES = 128 * 1024      # KV frame size of a request whose tokens go ahead
 
 def bound_write_path(peer: Peer) -> Pacer | None:
     """A version-3 connection's write path, below its outbox: asyncio's buffer and the kernel's unsent bytes
-    kept small, and a `Pacer` that writes KV at the link's rate (docs/wire-format.md §5a, "Latency-critical
-    frames"). Its sender passes the pacer to `send_queued`. `EDGECORE_KV_PACING` (for the measurements that
-    chose this, bench/ttft.py --slow): "off" (the kernel's backlog bounded only, as before), "bounded" (every
-    buffer bounded, frames cut small, not paced), anything else paced."""
+    kept small, KV cut into frames at send time (a `Pacer` that does not pace, by default), so urgent frames pass
+    between any two (docs/wire-format.md §5a, "Latency-critical frames"). Its sender passes the pacer to
+    `send_queued`. `EDGECORE_KV_PACING` (for the measurements that chose this): "bounded" (the default),
+    "paced" (KV also paced at the measured link rate: it under-used a shaped link, 9.6 of 16 Mbit/s) or
+    "off" (the kernel's backlog bounded only, as before)."""
     _limit_unsent(peer.transport)
     mode = kv_pacing_mode()
     if mode == "off":

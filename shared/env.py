@@ -12,8 +12,9 @@ EDGECORE_SMALL_STEP_THREADS  one / all: threads of a small model's steps under 1
 EDGECORE_PACKED_FROM_ROWS  rows from which a small packed weight's oneDNN layout is used (else timed at
                     start-up, see shared/models/layers.py)
 EDGECORE_CPU_MALLOC 0 keeps glibc's default heap thresholds (else see shared/malloc.py)
-EDGECORE_KV_PACING  how a core writes KV on a version-3 link: paced (default), bounded (buffers bounded, not
-                    paced) or off (only the kernel's backlog bounded, as before) — for measurement, core/prefill_service.py
+EDGECORE_KV_PACING  how a core writes KV on a version-3 link: bounded (default: buffers bounded, frames cut,
+                    not paced), paced (also paced at the measured rate) or off (only the kernel's backlog
+                    bounded, as before) — for measurement, core/prefill_service.py
 OPENBLAS_NUM_THREADS numpy's BLAS threads (read by OpenBLAS; the `edgecore` command sets 1 unless given, see
                     deploy/cli.py: the KV codecs' column sums run beside torch's threads)
 """
@@ -112,4 +113,4 @@ def cpu_malloc_tuning_enabled() -> bool:
 
 
 def kv_pacing_mode() -> str:
-    return os.environ.get("EDGECORE_KV_PACING", "paced")
+    return os.environ.get("EDGECORE_KV_PACING", "bounded")
