@@ -35,6 +35,7 @@ from edgecore.shared.engine.async_engine import AsyncEngine
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.fingerprint import model_fingerprint
 from edgecore.shared.kv.wire import DTYPE_NAMES, codec_step_scales
+from edgecore.shared.env import link_sealed
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -152,7 +153,8 @@ class CoreServer:
         self.server = await serve(self.prefill.serve, host=c.host, port=c.port, secret=c.secret,
                                   fingerprint=self.fingerprint, codecs=c.codecs, timeouts=c.timeouts,
                                   ssl=c.ssl, name=c.name, layout=self.layout, load_fn=self.load,
-                                  streams=self.stream_ports, identity=c.identity, trust=c.trust)
+                                  streams=self.stream_ports, identity=c.identity, trust=c.trust,
+                                  sealed=link_sealed())
         self.port = self.server.sockets[0].getsockname()[1]
         if self.failure is not None:     # failed while starting: the port opens closed
             self.server.close()

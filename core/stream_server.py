@@ -33,6 +33,7 @@ from edgecore.core.transfer import Transfer
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode
 from edgecore.protocol.transport import Peer, PeerError, serve
+from edgecore.shared.env import link_sealed
 
 if TYPE_CHECKING:
     from edgecore.shared.engine.sequence import Sequence
@@ -70,7 +71,8 @@ class StreamServer:
 
     async def _start(self) -> int:
         self._server = await serve(self._session, host=self.host, port=0, secret=self.secret,
-                                   fingerprint=self.fingerprint, codecs=self.codecs, name=self.name)
+                                   fingerprint=self.fingerprint, codecs=self.codecs, name=self.name,
+                                   sealed=link_sealed())
         return self._server.sockets[0].getsockname()[1]
 
     async def _session(self, peer: Peer) -> None:

@@ -26,6 +26,7 @@ from edgecore.protocol import messages as m
 from edgecore.protocol.credentials import NodeIdentity, Trust
 from edgecore.protocol.state import KVData
 from edgecore.protocol.transport import Peer, PeerError, Timeouts, connect
+from edgecore.shared.env import link_sealed
 
 log = logging.getLogger("edgecore.edge")
 
@@ -39,6 +40,7 @@ class CoreClient:
         """`identity` / `trust`: this edge's credential and the authorities it checks cores' against."""
         self.host, self.port = host, port
         self.identity, self.trust = identity, trust
+        self.sealed = link_sealed()              # (EDGECORE_LINK_SEALED=0 only to measure what encryption costs)
         self.secret, self.fingerprint, self.codecs = secret, fingerprint, codecs
         self.timeouts, self.ssl, self.name = timeouts, ssl, name
         self.peer: Peer | None = None
@@ -90,7 +92,8 @@ class CoreClient:
             try:
                 self.peer = await connect(self.host, self.port, secret=self.secret, fingerprint=self.fingerprint,
                                           codecs=self.codecs, timeouts=self.timeouts, ssl=self.ssl, name=self.name,
-                                          session=os.urandom(16).hex(), identity=self.identity, trust=self.trust)
+                                          session=os.urandom(16).hex(), identity=self.identity, trust=self.trust,
+                                          sealed=self.sealed)
             except PeerError as exc:
                 self.last_error = str(exc)
                 raise
@@ -107,7 +110,8 @@ class CoreClient:
             try:
                 stream = await connect(self.host, port, secret=self.secret, fingerprint=self.fingerprint,
                                        codecs=self.codecs, timeouts=self.timeouts, ssl=self.ssl, name=self.name,
-                                       session=self.peer.conn.session, identity=self.identity, trust=self.trust)
+                                       session=self.peer.conn.session, identity=self.identity, trust=self.trust,
+                                       sealed=self.sealed)
             except PeerError as exc:        # requests fall back to KV gathered by the core's first rank
                 log.warning("core %s: stream port %d unreachable (%s); KV will come gathered", self.address,
                             port, exc)

@@ -12,6 +12,8 @@ EDGECORE_SMALL_STEP_THREADS  one / all: threads of a small model's steps under 1
 EDGECORE_PACKED_FROM_ROWS  rows from which a small packed weight's oneDNN layout is used (else timed at
                     start-up, see shared/models/layers.py)
 EDGECORE_CPU_MALLOC 0 keeps glibc's default heap thresholds (else see shared/malloc.py)
+EDGECORE_LINK_SEALED 0: the core-edge link's frames are authenticated but NOT encrypted (anyone on the wire reads
+                    prompts, tokens and KV) — only to measure what encryption costs (bench/link_ttft.py)
 EDGECORE_KV_PACING  how a core writes KV on a version-3 link: bounded (default: buffers bounded, frames cut,
                     not paced), paced (also paced at the measured rate) or off (only the kernel's backlog
                     bounded, as before) — for measurement, core/prefill_service.py
@@ -110,6 +112,10 @@ def cpu_pack_enabled() -> bool:
 
 def cpu_malloc_tuning_enabled() -> bool:
     return os.environ.get("EDGECORE_CPU_MALLOC", "1") != "0"
+
+
+def link_sealed() -> bool:
+    return os.environ.get("EDGECORE_LINK_SEALED", "1") != "0"
 
 
 def kv_pacing_mode() -> str:
