@@ -89,10 +89,7 @@ def child(args: argparse.Namespace) -> dict:
                                                         kv_resident_memory=bound), config, 4)
     engine = LLMEngine.from_dir(MODEL, "fp32", "cpu", cache, EngineConfig())
     bm = engine.block_manager
-    bound_from = "engine"
-    if cache.resident_blocks is not None and bm.resident_blocks != cache.resident_blocks:
-        bm.resident_blocks = cache.resident_blocks      # an engine that does not pass CacheConfig.resident_blocks on
-        bound_from = "bench"
+    assert bm.resident_blocks == cache.resident_blocks, "the engine must take the bound from its CacheConfig"
     rng = random.Random(args.seed)
     vocab = config.vocab_size
     prefixes = [[rng.randrange(3, vocab) for _ in range(128)] for _ in range(4)]
@@ -132,8 +129,8 @@ def child(args: argparse.Namespace) -> dict:
                 live.discard(out.request_id)
                 done += 1
                 tokens += out.num_prompt_tokens + out.num_output_tokens
-    return {"config": args.child, "kv": kv_line, "bound_set_by": bound_from if bound else None,
-            "resident_blocks": bm.resident_blocks, "blocks": len(bm.blocks), "block_bytes": engine.pool.block_bytes,
+    return {"config": args.child, "kv": kv_line, "resident_blocks": bm.resident_blocks, "blocks": len(bm.blocks),
+            "block_bytes": engine.pool.block_bytes,
             "requests": done, "tokens": tokens, "prefix_hit_rate": round(bm.hits / max(1, bm.queries), 4), "samples": samples}
 
 
