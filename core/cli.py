@@ -33,6 +33,7 @@ def run_core(args: argparse.Namespace) -> int:
     from edgecore.shared.models.loader import resolve_dtype
     from edgecore.shared.env import default_model, reserve_threads_for_engine, resolve_device
     from edgecore.shared.link_auth import link_auth
+    from edgecore.shared.node_settings import check_drain_timeout
     from edgecore.shared.secrets import parse_hostport
     from edgecore.shared.service import run_service, setup_logging
 
@@ -42,6 +43,7 @@ def run_core(args: argparse.Namespace) -> int:
     http_host, http_port = parse_hostport(settings.http)
     api_keys, control = _control_port(settings, http_host)
     _check_connection_limits(settings)
+    check_drain_timeout(settings.drain_timeout)
     engine_threads = reserve_threads_for_engine()
     model_dir, device = settings.model or default_model(), resolve_device(settings.device)
     pp_split = [int(x) for x in settings.pp_split.split(",")] if settings.pp_split else None

@@ -63,8 +63,10 @@ def build_app(core: CoreServer) -> web.Application:
         return web.json_response({"status": "ok"})
 
     async def ready(_: web.Request) -> web.Response:
-        ok = core.alive and core.server is not None
-        return web.json_response({"ready": ok}, status=200 if ok else 503)
+        draining = getattr(core, "draining", False)          # SIGTERM: load balancers take it out at once
+        ok = core.alive and core.server is not None and not draining
+        return web.json_response({"ready": ok, **({"draining": True} if draining else {})},
+                                 status=200 if ok else 503)
 
     async def metrics(_: web.Request) -> web.Response:
         stats = core.handle.stats()

@@ -36,6 +36,9 @@ class CoreMetrics:
                                            buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
         self.connections = m.gauge("edgecore:core_edge_connections", "Connected edges")
         self.leases = m.gauge("edgecore:core_kv_leases", "Requests whose KV waits for an edge Ack")
+        self.prefill_backlog = m.gauge("edgecore:core_prefill_backlog_tokens", "Prompt tokens of edges' requests "
+                                       "still prefilling here (beyond what the edge holds): the autoscaling signal")
+        self.draining = m.gauge("edgecore:core_draining", "1 while the core drains after SIGTERM, else 0")
         self.kv_usage = m.gauge("edgecore:kv_cache_usage_perc", "Fraction of KV blocks in use")
         self.running = m.gauge("edgecore:num_requests_running", "Requests in the engine's batch (prefills and "
                                "batch-API decodes)")

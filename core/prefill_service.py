@@ -36,6 +36,10 @@ so one connection cannot take every running slot. At most about
 is read back from the pool once the sender drains (core/kv_sender.py). A sender
 that cannot write for the idle timeout drops the connection (protocol/transport.py),
 which frees everything.
+
+Drain (`start_drain`, the core's SIGTERM): every version-4 edge is sent Draining once (one that connects later
+too), every new PrefillRequest is refused with Error SHUTTING_DOWN (an older edge fails over on it), and
+`drained()` returns once no connection has a request in flight (prefilling, leased, decoding for a handover).
 """
 
 from __future__ import annotations
@@ -139,6 +143,8 @@ class PrefillService:
             session.pacer = bound_write_path(peer)
         self.sessions.add(session)
         self.metrics.connections.inc()
+        if self.draining is not None:
+            self._announce(session, self.draining)
         sender = asyncio.create_task(self._sender(session))
         tasks: set[asyncio.Task] = set()
         try:
@@ -181,6 +187,9 @@ class PrefillService:
     # ---- one remote request ------------------------------------------------
     def _refusal(self, session: Session, msg: m.PrefillRequest, codec: str | None) -> m.Error | None:
         rid, error = msg.request_id, None
+        if self.draining is not None:
+            return m.Error(ErrorCode.SHUTTING_DOWN, "this core is draining (shutting down): it takes no new "
+                           "requests; retry elsewhere", rid)
         if rid in session.transfers:
             error = f"request id {rid} is already in flight on this connection"
         elif len(session.transfers) >= self.max_inflight:
@@ -212,6 +221,8 @@ class PrefillService:
             self.metrics.prefill_requests.labels("rejected").inc()
             if refusal is not None and refusal.code == ErrorCode.OVERLOADED:
                 self.counts["overloaded"] += 1
+            if refusal is not None and refusal.code == ErrorCode.SHUTTING_DOWN:
+                self.counts["refused_draining"] = self.counts.get("refused_draining", 0) + 1
             session.outbox.put(refusal or m.Error(ErrorCode.CODEC, "no codec", rid), urgent=True)
             return None
         direct = self.direct_streams and msg.direct and bool(peer.conn.session)
@@ -425,7 +436,36 @@ class PrefillService:
                 "remote_requests": sum(len(s.transfers) for s in self.sessions),
                 "leases": sum(1 for s in self.sessions for r in s.transfers.values() if r.lease is not None),
                 "decoding": sum(1 for s in self.sessions for r in s.transfers.values() if r.decode is not None),
-                "handover": dict(self.counts)}
+                "handover": dict(self.counts), "draining": self.draining is not None}
+
+    # ---- drain (the core's SIGTERM) ------------------------------------------
+    def inflight(self) -> int:
+        """Edges' requests in flight here: prefilling, leased (KV waiting for its Ack) or decoding for a handover."""
+        return sum(len(s.transfers) for s in self.sessions)
+
+    def backlog_tokens(self) -> int:
+        """Prompt tokens of requests still prefilling (their whole uncached prompt, whatever part is computed)."""
+        return sum(r.total_tokens - r.skip_tokens for s in self.sessions for r in s.transfers.values()
+                   if r.state is TransferState.PREFILLING)
+
+    def start_drain(self, timeout: float) -> None:
+        """Take no new requests from now on (Error SHUTTING_DOWN) and tell every edge that can hear it."""
+        if self.draining is not None:
+            return
+        self.draining = timeout
+        for session in list(self.sessions):
+            self._announce(session, timeout)
+
+    def _announce(self, session: Session, timeout: float) -> None:
+        if session.peer.conn.drain:          # a version-4 edge; an older one learns from the refusals
+            session.outbox.put(m.Draining(max(0, int(timeout * 1000)), "the core is shutting down"), urgent=True)
+
+    async def drained(self) -> None:
+        """Returns once no connection has a request in flight (an edge's Ack, Cancel or disconnect ends each)."""
+        while self.inflight():
+            self._idle.clear()
+            with contextlib.suppress(TimeoutError):      # sessions that end take their requests along: re-count
+                await asyncio.wait_for(self._idle.wait(), 0.1)
 
     async def fail_all(self, why: str) -> None:
         for session in list(self.sessions):

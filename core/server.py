@@ -9,6 +9,10 @@ runner, API routes) and the control port (core/http.py). Each of them receives
 the handle, not the node. A rank that dies, or an engine thread that fails, marks
 the node failed (`mark_failed`: it stops serving, edges fail over, /health turns
 503 so a supervisor restarts it); `stop()` takes everything down in reverse.
+`drain(timeout)` (SIGTERM, shared/service.py) comes before `stop()`: the protocol port stops listening, /ready
+turns 503, edges are told (Draining, protocol version 4) and new prefills refused, and it returns once the
+edges' requests in flight have finished; the batch runner keeps running meanwhile (its committed results are
+kept; `stop()` leaves the uncommitted ones to run again after the restart).
 """
 
 from __future__ import annotations
@@ -194,6 +198,17 @@ class CoreServer:
         if self.server is not None:
             self.server.close()
         self._failing = asyncio.ensure_future(self.prefill.fail_all(f"core failed: {why}"))   # held
+
+    async def drain(self, timeout: float) -> None:
+        """Graceful stop, before `stop()`: no new edges or prefills; returns once the requests in flight have
+        finished (the caller bounds it by `timeout`, which edges are told)."""
+        self.draining = True
+        if self.server is not None:
+            self.server.close()
+        inflight = self.prefill.inflight()
+        log.info("core %s draining: %d request(s) in flight, at most %g s", self.config.name, inflight, timeout)
+        self.prefill.start_drain(timeout)
+        await self.prefill.drained()
 
     async def stop(self) -> None:
         if self.workers and self.failure is None and self.started and self.handle.alive:

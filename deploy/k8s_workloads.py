@@ -9,6 +9,14 @@ own node's credential (`edgecore-credential-NODE`, key `credential`; no other no
 list (`revoked.txt`, a Secret without a hash suffix, so that an update reaches running pods, which re-read
 it). They mount the region's model claim read-only unless the model is the one bundled in the image, and
 are probed on /health (startup, sized for model loading; liveness) and /ready.
+Drains and rolling updates: each pod's `terminationGracePeriodSeconds` is its node's drain timeout plus a
+margin (and an edge's preStop pause), so SIGTERM's graceful drain (shared/service.py) finishes before the
+kubelet's SIGKILL; an edge first pauses `PRESTOP_SECONDS` in preStop (still serving) while it leaves the
+Service's endpoints, then drains. Edge Deployments roll with maxUnavailable 0 / maxSurge 1 (a new pod is
+Ready before an old one stops); core StatefulSets roll one pod at a time, the next only after the last
+replacement has been Ready for `MIN_READY_SECONDS` (edges have reconnected); every pod is spread across
+zones (`topologySpreadConstraints`, best effort: a region may have one zone); the PodDisruptionBudgets keep
+one replica up through voluntary evictions when there are two or more.
 With `[kubernetes] tls`, each pod also mounts its own node's `kubernetes.io/tls` Secret
 (`edgecore-tls-NODE`) and serves its HTTP port over HTTPS from it (`--tls-cert`/`--tls-key`; probes
 use HTTPS); edges that fetch the model from a core also mount the CA Secret and trust it for that
@@ -43,6 +51,10 @@ TLS_CERT_FILE, TLS_KEY_FILE = f"{TLS_MOUNT}/{TLS_CERT_KEY}", f"{TLS_MOUNT}/{TLS_
 TLS_CA_FILE = f"{TLS_CA_MOUNT}/{TLS_CA_KEY}"
 RUN_AS = 10001          # the image's user (deploy/docker/Dockerfile)
 STARTUP_PERIOD = 10
+PRESTOP_SECONDS = 5     # an edge keeps serving this long after it is marked terminating (endpoints update)
+GRACE_MARGIN = 10       # seconds beyond the drain (and preStop) before the kubelet's SIGKILL
+MIN_READY_SECONDS = 10  # a replaced core is Ready this long before the next core pod is stopped
+ZONE_KEY = "topology.kubernetes.io/zone"
 
 
 def labels(component: str, node: str, region: str) -> dict:
@@ -184,14 +196,32 @@ def _tls(topo: Topology) -> tuple[str | None, str | None]:
     return (TLS_CERT_FILE, TLS_KEY_FILE) if topo.kube.tls else (None, None)
 
 
-def _pod(topo: Topology, lab: dict, region: str, port: int, container: dict, volumes: list[dict]) -> dict:
-    """A pod template: non-root, no service-account token, scraped on `port`'s /metrics."""
-    container = {**container, **_probes(topo),
+def termination(drain_timeout: float, prestop: int = 0) -> tuple[dict, int]:
+    """(the container's `lifecycle`, or {}; the pod's terminationGracePeriodSeconds) for a node's drain timeout:
+    the kubelet waits for preStop, then SIGTERM starts the drain; SIGKILL only after both and a margin."""
+    lifecycle = {"lifecycle": {"preStop": {"sleep": {"seconds": prestop}}}} if prestop else {}
+    return lifecycle, prestop + math.ceil(drain_timeout) + GRACE_MARGIN
+
+
+def _spread(sel: dict) -> list[dict]:
+    """Replicas spread over the region's zones, best effort (a region with one zone still schedules)."""
+    return [{"maxSkew": 1, "topologyKey": ZONE_KEY, "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": {"matchLabels": sel}}]
+
+
+def _pod(topo: Topology, lab: dict, region: str, port: int, container: dict, volumes: list[dict],
+         sel: dict, drain_timeout: float, prestop: int = 0) -> dict:
+    """A pod template: non-root, no service-account token, scraped on `port`'s /metrics; spread over zones, and
+    given the time its drain needs."""
+    lifecycle, grace = termination(drain_timeout, prestop)
+    container = {**container, **_probes(topo), **lifecycle,
                  "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
     scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics",
               **({"prometheus.io/scheme": "https"} if topo.kube.tls else {})}
     return {"metadata": {"labels": lab, "annotations": scrape},
             "spec": {"nodeSelector": {"topology.kubernetes.io/region": region},
+                     "terminationGracePeriodSeconds": grace,
+                     "topologySpreadConstraints": _spread(sel),
                      "automountServiceAccountToken": False,
                      "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
                                          "fsGroup": RUN_AS, "seccompProfile": {"type": "RuntimeDefault"}},
@@ -237,7 +267,11 @@ def core_manifests(topo: Topology, core: CoreNode) -> list[dict]:
     statefulset = {
         "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name, "labels": lab},
         "spec": {"serviceName": name, "replicas": core.replicas, "selector": {"matchLabels": sel},
-                 "template": _pod(topo, lab, core.region, core.http_port, container, volumes),
+                 # one pod at a time, the next once its replacement has been Ready a while (edges reconnected)
+                 "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}},
+                 "minReadySeconds": MIN_READY_SECONDS,
+                 "template": _pod(topo, lab, core.region, core.http_port, container, volumes, sel,
+                                  core.drain_timeout),
                  "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": data}]}}
     return [service, statefulset, _disruption_budget(name, lab, sel, core.replicas)]
 
@@ -286,7 +320,11 @@ def edge_manifests(topo: Topology, edge: EdgeNode) -> list[dict]:
         container["env"] = env
     deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": lab},
                   "spec": {"replicas": edge.replicas, "selector": {"matchLabels": sel},
-                           "template": _pod(topo, lab, edge.region, edge.port, container, volumes)}}
+                           # a new pod is Ready before an old one stops: capacity never drops in an upgrade
+                           "strategy": {"type": "RollingUpdate",
+                                        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+                           "template": _pod(topo, lab, edge.region, edge.port, container, volumes, sel,
+                                            edge.drain_timeout, PRESTOP_SECONDS)}}
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": lab},
                "spec": {"type": "ClusterIP", "selector": sel,
                         "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}}

@@ -3,9 +3,14 @@
 Life cycle: make the run's credentials → start every core (its own
 process group), wait until each answers /ready → start every edge pointed at
 its cores, nearest first, wait for /ready → print each edge's URL and an
-example request → wait for SIGINT/SIGTERM/SIGHUP or a node dying (a signal
-while starting stops the start there) → SIGTERM every node, SIGKILL what is
-still alive after a grace period, remove temporary files. Nodes that would
+example request → wait for SIGINT/SIGTERM or a node dying (a signal, SIGHUP
+too, while starting stops the start there) → SIGTERM every node (each drains), SIGKILL
+what is still alive after the longest drain timeout + 5 s (at least 15 s), remove temporary files. SIGHUP once up is a
+rolling restart (`restart_all`): one node at a time, cores first, each sent
+SIGTERM (it drains: shared/service.py), awaited up to its drain timeout plus
+`RESTART_MARGIN` (then killed), started again with the same command line and
+awaited on /ready before the next; a stop signal meanwhile stops after the
+node being restarted. Nodes that would
 share a port on one host are refused first. Each node's output is echoed
 with a `[region/node]` prefix. With `--emulate-wan` the nodes run inside
 per-region network namespaces (deploy/wan.py) and reach each other through
@@ -33,7 +38,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, TextIO
 
@@ -42,11 +47,13 @@ from edgecore.deploy.node_settings import core_settings, edge_settings, node_arg
 from edgecore.deploy.topology import CoreNode, EdgeNode, Topology
 from edgecore.protocol.credentials import Authority, NodeIdentity
 from edgecore.shared.errors import EdgecoreError
+from edgecore.shared.node_settings import DRAIN_TIMEOUT
 
 if TYPE_CHECKING:
     from edgecore.deploy.wan import WanEmulation
 
 COMPILE_WAIT = 300.0     # seconds more to wait for edges with `compile = true` (a first compile; cached after)
+RESTART_MARGIN = 15.0    # seconds past a node's drain timeout before a rolling restart kills it
 CREDENTIAL_DAYS = 90.0   # validity of a run's credentials (`edgecore keys issue`'s default)
 
 
@@ -73,6 +80,8 @@ class Proc:
     label: str
     popen: subprocess.Popen[str]
     ready_url: str
+    cmd: list[str] = field(default_factory=list)      # the full command line, to start it again
+    drain_timeout: float = DRAIN_TIMEOUT              # what SIGTERM may take (its `--drain-timeout`)
 
 
 class Launcher:
@@ -112,13 +121,16 @@ class Launcher:
         cmd = [sys.executable, "-m", "edgecore", *args]
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
+        proc = Proc(label, self._popen(label, cmd), ready_url, cmd)
+        self.procs.append(proc)
+        return proc
+
+    def _popen(self, label: str, cmd: list[str]) -> subprocess.Popen[str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  start_new_session=True)
         threading.Thread(target=self._echo, args=(label, popen.stdout), daemon=True).start()
-        proc = Proc(label, popen, ready_url)
-        self.procs.append(proc)
-        return proc
+        return popen
 
     def _wait_ready(self, procs: list[Proc], extra: float = 0.0) -> None:
         deadline = time.monotonic() + self.ready_timeout + extra
@@ -242,7 +254,7 @@ class Launcher:
             settings = replace(settings, tls_cert=cert, tls_key=key)
             self._spawn(f"{core.region}/{core.name}", node_argv(settings),
                         f"{self.scheme}://{host}:{core.http_port}/ready",
-                        self.wan.netns(core.region) if self.wan else None)
+                        self.wan.netns(core.region) if self.wan else None).drain_timeout = settings.drain_timeout
             addr[core.name] = (host, core.port)
         self._wait_ready(list(self.procs))
         edges = []
@@ -261,6 +273,7 @@ class Launcher:
             edges.append(self._spawn(f"{edge.region}/{edge.name}", node_argv(edge_args),
                                      f"{self.scheme}://{host}:{edge.port}/ready",
                                      self.wan.netns(edge.region) if self.wan else None))
+            edges[-1].drain_timeout = edge_args.drain_timeout
             self.edge_urls[edge.name] = f"{self.scheme}://{host}:{edge.port}/v1"
         # A first --compile takes a minute or more per edge on a small machine, several at once longer.
         self._wait_ready(edges, COMPILE_WAIT if any(e.compile for e in topo.edges) else 0.0)
@@ -273,11 +286,55 @@ class Launcher:
             self.say(f"try:\n  curl {cacert}{first}/chat/completions -H 'Content-Type: application/json' "
                      f"-d '{{\"model\": \"{topo.model_name}\", \"messages\": [{{\"role\": \"user\", "
                      f"\"content\": \"What does the for statement do?\"}}], \"max_tokens\": 40}}'")
-        self.say("Ctrl-C stops everything.")
+        self.say(f"Ctrl-C stops everything; `kill -HUP {os.getpid()}` restarts the nodes one at a time (each drained).")
 
-    def wait(self, stop: threading.Event) -> int:
-        """Until `stop` (a signal) or a node exits."""
+    def restart_all(self, stop: threading.Event | None = None) -> None:
+        """Rolling restart: each node in start order (cores, then edges) drained (SIGTERM), started again with
+        the same command line and awaited on /ready before the next. `stop` set meanwhile ends it after the
+        node in hand. A node that does not come back raises EdgecoreError."""
+        self.say(f"rolling restart of {len(self.procs)} node(s), one at a time")
+        for proc in self.procs:
+            if stop is not None and stop.is_set():
+                self.say("rolling restart interrupted")
+                return
+            self.restart(proc)
+        self.say("rolling restart done")
+
+    def restart(self, proc: Proc) -> None:
+        """Drain one node (SIGTERM to its group, at most its drain timeout plus a margin, then SIGKILL), start it
+        again and wait until it is ready."""
+        started = time.monotonic()
+        self.say(f"restarting {proc.label}: draining (at most {proc.drain_timeout:g} s)")
+        code = self._terminate(proc, proc.drain_timeout + RESTART_MARGIN)
+        self.say(f"{proc.label} exited with code {code} after {time.monotonic() - started:.1f} s; starting it again")
+        proc.popen = self._popen(proc.label, proc.cmd)
+        self._wait_ready([proc])
+        self.say(f"{proc.label} is ready again ({time.monotonic() - started:.1f} s)")
+
+    def _terminate(self, proc: Proc, grace: float) -> int | None:
+        """SIGTERM the node's process group, wait up to `grace` s, then SIGKILL what is left; its exit code."""
+        with_group(proc, signal.SIGTERM)
+        try:
+            return proc.popen.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.say(f"{proc.label} did not stop within {grace:g} s: killing it")
+        with_group(proc, signal.SIGKILL)
+        try:
+            return proc.popen.wait(5)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def wait(self, stop: threading.Event, restart: threading.Event | None = None) -> int:
+        """Until `stop` (a signal) or a node exits; `restart` set (SIGHUP) runs a rolling restart."""
         while not stop.is_set():
+            if restart is not None and restart.is_set():
+                restart.clear()
+                try:
+                    self.restart_all(stop)
+                except EdgecoreError as exc:
+                    self.say(f"rolling restart failed: {exc}; stopping")
+                    return 1
+                continue
             for proc in self.procs:
                 if proc.popen.poll() is not None:
                     self.say(f"{proc.label} exited with code {proc.popen.returncode}; stopping")
@@ -292,7 +349,8 @@ class Launcher:
                     os.killpg(proc.popen.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        deadline = time.monotonic() + 15
+        # nodes drain on SIGTERM: what they have in flight may take up to their drain timeout
+        deadline = time.monotonic() + max([15.0] + [p.drain_timeout + 5 for p in self.procs])
         for proc in self.procs:
             try:
                 proc.popen.wait(max(0.1, deadline - time.monotonic()))
@@ -311,11 +369,15 @@ class Launcher:
         self.tmp.cleanup()
 
     def run(self) -> int:
-        """Start, wait, stop. SIGINT, SIGTERM or SIGHUP stop every node whenever they come: while waiting they
-        end the wait; while starting they interrupt it (as Ctrl-C does), so no node outlives the launcher."""
-        stop, waiting = threading.Event(), threading.Event()
+        """Start, wait, stop. SIGINT or SIGTERM stop every node whenever they come: while waiting they end the
+        wait; while starting they interrupt it (as Ctrl-C does), so no node outlives the launcher. SIGHUP does
+        the same while starting; once everything is up it asks for a rolling restart (`restart_all`)."""
+        stop, waiting, restart = threading.Event(), threading.Event(), threading.Event()
 
-        def on_signal(*_: object) -> None:
+        def on_signal(sig: int, _: object) -> None:
+            if sig == signal.SIGHUP and waiting.is_set():
+                restart.set()
+                return
             stop.set()
             if not waiting.is_set():
                 raise KeyboardInterrupt
@@ -323,8 +385,16 @@ class Launcher:
         try:
             self.start()
             waiting.set()
-            return self.wait(stop)
+            return self.wait(stop, restart)
         finally:
             self.stop()
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+
+
+def with_group(proc: Proc, sig: int) -> None:
+    """Send `sig` to a node's process group (the node and its helpers, e.g. an edge's engine process)."""
+    try:
+        os.killpg(proc.popen.pid, sig)
+    except ProcessLookupError:
+        pass

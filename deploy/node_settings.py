@@ -15,14 +15,15 @@ from edgecore.shared.settings import to_argv
 
 
 def core_settings(core: CoreNode) -> CoreSettings:
-    """A core's own keys: name, device, parallel layout."""
-    return CoreSettings(name=core.name, device=core.device, tp=core.tp, pp=core.pp)
+    """A core's own keys: name, device, parallel layout, drain timeout."""
+    return CoreSettings(name=core.name, device=core.device, tp=core.tp, pp=core.pp, drain_timeout=core.drain_timeout)
 
 
 def edge_settings(topo: Topology, edge: EdgeNode) -> EdgeSettings:
-    """An edge's own keys (name, codecs, transfer timeout, compile) and the topology's model name."""
+    """An edge's own keys (name, codecs, transfer timeout, compile, drain timeout) and the topology's model name."""
     return EdgeSettings(name=edge.name, served_model_name=topo.model_name, codec=edge.codecs,
-                        transfer_timeout=edge.transfer_timeout, compile=edge.compile)
+                        transfer_timeout=edge.transfer_timeout, compile=edge.compile,
+                        drain_timeout=edge.drain_timeout)
 
 
 def node_argv(settings: CoreSettings | EdgeSettings) -> list[str]:

@@ -70,6 +70,7 @@ class CoreSpec(_Spec, frozen=True):
     port: Port = 7100
     http_port: Port = 7101
     replicas: Count = 1
+    drain_timeout: Annotated[float, Meta(ge=0, le=86400)] = 30.0     # `--drain-timeout`: SIGTERM finishes in-flight work
     resources: Resources = msgspec.field(default_factory=Resources)
 
 
@@ -81,6 +82,7 @@ class EdgeSpec(_Spec, frozen=True):
     codecs: tuple[Codec, ...] = ("lossless",)
     transfer_timeout: Annotated[float, Meta(ge=0.1, le=86400)] = 30.0   # seconds without KV progress before giving up
     compile: bool = False           # `edgecore edge --compile`: the decode step through torch.compile
+    drain_timeout: Annotated[float, Meta(ge=0, le=86400)] = 30.0     # `--drain-timeout`: SIGTERM lets streams finish
     resources: Resources = msgspec.field(default_factory=lambda: Resources(memory="4Gi"))
 
 

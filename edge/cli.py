@@ -35,13 +35,14 @@ def run_edge(args: argparse.Namespace) -> int:
     """The HTTP frontend, which starts the engine process (`--engine-fd`) unless `--engine-in-process`."""
     from edgecore.edge.http import EdgeHTTP, start_http
     from edgecore.shared.env import default_model
+    from edgecore.shared.node_settings import check_drain_timeout
     from edgecore.shared.secrets import parse_hostport, read_api_keys
     from edgecore.shared.service import run_service, setup_logging
-    from edgecore.shared.tenants import TenantRegistry
     from edgecore.shared.tls import server_tls
 
     settings, engine_fd = from_args(EdgeSettings, args), args.engine_fd
     setup_logging(f"[{settings.name}{'/engine' if engine_fd is not None else ''}] ")
+    check_drain_timeout(settings.drain_timeout)
     codecs = _codecs(settings)
     local_below = _local_prefill_below(settings.local_prefill_below)
     codec_policy(settings)
@@ -232,7 +233,9 @@ def _run_engine_process(settings: EdgeSettings, engine_fd: int, model_dir: str, 
         tasks[0].add_done_callback(served)
         return finished
 
-    return run_service(start, edge.stop)
+    # SIGTERM (to the whole process group, say) is the frontend's to act on: this process serves it until it
+    # leaves, once its drain is over (or at once, with --drain-timeout 0).
+    return run_service(start, edge.stop, ignore_sigterm=True)
 
 
 def codec_policy(settings: EdgeSettings) -> dict:

@@ -8,7 +8,11 @@ them into the same queues; while all of them are up (`direct`), requests ask
 every rank to send its own KV. If a link fails, every in-flight request's
 queue receives the `PeerError`; the client is unhealthy until `connect()`
 succeeds again. Link bandwidth is measured from the KV bytes that arrive per
-transfer (EWMA).
+transfer (EWMA). A core that announces its drain (Draining, protocol version 4)
+gets no new requests on that connection at once (`healthy` is False) while its
+requests in flight finish; if the connection is still open `DRAIN_GRACE` seconds
+after the drain timeout it announced, it is failed here (its requests fail over
+as for a dead core). A new connection (the restarted core) starts undrained.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ssl import SSLContext
 
 from edgecore.protocol import messages as m
 from edgecore.protocol.credentials import NodeIdentity, Trust
+from edgecore.protocol.errors import ErrorCode
 from edgecore.protocol.state import KVData
 from edgecore.protocol.transport import Peer, PeerError, Timeouts, connect
 from edgecore.shared.env import link_sealed
@@ -31,6 +36,7 @@ from edgecore.shared.env import link_sealed
 log = logging.getLogger("edgecore.edge")
 
 UNRESPONSIVE_AFTER = 5.0     # seconds a ping may go unanswered, with nothing else arriving, before placement avoids the core
+DRAIN_GRACE = 5.0            # seconds past a draining core's announced timeout before the edge fails its connection
 
 
 class CoreClient:
@@ -51,6 +57,10 @@ class CoreClient:
         self.last_error: str | None = None
         self.bandwidth: float | None = None      # wire bytes/s while KV arrived, EWMA over transfers
         self.last_bandwidth: float | None = None  # the same for the latest transfer alone
+        self.draining = False                    # the core announced its drain on the current connection
+        self.drain_grace = DRAIN_GRACE
+        self._drain_timer: asyncio.TimerHandle | None = None
+        self._failing: asyncio.Future | None = None    # failing the connection of a core whose drain overran
         self._lock = asyncio.Lock()
 
     @property
@@ -66,7 +76,7 @@ class CoreClient:
         """Connected and answering: a core whose pings go unanswered while nothing arrives from it for
         `UNRESPONSIVE_AFTER` seconds (stopped, wedged) gets no new requests until it answers again, instead of
         each one waiting out the transfer timeout (the connection itself is closed only after the idle timeout)."""
-        if not self.connected:
+        if not self.connected or self.draining:
             return False
         assert self.peer is not None
         return not self.peer.unresponsive(UNRESPONSIVE_AFTER)
@@ -98,6 +108,7 @@ class CoreClient:
                 self.last_error = str(exc)
                 raise
             self.last_error = None
+            self._end_drain()
             self.reader = asyncio.create_task(self._read(self.peer))
             await self.peer.ping()
             await self.connect_streams()
@@ -124,6 +135,9 @@ class CoreClient:
         try:
             while True:
                 ev = await peer.recv()
+                if isinstance(ev, m.Draining):
+                    self._on_draining(peer, ev)
+                    continue
                 rid = ev.chunk.request_id if isinstance(ev, KVData) else getattr(ev, "request_id", "")
                 queue = self.inflight.get(rid)
                 if queue is not None:
@@ -141,9 +155,35 @@ class CoreClient:
             for queue in self.inflight.values():
                 queue.put_nowait(error)
 
+    def _on_draining(self, peer: Peer, msg: m.Draining) -> None:
+        """The core is stopping: nothing new goes to it; fail the connection if it outlives the drain."""
+        if self.draining or peer is not self.peer:
+            return
+        self.draining = True
+        wait = max(0.0, msg.timeout_ms / 1000) + self.drain_grace
+        log.info("core %s is draining (%s): no new requests to it; %d in flight finish there (at most %.0f s)",
+                 self.address, msg.message or "no reason given", len(self.inflight), wait)
+        self._drain_timer = asyncio.get_running_loop().call_later(wait, self._drain_expired, peer, wait)
+
+    def _drain_expired(self, peer: Peer, wait: float) -> None:
+        self._drain_timer = None
+        if peer is self.peer and not peer.closed:
+            log.warning("core %s announced its drain %.0f s ago and is still connected: treating it as failed",
+                        self.address, wait)
+            self.last_error = "drain did not finish in time"
+            task = asyncio.ensure_future(peer.fail("drain did not finish in time", ErrorCode.TIMEOUT))
+            self._failing = task          # held until done
+
+    def _end_drain(self) -> None:
+        self.draining = False
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+            self._drain_timer = None
+
     async def prefill(self, request: m.PrefillRequest) -> asyncio.Queue:
         if not self.healthy:
-            raise PeerError(f"core {self.address} is " + ("not answering" if self.connected else "not connected"))
+            raise PeerError(f"core {self.address} is " + ("draining" if self.draining and self.connected else
+                                                          "not answering" if self.connected else "not connected"))
         queue: asyncio.Queue = asyncio.Queue()
         self.inflight[request.request_id] = queue
         assert self.peer is not None            # healthy
@@ -175,6 +215,7 @@ class CoreClient:
         self.streams, self.stream_readers = [], []
 
     async def close(self) -> None:
+        self._end_drain()
         await self._close_streams()
         if self.peer is not None:
             await self.peer.close()

@@ -125,6 +125,8 @@ class EdgeEngine:
         self.active = 0
         self.pinned: list[list[int]] = []      # prefetched contexts' blocks, least recently prefetched first
         self.prefill_model = PrefillModel(config.local_prefill_below or 32)
+        self.prompt_tokens_mean: float | None = None   # recent prompts' length (EWMA), for the predicted TTFT
+        self.metrics.predicted_ttft.set_function(lambda: self.predicted_ttft() or 0.0)   # read at scrape time
         self._started: dict[str, Progress] = {}   # requests begun with `submit`, until they finish
         self._follows: dict[str, asyncio.Task] = {}   # decode handovers still receiving, by request id
         self.handover_counts: dict = {}              # RemotePrefill's tallies (stats)
@@ -262,6 +264,8 @@ class EdgeEngine:
         """Place the prefill and start the request (in its fairness group, its prefix cache scoped by its
         `cache_salt`, here and at the core), its outputs going to `sink`; returns the core that prefilled it, or
         None."""
+        n, mean = len(_ids(request)), self.prompt_tokens_mean
+        self.prompt_tokens_mean = n if mean is None else 0.9 * mean + 0.1 * n
         where, reason, admitted = await self._placement(request, sink)
         progress.placed_at = time.perf_counter()
         self.metrics.queue_time.observe(progress.placed_at - progress.arrived)
@@ -363,6 +367,14 @@ class EdgeEngine:
         m.waiting.set(stats.waiting)
         m.kv_usage.set(stats.kv_cache_usage)
         return generate_latest(m.registry).decode()
+
+    def predicted_ttft(self) -> float | None:
+        """The TTFT a new request of the recent mean prompt length would see now (`PrefillModel.predict_ttft`
+        behind the requests waiting here); None before any prompt or measured prefill."""
+        if self.prompt_tokens_mean is None:
+            return None
+        cores = [(c.address, c.rtt) for c in self.router.healthy()]
+        return self.prefill_model.predict_ttft(self.prompt_tokens_mean, self.handle.stats().waiting, cores)
 
     async def get_readiness(self) -> dict:
         # Local prefill is always a prefill path once the engine runs.

@@ -72,6 +72,7 @@ class EdgeHTTP:
         self.max_seqs_per_request = max_seqs_per_request
         self.limits = limits or ServerLimits()
         self.sequences = 0                              # choices of the requests being served now
+        self.draining = False                           # SIGTERM: no new requests, those in flight finish
         self.created = int(time.time())
         self.texts = TokenText(edge.tokenizer)
 
@@ -100,6 +101,7 @@ class EdgeHTTP:
             raise ApiError(400, f"This request asks for {prompts} prompt(s) × n={parsed.n} = {count} sequences; "
                                 f"this server allows at most {self.max_seqs_per_request} per request",
                            "n" if parsed.n > 1 else "prompt", "too_many_sequences")
+        self._refuse_when_draining()     # (a request that began before the drain and parsed during it)
         if not self.edge.ready:
             raise ApiError(503, "The engine is not running", None, "engine_unavailable",
                            headers={"x-should-retry": "false"})
@@ -155,9 +157,10 @@ class EdgeHTTP:
         return await self._serve(request, parsed, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        self._refuse_when_draining()
         body = await json_body(request)
-        check_model(body, self.served_model)
         self._tenant_terms(request, body)
+        self._model(request, body)
         parsed = await off_loop(request, parse_chat, body, self.edge.tokenizer, self.edge.vocab_size,
                                 self.edge.max_model_len)
         self._capacity(parsed, request)
@@ -165,6 +168,7 @@ class EdgeHTTP:
 
     async def prefetch(self, request: web.Request) -> web.Response:
         """Context prefetch: a core (or an operator) pushes a shared prefix here ahead of requests."""
+        self._refuse_when_draining()
         body = await json_body(request)
         tok = self.edge.tokenizer
         ids = body.get("token_ids")
@@ -198,6 +202,8 @@ class EdgeHTTP:
         return web.json_response({"status": "ok"})
 
     async def ready(self, _: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"ready": False, "draining": True}, status=503)
         try:
             readiness = await self.edge.get_readiness()
         except EngineDead:

@@ -51,11 +51,14 @@ class EdgeMetrics:
                                                      "finished request", buckets=TOKENS)
         self.prompt_tokens = m.counter("edgecore:prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = m.counter("edgecore:generation_tokens", "Tokens generated")
-        self.cached_tokens = m.counter("edgecore:prefix_cache_hit_tokens", "Prompt tokens from the edge prefix "
-                                       "cache, per request")
+        self.cached_tokens = m.counter("edgecore:prefix_cache_hit_tokens", "Prompt tokens not recomputed, per "
+                                       "request: from the edge's prefix cache or disk KV tier, or for a remote "
+                                       "prefill the core's (usage.prompt_tokens_details.cached_tokens)")
         self.requests = m.counter("edgecore:request_success", "Finished requests", "finished_reason")
         self.running = m.gauge("edgecore:num_requests_running", "Requests in the decode batch")
         self.waiting = m.gauge("edgecore:num_requests_waiting", "Requests waiting for the engine")
+        self.predicted_ttft = m.gauge("edgecore:predicted_ttft_seconds", "Predicted time to first token of a "
+                                      "new request of the recent mean prompt length (0 until a prefill is measured)")
         self.kv_usage = m.gauge("edgecore:kv_cache_usage_perc", "Fraction of KV blocks in use")
         self.kv_bytes = m.counter("edgecore:kv_bytes_received", "Encoded KV bytes received", "codec")
         self.kv_raw_bytes = m.counter("edgecore:kv_raw_bytes_received", "KV bytes after decoding", "codec")

@@ -7,10 +7,14 @@ seconds per token beyond the round trip. `local_is_faster(tokens, rtt)`
 compares the predictions; until both sides have been measured the fixed
 threshold decides. So that a core's estimate does not go stale while every
 prompt stays local, one in `explore_every` prompts that the fixed threshold
-would have sent to the core still goes there.
+would have sent to the core still goes there. `predict_ttft` turns the same
+rates into the edge's predicted time to first token for a new request (the
+`edgecore:predicted_ttft_seconds` gauge, an autoscaling signal).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 
 class PrefillModel:
@@ -44,6 +48,17 @@ class PrefillModel:
             if self._local_picks % self.explore_every == 0:
                 return False            # refresh the core's estimate now and then
         return local
+
+    def predict_ttft(self, tokens: float, waiting: int, cores: Iterable[tuple[str, float]]) -> float | None:
+        """Predicted time to first token of a request of `tokens` prompt tokens arriving now behind `waiting`
+        queued requests of the same size: the `waiting + 1` prompts prefilled one after another at the best
+        measured rate, here or at one of `cores` ((address, rtt) of the healthy ones: plus its round trip).
+        A first-order model: it ignores prefix-cache hits and decode steps sharing the engine. None until a
+        rate has been measured."""
+        work = (waiting + 1) * tokens
+        options = [work * self.local_per_token] if self.local_per_token is not None else []
+        options += [rtt + work * self.remote_per_token[core] for core, rtt in cores if core in self.remote_per_token]
+        return min(options) if options else None
 
     def crossover(self, core: str, rtt: float) -> float | None:
         """Prompt length above which the core is faster (None: not measured, or never)."""

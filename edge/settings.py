@@ -63,6 +63,7 @@ class EdgeSettings:
     header_timeout: float = common.header_timeout()
     body_timeout: float = common.body_timeout()
     keepalive_timeout: float = common.keepalive_timeout()
+    drain_timeout: float = common.drain_timeout()
     transfer_timeout: float = setting(30.0, help="seconds without KV progress before giving up on a core (then "
                                                  "retry or prefill locally)")
     handover_max_tokens: int = setting(64, help="decode handover: tokens after the first a core may decode and "

@@ -15,9 +15,10 @@ import typing
 
 import msgspec
 
-PROTOCOL_VERSION = 3
-SUPPORTED_VERSIONS = (2, 3)
+PROTOCOL_VERSION = 4
+SUPPORTED_VERSIONS = (2, 3, 4)
 HANDOVER_VERSION = 3                   # first version with core decoding (Token, Handover, DecodeStop)
+DRAIN_VERSION = 4                      # first version with Draining (a core announces its graceful stop)
 # Auth / AuthOk capabilities this implementation has beyond its version: "kv-compact-params": it decodes the
 # entropy-coded levels' compact parameters (docs/wire-format.md, q4e/q3e/q2e flag bits 2 and 3); a core
 # sends them only to a peer that says so.
@@ -167,6 +168,15 @@ class DecodeStop(_Msg, tag=16, frozen=True):
     reason: str                        # "refused" | "bound" | "handover" | "finished" | "cancelled"
 
 
+# Version 4: a core that is stopping gracefully (SIGTERM) tells each edge once, then takes no new PrefillRequest
+# (each is refused with Error SHUTTING_DOWN) and finishes what it has in flight within `timeout_ms`; an edge
+# sends it nothing new, and treats it as failed if the connection is still open after that time. An older
+# (version 2 or 3) peer never receives it: it learns from the refusals and the closed connection.
+class Draining(_Msg, tag=17, frozen=True):
+    timeout_ms: int                    # the longest the core will take to finish its requests in flight
+    message: str = ""
+
+
 class Ping(_Msg, tag=11, frozen=True):
     nonce: int
 
@@ -177,8 +187,9 @@ class Pong(_Msg, tag=12, frozen=True):
 
 
 Message = (Hello | Welcome | Auth | AuthOk | PrefillRequest | KVChunk | PrefillDone | Ack | Cancel | Error
-           | Ping | Pong | Reject | Token | Handover | DecodeStop)
+           | Ping | Pong | Reject | Token | Handover | DecodeStop | Draining)
 HANDOVER_MESSAGES = (Token, Handover, DecodeStop)     # only on a connection that agreed version 3
+DRAIN_MESSAGES = (Draining,)                          # only on a connection that agreed version 4
 MESSAGE_TYPES: dict[int, type] = {cls.__struct_config__.tag: cls for cls in typing.get_args(Message)}
 
 encoder = msgspec.msgpack.Encoder()

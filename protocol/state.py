@@ -9,6 +9,8 @@ sends and receives are checked against the one table below (`TRANSITIONS`):
            Version 3 only (`handover`): the client also Handover, the server Token/DecodeStop, and a
            PrefillRequest may ask for `core_decode`; on a version-2 connection these are protocol errors,
            so a version-2 peer keeps the old mode (the KV first, then the edge decodes).
+           Version 4 only (`drain`): the server also Draining (it is stopping gracefully); an older peer is
+           never sent it.
     any state --Error without request (either side)--> CLOSED;  before READY any Error closes.
     any exception inside the machine (sending or receiving) --> ERROR: further use raises,
            except `error_frame`, which tells the peer why and moves to CLOSED.
@@ -72,7 +74,7 @@ class State(enum.Enum):
 C, S = Role.CLIENT, Role.SERVER
 READY_FROM = {
     C: (m.PrefillRequest, m.Ack, m.Cancel, m.Ping, m.Pong, m.Error, m.Reject, m.Handover),
-    S: (m.KVChunk, m.PrefillDone, m.Ping, m.Pong, m.Error, m.Reject, m.Token, m.DecodeStop),
+    S: (m.KVChunk, m.PrefillDone, m.Ping, m.Pong, m.Error, m.Reject, m.Token, m.DecodeStop, m.Draining),
 }
 # (role that sends, state, message type) → next state. Sending and receiving both use it.
 TRANSITIONS: dict[tuple[Role, State, type], State] = {
@@ -97,6 +99,8 @@ def next_state(sender: Role, state: State, msg: m.Message, version: int | None =
     if (version or 0) < m.HANDOVER_VERSION and (isinstance(msg, m.HANDOVER_MESSAGES) or
                                                 (isinstance(msg, m.PrefillRequest) and msg.core_decode)):
         return None
+    if (version or 0) < m.DRAIN_VERSION and isinstance(msg, m.DRAIN_MESSAGES):
+        return None
     if isinstance(msg, m.Error) and (not msg.request_id or state is not State.READY):
         return State.CLOSED
     return TRANSITIONS.get((sender, state, type(msg)))
@@ -107,11 +111,14 @@ class Connection:
                  limits: Limits | None = None, name: str = "", layout: dict[str, int] | None = None,
                  capabilities: list[str] | None = None, session: str = "", streams: list[int] | None = None,
                  sealed: bool = True, rekey: Rekey = Rekey(), clock: Callable[[], float] = time.monotonic,
-                 identity: NodeIdentity | None = None, trust: Trust | None = None):
+                 identity: NodeIdentity | None = None, trust: Trust | None = None,
+                 versions: tuple[int, ...] | None = None):
         """`sealed`: encrypt every frame after the handshake (cipher.py) and refuse a peer that cannot; False
         keeps the authenticated-only frames of earlier releases (benchmarks compare against it). `rekey`: when
         this side updates its sending key; `clock` times it. `identity` / `trust`: this node's credential and
-        what it checks the peer's against (credentials.py); with them the cluster secret is optional."""
+        what it checks the peer's against (credentials.py); with them the cluster secret is optional.
+        `versions`: the protocol versions this side offers or accepts (default `SUPPORTED_VERSIONS`; tests and
+        benches speak an earlier release's set)."""
         if not secret and identity is None:
             raise ValueError("a cluster secret or a node credential is required")
         if identity is not None and trust is None:
@@ -125,6 +132,9 @@ class Connection:
         self.session = session             # client: sent in Auth; server: the peer's, from its Auth
         self.streams = list(streams or [])  # server: sent in AuthOk; client: the peer's, from its AuthOk
         self.state = State.START
+        self.versions = tuple(versions or m.SUPPORTED_VERSIONS)
+        if not set(self.versions) <= set(m.SUPPORTED_VERSIONS):
+            raise ValueError(f"versions {list(self.versions)} must be among {list(m.SUPPORTED_VERSIONS)}")
         self.version: int | None = None
         self.peer_codecs: list[str] = []
         self.peer_layout: dict[str, int] = {}
@@ -152,10 +162,10 @@ class Connection:
 
     # ---- handshake messages ----------------------------------------------------
     def hello(self) -> m.Hello:
-        return m.Hello(list(m.SUPPORTED_VERSIONS), os.urandom(32), self.key_share)
+        return m.Hello(list(self.versions), os.urandom(32), self.key_share)
 
     def welcome(self) -> m.Welcome:
-        return m.Welcome(self.version or m.PROTOCOL_VERSION, os.urandom(32), self.key_share)
+        return m.Welcome(self.version or max(self.versions), os.urandom(32), self.key_share)
 
     @property
     def key_share(self) -> bytes:
@@ -192,7 +202,14 @@ class Connection:
         """True once both sides agreed a version with decode handover (Token, Handover, DecodeStop)."""
         return (self.version or 0) >= m.HANDOVER_VERSION
 
+    @property
+    def drain(self) -> bool:
+        """True once both sides agreed a version with Draining (a core's announced graceful stop)."""
+        return (self.version or 0) >= m.DRAIN_VERSION
+
     def _version_note(self, msg: m.Message) -> str:
+        if self.state is State.READY and isinstance(msg, m.DRAIN_MESSAGES) and not self.drain:
+            return f" (a version-{self.version} connection has no Draining)"
         if self.state is State.READY and not self.handover:
             return f" (a version-{self.version} connection has no decode handover)"
         return ""
@@ -409,15 +426,15 @@ class Connection:
     # ---- handshake checks (the table already allowed the message) -----------------------------
     def _check_handshake(self, msg: m.Message, frame: RawFrame) -> None:
         if isinstance(msg, m.Hello):
-            common = sorted(set(msg.versions) & set(m.SUPPORTED_VERSIONS))
+            common = sorted(set(msg.versions) & set(self.versions))
             if not common:
                 raise RemoteProtocolError(f"no common protocol version: peer offers {msg.versions}, this side "
-                                          f"supports {list(m.SUPPORTED_VERSIONS)}", ErrorCode.VERSION_MISMATCH)
+                                          f"supports {list(self.versions)}", ErrorCode.VERSION_MISMATCH)
             _check_nonce(msg.nonce)
             self._exchange(msg.key_share)
             self._hello_header, self.version = bytes(frame.header), common[-1]
         elif isinstance(msg, m.Welcome):
-            if msg.version not in m.SUPPORTED_VERSIONS:
+            if msg.version not in self.versions:
                 raise RemoteProtocolError(f"server chose unsupported version {msg.version}",
                                           ErrorCode.VERSION_MISMATCH)
             _check_nonce(msg.nonce)

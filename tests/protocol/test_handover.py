@@ -22,7 +22,7 @@ V3_SERVER = [m.Token("r", 1, 42), m.Token("r", 2, 9, -0.25, [(9, -0.25), (4, -1.
 def test_handover_messages_round_trip_in_any_split(mode):
     client, server = new_pair()
     handshake(client, server)
-    assert client.version == server.version == 3 and client.handover and server.handover
+    assert client.version == server.version == m.PROTOCOL_VERSION and client.handover and server.handover
     rng = random.Random(3)
     for sender, receiver, msgs in ((client, server, V3_CLIENT), (server, client, V3_SERVER)):
         for msg in msgs:
