@@ -47,7 +47,7 @@ def _version() -> str:
 def _modules() -> list[ModuleType]:
     mods = [shared_cli]
     for name in ("edgecore.core.cli", "edgecore.core.batch_cli", "edgecore.edge.cli", "edgecore.deploy.commands",
-                 "edgecore.deploy.keys"):
+                 "edgecore.deploy.keys", "edgecore.deploy.plan_cli"):
         try:
             mods.append(__import__(name, fromlist=["register"]))
         except ModuleNotFoundError as exc:

@@ -170,12 +170,34 @@ class Kubernetes(_Spec, frozen=True):
     batch_clients: list[BatchClient] = []
 
 
+class Slo(_Spec, frozen=True):
+    ttft_ms: Annotated[float, Meta(gt=0, le=1e7)] | None = None     # time to first token at `percentile`
+    tpot_ms: Annotated[float, Meta(gt=0, le=1e7)] | None = None     # time per output token at `percentile`
+    percentile: Literal["p50", "p90", "p99"] = "p99"
+
+
+class Failure(_Spec, frozen=True, kw_only=True):
+    node: Name                                  # a core or edge removed (all its replicas)
+    at_s: Annotated[float, Meta(ge=0, le=1e9)]  # seconds from the trace's start
+
+
+class PlanSpec(_Spec, frozen=True):
+    """`edgecore plan` only (docs/plan.md): costs, SLOs and failures of the simulated fleet."""
+    core_cost: Annotated[float, Meta(ge=0, le=1e12)] = 1.0      # per core replica (any unit, e.g. per hour)
+    edge_cost: Annotated[float, Meta(ge=0, le=1e12)] = 0.25     # per edge replica
+    slo: Slo = msgspec.field(default_factory=Slo)               # every region's SLO (`--search`)
+    region_slo: dict[Name, Slo] = {}                            # per-region SLOs, instead of `slo`
+    max_replicas: Count = 16                                    # `--search`: most replicas of one node
+    failures: list[Failure] = []
+
+
 class TopologyFile(_Spec, frozen=True, kw_only=True):
     model: ModelSpec = msgspec.field(default_factory=ModelSpec)
     secrets: SecretsSpec = msgspec.field(default_factory=SecretsSpec)
     regions: Annotated[dict[Name, RegionSpec], Meta(min_length=1)]
     links: list[Link] = []
     kubernetes: Kubernetes = msgspec.field(default_factory=Kubernetes)
+    plan: PlanSpec = msgspec.field(default_factory=PlanSpec)
 
 
 @dataclass(frozen=True)
@@ -193,6 +215,7 @@ class Topology:
     links: tuple[Link, ...] = ()
     cuda_image: str = "edgecore:latest-cuda"
     kube: Kubernetes = field(default_factory=Kubernetes)
+    plan: PlanSpec = field(default_factory=PlanSpec)
 
     def link(self, a: str, b: str) -> Link | None:
         for link in self.links:
@@ -292,6 +315,12 @@ def _build(path: Path, spec: TopologyFile, fail: Callable[[tuple[str | int, ...]
     for i, client in enumerate(spec.kubernetes.batch_clients):
         if client.name in seen:
             fail(("kubernetes", "batch_clients", i, "name"), f"repeats node name {client.name!r}")
+    for i, failure in enumerate(spec.plan.failures):
+        if failure.node not in seen:
+            fail(("plan", "failures", i, "node"), f"names unknown node {failure.node!r}")
+    for region in spec.plan.region_slo:
+        if region not in spec.regions:
+            fail(("plan", "region_slo", region), "is not a region of this topology")
     try:
         spec.kubernetes.core_dns.format(service="core", namespace="ns")
     except (KeyError, IndexError, ValueError):
@@ -300,7 +329,7 @@ def _build(path: Path, spec: TopologyFile, fail: Callable[[tuple[str | int, ...]
     return Topology(str(path), model, spec.model.name or Path(model).name, spec.model.image,
                     spec.secrets.cluster_secret_file, spec.secrets.kubernetes_secret, spec.secrets.api_keys_file,
                     tuple(spec.regions), tuple(cores), tuple(edges), tuple(spec.links), spec.model.cuda_image,
-                    spec.kubernetes)
+                    spec.kubernetes, spec.plan)
 
 
 def kube_name(kind: str, name: str) -> str:

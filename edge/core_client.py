@@ -223,6 +223,12 @@ class CoreClient:
             self.reader.cancel()
 
 
+def core_score(rtt: float, load: int) -> float:
+    """How the router ranks healthy cores, lowest first: the round trip inflated by the requests in flight
+    (`edgecore plan`'s simulator ranks its cores with this too)."""
+    return rtt * (1 + load) + 0.001 * load
+
+
 class CoreRouter:
     """The configured cores, health-checked; picks the best by RTT and load.
 
@@ -286,7 +292,7 @@ class CoreRouter:
         candidates = [c for c in self.healthy() if c.address not in exclude]
         if not candidates:
             return None
-        return min(candidates, key=lambda c: c.rtt * (1 + c.load) + 0.001 * c.load)
+        return min(candidates, key=lambda c: core_score(c.rtt, c.load))
 
     async def stop(self) -> None:
         if self._task is not None:
