@@ -58,8 +58,8 @@ def run_core(args: argparse.Namespace) -> int:
     config = CoreConfig(model_dir=model_dir, secret=secret or b"", identity=identity, trust=trust, host=host,
                         port=port, http_host=http_host, http_port=http_port, dtype=settings.dtype,
                         device=device, lease_seconds=settings.lease, cache=cache,
-                        engine=EngineConfig(max_num_batched_tokens=settings.max_batched_tokens),
-                        name=settings.name, ssl=ssl, data_dir=settings.data_dir,
+                        engine=EngineConfig(max_num_batched_tokens=settings.max_batched_tokens, quantize=settings.quantize),
+                        name=settings.name, ssl=_link_tls(settings), data_dir=settings.data_dir,
                         api_keys=api_keys, control=control,
                         max_file_bytes=int(settings.max_file_mb * 1024 * 1024), tp=settings.tp, pp=settings.pp,
                         pp_split=pp_split,
@@ -113,6 +113,8 @@ def _check_parallel(model_dir: str, pp_split: list[int] | None, settings: CoreSe
     from edgecore.shared.parallel import check_parallel
     from edgecore.shared.secrets import parse_hostport
     parse_hostport(settings.rendezvous)
+    if settings.quantize or model_dir.endswith(".gguf"):
+        raise ConfigError("quantized weights (--quantize, a .gguf model) run on one process: not with --tp/--pp")
     try:
         check_parallel(ModelConfig.from_dir(model_dir), settings.tp, settings.pp, pp_split)
     except ValueError as exc:

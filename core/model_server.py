@@ -31,12 +31,16 @@ class ModelServer:
         """Made once the engine has loaded the model: the files as they are now are the weights it serves."""
         self.model_dir = Path(model_dir)
         self.packed_dir = self.model_dir if is_packed(model_dir) else data_dir / "packed-model"
-        self.loaded = source_state(self.model_dir)
+        self.gguf = self.model_dir.suffix == ".gguf"      # not shipped (yet): an edge loads the same file itself
+        self.loaded = {} if self.gguf else source_state(self.model_dir)
         self._lock = asyncio.Lock()
 
     async def ensure_packed(self) -> Path:
         """The packed copy of the weights this core serves: packed (again) if the copy is of other files. If the
         model directory changed since the core loaded it, edges would get weights it does not serve: a 503."""
+        if self.gguf:
+            raise ApiError(501, f"this core serves the GGUF file {self.model_dir.name}, which it does not ship to "
+                           "edges: give each edge the same file with --model", None, "model_not_shippable")
         if source_state(self.model_dir) != self.loaded:
             raise ApiError(503, f"the model directory {self.model_dir} changed since this core loaded it; "
                            "restart the core to serve (and ship) the new weights", None, "model_changed")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgecore.shared import node_settings as common
-from edgecore.shared.node_settings import Dtype
+from edgecore.shared.node_settings import Dtype, Quantize
 from edgecore.shared.settings import setting
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgecore.shared import node_settings as common
-from edgecore.shared.node_settings import Dtype
+from edgecore.shared.node_settings import Dtype, Quantize
 from edgecore.shared.settings import setting
 
 
@@ -22,6 +22,7 @@ class EdgeSettings:
     dtype: Dtype = common.dtype()
     device: str | None = common.device()
     compile: bool = common.compile_decode()
+    quantize: Quantize | None = common.quantize()
     core: tuple[str, ...] = setting((), metavar="HOST:PORT",
                                     help="a core's protocol address (repeatable); none: prefill locally")
     core_dns: tuple[str, ...] = setting((), metavar="NAME:PORT", help="a DNS name whose addresses are cores (e.g. "

@@ -14,10 +14,13 @@ if TYPE_CHECKING:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, metavar="DIR",
-                   help="Hugging Face model directory (default: the bundled pydoc-llama)")
+                   help="Hugging Face model directory, or a .gguf file (default: the bundled pydoc-llama)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                    help="weight and KV dtype (auto: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                   help="quantize the float weights at load, weight-only (CPU): int8 per output row, int4 per 32 "
+                        "inputs (default: keep the checkpoint's weights)")
 
 
 def add_compile_arg(p: argparse.ArgumentParser) -> None:
@@ -182,7 +185,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from edgecore.shared.config import EngineConfig
     from edgecore.shared.errors import ConfigError
     engine = LLMEngine.from_dir(args.model or default_model(), args.dtype, resolve_device(args.device),
-                                engine_config=EngineConfig(compile_decode=args.compile))
+                                engine_config=EngineConfig(compile_decode=args.compile, quantize=args.quantize))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     prompt = args.prompt

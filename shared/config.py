@@ -172,6 +172,13 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        if str(model_dir).endswith(".gguf"):     # a GGUF file: its metadata as config.json (shared/gguf_file.py)
+            from edgecore.shared.errors import ModelLoadError
+            from edgecore.shared.gguf_file import GGUFFile
+            try:
+                return cls.from_dict(GGUFFile(model_dir).hf_config(), source=str(model_dir))
+            except ModelLoadError as exc:
+                raise ConfigError(str(exc)) from None
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"model directory {model_dir} has no config.json")
@@ -378,3 +385,4 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None
     compile_decode: bool = False        # small pure decode steps through torch.compile (compiled_decode.py)
+    quantize: str | None = None         # "int8" / "int4": float projections quantized at load (quant_loader.py)

@@ -2,7 +2,8 @@
 
 A SHA-256 over the canonical config (the fields that shape KV and logits),
 the tokenizer file, and every weight's name, dtype and shape (read from
-safetensors headers only). Weights' values are not hashed (too slow for
+safetensors headers only; for a GGUF file, its tokenizer metadata and its tensors' names, types and
+shapes from its header). Weights' values are not hashed (too slow for
 large models); a retrained checkpoint of identical shapes should change its
 config or tokenizer, or be deployed under a different model name.
 """
@@ -23,6 +24,14 @@ def model_fingerprint(model_dir: str | Path, config: ModelConfig | None = None) 
     config = config or ModelConfig.from_dir(model_dir)
     h = hashlib.sha256()
     h.update(json.dumps(dataclasses.asdict(config), sort_keys=True, default=str).encode())
+    if str(model_dir).endswith(".gguf"):      # a GGUF file: its tokenizer metadata, tensor names, types, shapes
+        from edgecore.shared.gguf_file import GGUFFile
+        gguf = GGUFFile(model_dir)
+        h.update(json.dumps({k: v for k, v in gguf.meta.items() if k.startswith("tokenizer.")}, sort_keys=True,
+                            default=str).encode())
+        for name, kind, shape in sorted(gguf.index()):
+            h.update(f"{name}:{kind}:{shape};".encode())
+        return h.hexdigest()
     tok = model_dir / "tokenizer.json"
     h.update(hashlib.sha256(tok.read_bytes()).digest() if tok.is_file() else b"no-tokenizer")
     for name, (dtype, shape) in sorted(weight_index(model_dir).items()):

@@ -15,12 +15,14 @@ from edgecore.shared.kv.budget import DEFAULT_KV_CACHE_MEMORY
 from edgecore.shared.settings import setting
 
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
+Quantize = Literal["int8", "int4"]
 _LIMITS = ServerLimits()
 
 
 def model() -> Any:
     """model: str | None"""
-    return setting(None, metavar="DIR", help="Hugging Face model directory (default: the bundled pydoc-llama)")
+    return setting(None, metavar="DIR", help="Hugging Face model directory, or a .gguf file (F32, F16, BF16, Q8_0, "
+                                             "Q4_0, Q4_K, Q6_K tensors; default: the bundled pydoc-llama)")
 
 
 def dtype() -> Any:
@@ -38,6 +40,13 @@ def compile_decode() -> Any:
     return setting(False, help="compile the decode step with torch.compile (CPU, small float32 Llama-family "
                                "models: about 1.3-1.9x faster steps at 1-64 sequences; a minute of start-up the "
                                "first time, cached after; needs a C++ compiler)")
+
+
+def quantize() -> Any:
+    """quantize: Quantize | None"""
+    return setting(None, help="quantize the float weights at load, weight-only (CPU): int8 with a scale per "
+                              "output row, or int4 with a scale and zero per 32 inputs; matmuls read them packed "
+                              "(default: keep the checkpoint's weights)")
 
 
 def kv_cache_memory() -> Any:

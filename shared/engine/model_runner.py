@@ -52,7 +52,7 @@ from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.malloc import retain_freed_memory
 from edgecore.shared.models.attention import AttentionMetadata, DecodeWindow, PrefillChunk
 from edgecore.shared.models.flat_decode import FlatDecoder
-from edgecore.shared.models.layers import calibrate_plain_rows, pack_for_cpu, weight_bytes
+from edgecore.shared.models.layers import calibrate_plain_rows, pack_for_cpu, quantized_numel, weight_bytes
 
 if TYPE_CHECKING:
     from typing import TypeVar
@@ -115,6 +115,8 @@ class ModelRunner:
         # run whole); 0 where this process does not hold layer 0.
         layer0 = cast(nn.Module, model.model.layers[0].self_attn) if model.model.layer_ids[0] == 0 else None
         self.first_layer_macs = sum(p.numel() for p in layer0.parameters() if p.dim() == 2) if layer0 else 0
+        if layer0 is not None:      # quantized projections (quant.py) hold placeholders: count their weights
+            self.first_layer_macs += quantized_numel(layer0)
         packed = self.device == "cpu" and cpu_pack_enabled()
         if self.device == "cpu":
             retain_freed_memory()      # activations reuse heap pages instead of faulting in new ones

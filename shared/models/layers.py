@@ -37,6 +37,10 @@ bits between machines or start-ups that choose differently, as they already do
 between batch sizes.
 
 Packed matmuls run at a few row counts only: see row_buckets.py.
+
+A projection may instead hold a quantized weight (`set_quant`, quant.py: GGUF blocks or `--quantize`): its
+float parameter becomes an empty placeholder, `matmul` runs the quantized kernel, and `pack_for_cpu` passes
+it by.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from edgecore.shared.parallel import all_gather_last_dim, all_reduce, tensor_par
 if TYPE_CHECKING:
     from typing import TypeAlias
 
+    from edgecore.shared.models.quant import QuantWeight
     from edgecore.shared.weights import WeightSlice
 
     # What the weight loaders read: a tensor, or a checkpoint tensor not read yet (what `iter_weights` yields).
@@ -90,8 +95,11 @@ class _Matmul(nn.Module):
     plain_below = 0      # rows under which `transposed` is used although packed (0: packed only)
     transposed: torch.Tensor | None = None   # W^T contiguous [in, out] for few-row inputs
     weight: nn.Parameter                     # [out, in], set by each layer
+    quant: QuantWeight | None = None         # a quantized weight (quant.py): then every matmul reads it
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.mm(x, bias)
         if self.packed is not None and x.numel() >= self.plain_below * x.shape[-1]:
             return packed_linear(x, self.packed, bias)
         wt = self.transposed
@@ -101,6 +109,17 @@ class _Matmul(nn.Module):
             return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
         y = torch.matmul(x, wt)
         return y if bias is None else y + bias
+
+    def set_quant(self, quant: QuantWeight, keep_plain: bool = False) -> None:
+        """Multiply by `quant` from now on; the float weight is dropped (an empty placeholder keeps dtype and
+        device visible) unless `keep_plain` (a tied LM head's table, which the embedding still reads)."""
+        if (quant.out_features, quant.in_features) != tuple(self.weight.shape) and self.weight.dim() == 2:
+            raise ValueError(f"quantized weight [{quant.out_features}, {quant.in_features}] for a "
+                             f"{list(self.weight.shape)} projection")
+        self.quant = quant
+        self.packed, self.transposed, self.plain_below, self.packed_bytes = None, None, 0, 0
+        if not keep_plain:
+            self.weight = nn.Parameter(self.weight.detach().new_empty(0), requires_grad=False)
 
     def pack(self, keep_plain: bool = False) -> None:
         """`keep_plain`: the [out, in] weight is shared (a tied embedding table) and stays; few rows use an
@@ -133,7 +152,7 @@ def pack_for_cpu(model: nn.Module) -> int:
     embeddings = {id(m.weight) for m in model.modules() if type(m) is VocabParallelEmbedding}
     count = 0
     for module in model.modules():
-        if not isinstance(module, _Matmul) or module.packed is not None:
+        if not isinstance(module, _Matmul) or module.packed is not None or module.quant is not None:
             continue
         w = module.weight
         if w.device.type != "cpu" or w.dtype not in dtypes or w.dim() != 2:
@@ -211,7 +230,16 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of weights a process holds: parameters (each counted once) plus packed copies (a tied LM head
     keeps both its plain table, shared with the embedding, and a packed copy)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())     # shared ones once
+    total += sum(m.quant.nbytes for m in model.modules() if isinstance(m, _Matmul) and m.quant is not None)
+    total += sum(m.quant_rows[1].numel() for m in model.modules()
+                 if isinstance(m, VocabParallelEmbedding) and m.quant_rows is not None)
     return total + sum(m.packed_bytes for m in model.modules() if isinstance(m, _Matmul) and m.packed is not None)
+
+
+def quantized_numel(module: nn.Module) -> int:
+    """Weights held by the quantized projections under `module` (their parameters are empty placeholders)."""
+    return sum(m.quant.out_features * m.quant.in_features for m in module.modules()
+               if isinstance(m, _Matmul) and m.quant is not None)
 
 
 def _copy_checked(param: torch.Tensor, value: torch.Tensor, what: str) -> None:
@@ -341,6 +369,7 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = -(-vocab_size // tp.size)
         self.start = tp.rank * self.per_rank
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden), requires_grad=False)
+        self.quant_rows: tuple[str, torch.Tensor] | None = None     # (GGUF type, [vocab, bytes]) instead of it
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: object = None) -> None:
         end = min(self.start + self.per_rank, _shape(source)[0])
@@ -349,6 +378,10 @@ class VocabParallelEmbedding(nn.Module):
         param.data[: end - self.start].copy_(value)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_rows is not None:      # GGUF blocks, one row per token, decoded per lookup (one rank)
+            from edgecore.shared.models.quant import dequantize
+            kind, rows = self.quant_rows
+            return dequantize(kind, rows[ids.reshape(-1)]).view(*ids.shape, -1).to(self.weight.dtype)
         if tensor_parallel().size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start

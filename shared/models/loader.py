@@ -61,7 +61,22 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str, layers: ra
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = "auto", device: str = "cpu",
-               layers: range | None = None, config: ModelConfig | None = None) -> LlamaForCausalLM:
+               layers: range | None = None, config: ModelConfig | None = None,
+               quantize: str | None = None) -> LlamaForCausalLM:
+    """`model_dir` may name a `.gguf` file (quant_loader.py); `quantize` ("int8", "int4") quantizes the float
+    projections once loaded (`--quantize`)."""
+    from edgecore.shared.gguf_file import is_gguf
+    if is_gguf(model_dir) or quantize:
+        from edgecore.shared.models.quant_loader import load_gguf_model, quantize_model
+        if is_gguf(model_dir):
+            if str(device).startswith("cpu"):
+                retain_freed_memory()
+            model = load_gguf_model(model_dir, resolve_dtype(dtype, device), device, layers, config)
+        else:
+            model = load_model(model_dir, dtype, device, layers, config)
+        if quantize:
+            quantize_model(model, quantize)
+        return model
     config = _tied_as_transformers_ties(model_dir, config or ModelConfig.from_dir(model_dir))
     if str(device).startswith("cpu"):
         retain_freed_memory()     # as a CPU ModelRunner would: loading's temporary buffers reuse heap pages
