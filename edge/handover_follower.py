@@ -71,7 +71,7 @@ class HandoverFollower:
     # ---- the core's events ----------------------------------------------------------------------
     async def on_first(self, done: m.PrefillDone) -> None:
         self.core.on_first(done)
-        await self._push(done.first_token, done.logprob, done.top_logprobs)
+        await self._push(done.first_token, done.logprob, done.top_logprobs, done.cached_tokens)
 
     async def on_token(self, tok: m.Token) -> None:
         if self.core.on_token(tok):
@@ -81,9 +81,11 @@ class HandoverFollower:
     def on_stop(self, stop: m.DecodeStop) -> None:
         self.core.on_stop(stop)
 
-    async def _push(self, token: int, logprob: float, top: list[tuple[int, float]]) -> None:
+    async def _push(self, token: int, logprob: float, top: list[tuple[int, float]],
+                    cached_tokens: int | None = None) -> None:
         try:
-            finished = await self.handle.push_token(self.request_id, self.plan.token(token, logprob, top))
+            finished = await self.handle.push_token(self.request_id, self.plan.token(token, logprob, top,
+                                                                                     cached_tokens))
         except RequestError as exc:      # the core's token is not one of ours: the transfer failed
             self.fail(str(exc))
         if finished:

@@ -85,7 +85,10 @@ class PrefillPlan:
                           values_per_head=cfg.kv_bytes_per_token(1) // (
                               cfg.num_hidden_layers * cfg.num_key_value_heads))
 
-    def token(self, token: int, logprob: float, top: list[tuple[int, float]]) -> FirstToken:
-        """What the edge keeps of a token the core sampled: its logprobs only when the request asked for them."""
+    def token(self, token: int, logprob: float, top: list[tuple[int, float]],
+              cached_tokens: int | None = None) -> FirstToken:
+        """What the edge keeps of a token the core sampled: its logprobs only when the request asked for them;
+        with the first, the prompt tokens the core did not compute (PrefillDone's `cached_tokens`: it computes
+        the prompt from its own cached prefix on, whatever the edge holds), which the usage reports."""
         return FirstToken(token, logprob if self.params.logprobs is not None else None,
-                          [(int(t), float(p)) for t, p in top])
+                          [(int(t), float(p)) for t, p in top], cached_tokens)

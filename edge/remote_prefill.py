@@ -106,7 +106,8 @@ class RemotePrefill:
             done = receiver.done
             if activate and done is not None:          # COMPLETE: PrefillDone is in
                 try:
-                    await handle.activate(rid, plan.token(done.first_token, done.logprob, done.top_logprobs))
+                    await handle.activate(rid, plan.token(done.first_token, done.logprob, done.top_logprobs,
+                                                          done.cached_tokens))
                 except RequestError as exc:      # the core's token is not one of ours: fail over
                     receiver.fail(str(exc))
         except BaseException as exc:

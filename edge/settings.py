@@ -74,6 +74,9 @@ class EdgeSettings:
     kv_cache_memory: str = common.kv_cache_memory()
     kv_blocks: int | None = common.kv_blocks()
     kv_resident_memory: str | None = common.kv_resident_memory()
+    kv_tier_dir: str | None = common.kv_tier_dir()
+    kv_tier_size: str = common.kv_tier_size()
+    kv_tier_codec: str = common.kv_tier_codec()
     model_from: str | None = setting(None, metavar="CORE_URL", help="fetch the packed model from a core's control "
                                      "port (e.g. http://core:7101), resuming and verifying, then serve it")
     model_from_key_file: str | None = setting(None, help="API key file for --model-from's core (first key; "

@@ -44,6 +44,7 @@ def kv_cache_memory(args: argparse.Namespace) -> int | None:
     so a node's front process can refuse a bad value before it starts anything."""
     from edgecore.shared.errors import ConfigError
     from edgecore.shared.kv.budget import parse_size
+    kv_tier(args)
     if args.kv_blocks is not None:
         if args.kv_blocks < 1:
             raise ConfigError(f"--kv-blocks must be at least 1, not {args.kv_blocks}")
@@ -52,6 +53,26 @@ def kv_cache_memory(args: argparse.Namespace) -> int | None:
         return parse_size(args.kv_cache_memory)
     except ValueError as exc:
         raise ConfigError(f"--kv-cache-memory: {exc}") from None
+
+
+def kv_tier(args: argparse.Namespace) -> tuple[str | None, int, str]:
+    """--kv-tier-dir, --kv-tier-size in bytes and --kv-tier-codec, checked (ConfigError); (None, 0, codec) without
+    a tier (a command without these flags: the same)."""
+    from edgecore.protocol.codecs import CODECS
+    from edgecore.shared.errors import ConfigError
+    from edgecore.shared.kv.budget import parse_size
+    directory, codec = getattr(args, "kv_tier_dir", None), getattr(args, "kv_tier_codec", "lossless")
+    if codec not in CODECS:
+        raise ConfigError(f"--kv-tier-codec: unknown codec '{codec}' (known: {', '.join(CODECS)})")
+    if directory is None:
+        return None, 0, codec
+    try:
+        size = parse_size(getattr(args, "kv_tier_size", "8GiB"))
+    except ValueError as exc:
+        raise ConfigError(f"--kv-tier-size: {exc}") from None
+    if size < 1:
+        raise ConfigError("--kv-tier-size must be more than 0 bytes")
+    return directory, size, codec
 
 
 def kv_cache_config(args: argparse.Namespace, config: ModelConfig, value_bytes: int,
@@ -78,7 +99,9 @@ def kv_cache_config(args: argparse.Namespace, config: ModelConfig, value_bytes: 
             resident = min(blocks, kv_blocks(config, value_bytes, block_size, parse_size(bound), tp))
         except ValueError as exc:
             raise ConfigError(f"--kv-resident-memory: {exc}") from None
-    return (CacheConfig(num_blocks=blocks, resident_blocks=resident),
+    tier_dir, tier_bytes, tier_codec = kv_tier(args)
+    return (CacheConfig(num_blocks=blocks, resident_blocks=resident, tier_dir=tier_dir, tier_bytes=tier_bytes,
+                        tier_codec=tier_codec),
             describe(config, value_bytes, block_size, blocks, tp, resident))
 
 

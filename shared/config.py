@@ -370,11 +370,15 @@ def _build(arch: str, spec: Arch, hf: HFConfig, params: Any, generation: dict, s
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache geometry: `num_blocks` blocks of `block_size` tokens each; `resident_blocks`: blocks ever
-    touched before cached blocks are evicted rather than new pages touched (None: all of them; block_manager.py)."""
+    touched before cached blocks are evicted rather than new pages touched (None: all of them; block_manager.py);
+    `tier_*`: the disk tier evicted cached blocks spill to (shared/kv/tier.py)."""
     block_size: int = 16
     num_blocks: int = 2048
     enable_prefix_caching: bool = True
     resident_blocks: int | None = None
+    tier_dir: str | None = None         # the disk KV tier (shared/kv/tier.py): its directory, None: no tier
+    tier_bytes: int = 0                 # its size bound
+    tier_codec: str = "lossless"        # the wire codec its blocks are stored with
 
 
 @dataclass(frozen=True)

@@ -127,4 +127,38 @@ class EngineCollector:
         info = GaugeMetricFamily("edgecore:cache_config_info", "KV cache configuration (value 1; the labels)",
                                  labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "model_name"])
         info.add_metric([str(self.block_size), str(s.blocks_total), str(s.prefix_caching).lower(), self.model], 1)
-        return [preempt, queries, hits, steps, info]
+        return [preempt, queries, hits, steps, info, *(tier_families(s, m) if s.tier_capacity_bytes else ())]
+
+
+# The disk KV tier's series (shared/kv/tier.py): (name, EngineStats field, help), counters then gauges.
+_TIER_COUNTERS = (
+    ("hit_blocks", "tier_hit_blocks", "KV blocks read back from the disk tier instead of recomputed"),
+    ("miss_blocks", "tier_miss_blocks", "KV blocks after the pool's cached prefix looked up in the disk tier and "
+                                        "not found (or found bad)"),
+    ("read_bytes", "tier_read_bytes", "Bytes read from the disk tier"),
+    ("read_seconds", "tier_read_seconds", "Seconds the disk tier's reader spent reading, checking and decoding "
+                                          "(read speed: rate of read_bytes / rate of this)"),
+    ("written_blocks", "tier_written_blocks", "KV blocks written to the disk tier"),
+    ("written_bytes", "tier_written_bytes", "Bytes written to the disk tier"),
+    ("dropped_blocks", "tier_dropped_blocks", "Evicted KV blocks not stored in the disk tier (its writer was "
+                                              "behind, or the write failed)"),
+    ("errors", "tier_errors", "Disk tier I/O errors (writes, reads, deletions)"),
+    ("removed_files", "tier_removed_files", "Disk tier files removed as corrupted, truncated or foreign"),
+)
+_TIER_GAUGES = (
+    ("used_bytes", "tier_used_bytes", "Bytes the disk tier's files take"),
+    ("capacity_bytes", "tier_capacity_bytes", "The disk tier's size bound (--kv-tier-size)"),
+    ("files", "tier_files", "Blocks (files) in the disk tier"),
+    ("healthy", "tier_healthy", "1 while writes to the disk tier's directory succeed, 0 while they fail"),
+)
+
+
+def tier_families(s: EngineStats, labels: list[str]) -> list[Metric]:
+    """The disk KV tier's metric families from a stats snapshot (only for an engine with a tier)."""
+    out: list[Metric] = []
+    for kind, table in ((CounterMetricFamily, _TIER_COUNTERS), (GaugeMetricFamily, _TIER_GAUGES)):
+        for name, field, doc in table:
+            family = kind(f"edgecore:kv_tier_{name}", doc, labels=["model_name"])
+            family.add_metric(labels, float(getattr(s, field)))
+            out.append(family)
+    return out

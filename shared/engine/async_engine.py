@@ -34,7 +34,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from edgecore.shared.engine.engine import LayerHook, LLMEngine
 from edgecore.shared.engine.handle import (EngineHandle, EngineRequest, EngineStats, FirstToken, OutputQueue,
@@ -46,6 +47,7 @@ from edgecore.shared.malloc import return_free_memory
 
 log = logging.getLogger("edgecore.engine")
 IDLE_TRIM_S = 1.0      # idle seconds after work before the heap's free pages are returned
+TIER_PREFETCH_WAIT_S = 2.0   # a reservation waits this long at most for its prefix from the disk KV tier
 
 T = TypeVar("T")
 Reply = Callable[[], None]                       # run on the event loop: settles a command's future
@@ -66,6 +68,7 @@ class AsyncEngine:
         self.engine = engine
         self.on_layer = on_layer
         self.threads = threads
+        self._tier = engine.tier is not None       # (read once: a disk KV tier's prefixes are read before `reserve`)
         self._commands: deque[Command] = deque()
         self._wake = threading.Condition()
         self._sinks: dict[str, OutputSink] = {}              # event-loop thread only
@@ -195,14 +198,15 @@ class AsyncEngine:
         await self._call(lambda e: e.write_first_layer_kv(request_id))
 
     async def activate(self, request_id: str, first: FirstToken) -> None:
-        await self._call(lambda e: e.activate(request_id, first.token, first.logprob, first.top))
+        await self._call(lambda e: e.activate(request_id, first.token, first.logprob, first.top,
+                                                  first.cached_tokens))
 
     async def push_token(self, request_id: str, token: FirstToken) -> bool:
         """A token decoded elsewhere (decode handover), in position order; True when it finished the request.
         Its output comes back with the reply and is dispatched here, not after the engine thread's next turn
         (one thread hand-off fewer on the way to the client)."""
         def push(e: LLMEngine) -> tuple[bool, list[RequestOutput]]:
-            finished = e.push_token(request_id, token.token, token.logprob, token.top)
+            finished = e.push_token(request_id, token.token, token.logprob, token.top, token.cached_tokens)
             return finished, self._hold(e.take_pending(request_id))
         finished, outputs = await self._call(push)
         self._dispatch(outputs)
@@ -317,7 +321,7 @@ class AsyncEngine:
                             return_free_memory()      # idle a while: a burst's heap pages go back
                             trimmed = True
                     if self._stopping:
-                        return
+                        break
                     commands = list(self._commands)
                     self._commands.clear()
                 if commands:
@@ -331,6 +335,7 @@ class AsyncEngine:
                     self._stats = engine.stats()      # one reference swap: readers see a whole snapshot
                     if outputs:
                         self.loop.call_soon_threadsafe(self._dispatch, outputs)
+            engine.close()          # stopped: the disk KV tier takes the blocks still cached (bounded)
         except BaseException as exc:   # a bug or resource failure: fail every sink, stay dead
             log.exception("engine thread failed")
             self.error = exc

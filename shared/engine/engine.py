@@ -50,12 +50,16 @@ if TYPE_CHECKING:
     from edgecore.shared.models.llama import Attention, LlamaForCausalLM
     from edgecore.shared.models.mla import MLAttention
 
+TIER_WAIT_S = 0.005       # an idle step waits this long at most for a disk tier read
+
 LayerHook = Callable[[int, list[tuple[Sequence, int]]], None]
 
 
 class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, config: ModelConfig, tokenizer: Tokenizer | None = None,
-                 cache_config: CacheConfig | None = None, engine_config: EngineConfig | None = None):
+                 cache_config: CacheConfig | None = None, engine_config: EngineConfig | None = None,
+                 fingerprint: str | None = None):
+        """`fingerprint`: the model's (shared/fingerprint.py), which keys the disk KV tier (`from_dir` gives it)."""
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
@@ -74,6 +78,8 @@ class LLMEngine:
                                           self.cache_config.enable_prefix_caching,
                                           resident_blocks=self.cache_config.resident_blocks)
         self.scheduler = Scheduler(self.block_manager, self.engine_config)
+        # The disk KV tier (shared/engine/tier_loads.py): evicted cached blocks spill there, prefixes load back.
+        self.tier = open_tier(self.cache_config, config, self.pool, self.block_manager, fingerprint)
         self.runner = ModelRunner(model, self.pool, config.sliding_window, self.engine_config.compile_decode)
         self.releases_kv = config.releases_kv      # (blocks released in `step`)
         self.requests: dict[str, OutputState] = {}
@@ -151,7 +157,9 @@ class LLMEngine:
         if state is None:
             return False
         seq = state.seq
-        if seq.status in (Status.PREFILLED, Status.AWAITING_KV):
+        if self.tier is not None and self.tier.forget(request_id):     # still reading its prefix: in no queue
+            seq.status = Status.FINISHED
+        elif seq.status in (Status.PREFILLED, Status.AWAITING_KV):
             self.block_manager.free_table(seq.table)
             seq.status = Status.FINISHED
         elif seq.status is not Status.FINISHED:
@@ -159,7 +167,7 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work() or bool(self._pending) or bool(self.tier is not None and self.tier.loading)
 
     def get(self, request_id: str) -> Sequence | None:
         state = self.requests.get(request_id)
@@ -176,7 +184,12 @@ class LLMEngine:
 
     def step(self, on_layer: LayerHook | None = None) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        self._settle_tier()
         batch = self.scheduler.schedule()
+        if self.tier is not None:
+            self.tier.release_admitted()
+            if not batch and not outputs:           # nothing to run but disk reads: wait briefly for one
+                self.tier.wait(TIER_WAIT_S)
         if not batch:
             return outputs
         samplers, result = self.runner.run(batch, on_layer)
@@ -291,6 +304,9 @@ class LLMEngine:
         except NoFreeBlocks:
             del self.requests[request_id]
             raise
+        finally:
+            if self.tier is not None:
+                self.tier.forget(request_id)
         seq.num_cached_tokens = cached
         seq.status = Status.AWAITING_KV
         return seq, cached
@@ -319,10 +335,13 @@ class LLMEngine:
                                param="token")
 
     def activate(self, request_id: str, first_token: int, logprob: float | None = None,
-                 top: list[tuple[int, float]] | None = None) -> None:
-        """The request's KV is complete: record its first token and join the decode batch."""
+                 top: list[tuple[int, float]] | None = None, cached_tokens: int | None = None) -> None:
+        """The request's KV is complete: record its first token and join the decode batch (`cached_tokens`: the
+        prompt tokens the prefilling node did not compute, reported in the request's outputs)."""
         self._check_remote_token(first_token, top)
         state = self.requests[request_id]
+        if cached_tokens is not None:
+            state.reported_cached = cached_tokens
         seq = state.seq
         seq.num_computed_tokens = seq.num_prompt_tokens
         self._clear_unsent_kv(seq)
@@ -339,7 +358,7 @@ class LLMEngine:
             self.scheduler.running.append(seq)
 
     def push_token(self, request_id: str, token: int, logprob: float | None = None,
-                   top: list[tuple[int, float]] | None = None) -> bool:
+                   top: list[tuple[int, float]] | None = None, cached_tokens: int | None = None) -> bool:
         """A token decoded elsewhere for a reserved request (AWAITING_KV), in position order: through its
         output rules, emitted with the next step's outputs. True when it finished the request (its blocks
         are freed: the request never decodes here)."""
@@ -347,6 +366,8 @@ class LLMEngine:
         if state is None or state.seq.status is not Status.AWAITING_KV:
             raise RequestError(f"request '{request_id}' is not waiting for its KV", param="request_id")
         self._check_remote_token(token, top)
+        if cached_tokens is not None:            # the first token's: as `activate`
+            state.reported_cached = cached_tokens
         seq = state.seq
         out = state.push(token, logprob if seq.params.logprobs is not None else None, top)
         self._pending.append(out)
@@ -400,7 +421,7 @@ class LLMEngine:
         statuses = [s.seq.status for s in self.requests.values()]
         return EngineStats(
             running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
+            waiting=len(self.scheduler.waiting) + (self.tier.loading if self.tier is not None else 0),
             prefilled=statuses.count(Status.PREFILLED),
             awaiting_kv=statuses.count(Status.AWAITING_KV),
             requests=len(statuses),
@@ -417,4 +438,11 @@ class LLMEngine:
             kv_block_bytes=self.pool.block_bytes,
             weights_bytes=self.weights_bytes,
             compiled_steps=self.runner.compiled_steps,
+            **(self.tier.stats() if self.tier is not None else {}),
         )
+
+    def close(self) -> None:
+        """The engine stops (its thread's last act): the disk tier gets the blocks still cached, then closes."""
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None

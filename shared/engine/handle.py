@@ -65,6 +65,20 @@ class EngineStats(msgspec.Struct, frozen=True):
     kv_block_bytes: int = 0     # bytes of one block (all layers, K and V)
     weights_bytes: int = 0
     compiled_steps: int = 0     # decode steps run by the compiled step (`--compile`); 0 without it
+    # the disk KV tier (shared/kv/tier.py; all 0 without one): cumulative blocks, bytes and seconds, its state
+    tier_hit_blocks: int = 0          # blocks read back (verified) instead of recomputed
+    tier_miss_blocks: int = 0         # blocks after the pool's prefix looked up and not found (or bad)
+    tier_read_bytes: int = 0
+    tier_read_seconds: float = 0.0    # reader thread time: read speed = bytes / seconds
+    tier_written_blocks: int = 0
+    tier_written_bytes: int = 0
+    tier_dropped_blocks: int = 0      # spills not stored: the writer was behind, or the write failed
+    tier_errors: int = 0              # I/O errors (writes, reads, deletions)
+    tier_removed_files: int = 0       # corrupted, truncated or foreign files removed
+    tier_used_bytes: int = 0
+    tier_capacity_bytes: int = 0
+    tier_files: int = 0
+    tier_healthy: bool = True         # False while writes to its directory fail
 
     @property
     def load(self) -> int:
@@ -84,6 +98,7 @@ class FirstToken(msgspec.Struct, frozen=True):
     token: int
     logprob: float | None = None
     top: list[tuple[int, float]] = []
+    cached_tokens: int | None = None   # with the first token: prompt tokens the prefilling node did not compute
 
 
 

@@ -52,6 +52,9 @@ class OutputState:
         self.text = ""
         self.emitted = 0
         self.max_model_len = max_model_len
+        # Prompt tokens not recomputed, as the node that prefilled the request counted them (its prefix cache);
+        # None: this engine's own count (`seq.num_cached_tokens`).
+        self.reported_cached: int | None = None
 
     def push(self, token: int, logprob: float | None = None, top: list[tuple[int, float]] | None = None
              ) -> RequestOutput:
@@ -101,7 +104,9 @@ class OutputState:
         self.emitted = limit
         seq = self.seq
         return RequestOutput(seq.request_id, tokens, new_text, finished, reason, lps,
-                             seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens)
+                             seq.num_prompt_tokens,
+                             seq.num_cached_tokens if self.reported_cached is None else self.reported_cached,
+                             seq.num_output_tokens)
 
     def abort_output(self) -> RequestOutput:
         return self._output([], "abort", None)

@@ -38,6 +38,9 @@ Released prefixes: in a model whose every layer attends only to a window or a ch
 blocks no layer can attend to any more are released while the sequence runs (`release_before`);
 their table entries become -1 (the runner reads them as block 0, masked out).
 
+Disk tier (shared/kv/tier.py): `on_evict` is told of each cached block evicted (before its pages are reused) so
+its KV can be spilled; `adopt` registers a block whose KV is read back from there as cached.
+
 Partly filled blocks: a sequence whose KV came from a core may lack the KV of windowed layers before
 their window (`BlockTable.uncached_before`); its blocks there keep their place in the hash chain but are
 never entered into the cache, so no later prompt can take them as a computed prefix.
@@ -48,7 +51,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -79,6 +82,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None
+    salt: str | None = None     # the cache salt of the chain its hash belongs to (the disk tier's key needs it)
 
 
 @dataclass
@@ -112,6 +116,9 @@ class BlockManager:
         self.touched = 0       # blocks ever handed out: the untouched ones are never resident (ids in order)
         self.hits = 0          # prompt tokens served from the cache (counter)
         self.queries = 0       # prompt tokens looked up (counter)
+        # Called with (block id, hash, salt) as a cached block is evicted, before its KV is overwritten (the disk
+        # tier copies it out: shared/engine/tier_loads.py).
+        self.on_evict: Callable[[int, int, str | None], None] | None = None
 
     # ---- capacity -------------------------------------------------------
     @property
@@ -138,6 +145,8 @@ class BlockManager:
             old = self.blocks[bid]
             if old.hash is not None and self.cached.get(old.hash) == bid:
                 del self.cached[old.hash]
+                if self.on_evict is not None:
+                    self.on_evict(bid, old.hash, old.salt)
             old.hash = None
         else:
             raise NoFreeBlocks
@@ -184,6 +193,20 @@ class BlockManager:
         self.hits += cached_tokens
         return cached_tokens
 
+    def adopt(self, block_hash: int, salt: str | None) -> tuple[int, bool]:
+        """A cached block whose KV comes from outside the pool (the disk tier): the block already cached under
+        this hash, or a new one registered under it (True: the caller writes its KV). Either way with one
+        reference, the caller's (release it with `release_blocks`). Raises NoFreeBlocks."""
+        bid = self.cached.get(block_hash)
+        if bid is not None:
+            self.pin([bid])
+            return bid, False
+        bid = self._take()
+        block = self.blocks[bid]
+        block.hash, block.salt = block_hash, salt
+        self.cached[block_hash] = bid
+        return bid, True
+
     def grow(self, table: BlockTable, num_tokens: int) -> None:
         """Make `table` cover `num_tokens` tokens. All or nothing."""
         need = self.blocks_needed(table, num_tokens)
@@ -203,7 +226,7 @@ class BlockManager:
             h = block_hash(table.last_hash, token_ids[i * bs:(i + 1) * bs], table.salt if i == 0 else None)
             block = self.blocks[table.blocks[i]]
             if block.hash is None and i * bs >= table.uncached_before:
-                block.hash = h
+                block.hash, block.salt = h, table.salt
                 self.cached.setdefault(h, block.block_id)
             table.last_hash = h
             table.num_hashed += 1

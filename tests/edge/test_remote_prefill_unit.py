@@ -102,7 +102,8 @@ async def test_reserve_then_chunks_written_then_activate_with_the_cores_first_to
     assert torch.equal(written[0].k, torch.from_numpy(k)) and torch.equal(written[0].v, torch.from_numpy(k))
     names = [name for name, _ in handle.calls]
     assert names == ["reserve", "write_kv", "activate"]       # every write queued before the activation
-    assert handle.called("activate") == [("r1", FirstToken(77, None, []))]   # no logprobs asked: none kept
+    # no logprobs asked: none kept; the core's cached prefix (PrefillDone.cached_tokens) is what the usage reports
+    assert handle.called("activate") == [("r1", FirstToken(77, None, [], CACHED))]
     assert core.sent == [m.Ack("r1")] and core.finished == ["r1"]
     outs = [await queue.get(), await queue.get()]                # decoding here: to the sink given at reserve
     assert [o.new_token_ids for o in outs] == [[5], [6]] and outs[-1].finished
@@ -171,6 +172,7 @@ async def test_decode_handover_pushes_the_cores_tokens_then_takes_over():
     handle = HandoverHandle(cached=CACHED)
     core, counts = await follow(handle, handing_over)
     assert [t.token for _, t in handle.called("push_token")] == [77, 5]
+    assert [t.cached_tokens for _, t in handle.called("push_token")] == [CACHED, None]   # the first carries it
     names = [name for name, _ in handle.calls]
     assert names == ["reserve", "push_token", "push_token", "write_kv", "take_over"]   # written before take-over
     assert handle.called("take_over") == [("r1", len(PROMPT))]
