@@ -9,6 +9,8 @@ from edgecore.core.settings import CoreSettings
 from edgecore.shared.settings import add_arguments, from_args, namespace
 
 if TYPE_CHECKING:
+    import ssl
+
     from edgecore.core.http import ControlPort
 
 
@@ -27,7 +29,6 @@ def run_core(args: argparse.Namespace) -> int:
     from edgecore.core.http import protection
     from edgecore.core.server import CoreConfig, CoreServer
     from edgecore.core.transfer import HandoverLimits
-    from edgecore.protocol.transport import tls_context
     from edgecore.shared.cli import kv_cache_config
     from edgecore.shared.config import EngineConfig, ModelConfig
     from edgecore.shared.models.loader import resolve_dtype
@@ -51,8 +52,6 @@ def run_core(args: argparse.Namespace) -> int:
         _check_parallel(model_dir, pp_split, settings)         # one line before anything else is said or started
     cache, kv_line = kv_cache_config(namespace(settings), ModelConfig.from_dir(model_dir),
                                      resolve_dtype(settings.dtype, device).itemsize, tp=settings.tp)
-    ssl = tls_context(True, settings.link_tls_cert, settings.link_tls_key, settings.link_tls_ca,
-                      settings.link_tls_ca is not None) if settings.link_tls_cert else None
     secret, identity, trust = link_auth(settings.secret_file, settings.credential, settings.authority,
                                         settings.revocations, needed=True)
     config = CoreConfig(model_dir=model_dir, secret=secret or b"", identity=identity, trust=trust, host=host,
@@ -72,7 +71,7 @@ def run_core(args: argparse.Namespace) -> int:
                                                 settings.handover_refuse_waiting),
                         max_inflight=settings.max_inflight_per_connection,
                         max_admitted=settings.max_running_per_connection,
-                        outbox_bytes=int(settings.outbox_mb * 1024 * 1024))
+                        outbox_bytes=int(settings.outbox_mb * 1024 * 1024), **_loras(settings, model_dir))
     core = CoreServer(config)
 
     async def start() -> None:
@@ -82,7 +81,31 @@ def run_core(args: argparse.Namespace) -> int:
               f"http {'https' if control.tls else 'http'}://{http_host}:{core.http_port} "
               f"({protection(http_host, api_keys)})", flush=True)
 
-    return run_service(start, core.stop)
+    return run_service(start, core.stop, core.drain, settings.drain_timeout)
+
+
+def _link_tls(settings: CoreSettings) -> ssl.SSLContext | None:
+    """The protocol listener's TLS context (`--link-tls-cert`/`--link-tls-key`, client certificates checked
+    against `--link-tls-ca` when given), or None for the sealed link alone."""
+    from edgecore.protocol.transport import tls_context
+
+    if not settings.link_tls_cert:
+        return None
+    return tls_context(True, settings.link_tls_cert, settings.link_tls_key, settings.link_tls_ca,
+                       settings.link_tls_ca is not None)
+
+
+def _loras(settings: CoreSettings, model_dir: str) -> dict:
+    """CoreConfig's `loras` and `max_lora_rank`: the `--lora` flags, each adapter checked against the model
+    (one-line ConfigError) before anything loads."""
+    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.errors import ConfigError
+    from edgecore.shared.lora import check_lora_flags
+    if settings.lora and settings.tp * settings.pp != 1:
+        raise ConfigError("--lora needs a core on one process (no --tp/--pp)")
+    loras = check_lora_flags(settings.lora, ModelConfig.from_dir(model_dir), settings.max_lora_rank) \
+        if settings.lora else []
+    return {"loras": loras, "max_lora_rank": settings.max_lora_rank}
 
 
 def _check_connection_limits(settings: CoreSettings) -> None:

@@ -91,7 +91,7 @@ def build_app(core: CoreServer) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
     add_model_routes(app, lambda: model_card(model_name(core.config.model_dir), core.handle.max_model_len,
-                                             int(core.started_at)))
+                                             int(core.started_at)), adapters=lambda: core.prefill.adapters)
     for extend in getattr(core, "http_extensions", []):
         extend(app)
     return app

@@ -56,7 +56,7 @@ from concurrent.futures import Executor
 from edgecore.core.kv_sender import LayerStreamer, Pacer, queue_rest, send_queued
 from edgecore.core.metrics import CoreMetrics
 from edgecore.core.outbox import Outbox
-from edgecore.core.transfer import HandoverLimits, Transfer
+from edgecore.core.transfer import HandoverLimits, Transfer, TransferState
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode
 from edgecore.protocol.events import KVData
@@ -133,8 +133,11 @@ class PrefillService:
         self.limits = handover or HandoverLimits()
         self.max_inflight, self.outbox_bytes = max(1, max_inflight), outbox_bytes
         self.max_admitted = max(1, max_admitted if max_admitted is not None else max_inflight // 2)
+        self.adapters: dict[str, str] = {}     # LoRA adapters this core serves (`--lora`): name → fingerprint
         self.sessions: set[Session] = set()
         self.counts = {"decode_requests": 0, "decoded_tokens": 0, "handovers": 0, "refused": 0, "overloaded": 0}
+        self.draining: float | None = None      # the drain's timeout (seconds) once `start_drain` ran
+        self._idle = asyncio.Event()            # set whenever no connection has a request in flight
 
     # ---- one edge connection ---------------------------------------------
     async def serve(self, peer: Peer) -> None:
@@ -202,6 +205,10 @@ class PrefillService:
             error = f"skip_tokens {msg.skip_tokens} must be below the prompt length {len(msg.token_ids)}"
         elif not 0 <= msg.edge_layers <= EDGE_LAYERS:
             error = f"edge_layers {msg.edge_layers} must be between 0 and {EDGE_LAYERS} (layer 0 only)"
+        elif msg.adapter and self.adapters.get(msg.adapter) != msg.adapter_fingerprint:
+            error = (f"LoRA adapter '{msg.adapter}' is not loaded here" if msg.adapter not in self.adapters else
+                     f"LoRA adapter '{msg.adapter}' differs here (fingerprint {self.adapters[msg.adapter]}, the "
+                     f"edge's {msg.adapter_fingerprint or 'none'})")
         else:
             try:
                 SamplingParams.from_spec(msg.sampling, max_tokens=1)
@@ -229,7 +236,7 @@ class PrefillService:
         req = Transfer(f"s{session.id}/{rid}", rid, session.outbox, codec, len(msg.token_ids), msg.skip_tokens,
                        msg.edge_layers, gather=(self.parallel and not direct) or self.streamer.mode == "hold",
                        group=f"s{session.id}/{msg.group or rid}", cache_salt=msg.cache_salt or None,
-                       tenant=msg.tenant or None,
+                       tenant=msg.tenant or None, adapter=msg.adapter or None,
                        resumable=not direct,
                        piece_bytes=PIECE_BYTES if msg.core_decode else 0)
         session.transfers[rid] = req
@@ -296,7 +303,7 @@ class PrefillService:
                     session.engine_slots:
                 async for out in self.handle.generate(EngineRequest(req.internal_id, token_ids, params,
                                                                     group=req.group, cache_salt=req.cache_salt,
-                                                                    tenant=req.tenant)):
+                                                                    tenant=req.tenant, adapter=req.adapter)):
                     if req.position == 0:
                         if not req.prefill_done():
                             return
@@ -356,7 +363,8 @@ class PrefillService:
             async with asyncio.timeout(deadline), session.engine_slots:      # a slot of this connection's
                 async for out in self.handle.generate(EngineRequest(req.internal_id, token_ids, params,
                                                                     group=req.group, cache_salt=req.cache_salt,
-                                                                    tenant=req.tenant, prefill_only=True)):
+                                                                    tenant=req.tenant, adapter=req.adapter,
+                                                                    prefill_only=True)):
                     if out.finished:
                         first = out
         except RequestError as exc:
@@ -407,6 +415,8 @@ class PrefillService:
 
     def _forget(self, session: Session, rid: str) -> Transfer | None:
         req = session.transfers.pop(rid, None)
+        if not session.transfers and self.inflight() == 0:
+            self._idle.set()
         if req is not None:
             self.streamer.forget(req.internal_id)
             if self.parallel:

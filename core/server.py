@@ -37,6 +37,7 @@ from edgecore.protocol.transport import Timeouts, serve
 from edgecore.shared.config import CacheConfig, EngineConfig
 from edgecore.shared.engine.async_engine import AsyncEngine
 from edgecore.shared.engine.engine import LLMEngine
+from edgecore.shared.lora import MAX_LORA_RANK
 from edgecore.shared.fingerprint import model_fingerprint
 from edgecore.shared.kv.wire import DTYPE_NAMES, codec_step_scales
 from edgecore.shared.env import link_sealed
@@ -89,6 +90,8 @@ class CoreConfig:
     max_inflight: int = MAX_INFLIGHT    # per edge connection: requests in flight (beyond: Error OVERLOADED)
     max_admitted: int | None = None     # per edge connection: requests in the engine at once (None: half its seqs)
     outbox_bytes: int | None = OUTBOX_BYTES   # per edge connection: KV bytes copied and queued for its sender
+    loras: list[tuple[str, str]] = field(default_factory=list)     # LoRA adapters served (shared/lora.py)
+    max_lora_rank: int = MAX_LORA_RANK
 
 
 class CoreServer:
@@ -106,6 +109,9 @@ class CoreServer:
                 rendezvous=config.rendezvous)
         engine = engine or LLMEngine.from_dir(config.model_dir, config.dtype, config.device,
                                               config.cache, config.engine)
+        engine.lora.max_rank = config.max_lora_rank
+        for name, path in config.loras:      # LoRA adapters edges may ask prefills with (AdapterError: no start)
+            engine.lora.load(name, path)
         # On a parallel core this streams rank 0's own layers and heads; the other ranks stream theirs.
         self.streamer = LayerStreamer(engine.pool, engine.model, None, "stream" if config.stream_layers else "hold")
         self.streamer.step_scales = codec_step_scales(config.model_dir)
@@ -119,9 +125,13 @@ class CoreServer:
                                       DTYPE_NAMES[engine.dtype], config.lease_seconds, self.parallel,
                                       self.parallel and bool(self.stream_ports), config.handover,
                                       config.max_inflight, admitted, config.outbox_bytes)
+        self.prefill.adapters = engine.lora.fingerprints()
+        self.metrics.prefill_backlog.set_function(self.prefill.backlog_tokens)     # read at scrape time
+        self.metrics.draining.set_function(lambda: float(self.draining))
         self.server: asyncio.Server | None = None
         self.http_runner: web.AppRunner | None = None
         self.started = False
+        self.draining = False
         self.started_at = time.time()
         data_dir = Path(config.data_dir) if config.data_dir else Path("edgecore-data") / config.name
         self.data_dir = data_dir

@@ -83,6 +83,7 @@ class Transfer:
     group: str = ""                    # the engine's fairness group: the edge connection's, then the edge's own
     cache_salt: str | None = None      # the request's prefix-cache scope (PrefillRequest.cache_salt; None: unsalted)
     tenant: str | None = None          # the edge's tenant of the request (PrefillRequest.tenant): its fair share here
+    adapter: str | None = None         # the LoRA adapter it is prefilled with (PrefillRequest.adapter; None: base)
     state: TransferState = TransferState.PREFILLING
     sent_until: int = 0                # tokens fully queued (all layers); engine thread only
     needed: list[int] | None = None    # per global layer, the first token the edge needs (`needed_from`); engine thread

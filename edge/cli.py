@@ -17,9 +17,12 @@ if TYPE_CHECKING:
 
     from edgecore.edge.engine import EdgeEngine
     from edgecore.edge.engine_client import EngineClient
+    from edgecore.edge.http import EdgeHTTP
     from edgecore.edge.service import EdgeService
     from edgecore.protocol.credentials import NodeIdentity, Trust
+    from edgecore.shared.admin_key import AdminKey
     from edgecore.shared.http_server import ServerLimits
+    from edgecore.shared.tenants import TenantRegistry
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,17 +57,15 @@ def run_edge(args: argparse.Namespace) -> int:
         model_dir = _fetch_model(settings, settings.model_from)
     (host, port), tls = parse_hostport(settings.listen), server_tls(settings.tls_cert, settings.tls_key)
     served = _served_name(settings, model_dir)
-    tenants = TenantRegistry.load(settings.tenants, [served]) if settings.tenants else None   # a bad file: no start
+    tenants = _tenants(settings, model_dir, served)      # (and the --lora adapters) a bad file: no start
     edge: EdgeEngine | EngineClient
     if settings.engine_in_process:
         edge = _edge_engine(settings, model_dir, codecs, local_below)
     else:
         edge = _engine_client(settings, model_dir)
-    # An in-process EdgeEngine's tokenizer is None for a model without tokenizer files (EdgeService says
-    # Tokenizer): such a model serves token-id prompts only, as it did before.
     http = EdgeHTTP(cast("EdgeService", edge), served, read_api_keys(settings.api_key_file),
                     int(settings.max_body_mb * 1024 * 1024), settings.max_concurrent,
-                    settings.max_seqs_per_request, limits, tenants)
+                    settings.max_seqs_per_request, limits, tenants, _admin_key(settings))
     state: dict[str, web.AppRunner] = {}
 
     async def start() -> asyncio.Future[int]:
@@ -78,20 +79,47 @@ def run_edge(args: argparse.Namespace) -> int:
         edge.on_death = on_death
         await edge.start()
         state["runner"], bound = await start_http(http, host, port, tls)
-        print(f"edgecore edge '{settings.name}' ready: {'https' if tls else 'http'}://{host}:{bound}/v1 (model "
-              f"{http.served_model}, "
-              f"cores: {', '.join(settings.core) or 'none, local prefill'}; "
-              f"{'/v1/, /stats, /tokenize and /detokenize need an API key' if http.api_keys or tenants else 'no API key'}"
-              f"{f'; {len(tenants.states)} tenant(s) from {settings.tenants}' if tenants else ''})",
-              flush=True)
+        print(_ready_line(settings, http, f"{'https' if tls else 'http'}://{host}:{bound}/v1"), flush=True)
         return finished
 
+    async def drain(timeout: float) -> None:      # SIGTERM: /ready 503, new requests 503, streams finish
+        http.start_drain()
+        await http.drained()
+
     async def stop() -> None:
+        # The engine first: streams still open (a drain cut short, or none) end now with an error instead of
+        # holding the HTTP server's shutdown until they finish.
+        await edge.stop()
         if "runner" in state:
             await state["runner"].cleanup()
-        await edge.stop()
 
-    return run_service(start, stop)
+    return run_service(start, stop, drain, settings.drain_timeout)
+
+
+def _ready_line(settings: EdgeSettings, http: EdgeHTTP, url: str) -> str:
+    """The line a started edge prints: where it listens, its model, its cores, how it is protected."""
+    tenants = http.tenants
+    keys = "/v1/, /stats, /tokenize and /detokenize need an API key" if http.api_keys or tenants else "no API key"
+    return (f"edgecore edge '{settings.name}' ready: {url} (model {http.served_model}, "
+            f"cores: {', '.join(settings.core) or 'none, local prefill'}; {keys}"
+            f"{f'; {len(tenants.states)} tenant(s) from {settings.tenants}' if tenants else ''})")
+
+
+def _tenants(settings: EdgeSettings, model_dir: str, served: str) -> TenantRegistry | None:
+    """The `--lora` adapters, each checked against the model (one line, no start, if one does not fit), then the
+    tenants file, whose tenants' models may name the base model and those adapters."""
+    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.lora import check_lora_flags
+    from edgecore.shared.tenants import TenantRegistry
+    loras = check_lora_flags(settings.lora, ModelConfig.from_dir(model_dir), settings.max_lora_rank) \
+        if settings.lora else []
+    return TenantRegistry.load(settings.tenants, [served, *(n for n, _ in loras)]) if settings.tenants else None
+
+
+def _admin_key(settings: EdgeSettings) -> AdminKey | None:
+    """`--admin-key-file`: who may load and unload LoRA adapters (none: nobody, the routes are 404s)."""
+    from edgecore.shared.admin_key import AdminKey
+    return AdminKey.read(settings.admin_key_file) if settings.admin_key_file else None
 
 
 def _codecs(settings: EdgeSettings) -> list[str]:
@@ -166,6 +194,8 @@ def _local_prefill_below(value: str) -> int | None:
 
 def _edge_engine(settings: EdgeSettings, model_dir: str, codecs: list[str], local_below: int | None
                  ) -> EdgeEngine:
+    """The engine in this process (`--engine-in-process`). Its tokenizer is None for a model without tokenizer
+    files (EdgeService says Tokenizer): such a model serves token-id prompts only."""
     import logging
 
     from edgecore.edge.engine import EdgeConfig, EdgeEngine
@@ -173,6 +203,7 @@ def _edge_engine(settings: EdgeSettings, model_dir: str, codecs: list[str], loca
     from edgecore.shared.cli import kv_cache_config
     from edgecore.shared.config import EngineConfig, ModelConfig
     from edgecore.shared.env import reserve_threads_for_engine, resolve_device
+    from edgecore.shared.lora import lora_specs
     from edgecore.shared.models.loader import resolve_dtype
     from edgecore.shared.secrets import parse_hostport
 
@@ -191,11 +222,12 @@ def _edge_engine(settings: EdgeSettings, model_dir: str, codecs: list[str], loca
                         dtype=settings.dtype, device=device, codecs=codecs,
                         adaptive=settings.adaptive, ttft_target_ms=settings.ttft_target_ms,
                         **codec_policy(settings), local_prefill_below=local_below, cache=cache,
-                        engine=EngineConfig(compile_decode=settings.compile),
+                        engine=EngineConfig(compile_decode=settings.compile, quantize=settings.quantize),
                         transfer_timeout=settings.transfer_timeout, handover_tokens=max(0, settings.handover_max_tokens),
                         first_layer_macs=max(0.0, settings.first_layer_macs),
                         name=settings.name, ssl=ssl, engine_threads=engine_threads,
-                        served_model_name=settings.served_model_name or "")
+                        served_model_name=settings.served_model_name or "",
+                        loras=lora_specs(settings.lora), max_lora_rank=settings.max_lora_rank)
     return EdgeEngine(config)
 
 

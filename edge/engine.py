@@ -62,6 +62,7 @@ from edgecore.shared.errors import EngineDead
 from edgecore.shared.fingerprint import model_fingerprint
 from edgecore.shared.kv.transfer import layers_at_edge
 from edgecore.shared.kv.wire import codec_rope
+from edgecore.shared.lora import MAX_LORA_RANK
 
 log = logging.getLogger("edgecore.edge")
 
@@ -96,6 +97,8 @@ class EdgeConfig:
     name: str = "edge"
     ssl: SSLContext | None = None
     served_model_name: str = ""       # the `model_name` label of the metrics (default: the directory's name)
+    loras: list[tuple[str, str]] = field(default_factory=list)     # LoRA adapters loaded at start: (name, dir)
+    max_lora_rank: int = MAX_LORA_RANK
 
 
 class EdgeEngine:
@@ -103,6 +106,10 @@ class EdgeEngine:
         self.config = config
         engine = engine or LLMEngine.from_dir(config.model_dir, config.dtype, config.device,
                                               config.cache, config.engine)
+        engine.lora.max_rank = config.max_lora_rank
+        for name, path in config.loras:         # before the engine thread runs (AdapterError: no start)
+            engine.lora.load(name, path)
+        self.adapters = engine.lora.fingerprints()     # LoRA adapters served (shared/lora.py)
         self.handle = AsyncEngine(engine, threads=config.engine_threads)   # all this node knows of the engine
         self.on_death: Callable[[], None] | None = None   # the engine thread failed (the CLI exits: a supervisor
         self.handle.on_failure = lambda exc: self.on_death and self.on_death()   # restarts the node)
@@ -166,7 +173,7 @@ class EdgeEngine:
         if threshold == 0:                # never here: no engine turn to measure the cached prefix
             return "remote", "", False
         if threshold is None:             # the measured crossover: decided here, on the event loop
-            cached = await self.handle.cached_prefix(prompt_ids, request.cache_salt)
+            cached = await self.handle.cached_prefix(prompt_ids, request.cache_salt, request.adapter)
             uncached = len(prompt_ids) - cached
             best = self.router.pick()
             if best is not None and self.prefill_model.local_is_faster(uncached, best.address, best.rtt):
@@ -192,9 +199,9 @@ class EdgeEngine:
     # ---- the request -------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None,
                        cache_salt: str | None = None, *, tenant: str | None = None, weight: float = 1.0,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
         request = EngineRequest(request_id, prompt_ids, params, group=group, priority=priority, cache_salt=cache_salt,
-                                tenant=tenant, weight=weight)
+                                tenant=tenant, weight=weight, adapter=adapter)
         progress = Progress(self, len(prompt_ids))
         queue: OutputQueue = asyncio.Queue()
         try:
@@ -339,7 +346,8 @@ class EdgeEngine:
         settings = RemotePrefillSettings(self.config.transfer_timeout, self.config.handover_tokens, self.codec_rope,
                                          self.config.first_layer_macs)
         prefill = RemotePrefill(self.handle, client, request, settings=settings, pool=self.decoder_pool,
-                                metrics=TransferMetrics(self.metrics, self.handover_counts))
+                                metrics=TransferMetrics(self.metrics, self.handover_counts),
+                                adapter_fingerprint=self.adapters.get(request.adapter or "", ""))
         await prefill.run(self._codec, sink)
         rid = request.request_id
         if prefill.follow is not None:
@@ -348,6 +356,16 @@ class EdgeEngine:
                                              self._follows.get(rid) is t else None)
 
     # ---- EdgeService (edge/service.py; across the process boundary: edge/engine_client.py) ------------
+    async def load_adapter(self, name: str, path: str) -> str:
+        """Load a LoRA adapter into the engine (AdapterError: nothing loaded); its fingerprint."""
+        fingerprint = await self.handle.load_adapter(name, path)
+        self.adapters[name] = fingerprint
+        return fingerprint
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.handle.unload_adapter(name)
+        self.adapters.pop(name, None)
+
     @property
     def max_model_len(self) -> int:
         return self.handle.max_model_len

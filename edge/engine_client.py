@@ -26,17 +26,19 @@ import sys
 from typing import TypeVar
 from collections.abc import AsyncIterator, Callable
 
-from edgecore.edge.ipc import (Abort, CallReply, CountError, Failed, FrameBuffer, Generate, GetMetrics, GetReadiness,
-                               GetStats, Hello, IpcError, Message, MetricsReply, Outputs, Prefetch, PrefetchReply,
-                               ReadinessReply, RequestFailed, StatsReply, encode)
+from edgecore.edge.ipc import (Abort, AdapterReply, CallReply, CountError, Failed, FrameBuffer, Generate, GetMetrics,
+                               GetReadiness, GetStats, Hello, IpcError, LoadAdapter, Message, MetricsReply, Outputs,
+                               Prefetch, PrefetchReply, ReadinessReply, RequestFailed, StatsReply, UnloadAdapter,
+                               encode)
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import EdgecoreError, EngineDead, RequestError
+from edgecore.shared.errors import AdapterError
 from edgecore.shared.tokenizer import Tokenizer
 
 log = logging.getLogger("edgecore.edge.engine_client")
 
-R = TypeVar("R", StatsReply, MetricsReply, ReadinessReply, PrefetchReply)
+R = TypeVar("R", StatsReply, MetricsReply, ReadinessReply, PrefetchReply, AdapterReply)
 
 
 class EngineClient:
@@ -46,6 +48,7 @@ class EngineClient:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.active = 0
         self.hello: Hello | None = None
+        self._adapters: dict[str, str] = {}
         self.dead: str | None = None
         self.on_death: Callable[[], None] | None = None
         self._streams: dict[str, asyncio.Queue] = {}
@@ -83,6 +86,7 @@ class EngineClient:
         if not isinstance(first[0], Hello) or len(first) > 1:     # nothing was asked of it yet
             raise IpcError(f"the engine process began with {type(first[0]).__name__}, not Hello")
         self.hello = first[0]
+        self._adapters = dict(self.hello.adapters)
         self._reader_task = asyncio.create_task(self._read(reader, frames))
 
     async def stop(self) -> None:
@@ -121,7 +125,7 @@ class EngineClient:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None,
                        cache_salt: str | None = None, *, tenant: str | None = None, weight: float = 1.0,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
         if self.dead is not None:
             raise EngineDead(self.dead)
         queue: asyncio.Queue = asyncio.Queue()
@@ -129,7 +133,7 @@ class EngineClient:
         self.active += 1
         finished = False
         try:
-            self._send(Generate(request_id, prompt_ids, params, group, cache_salt, tenant, weight, priority))
+            self._send(Generate(request_id, prompt_ids, params, group, cache_salt, tenant, weight, priority, adapter))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -147,6 +151,24 @@ class EngineClient:
     async def prefetch(self, prompt_ids: list[int]) -> dict:
         r = await self._request(lambda i: Prefetch(i, prompt_ids), PrefetchReply)
         return {"tokens": r.tokens, "cached_tokens": r.cached_tokens, "source": r.source}
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """LoRA adapters the engine process serves: name → fingerprint (from Hello, then loads and unloads)."""
+        return self._adapters
+
+    async def load_adapter(self, name: str, path: str) -> str:
+        reply = await self._request(lambda i: LoadAdapter(i, name, path), AdapterReply)
+        if reply.error is not None:
+            raise AdapterError(reply.error, reply.param or "lora_path")
+        self._adapters[name] = reply.fingerprint
+        return reply.fingerprint
+
+    async def unload_adapter(self, name: str) -> None:
+        reply = await self._request(lambda i: UnloadAdapter(i, name), AdapterReply)
+        if reply.error is not None:
+            raise AdapterError(reply.error, reply.param or "lora_name")
+        self._adapters.pop(name, None)
 
     async def get_stats(self) -> dict:
         stats = (await self._request(GetStats, StatsReply)).stats

@@ -15,7 +15,7 @@ then on the engine's dispatch hands its outputs straight to this server (no
 task switch per token), and outputs produced in one event-loop turn leave in
 one `Outputs` frame. `Abort` cancels that task, or the request (which
 aborts it here and at its core). `CountError` is counted; each request
-(`GetStats`, `GetMetrics`, `GetReadiness`, `Prefetch`) runs as a task and is
+(`GetStats`, `GetMetrics`, `GetReadiness`, `Prefetch`, `LoadAdapter`, `UnloadAdapter`) runs as a task and is
 answered with its typed reply, or `RequestFailed`.
 When the frontend goes away, every request is cancelled and the process ends.
 """
@@ -29,12 +29,14 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from edgecore.edge.engine import EdgeEngine
-from edgecore.edge.ipc import (Abort, Call, CountError, Failed, FrameBuffer, Generate, GetMetrics, GetReadiness,
-                               GetStats, Hello, IpcError, Message, MetricsReply, Outputs, PrefetchReply,
-                               ReadinessReply, Reply, Request, RequestFailed, StatsReply, encode)
+from edgecore.edge.ipc import (Abort, AdapterReply, Call, CountError, Failed, FrameBuffer, Generate, GetMetrics,
+                               GetReadiness, GetStats, Hello, IpcError, LoadAdapter, Message, MetricsReply, Outputs,
+                               PrefetchReply, ReadinessReply, Reply, Request, RequestFailed, StatsReply,
+                               UnloadAdapter, encode)
 from edgecore.shared.engine.handle import EngineRequest, Output
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.errors import EngineDead, RequestError
+from edgecore.shared.errors import AdapterError
 
 if TYPE_CHECKING:
     from edgecore.edge.engine_client import EngineClient
@@ -57,6 +59,14 @@ async def answer(edge: EdgeEngine, msg: Request) -> Reply:
         return StatsReply(msg.id, await edge.get_stats())
     if isinstance(msg, GetMetrics):
         return MetricsReply(msg.id, await edge.get_metrics())
+    if isinstance(msg, (LoadAdapter, UnloadAdapter)):
+        try:
+            if isinstance(msg, LoadAdapter):
+                return AdapterReply(msg.id, await edge.load_adapter(msg.name, msg.path))
+            await edge.unload_adapter(msg.name)
+            return AdapterReply(msg.id)
+        except AdapterError as exc:
+            return AdapterReply(msg.id, error=str(exc), param=exc.param)
     if isinstance(msg, GetReadiness):
         r = await edge.get_readiness()
         return ReadinessReply(msg.id, r["ready"], r["cores_healthy"])
@@ -75,7 +85,7 @@ class EngineServer:
     async def run(self) -> None:
         """Serve the frontend until it closes the socket."""
         reader, self.writer = await asyncio.open_connection(sock=self.sock)
-        self._send(Hello(self.edge.max_model_len, self.edge.vocab_size, self.edge.fingerprint))
+        self._send(Hello(self.edge.max_model_len, self.edge.vocab_size, self.edge.fingerprint, self.edge.adapters))
         frames = FrameBuffer()
         try:
             while data := await reader.read(1 << 16):
@@ -112,7 +122,8 @@ class EngineServer:
         try:
             await self.edge.submit(EngineRequest(rid, msg.prompt_ids, msg.params, group=msg.group,
                                                  priority=msg.priority, cache_salt=msg.cache_salt,
-                                                 tenant=msg.tenant, weight=msg.weight), partial(self._emit, rid))
+                                                 tenant=msg.tenant, weight=msg.weight, adapter=msg.adapter),
+                                   partial(self._emit, rid))
         except asyncio.CancelledError:
             pass                                     # aborted by the frontend (client went away)
         except RequestError as exc:

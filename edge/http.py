@@ -18,6 +18,14 @@ tools, text that may open a tool call is held and the calls sent as
 `data: [DONE]`). A client that
 disconnects cancels the handler, which aborts every choice and frees its KV
 at the edge and the core.
+
+Drain (`start_drain`, the edge's SIGTERM): /ready turns 503 at once, every new generation or context request
+gets a 503 (`server_shutting_down`), and `drained()` returns once the requests being served (streams
+included) have finished; the node then stops (edge/cli.py, shared/service.py).
+
+LoRA adapters (shared/lora.py): `model` may name a served adapter (`--lora`, or loaded with vLLM's
+`POST /v1/load_lora_adapter`, which with `POST /v1/unload_lora_adapter` needs the admin key,
+`--admin-key-file`, and is a 404 without one); /v1/models lists them with the base model as `parent`.
 """
 
 from __future__ import annotations
@@ -39,8 +47,10 @@ from edgecore.edge.metrics import TenantMetrics
 from edgecore.edge.service import EdgeService
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.errors import EngineDead, RequestError
+from edgecore.shared.admin_key import AdminKey
 from edgecore.shared.http_server import ServerLimits, start_site
-from edgecore.shared.openai.extra_routes import add_edge_routes, model_card
+from edgecore.shared.errors import AdapterError
+from edgecore.shared.openai.extra_routes import adapter_cards, add_edge_routes, model_card
 from edgecore.shared.openai.http import TENANT, effective_cache_salt, error_middleware, json_body, off_loop
 from edgecore.shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
 from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body, usage, usage_so_far
@@ -59,8 +69,10 @@ ENGINE_TERMS = web.RequestKey("edgecore_engine_terms", dict)  # tenant, weight, 
 class EdgeHTTP:
     def __init__(self, edge: EdgeService, served_model: str, api_keys: Sequence[bytes] | None = None,
                  max_body: int = 8 * 1024 * 1024, max_concurrent: int = 256, max_seqs_per_request: int = 64,
-                 limits: ServerLimits | None = None, tenants: TenantRegistry | None = None):
+                 limits: ServerLimits | None = None, tenants: TenantRegistry | None = None,
+                 admin_key: AdminKey | None = None):
         self.edge = edge
+        self.admin_key = admin_key                      # None: no adapter loading at run time (the routes 404)
         self.tenants = tenants                          # shared/tenants.py; None: the API keys alone, no limits
         self.tenant_metrics = TenantMetrics(served_model)
         if tenants is not None:
@@ -83,13 +95,17 @@ class EdgeHTTP:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        if self.admin_key is not None:
+            app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+            app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_post("/v1/contexts", self.prefetch)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/stats", self.stats)
         add_edge_routes(app, self.edge.tokenizer, self.edge.vocab_size, lambda: model_card(
-            self.served_model, self.edge.max_model_len, self.created))   # /tokenize, /detokenize, /version, ...
+            self.served_model, self.edge.max_model_len, self.created),   # /tokenize, /detokenize, /version, ...
+            lambda: self.edge.adapters)
         return app
 
     def _capacity(self, parsed: ParsedRequest, request: web.Request) -> None:
@@ -146,11 +162,39 @@ class EdgeHTTP:
         request[ENGINE_TERMS] = {"tenant": state.name, "weight": state.tenant.weight,
                                  "priority": state.tenant.engine_priority(priority)}
 
-    # ---- endpoints ------------------------------------------------------------
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await json_body(request)
+    def _model(self, request: web.Request, body: dict) -> None:
+        """The base model, or a served LoRA adapter (its name joins the engine terms); 404 otherwise. After
+        `_tenant_terms`, which sets the terms."""
+        model = body.get("model")
+        if isinstance(model, str) and model != self.served_model and model in self.edge.adapters:
+            request[ENGINE_TERMS] = {**request.get(ENGINE_TERMS, {}), "adapter": model}
+            return
         check_model(body, self.served_model)
+
+    def _model_name(self, request: web.Request) -> str:
+        """What a response says served it: the request's LoRA adapter (as vLLM), else the base model."""
+        return request.get(ENGINE_TERMS, {}).get("adapter") or self.served_model
+
+    # ---- endpoints ------------------------------------------------------------
+    def start_drain(self) -> None:
+        """Refuse new requests (503) and report not ready from now on; those being served go on."""
+        self.draining = True
+
+    async def drained(self) -> None:
+        """Returns once no request is being served (its last byte written, or its client gone)."""
+        while self.sequences > 0:
+            await asyncio.sleep(0.05)
+
+    def _refuse_when_draining(self) -> None:
+        if self.draining:
+            raise ApiError(503, "The server is shutting down; retry on another replica", None,
+                           "server_shutting_down", headers={"retry-after": "1"})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self._refuse_when_draining()
+        body = await json_body(request)
         self._tenant_terms(request, body)
+        self._model(request, body)
         parsed = await off_loop(request, parse_completion, body, self.edge.tokenizer, self.edge.vocab_size,
                                 self.edge.max_model_len)
         self._capacity(parsed, request)
@@ -189,10 +233,43 @@ class EdgeHTTP:
         result = await self.edge.prefetch(ids)
         return web.json_response({"object": "context", **result})
 
-    async def models(self, _: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.served_model, "object": "model", "created": self.created, "owned_by": "edgecore",
-            "max_model_len": self.edge.max_model_len}]})
+    async def models(self, request: web.Request) -> web.Response:
+        """The base model and each LoRA adapter (`parent`: the base), those the key's tenant may use."""
+        state = request.get(TENANT)
+        base = model_card(self.served_model, self.edge.max_model_len, self.created)
+        cards = [base, *adapter_cards(base, self.edge.adapters)]
+        if state is not None:
+            cards = [c for c in cards if state.tenant.allows(str(c["id"]))]
+        return web.json_response({"object": "list", "data": cards})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's runtime adapter loading: {"lora_name", "lora_path"} (a directory on this node); admin key only."""
+        assert self.admin_key is not None           # the route exists only with one
+        self.admin_key.check(request)
+        body = await json_body(request)
+        name, path = _text_field(body, "lora_name"), _text_field(body, "lora_path")
+        if name == self.served_model:
+            raise ApiError(400, f"'{name}' is the base model's name", "lora_name", "invalid_value")
+        try:
+            await self.edge.load_adapter(name, path)
+        except AdapterError as exc:
+            raise ApiError(400, str(exc), exc.param, exc.code) from None
+        log.info("LoRA adapter '%s' loaded from %s", name, path)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's runtime adapter unloading: {"lora_name"}; requests running on it finish with it."""
+        assert self.admin_key is not None
+        self.admin_key.check(request)
+        name = _text_field(await json_body(request), "lora_name")
+        if name not in self.edge.adapters:
+            raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "lora_name", "model_not_found")
+        try:
+            await self.edge.unload_adapter(name)
+        except AdapterError as exc:
+            raise ApiError(404, str(exc), exc.param, "model_not_found") from None
+        log.info("LoRA adapter '%s' unloaded", name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def health(self, _: web.Request) -> web.Response:
         """Liveness: 503 from the moment the engine (its thread, or the engine process) is known dead, before the
@@ -231,7 +308,7 @@ class EdgeHTTP:
                 if parsed.stream:     # the first output before the 200: an engine's refusal is still a 4xx
                     first = await anext(outputs, None)
                     return await self._stream(request, parsed, chat, rid, created, _prepend(first, outputs))
-                return await self._collect(parsed, chat, rid, created, outputs)
+                return await self._collect(parsed, chat, rid, created, outputs, self._model_name(request))
         finally:
             self.sequences -= count
             if grant is not None:
@@ -263,7 +340,7 @@ class EdgeHTTP:
                                                     **terms):
                     yield 0, out
             except RequestError as exc:    # what only the engine can check (a grammar's language, ...)
-                raise ApiError(400, str(exc), exc.param, exc.code) from None
+                raise ApiError(_status(exc), str(exc), exc.param, exc.code) from None
             except EngineDead as exc:
                 raise ApiError(500, f"generation failed: {exc}", None, "internal_error") from None
             return
@@ -289,7 +366,7 @@ class EdgeHTTP:
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, RequestError):
-                    raise ApiError(400, str(item), item.param, item.code)
+                    raise ApiError(_status(item), str(item), item.param, item.code)
                 elif isinstance(item, Exception):
                     raise ApiError(500, f"generation failed: {item}", None, "internal_error")
                 else:
@@ -299,11 +376,11 @@ class EdgeHTTP:
                 task.cancel()
 
     async def _collect(self, parsed: ParsedRequest, chat: bool, rid: str, created: int,
-                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> web.Response:
+                       outputs: AsyncIterator[tuple[int, RequestOutput]], model: str) -> web.Response:
         results = [ChoiceResult() for _ in parsed.params]
         async for i, out in outputs:
             results[i].add(out)
-        body = response_body(parsed, results, chat, rid, created, self.served_model, self.texts,
+        body = response_body(parsed, results, chat, rid, created, model, self.texts,
                              self.edge.fingerprint[:16] or None)
         return web.Response(body=json_encode(body), content_type="application/json")
 
@@ -314,7 +391,7 @@ class EdgeHTTP:
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
-        base = {"id": rid, "object": obj, "created": created, "model": self.served_model}
+        base = {"id": rid, "object": obj, "created": created, "model": self._model_name(request)}
 
         async def send(payload: dict[str, Any]) -> None:
             await resp.write(b"data: " + json_encode(payload) + b"\n\n")
@@ -392,6 +469,18 @@ async def start_http(http: EdgeHTTP, host: str, port: int, tls: ServerTLS | None
                      ) -> tuple[web.AppRunner, int]:
     """Serve the API on host:port under `http.limits` (HTTPS with `tls`). Returns (runner, bound port)."""
     return await start_site(http.build_app(), host, port, http.limits, handler_cancellation=True, tls=tls)
+
+
+def _status(exc: RequestError) -> int:
+    """An engine's refusal: 404 for a model (adapter) it does not serve (unloaded meanwhile), else 400."""
+    return 404 if exc.code == "model_not_found" else 400
+
+
+def _text_field(body: dict, name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, f"'{name}' must be a non-empty string", name, "invalid_value")
+    return value
 
 
 async def _prepend(first: T | None, rest: AsyncIterator[T]) -> AsyncGenerator[T, None]:

@@ -39,6 +39,7 @@ class Generate(msgspec.Struct, tag="generate"):
     tenant: str | None = None       # the request's tenant, its weight and its engine priority (band and own)
     weight: float = 1.0
     priority: int = 0
+    adapter: str | None = None      # the request's LoRA adapter (shared/lora.py); None: the base model
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -76,10 +77,20 @@ class Prefetch(Call, tag="prefetch"):
     prompt_ids: list[int]
 
 
+class LoadAdapter(Call, tag="load_adapter"):
+    name: str
+    path: str
+
+
+class UnloadAdapter(Call, tag="unload_adapter"):
+    name: str
+
+
 class Hello(msgspec.Struct, tag="hello"):
     max_model_len: int
     vocab_size: int
     fingerprint: str
+    adapters: dict[str, str] = {}      # LoRA adapters loaded at start: name → fingerprint
 
 
 class Outputs(msgspec.Struct, tag="outputs"):
@@ -118,8 +129,15 @@ class RequestFailed(CallReply, tag="request_failed"):
     error: str
 
 
-Request = GetStats | GetMetrics | GetReadiness | Prefetch
-Reply = StatsReply | MetricsReply | ReadinessReply | PrefetchReply | RequestFailed
+class AdapterReply(CallReply, tag="adapter"):
+    """A load or unload: the adapter's fingerprint, or the AdapterError's message and param (nothing changed)."""
+    fingerprint: str = ""
+    error: str | None = None
+    param: str | None = None
+
+
+Request = GetStats | GetMetrics | GetReadiness | Prefetch | LoadAdapter | UnloadAdapter
+Reply = StatsReply | MetricsReply | ReadinessReply | PrefetchReply | RequestFailed | AdapterReply
 Message = Generate | Abort | CountError | Request | Hello | Outputs | Failed | Reply
 
 _encoder = msgspec.msgpack.Encoder()

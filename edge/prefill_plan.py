@@ -51,10 +51,12 @@ class PrefillPlan:
     group: str | None = None       # the request's fairness group, here and at the core
     cache_salt: str | None = None  # the request's prefix-cache scope, here and at the core
     tenant: str | None = None      # the request's tenant: its fair share here and at the core
+    adapter: str | None = None     # the request's LoRA adapter (shared/lora.py) and its content fingerprint:
+    adapter_fingerprint: str = ""  # the core prefills with its own copy, which must be the same
 
     @classmethod
     def build(cls, request: EngineRequest, skip_tokens: int, codec: str, settings: RemotePrefillSettings, *,
-              first_layer_macs: int, core_decodes: bool, direct: bool) -> PrefillPlan:
+              first_layer_macs: int, core_decodes: bool, direct: bool, adapter_fingerprint: str = "") -> PrefillPlan:
         """`core_decodes`: the request decodes here (it has a sink) and the core speaks decode handover;
         `first_layer_macs`: the engine's multiply-adds per token of layer 0's KV (0: it cannot compute it)."""
         assert isinstance(request.prompt, list), "a remote prefill's prompt is token ids"
@@ -63,7 +65,8 @@ class PrefillPlan:
         edge_layers = layers_at_edge(first_layer_macs, len(prompt) - skip_tokens, settings.first_layer_budget,
                                      get_codec(codec).lossless)
         return cls(request.request_id, prompt, params, codec, skip_tokens, limit, edge_layers, direct,
-                   int(settings.timeout * 1000), request.group, request.cache_salt, request.tenant)
+                   int(settings.timeout * 1000), request.group, request.cache_salt, request.tenant, request.adapter,
+                   adapter_fingerprint)
 
     @property
     def total_tokens(self) -> int:
@@ -74,7 +77,8 @@ class PrefillPlan:
         return m.PrefillRequest(self.request_id, self.prompt_ids, m.SamplingSpec(**self.params.spec_fields()),
                                 [self.codec], self.deadline_ms, self.skip_tokens, direct=self.direct,
                                 core_decode=self.core_decode, edge_layers=self.edge_layers, group=self.group or "",
-                                cache_salt=self.cache_salt or "", tenant=self.tenant or "")
+                                cache_salt=self.cache_salt or "", tenant=self.tenant or "",
+                                adapter=self.adapter or "", adapter_fingerprint=self.adapter_fingerprint)
 
     def receiver(self, cfg: ModelConfig) -> KVReceiver:
         """The sans-IO check of the KV this plan asks for (a decoding core streams as the ranks of a parallel

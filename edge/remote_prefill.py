@@ -63,7 +63,7 @@ class RemotePrefillFailed(Exception):
 
 class RemotePrefill:
     def __init__(self, handle: EngineHandle, client: CoreClient, request: EngineRequest, *,
-                 settings: RemotePrefillSettings, pool: Executor, metrics: TransferMetrics):
+                 settings: RemotePrefillSettings, pool: Executor, metrics: TransferMetrics, adapter_fingerprint: str = ""):
         """`request`: its id, prompt ids, sampling and fairness group (here and at the core); `pool`: the edge's
         chunk unpack workers; `metrics`: the edge's transfer metrics and handover tallies."""
         assert isinstance(request.prompt, list), "a remote prefill's prompt is token ids"
@@ -71,7 +71,8 @@ class RemotePrefill:
         self.request_id = request.request_id
         self.request = EngineRequest(request.request_id, request.prompt, request.params, group=request.group,
                                      priority=request.priority, cache_salt=request.cache_salt, tenant=request.tenant,
-                                     weight=request.weight)
+                                     weight=request.weight, adapter=request.adapter)
+        self.adapter_fingerprint = adapter_fingerprint     # of request.adapter: the core must hold the same one
         self.writer = ChunkWriter(handle, request.request_id, pool, settings.rope)
         self.plan: PrefillPlan | None = None            # once reserved and the codec chosen
         self.receiver: KVReceiver | None = None         # made with the plan
@@ -88,7 +89,8 @@ class RemotePrefill:
         assert client.peer is not None          # a picked core is connected
         plan = self.plan = PrefillPlan.build(self.request, cached, codec, self.settings,
                                              first_layer_macs=handle.first_layer_macs, direct=client.direct,
-                                             core_decodes=activate and client.peer.conn.handover)
+                                             core_decodes=activate and client.peer.conn.handover,
+                                             adapter_fingerprint=self.adapter_fingerprint)
         receiver = self.receiver = plan.receiver(handle.config)
         started = time.perf_counter()
         try:

@@ -38,6 +38,9 @@ class EdgeSettings:
     authority: str | None = common.authority()
     revocations: str | None = common.revocations()
     served_model_name: str | None = setting(None, help="model id in the API (default: directory name)")
+    lora: tuple[str, ...] = common.lora()
+    max_lora_rank: int = common.max_lora_rank()
+    admin_key_file: str | None = common.admin_key_file()
     name: str = setting("edge")
     codec: tuple[str, ...] | None = setting(None, metavar="NAME", help="allowed KV codec(s), in preference order "
                                             "(default lossless); lossy codecs (fp8, int8, int4, q4e, q3e, q2e) "

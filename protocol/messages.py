@@ -99,6 +99,9 @@ class PrefillRequest(_Msg, tag=5, frozen=True):
                                        # requests with the same salt; "" = unsalted (an older edge sends none)
     tenant: str = ""                   # the edge's tenant of the request (shared/tenants.py): the core shares its
                                        # steps between tenants, then groups; "" = none (older peers ignore it)
+    adapter: str = ""                  # the LoRA adapter to prefill with (shared/lora.py), loaded at the core
+    adapter_fingerprint: str = ""      # under the same name (`--lora`); its content hash must match the edge's, or
+                                       # the core answers an Error; "" = the base model (older edges send none)
 
 
 class KVChunk(_Msg, tag=6, frozen=True):

@@ -35,3 +35,10 @@ def first_line(exc: BaseException) -> str:
 
 class EngineDead(RuntimeError):
     """The engine failed or exited; requests in flight and new ones cannot be served."""
+
+
+class AdapterError(RequestError):
+    """An adapter that cannot be served: its files, config, shapes or rank (a 400 at load, one line at start)."""
+
+    def __init__(self, message: str, param: str = "lora_path"):
+        super().__init__(message, param, "invalid_lora_adapter")

@@ -66,6 +66,33 @@ def kv_resident_memory() -> Any:
                         "--kv-cache-memory, i.e. no bound)")
 
 
+DEFAULT_KV_TIER_SIZE = "8GiB"
+
+
+def kv_tier_dir() -> Any:
+    """kv_tier_dir: str | None"""
+    return setting(None, metavar="DIR",
+                   help="disk KV tier: full KV blocks evicted from the prefix cache are kept in this directory "
+                        "(created if missing), compressed, and read back instead of recomputed, also after a "
+                        "restart; one node per directory (default: none)")
+
+
+def kv_tier_size() -> Any:
+    """kv_tier_size: str"""
+    return setting(DEFAULT_KV_TIER_SIZE, metavar="SIZE",
+                   help="with --kv-tier-dir: the most bytes its files may take, e.g. 500M or 20GiB (K/M/G are "
+                        "powers of 1000, KiB/MiB/GiB of 1024); least recently used blocks are deleted first "
+                        f"(default {DEFAULT_KV_TIER_SIZE})")
+
+
+def kv_tier_codec() -> Any:
+    """kv_tier_codec: str"""
+    return setting("lossless", metavar="CODEC",
+                   help="with --kv-tier-dir: the KV codec its blocks are stored with (default lossless: "
+                        "bit-exact; a lossy one, e.g. fp8 or q4e, stores more blocks in the same size but "
+                        "changes what is read back)")
+
+
 def kv_blocks() -> Any:
     """kv_blocks: int | None"""
     return setting(None, metavar="N", help="KV cache blocks of 16 tokens, instead of sizing the cache from "
@@ -112,3 +139,40 @@ def revocations() -> Any:
     """revocations: str | None"""
     return setting(None, metavar="FILE", help="revoked credential serials, one per line; re-read when it changes "
                                               "(a revoked peer's connections close within seconds)")
+
+
+def lora() -> Any:
+    """lora: tuple[str, ...]"""
+    return setting((), metavar="NAME=DIR",
+                   help="serve a LoRA adapter (PEFT: adapter_config.json + adapter_model.safetensors; q/k/v/o and "
+                        "gate/up/down projections) as model NAME, parent the base model (repeatable); one that does "
+                        "not fit the model stops the start with one line")
+
+
+def max_lora_rank() -> Any:
+    """max_lora_rank: int"""
+    return setting(64, metavar="R", help="largest LoRA rank an adapter may have (default 64)")
+
+
+def admin_key_file() -> Any:
+    """admin_key_file: str | None"""
+    return setting(None, metavar="FILE", help="the admin key (first line), which alone may POST "
+                                              "/v1/load_lora_adapter and /v1/unload_lora_adapter; without it those "
+                                              "routes answer 404 (as vLLM's without runtime LoRA updating)")
+
+
+DRAIN_TIMEOUT = 30.0
+
+
+def drain_timeout() -> Any:
+    """drain_timeout: float"""
+    return setting(DRAIN_TIMEOUT, metavar="SECONDS",
+                   help="on SIGTERM, stop taking new work and finish what is in flight for at most this long, then "
+                        f"exit 0; a second SIGTERM exits at once; 0: exit at once (default {DRAIN_TIMEOUT:g})")
+
+
+def check_drain_timeout(seconds: float) -> None:
+    """--drain-timeout in range (one-line ConfigError otherwise)."""
+    from edgecore.shared.errors import ConfigError
+    if not 0 <= seconds <= 86400:      # NaN too
+        raise ConfigError(f"--drain-timeout must be between 0 and 86400 seconds, not {seconds:g}")

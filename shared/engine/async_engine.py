@@ -133,7 +133,7 @@ class AsyncEngine:
         def add(e: LLMEngine) -> None:
             r = request
             e.add_request(r.request_id, r.prompt, r.params, r.prefill_only, r.priority, r.group, r.cache_salt,
-                          r.tenant, r.weight)
+                          r.tenant, r.weight, r.adapter)
             self._hold_for(r.request_id, sink)
         await self._admit(request.request_id, sink, add)
 
@@ -145,11 +145,11 @@ class AsyncEngine:
         assert isinstance(prompt_ids, list), "a prompt measured against the prefix cache is token ids"
 
         def place(e: LLMEngine) -> tuple[int, bool]:
-            cached = e.cached_prefix(prompt_ids, request.cache_salt)
+            cached = e.cached_prefix(prompt_ids, request.cache_salt, request.adapter)
             if len(prompt_ids) - cached >= limit:
                 return cached, False
             e.add_request(request.request_id, prompt_ids, request.params, request.prefill_only, request.priority,
-                          request.group, request.cache_salt, request.tenant, request.weight)
+                          request.group, request.cache_salt, request.tenant, request.weight, request.adapter)
             self._hold_for(request.request_id, sink)
             return cached, True
 
@@ -174,16 +174,35 @@ class AsyncEngine:
             e.abort(request_id)
         self._post(abort)
 
-    async def cached_prefix(self, prompt_ids: list[int], cache_salt: str | None = None) -> int:
-        return await self._call(lambda e: e.cached_prefix(prompt_ids, cache_salt))
+    async def cached_prefix(self, prompt_ids: list[int], cache_salt: str | None = None,
+                            adapter: str | None = None) -> int:
+        """(`adapter`: measured under a LoRA adapter's scope, shared/lora.py; beyond EngineHandle's form.)"""
+        return await self._call(lambda e: e.cached_prefix(prompt_ids, cache_salt, adapter))
+
+    # ---- LoRA adapters (shared/lora.py; not part of EngineHandle: the nodes that serve them ask) ----------
+    async def load_adapter(self, name: str, path: str) -> str:
+        """Load a PEFT adapter (read and checked on the engine thread, between steps); its fingerprint.
+        Raises AdapterError (nothing loaded)."""
+        return await self._call(lambda e: e.lora.load(name, path).fingerprint)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._call(lambda e: e.lora.unload(name))
 
     # ---- KV from outside ------------------------------------------------------------
     async def reserve(self, request: EngineRequest, sink: OutputSink | None) -> int:
         """Reserve blocks for a prompt whose KV will be written from outside; returns its locally cached
         leading tokens. Raises NoFreeBlocks when the cache is full."""
+        if self._tier:          # the prefix's blocks on disk: read (on the tier's thread) before reserving
+            def prefetch(e: LLMEngine) -> Future[Any] | None:
+                return e.prefetch_prefix(request.request_id, request.prompt, request.cache_salt, request.adapter)
+            loading = await self._call(prefetch)
+            if loading is not None:
+                await asyncio.wait({asyncio.wrap_future(loading)}, timeout=TIER_PREFETCH_WAIT_S)
+
         def reserve(e: LLMEngine) -> int:
             cached = e.reserve(request.request_id, request.prompt, request.params, request.group,
-                               request.cache_salt, request.tenant, request.weight, request.priority)[1]
+                               request.cache_salt, request.tenant, request.weight, request.priority,
+                               request.adapter)[1]
             if sink is not None:
                 self._hold_for(request.request_id, sink)
             return cached

@@ -17,12 +17,18 @@ Two entry points serve disaggregated serving:
     `take_pending`; a request they finish never decodes here), and `take_over(kv_until)` joins
     the batch with KV valid for [0, kv_until): the tokens after it (those decoded elsewhere, or
     all but the cached prefix after a failed transfer) are computed here as one prefill chunk.
+LoRA adapters (shared/lora.py): the engine's `LoraRegistry` (`lora`) loads and unloads them; a request names
+its adapter (`adapter=`), which scopes its prefix cache (`adapter_salt`) and gives its rows the adapter's slot.
+Disk KV tier (`CacheConfig.tier_dir`; shared/engine/tier_loads.py): a request whose prefix blocks after the
+pool's are on disk waits outside the scheduler while they are read back, then is queued with them cached;
+evicted cached blocks spill there; `close()` writes the blocks still cached and stops the tier.
 Only the engine thread calls these (through `AsyncEngine`, the in-thread `EngineHandle`, which
 first has `compile_decode` run there); `stats()` builds the snapshot that thread publishes.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 from collections.abc import Callable
@@ -36,11 +42,15 @@ from edgecore.shared.engine.model_runner import ModelRunner
 from edgecore.shared.engine.output import OutputState, RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.engine.scheduler import Scheduler
+from edgecore.shared.engine.tier_loads import open_tier
 from edgecore.shared.engine.sequence import Sequence, Status
 from edgecore.shared.errors import ConfigError, RequestError
+from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.gguf_tokenizer import gguf_has_tokenizer
 from edgecore.shared.kv.block_manager import BlockManager, NoFreeBlocks
 from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.kv.transfer import KVSlice, StreamRoute, needed_from
+from edgecore.shared.lora import LoraRegistry, adapter_salt
 from edgecore.shared.metrics import Buckets
 from edgecore.shared.models.layers import weight_bytes
 from edgecore.shared.models.loader import load_model, resolve_dtype
@@ -90,20 +100,26 @@ class LLMEngine:
         self.iteration_tokens = Buckets()          # tokens computed per step (a metric)
         self.kv_bytes_per_token = config.kv_bytes_per_token(self.pool.k[0].element_size())
         self.weights_bytes = weight_bytes(model)
+        # LoRA adapters (`lora.load`, `lora.unload`): the slots of live requests' adapters stay until they finish
+        self.lora = self.runner.lora = LoraRegistry(model, lambda: {s.seq.lora_slot for s in self.requests.values()},
+                                                    lambda: type(self.runner) is ModelRunner)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, dtype: str | torch.dtype | None = "auto", device: str = "cpu",
                  cache_config: CacheConfig | None = None, engine_config: EngineConfig | None = None) -> LLMEngine:
         config = ModelConfig.from_dir(model_dir)
         # A checkpoint without tokenizer files still serves token-id prompts.
-        tokenizer = Tokenizer.from_dir(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
-        model = load_model(model_dir, resolve_dtype(dtype, device), device, config=config)
-        return cls(model, config, tokenizer, cache_config, engine_config)
+        tokenizer = Tokenizer.from_dir(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() or \
+            gguf_has_tokenizer(model_dir) else None          # a GGUF file: its own or the one beside it
+        model = load_model(model_dir, resolve_dtype(dtype, device), device, config=config,
+                           quantize=engine_config.quantize if engine_config else None)
+        fingerprint = model_fingerprint(model_dir, config) if cache_config and cache_config.tier_dir else None
+        return cls(model, config, tokenizer, cache_config, engine_config, fingerprint)
 
     # ---- requests -------------------------------------------------------
     def _new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams, prefill_only: bool,
                       priority: int = 0, group: str | None = None, cache_salt: str | None = None,
-                      tenant: str | None = None, weight: float = 1.0) -> Sequence:
+                      tenant: str | None = None, weight: float = 1.0, adapter: str | None = None) -> Sequence:
         if request_id in self.requests:
             raise RequestError(f"request id '{request_id}' is already in use", param="request_id")
         if isinstance(prompt, str):
@@ -127,7 +143,11 @@ class LLMEngine:
         if need > capacity:
             raise RequestError(f"the request needs {need} tokens of KV cache but the cache holds {capacity}",
                                param="prompt", code="context_length_exceeded")
-        seq = Sequence(request_id, ids, params, prefill_only, priority, group, cache_salt, tenant, weight)
+        lora = self.lora.resolve(adapter)
+        seq = Sequence(request_id, ids, params, prefill_only, priority, group, adapter_salt(cache_salt, lora), tenant,
+                       weight)
+        if lora is not None:
+            seq.adapter, seq.lora_slot = lora.name, lora.slot
         if params.guided is not None:
             seq.grammar = self._grammars().matcher(params.guided)
         self.requests[request_id] = OutputState(seq, self.tokenizer, self.eos_ids, self.max_model_len)
@@ -142,14 +162,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     prefill_only: bool = False, priority: int = 0, group: str | None = None,
-                    cache_salt: str | None = None, tenant: str | None = None, weight: float = 1.0) -> Sequence:
-        """Queue a request; `group`: its fairness group (the scheduler shares each step between groups), by
+                    cache_salt: str | None = None, tenant: str | None = None, weight: float = 1.0,
+                    adapter: str | None = None) -> Sequence:
+        """Queue a request (`adapter`: a loaded LoRA adapter's name, None the base model); `group`: its fairness group (the scheduler shares each step between groups), by
         default the request alone; `cache_salt`: its prefix cache's scope (blocks are reused only between
         requests with the same salt; None: unsalted); `tenant` and `weight`: its tenant and the tenant's share
         of the engine (the scheduler shares each step between tenants by weight, then between their groups)."""
         seq = self._new_sequence(request_id, prompt, params or SamplingParams(), prefill_only, priority, group,
-                                 cache_salt, tenant, weight)
-        self.scheduler.add(seq)
+                                 cache_salt, tenant, weight, adapter)
+        if self.tier is None or seq.params.prompt_logprobs is not None or not self.tier.begin(seq):
+            self.scheduler.add(seq)         # (else queued once its prefix is read back from the disk tier)
         return seq
 
     def abort(self, request_id: str) -> bool:
@@ -173,11 +195,34 @@ class LLMEngine:
         state = self.requests.get(request_id)
         return state.seq if state else None
 
-    def cached_prefix(self, prompt_ids: list[int], cache_salt: str | None = None) -> int:
-        """How many leading tokens of the prompt the prefix cache holds under `cache_salt` (whole blocks)."""
-        return len(self.block_manager.match_prefix(prompt_ids, cache_salt)) * self.block_manager.block_size
+    def cached_prefix(self, prompt_ids: list[int], cache_salt: str | None = None, adapter: str | None = None) -> int:
+        """How many leading tokens of the prompt the prefix cache holds under `cache_salt` (whole blocks), for
+        requests of `adapter` (an unknown one: none)."""
+        lora = self.lora.get(adapter) if adapter is not None else None
+        if adapter is not None and lora is None:
+            return 0
+        salt = adapter_salt(cache_salt, lora)
+        if self.tier is not None:       # the pool's prefix and the disk tier's blocks after it
+            return self.tier.cached_tokens(prompt_ids, salt)
+        return len(self.block_manager.match_prefix(prompt_ids, salt)) * self.block_manager.block_size
 
     # ---- stepping -------------------------------------------------------
+    def _settle_tier(self) -> None:
+        """Prefixes read back from the disk tier are now cached in the pool: queue the requests that waited."""
+        if self.tier is not None:
+            for seq in self.tier.settle():
+                self.scheduler.add(seq)
+
+    def prefetch_prefix(self, request_id: str, prompt: str | list[int], cache_salt: str | None = None,
+                        adapter: str | None = None) -> Future[Any] | None:
+        """Before `reserve`: start reading the prompt's blocks after the pool's prefix from the disk tier; the
+        future to await off the engine thread (None: nothing to read). The blocks stay pinned for the
+        reservation of `request_id`, which takes them as cached."""
+        lora = self.lora.get(adapter) if self.lora is not None and adapter is not None else None
+        if self.tier is None or not isinstance(prompt, list) or (adapter is not None and lora is None):
+            return None
+        return self.tier.prefetch(request_id, prompt, adapter_salt(cache_salt, lora))
+
     def compile_decode(self) -> None:
         """If `EngineConfig.compile_decode`: compile the decode step now, for this thread (else step 1 does)."""
         self.runner.compile_decode()
@@ -291,14 +336,15 @@ class LLMEngine:
     # ---- (b) KV from outside: decode it -----------------------------------
     def reserve(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                 group: str | None = None, cache_salt: str | None = None, tenant: str | None = None,
-                weight: float = 1.0, priority: int = 0) -> tuple[Sequence, int]:
+                weight: float = 1.0, priority: int = 0, adapter: str | None = None) -> tuple[Sequence, int]:
         """Allocate blocks for a prompt whose KV will be written from outside.
 
         Returns the sequence and how many leading tokens are already in the local
         prefix cache under `cache_salt` (their KV need not be sent). Raises NoFreeBlocks when full.
         """
         seq = self._new_sequence(request_id, prompt, params or SamplingParams(), False, priority, group,
-                                 cache_salt, tenant, weight)
+                                 cache_salt, tenant, weight, adapter)
+        self._settle_tier()                 # (a prefix prefetched from the disk tier: cached now, pinned)
         try:
             cached = self.block_manager.allocate_prompt(seq.table, seq.token_ids, seq.num_tokens)
         except NoFreeBlocks:

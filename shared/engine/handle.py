@@ -117,7 +117,7 @@ class EngineRequest:
     # The tenant the request belongs to (shared/tenants.py; None: none) and its weight: the scheduler shares each
     # step between tenants by weight, then between their groups (`Sequence.tenant`, `Sequence.weight`).
     tenant: str | None = None
-    adapter: str | None = None              # declared for later work; not used yet (the engine ignores it)
+    adapter: str | None = None              # a loaded LoRA adapter's name (shared/lora.py); None: the base model
     weight: float = 1.0
 
 

@@ -28,6 +28,11 @@ megabytes of weights, which split well over threads even at one token.
 Compiled decode (`compile_decode`, `edgecore edge --compile`): small pure decode steps of a model that has one
 run through `CompiledDecoder` (compiled_decode.py) on all threads, every other step as above; if a compiled
 step fails (one that would need a new graph), the runner drops it and serves eagerly from then on.
+
+LoRA adapters (shared/lora.py): the engine sets its `LoraRegistry` (`lora`); a step whose rows include an
+adapter's runs through the module tree on all threads (`lora.begin` sets the rows' slots, the layers add their
+deltas); the fast decode paths (`FlatDecoder`, `CompiledDecoder`) bypass the modules, so they serve only steps
+of base rows. An edge's own layer 0 (`write_first_layer_kv`) applies the request's adapter too.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ if TYPE_CHECKING:
 
     from edgecore.shared.engine.step_plan import PlanItem
     from edgecore.shared.kv.transfer import StreamRoute
+    from edgecore.shared.lora import LoraRegistry
     from edgecore.shared.models.compiled_decode import CompiledDecoder
     from edgecore.shared.models.llama import LlamaForCausalLM
 
@@ -97,6 +103,7 @@ def first_visible(form: LayerAttention, pos: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
+    lora: LoraRegistry | None = None   # the engine's LoRA adapters (shared/lora.py)
     compiled: CompiledDecoder | None = None
     compile_pending = False        # `compile_decode` asked for and not done yet
     compiled_steps = 0             # steps the compiled step ran
@@ -242,8 +249,13 @@ class ModelRunner:
             ids = torch.tensor(seq.token_ids[lo:hi], dtype=torch.long, device=self.device)
             slots = self.pool.slots(seq.table.blocks, lo, hi)
             positions = torch.arange(lo, hi, device=self.device)
-            self.model.write_first_layer_kv(ids, positions, AttentionMetadata(slot_mapping=slots,
-                                                                              kv_caches=self.pool.layers))
+            adapted = self.lora is not None and self.lora.begin([(seq, hi - lo)])
+            try:
+                self.model.write_first_layer_kv(ids, positions, AttentionMetadata(slot_mapping=slots,
+                                                                                  kv_caches=self.pool.layers))
+            finally:
+                if adapted and self.lora is not None:
+                    self.lora.end()
 
     # ---- ranks: a parallel runner (parallel_runner.py) overrides these; one process has none ----
     def add_route(self, stream_id: str, route: StreamRoute) -> None:
@@ -267,6 +279,11 @@ class ModelRunner:
             self.compile_decode()
         hook = (lambda layer: on_layer(layer, batch.items)) if on_layer is not None else None
         ordered, ids, positions, meta = self.prepare(batch.items, hook)
+        if self.lora is not None and self.lora.begin(ordered):     # adapter rows: the module tree only
+            try:
+                return self._compute(ordered, ids, positions, meta, fast=False)
+            finally:
+                self.lora.end()
         compiled = self.compiled
         if compiled is not None and compiled.takes(meta, ids.shape[0]) and not prompt_logprobs.wanted(ordered):
             try:        # every row's logits first: the step writes the K/V of rows that do not sample too
@@ -294,9 +311,9 @@ class ModelRunner:
         return result
 
     def _compute(self, ordered: list[tuple[Sequence, int]], ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> tuple[list[Sequence], SampleResult | None]:
+                 meta: AttentionMetadata, fast: bool = True) -> tuple[list[Sequence], SampleResult | None]:
         flat = self.flat
-        if flat is not None and flat.takes(meta, ids.shape[0]):
+        if fast and flat is not None and flat.takes(meta, ids.shape[0]):
             hidden = flat.forward(ids, positions, meta)
         else:
             hidden = self.model(ids, positions, meta)

@@ -39,6 +39,11 @@ class Status(enum.Enum):
 
 
 class Sequence:
+    # its LoRA adapter (shared/lora.py): the name, and the slot the model runner gathers its rows' weights by
+    # (0: the base model); set by the engine at admission
+    adapter: str | None = None
+    lora_slot = 0
+
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  prefill_only: bool = False, priority: int = 0, group: str | None = None,
                  cache_salt: str | None = None, tenant: str | None = None, weight: float = 1.0):

@@ -35,6 +35,7 @@ from edgecore.shared.parallel import tensor_parallel
 if TYPE_CHECKING:
     from concurrent.futures import Future, ThreadPoolExecutor
 
+    from edgecore.shared.lora import LayerLora
     from edgecore.shared.models.layers import WeightSource
 
 ROPE_TABLE_START = 1 << 15      # positions of the first RoPE tables; they grow on demand
@@ -74,12 +75,17 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.sinks: torch.Tensor | None = None
 
+    lora: LayerLora | None = None       # LoRA adapters' stacks (shared/lora.py), installed with the first adapter
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
         """`rope`: the (cos, sin) rows of this step's positions (what `rope_inputs` gave)."""
         cos, sin = rope[0], rope[1]
         t, d = x.shape[0], self.head_dim
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj.forward(x).view(t, heads + 2 * kv_heads, d)
+        qkv = self.qkv_proj.forward(x)
+        if self.lora is not None:
+            qkv = self.lora.apply("qkv_proj", x, qkv)
+        qkv = qkv.view(t, heads + 2 * kv_heads, d)
         if hasattr(self, "q_norm"):
             qk = torch.cat([self.q_norm.forward(qkv[:, :heads]),
                             self.k_norm.forward(qkv[:, heads:heads + kv_heads])], 1)
@@ -88,7 +94,10 @@ class Attention(nn.Module):
         qk = apply_rope(qk, cos, sin)     # one rotation for q and k together
         o = paged_attention(qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:], self.layer, meta, self.scale,
                             self.form, self.sinks)
-        return self.o_proj.forward(o.reshape(t, self.num_heads * d))
+        o = o.reshape(t, self.num_heads * d)
+        if self.lora is not None:
+            return self.lora.apply("o_proj", o, self.o_proj.forward(o))
+        return self.o_proj.forward(o)
 
 
 class MLP(nn.Module):
@@ -99,9 +108,16 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=config.mlp_bias)
         self.act = ACTIVATIONS[config.hidden_act]
 
+    lora: LayerLora | None = None       # as Attention.lora
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-        return self.down_proj.forward(self.act(gate) * up)
+        lora = self.lora
+        if lora is None:
+            gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+            return self.down_proj.forward(self.act(gate) * up)
+        gate, up = lora.apply("gate_up_proj", x, self.gate_up_proj.forward(x)).chunk(2, dim=-1)
+        h = self.act(gate) * up
+        return lora.apply("down_proj", h, self.down_proj.forward(h))
 
 
 class DecoderLayer(nn.Module):

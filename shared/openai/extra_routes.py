@@ -11,7 +11,7 @@ model is known only once the node has loaded it.
 from __future__ import annotations
 
 from typing import Annotated
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from aiohttp import web
 from msgspec import Meta, Struct
@@ -28,7 +28,7 @@ Card = Callable[[], dict]
 
 def model_card(name: str, max_model_len: int, created: int) -> dict:
     return {"id": name, "object": "model", "created": created, "owned_by": "edgecore", "root": name,
-            "max_model_len": max_model_len}
+            "parent": None, "max_model_len": max_model_len}
 
 
 def version() -> str:
@@ -54,16 +54,27 @@ class DetokenizeRequest(Struct, kw_only=True):
     tokens: Annotated[list[TokenId], Meta(max_length=1 << 20)]
 
 
-def add_model_routes(app: web.Application, card: Card, list_route: bool = True) -> None:
-    async def one(request: web.Request) -> web.Response:
+def adapter_cards(card: dict, adapters: Iterable[str]) -> list[dict]:
+    """The model cards of LoRA adapters (shared/lora.py): vLLM's, with the base model as `parent`."""
+    return [{**card, "id": name, "root": name, "parent": card["id"]} for name in sorted(adapters)]
+
+
+def add_model_routes(app: web.Application, card: Card, list_route: bool = True,
+                     adapters: Callable[[], Iterable[str]] | None = None) -> None:
+    """/v1/models/{id} (and /v1/models with `list_route`): the base model's card and its LoRA adapters'."""
+    def cards() -> list[dict]:
         c = card()
-        if request.match_info["model_id"] != c["id"]:
-            raise ApiError(404, f"The model '{request.match_info['model_id']}' does not exist (this server serves "
-                           f"'{c['id']}')", "model", "model_not_found")
-        return web.json_response(c)
+        return [c, *adapter_cards(c, adapters())] if adapters is not None else [c]
+
+    async def one(request: web.Request) -> web.Response:
+        for c in cards():
+            if request.match_info["model_id"] == c["id"]:
+                return web.json_response(c)
+        raise ApiError(404, f"The model '{request.match_info['model_id']}' does not exist (this server serves "
+                       f"'{card()['id']}')", "model", "model_not_found")
 
     async def listing(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [card()]})
+        return web.json_response({"object": "list", "data": cards()})
 
     app.router.add_get("/v1/models/{model_id:.+}", one)
     if list_route:
@@ -83,7 +94,8 @@ def _tokenize(req: TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
         raise ApiError(400, str(exc), "messages", "invalid_value") from None
 
 
-def add_edge_routes(app: web.Application, tokenizer: Tokenizer, vocab: int, card: Card) -> None:
+def add_edge_routes(app: web.Application, tokenizer: Tokenizer, vocab: int, card: Card,
+                    adapters: Callable[[], Iterable[str]] | None = None) -> None:
     """/tokenize, /detokenize and /version as vLLM serves them, and /v1/models/{id}."""
     async def tokenize(request: web.Request) -> web.Response:
         body = await json_body(request)
@@ -109,4 +121,4 @@ def add_edge_routes(app: web.Application, tokenizer: Tokenizer, vocab: int, card
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version_route)
-    add_model_routes(app, card, list_route=False)
+    add_model_routes(app, card, list_route=False, adapters=adapters)

@@ -31,6 +31,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 
+from edgecore.shared.admin_key import ADMIN_PATHS
 from edgecore.shared.http_server import LIMITS_KEY
 from edgecore.shared.openai.request import ApiError
 from edgecore.shared.secrets import ApiKey
@@ -110,7 +111,7 @@ def error_middleware(api_keys: Iterable[bytes], max_body: int, on_error: Callabl
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
-            if request.path.startswith(PROTECTED):
+            if request.path.startswith(PROTECTED) and request.path not in ADMIN_PATHS:   # those: the admin key
                 check_bearer(request, keys, tenants)
             _check_body_headers(request, max_body)
             return await handler(request)

@@ -28,6 +28,7 @@ class EngineEdge:
         self.vocab_size = engine.config.vocab_size
         self.max_model_len = engine.max_model_len
         self.fingerprint = ""
+        self.adapters: dict[str, str] = {}     # LoRA adapters served (none)
         self.ready = True
         self.active = 0
         self.errors: list[str] = []

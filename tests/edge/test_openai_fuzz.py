@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 
 class FakeEdge:
     ready, active, vocab_size, max_model_len, fingerprint = True, 0, 2048, 1024, "f" * 64
+    adapters: dict[str, str] = {}      # LoRA adapters served (none)
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

@@ -58,7 +58,8 @@ def test_version_and_model_card(port):  # noqa: F811
 
 async def test_core_lists_its_model(aiohttp_client, model_dir):
     core = SimpleNamespace(config=SimpleNamespace(api_keys=[], model_dir=str(model_dir)),
-                           handle=SimpleNamespace(max_model_len=1024), started_at=1.0e9, http_extensions=[])
+                           handle=SimpleNamespace(max_model_len=1024), started_at=1.0e9, http_extensions=[],
+                           prefill=SimpleNamespace(adapters={}))      # no LoRA adapters (--lora)
     client = await aiohttp_client(build_app(core))
     resp = await client.get("/v1/models")
     body = await resp.json()

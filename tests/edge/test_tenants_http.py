@@ -63,6 +63,7 @@ class FakeEdge:
         self.vocab_size = tokenizer.vocab_size
         self.max_model_len = 512
         self.fingerprint = ""
+        self.adapters: dict[str, str] = {}     # LoRA adapters served (none)
         self.ready = True
         self.active = 0
         self.tokens = tokens

@@ -147,8 +147,9 @@ async def test_async_engine_passes_the_salt_on_every_path():
 def test_the_prefill_request_carries_the_salt_after_the_group():
     salted = m.PrefillRequest("r", [1, 2, 3], group="g", cache_salt="acme\0s", tenant="acme")
     fields = msgspec.msgpack.decode(m.encoder.encode(salted))
-    assert fields[-3:] == ["g", "acme\0s", "acme"] and m.decoder.decode(m.encoder.encode(salted)) == salted
-    older = m.decoder.decode(msgspec.msgpack.encode(fields[:-2]))       # what an edge without the fields sends
+    # then the LoRA adapter's name and fingerprint, "" for the base (tests/protocol/test_prefill_request_adapter.py)
+    assert fields[-5:] == ["g", "acme\0s", "acme", "", ""] and m.decoder.decode(m.encoder.encode(salted)) == salted
+    older = m.decoder.decode(msgspec.msgpack.encode(fields[:-4]))       # what an edge without the fields sends
     assert older.cache_salt == "" and older.tenant == "" and older.group == "g"
 
 
