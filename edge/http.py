@@ -85,6 +85,7 @@ class EdgeHTTP:
         self.limits = limits or ServerLimits()
         self.sequences = 0                              # choices of the requests being served now
         self.draining = False                           # SIGTERM: no new requests, those in flight finish
+        self.prefetches = 0                             # context prefetches in flight (a drain waits for them)
         self.created = int(time.time())
         self.texts = TokenText(edge.tokenizer)
 
@@ -181,8 +182,9 @@ class EdgeHTTP:
         self.draining = True
 
     async def drained(self) -> None:
-        """Returns once no request is being served (its last byte written, or its client gone)."""
-        while self.sequences > 0:
+        """Returns once no request or context prefetch is being served (its last byte written, or its client
+        gone)."""
+        while self.sequences > 0 or self.prefetches > 0:
             await asyncio.sleep(0.05)
 
     def _refuse_when_draining(self) -> None:
@@ -230,7 +232,11 @@ class EdgeHTTP:
         if len(ids) >= self.edge.max_model_len:
             raise ApiError(400, "the context is longer than the model's context", "token_ids",
                            "context_length_exceeded")
-        result = await self.edge.prefetch(ids)
+        self.prefetches += 1
+        try:
+            result = await self.edge.prefetch(ids)
+        finally:
+            self.prefetches -= 1
         return web.json_response({"object": "context", **result})
 
     async def models(self, request: web.Request) -> web.Response:
