@@ -18,6 +18,14 @@ llguidance builds its tokenizer straight from `tokenizer.json` with no other
 dependency, where xgrammar needs `transformers` (and triton, pydantic, ninja)
 at run time. JSON is compiled without flexible whitespace, so the model
 cannot loop forever on blanks inside the grammar.
+
+An object schema that lists `properties` (or `patternProperties`) and says
+nothing of `additionalProperties` is compiled closed (`additionalProperties:
+false`), as vLLM's default backend (xgrammar) and OpenAI's strict mode do: left
+open, a small model that has written every property it was asked for can go on
+inventing keys until `max_tokens` cuts the JSON off. A schema that states
+`additionalProperties` is compiled as it says; `json_object` (no properties)
+stays any object.
 """
 
 from __future__ import annotations
@@ -46,12 +54,44 @@ def _lark_literal(text: str) -> str:
     return json.dumps(text)      # Lark string literals take JSON's escapes
 
 
+# Keywords whose value is one subschema, a list of them, or a map of names to them (JSON Schema 2020-12, draft 7).
+_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+        "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: object) -> object:
+    """A copy of `schema` in which every object schema with `properties` or `patternProperties` and no
+    `additionalProperties` has `additionalProperties: false` (walking subschemas only, never property
+    names or `const`/`enum`/`default` values)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    if ("properties" in out or "patternProperties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 @lru_cache(maxsize=256)
 def grammar_text(spec: GuidedSpec) -> str:
     """The llguidance grammar of `spec` (not yet checked)."""
     matcher = _llg().LLMatcher
     if spec.kind == "json_schema":
-        return matcher.grammar_from_json_schema(spec.value, defaults=_JSON_OPTIONS)
+        try:
+            schema = closed_objects(json.loads(spec.value))
+        except json.JSONDecodeError:
+            schema = spec.value           # llguidance says what is wrong with it
+        return matcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     if spec.kind == "json_object":
         return matcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
     if spec.kind == "regex":

@@ -110,3 +110,37 @@ def test_a_grammar_whose_language_is_empty_is_refused(tokenizer, spec):
         grammars.matcher(spec)
     assert e.value.param == spec.param
     assert grammars.matcher(GuidedSpec("regex", "", "guided_regex")) is not None     # only "": fine
+
+
+def test_objects_with_properties_are_closed_unless_the_schema_says_otherwise():
+    """vLLM's default backend and OpenAI's strict mode: no keys beyond `properties` unless the schema asks for
+    them; subschemas are walked (a property named like a keyword is a name, not a schema)."""
+    from edgecore.shared.engine.grammar import closed_objects
+    schema = {"type": "object", "properties": {
+        "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "open": {"type": "object", "properties": {}, "additionalProperties": True},
+        "list": {"type": "array", "items": {"anyOf": [{"$ref": "#/$defs/p"}, {"type": "null"}]}}},
+        "$defs": {"p": {"type": "object", "patternProperties": {"^a": {"type": "string"}}}},
+        "const": {"properties": 1}}
+    out = closed_objects(schema)
+    assert out["additionalProperties"] is False and "additionalProperties" not in out["properties"]
+    assert out["properties"]["properties"]["additionalProperties"] is False
+    assert out["properties"]["open"]["additionalProperties"] is True
+    assert out["$defs"]["p"]["additionalProperties"] is False
+    assert out["const"] == {"properties": 1} and "additionalProperties" not in schema      # a copy
+    assert closed_objects({"type": "object"}) == {"type": "object"}                         # json_object: any
+
+
+def test_a_closed_object_takes_no_extra_key(tokenizer):
+    """After `{"a":1` the only ways on are `}` (closed) — or also `,` when the schema leaves it open."""
+    grammars = Grammars(tokenizer.backend.to_str(), VOCAB, (1,))
+
+    def next_texts(schema):
+        m = grammars.matcher(GuidedSpec("json_schema", json.dumps(schema)))
+        for t in tokenizer.encode('{"a":1')[1:]:         # after the BOS
+            m.consume_token(t)
+        out = apply_masks(torch.zeros(1, VOCAB), [m], [0])
+        return {tokenizer.decode([t])[:1] for t in torch.isfinite(out[0]).nonzero().flatten().tolist()}
+    closed = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 1}}, "required": ["a"]}
+    assert next_texts(closed) == {"}"}
+    assert "," in next_texts({**closed, "additionalProperties": True})
