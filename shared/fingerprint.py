@@ -6,6 +6,11 @@ safetensors headers only; for a GGUF file, its tokenizer metadata and its tensor
 shapes from its header). Weights' values are not hashed (too slow for
 large models); a retrained checkpoint of identical shapes should change its
 config or tokenizer, or be deployed under a different model name.
+
+`--quantize` (weights quantized at load) is not part of it: an edge and a core agree on a model whatever
+either quantizes (a quantized edge decoding from a float core's KV is the intended mixed deployment; its
+KV stays close, not identical). The disk KV tier is a cache, which must return what this engine would
+compute: its key takes the quantize mode as well (`with_quantize`).
 """
 
 from __future__ import annotations
@@ -37,3 +42,8 @@ def model_fingerprint(model_dir: str | Path, config: ModelConfig | None = None) 
     for name, (dtype, shape) in sorted(weight_index(model_dir).items()):
         h.update(f"{name}:{dtype}:{shape};".encode())
     return h.hexdigest()
+
+
+def with_quantize(fingerprint: str, quantize: str | None) -> str:
+    """A fingerprint that also tells `--quantize` modes apart (the disk KV tier's); unchanged without one."""
+    return fingerprint if not quantize else f"{fingerprint}+quantize={quantize}"

@@ -45,7 +45,7 @@ from edgecore.shared.engine.scheduler import Scheduler
 from edgecore.shared.engine.tier_loads import open_tier
 from edgecore.shared.engine.sequence import Sequence, Status
 from edgecore.shared.errors import ConfigError, RequestError
-from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.fingerprint import model_fingerprint, with_quantize
 from edgecore.shared.gguf_tokenizer import gguf_has_tokenizer
 from edgecore.shared.kv.block_manager import BlockManager, NoFreeBlocks
 from edgecore.shared.kv.pool import KVPool
@@ -88,8 +88,9 @@ class LLMEngine:
                                           self.cache_config.enable_prefix_caching,
                                           resident_blocks=self.cache_config.resident_blocks)
         self.scheduler = Scheduler(self.block_manager, self.engine_config)
-        # The disk KV tier (shared/engine/tier_loads.py): evicted cached blocks spill there, prefixes load back.
-        self.tier = open_tier(self.cache_config, config, self.pool, self.block_manager, fingerprint)
+        # The disk KV tier (tier_loads.py): cached blocks spill there, prefixes load back; keyed by --quantize too.
+        self.tier = open_tier(self.cache_config, config, self.pool, self.block_manager,
+                              None if fingerprint is None else with_quantize(fingerprint, self.engine_config.quantize))
         self.runner = ModelRunner(model, self.pool, config.sliding_window, self.engine_config.compile_decode)
         self.releases_kv = config.releases_kv      # (blocks released in `step`)
         self.requests: dict[str, OutputState] = {}
@@ -342,17 +343,18 @@ class LLMEngine:
         Returns the sequence and how many leading tokens are already in the local
         prefix cache under `cache_salt` (their KV need not be sent). Raises NoFreeBlocks when full.
         """
-        seq = self._new_sequence(request_id, prompt, params or SamplingParams(), False, priority, group,
-                                 cache_salt, tenant, weight, adapter)
-        self._settle_tier()                 # (a prefix prefetched from the disk tier: cached now, pinned)
         try:
-            cached = self.block_manager.allocate_prompt(seq.table, seq.token_ids, seq.num_tokens)
-        except NoFreeBlocks:
-            del self.requests[request_id]
-            raise
-        finally:
+            seq = self._new_sequence(request_id, prompt, params or SamplingParams(), False, priority, group,
+                                     cache_salt, tenant, weight, adapter)
+            self._settle_tier()             # (a prefix prefetched from the disk tier: cached now, pinned)
+            try:
+                cached = self.block_manager.allocate_prompt(seq.table, seq.token_ids, seq.num_tokens)
+            except NoFreeBlocks:
+                del self.requests[request_id]
+                raise
+        finally:        # on every exit its prefetch's pins go (a live request's of the same id stay)
             if self.tier is not None:
-                self.tier.forget(request_id)
+                self.tier.forget(request_id, prefetch_only=True)
         seq.num_cached_tokens = cached
         seq.status = Status.AWAITING_KV
         return seq, cached

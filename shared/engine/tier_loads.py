@@ -17,7 +17,8 @@ by `AsyncEngine.reserve`, not on the engine thread): the blocks are adopted and 
 reservation takes them as its cached prefix (the core sends none of their KV) and drops the pins; pins nobody
 took are dropped after PREFETCH_HOLD_S.
 Spill: the block manager calls `spill` when it evicts a cached block; its K/V is copied out of the pool (the
-block is about to be overwritten) and queued for the tier's writer, or dropped if the writer is behind.
+block is about to be overwritten) into host memory and queued for the tier's writer, or dropped if the writer
+is behind.
 `close()` (engine shutdown) writes every block still cached (bounded wait), so a restart finds them too.
 """
 
@@ -62,6 +63,16 @@ def open_tier(cache: CacheConfig, config: ModelConfig, pool: KVPool, block_manag
     return TierLoads(tier, block_manager, pool)
 
 
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    """A spilled block in host memory (pinned where CUDA is there): the writer's queue holds up to its size in
+    blocks, which must not sit in accelerator memory outside the pool's KV budget."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    host.copy_(t)               # synchronous: the pool block is overwritten next
+    return host
+
+
 @dataclass
 class _Load:
     seq: Sequence | None                # None: a prefetch for a reservation
@@ -93,8 +104,8 @@ class TierLoads:
         if self.tier.has(key):
             return
         lo, hi = block_id * self.bs, (block_id + 1) * self.bs
-        k = torch.stack([t[lo:hi] for t in self.pool.k])        # [layers, tokens, heads, width], copies
-        v = torch.stack([t[lo:hi] for t in self.pool.v])
+        k = _on_host(torch.stack([t[lo:hi] for t in self.pool.k]))     # [layers, tokens, heads, width], copies
+        v = _on_host(torch.stack([t[lo:hi] for t in self.pool.v]))
         self.tier.spill(key, block_hash, k, v, wait)
 
     # ---- prefixes read back ---------------------------------------------------------------------------------
@@ -182,15 +193,18 @@ class TierLoads:
                 del self.pins[rid]
                 self.bm.release_blocks(pins)
 
-    def forget(self, request_id: str) -> bool:
-        """An aborted request, or a reservation that took its prefetched prefix: its pins dropped. True when it
-        was still loading (it is in no queue)."""
-        held = self.pins.pop(request_id, None)
-        if held is not None:
+    def forget(self, request_id: str, prefetch_only: bool = False) -> bool:
+        """An aborted request, or a reservation that took (or failed to take) its prefetched prefix: its pins
+        dropped. True when it was still loading (it is in no queue). `prefetch_only`: a queued request's load
+        or pins of that id stay (a reservation refused for reusing a live request's id)."""
+        held = self.pins.get(request_id)
+        if held is not None and not (prefetch_only and held[0] is not None):
+            del self.pins[request_id]
             self.bm.release_blocks(held[1])
-        load = self.loads.pop(request_id, None)
-        if load is None:
+        load = self.loads.get(request_id)
+        if load is None or (prefetch_only and load.seq is not None):
             return False
+        del self.loads[request_id]
         load.future.cancel()
         self.bm.release_blocks(load.pooled)
         return True

@@ -8,8 +8,9 @@ Life cycle:
 2. Spill (`spill`, engine thread): the block manager evicts a cached block, the engine copies its K/V out of
    the pool (memory only) and hands it here. The queue is bounded: when the writer is behind, the block is
    dropped (counted), never waited for. The writer thread encodes it with a wire codec (protocol/kv.py;
-   lossless unless the operator chose a lossy one), writes `<key>.kvb.tmp`, renames it into place, and first
-   deletes least recently used files until the directory holds at most `capacity` bytes with it.
+   lossless unless the operator chose a lossy one), writes `<key>.kvb.tmp`, then deletes least recently used
+   files until the directory holds at most `capacity` bytes with it, and renames it into place (a write that
+   fails, a full disk, evicts nothing; the temporary file is the one block over the bound meanwhile).
 3. Lookup (`has`, engine thread): the index only, no I/O.
 4. Load (`load`, reader thread): each block's file is read, checked (checksum, magic, key, geometry) and
    decoded to tensors, in prefix order, stopping at the first block that is missing or bad; a bad file
@@ -313,17 +314,17 @@ class KVTier:
         if len(blob) > self.capacity:
             self.count_dropped()
             return
-        victims = []
-        with self._lock:
-            while self._index and self._counts.used_bytes + len(blob) > self.capacity:
-                victims.append(self._pop_lru())
-        for key in victims:             # (deleted outside the lock: lookups never wait on the disk)
-            self._unlink_evicted(key)
         path = self._path(item.key)
         tmp = path.with_name(path.name + ".tmp")
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "wb") as f:      # written before anything is evicted: a full disk costs no block
                 f.write(blob)
+            victims = []
+            with self._lock:
+                while self._index and self._counts.used_bytes + len(blob) > self.capacity:
+                    victims.append(self._pop_lru())
+            for key in victims:         # (deleted outside the lock: lookups never wait on the disk)
+                self._unlink_evicted(key)
             os.replace(tmp, path)
         except OSError as exc:
             _unlink(tmp)

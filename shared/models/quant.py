@@ -28,7 +28,7 @@ Kernels and how each GGUF format reaches one:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
@@ -38,7 +38,7 @@ BLOCKS: dict[str, tuple[int, int]] = {
     "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q6_K": (256, 210),
 }
 INT4_GROUP = 32          # the int4 kernel's group size for GGUF data and for `--quantize int4`
-INT4_N_MULTIPLE = 16     # the int4 kernel packs output rows in sixteens
+INT4_N_MULTIPLE = 16     # the int4 kernel packs output rows in sixteens (in blocks of 32 or 64: ISA-dependent)
 
 Scheme = Literal["int4", "int8"]
 
@@ -127,20 +127,40 @@ class QuantWeight:
     """A linear weight [out, in] held packed for one of torch's CPU kernels (`scheme` int4 or int8).
 
     int4: `packed` (the kernel's layout of [out, in] nibbles), `scales` [in / 32, out, 2] bfloat16 (scale, zero).
+    The kernel's layout groups output rows in ISA-dependent blocks (32 on AVX2, 64 on AVX-512), so packed
+    tensors do not concatenate: until first used (or `pack()`), an int4 weight holds `nibbles` instead, the
+    same values as uint8 [out, in / 2] (low nibble: the even input), which `concat` stacks before packing once.
     int8: `packed` int8 [out, in], `scales` [out] bfloat16.
     Both kernels run on bfloat16 inputs (their vectorized path): a float32 activation is rounded to bfloat16 on
     the way in and the output cast back."""
 
-    def __init__(self, scheme: Scheme, packed: torch.Tensor, out_features: int, in_features: int,
-                 scales: torch.Tensor, source: str, requant_error: float = 0.0):
-        self.scheme, self.packed, self.scales = scheme, packed, scales
+    def __init__(self, scheme: Scheme, packed: torch.Tensor | None, out_features: int, in_features: int,
+                 scales: torch.Tensor, source: str, requant_error: float = 0.0, nibbles: torch.Tensor | None = None):
+        self.scheme, self._packed, self.scales, self.nibbles = scheme, packed, scales, nibbles
         self.out_features, self.in_features = out_features, in_features
         self.source = source                  # what it was made from ("Q4_K", "float32", ...)
         self.requant_error = requant_error    # largest |change| of a weight made by repacking (0: exact)
 
     @property
+    def packed(self) -> torch.Tensor:
+        """The kernel's tensor (an int4 weight still in `nibbles` is packed now)."""
+        if self._packed is None:
+            self.pack()
+        return cast(torch.Tensor, self._packed)
+
+    def pack(self) -> None:
+        """Pack an int4 weight's `nibbles` into the kernel's layout (loaders call it once the parts are merged)."""
+        if self._packed is None and self.nibbles is not None:
+            n = self.nibbles
+            q = torch.stack([n & 0xF, n >> 4], -1).reshape(self.out_features, self.in_features)
+            self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+            self.nibbles = None
+
+    @property
     def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scales.numel() * self.scales.element_size()
+        held = self.nibbles if self._packed is None else self._packed
+        assert held is not None
+        return held.numel() * held.element_size() + self.scales.numel() * self.scales.element_size()
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
@@ -172,11 +192,12 @@ class QuantWeight:
 
     @classmethod
     def _int4(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, source: str) -> QuantWeight:
-        """q [rows, cols] in 0..15, scale and zero [rows, cols / 32]."""
+        """q [rows, cols] in 0..15, scale and zero [rows, cols / 32]; held as nibbles until packed."""
         rows, cols = q.shape
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        q = q.to(torch.uint8).reshape(rows, cols // 2, 2)
+        nibbles = (q[..., 0] | (q[..., 1] << 4)).contiguous()
         scales_zeros = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
-        return cls("int4", packed, rows, cols, scales_zeros, source)
+        return cls("int4", None, rows, cols, scales_zeros, source, nibbles=nibbles)
 
     @classmethod
     def _int8(cls, w: torch.Tensor, source: str) -> QuantWeight:
@@ -189,18 +210,22 @@ class QuantWeight:
 
     @classmethod
     def concat(cls, parts: list[QuantWeight]) -> QuantWeight:
-        """Parts of one scheme stacked by output rows (q, k, v; gate, up): the kernels' layouts keep rows
-        apart (the int4 layout in sixteens, which every int4 part's row count is a multiple of)."""
+        """Parts of one scheme stacked by output rows (q, k, v; gate, up): int8 rows concatenate; int4 parts
+        concatenate as nibbles and are packed once (their packed layouts group rows in blocks, so packed parts
+        would not concatenate: parts already packed stay separate, a `QuantStack`)."""
         if len(parts) == 1:
             return parts[0]
         first = parts[0]
         if any(p.scheme != first.scheme or p.in_features != first.in_features for p in parts):
             raise ValueError("only weights of one scheme and input width stack")
-        packed = torch.cat([p.packed for p in parts])
-        scales = torch.cat([p.scales for p in parts], 1 if first.scheme == "int4" else 0)
+        int4 = first.scheme == "int4"
+        if int4 and any(p.nibbles is None for p in parts):
+            return QuantStack(parts)
+        held = torch.cat([cast(torch.Tensor, p.nibbles if int4 else p.packed) for p in parts])
+        scales = torch.cat([p.scales for p in parts], 1 if int4 else 0)
         source = "+".join(dict.fromkeys(p.source for p in parts))
-        return cls(first.scheme, packed, sum(p.out_features for p in parts), first.in_features, scales.contiguous(),
-                   source, max(p.requant_error for p in parts))
+        return cls(first.scheme, None if int4 else held, sum(p.out_features for p in parts), first.in_features,
+                   scales.contiguous(), source, max(p.requant_error for p in parts), held if int4 else None)
 
     # ---- use -----------------------------------------------------------------------------------
     def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -235,10 +260,18 @@ class QuantStack(QuantWeight):
 
     def __init__(self, parts: list[QuantWeight]):
         first = parts[0]
-        super().__init__(first.scheme, first.packed, sum(p.out_features for p in parts), first.in_features,
+        super().__init__(first.scheme, None, sum(p.out_features for p in parts), first.in_features,
                          first.scales, "+".join(dict.fromkeys(p.source for p in parts)),
                          max(p.requant_error for p in parts))
         self.parts = parts
+
+    @property
+    def packed(self) -> torch.Tensor:
+        raise AttributeError("a QuantStack's parts hold its packed tensors")
+
+    def pack(self) -> None:
+        for p in self.parts:
+            p.pack()
 
     @classmethod
     def of(cls, parts: list[QuantWeight]) -> QuantWeight:

@@ -134,6 +134,7 @@ def _install(model: LlamaForCausalLM, quantized: dict[str, dict[int, QuantWeight
             raise ModelLoadError(f"{what}: {name} has quantized parts {sorted(parts)} only: a merged projection "
                                  "needs all its parts quantized (mixed float and quantized parts are not supported)")
         weight = QuantStack.of(ordered)
+        weight.pack()           # int4 parts merged as nibbles: packed once, before any matmul
         try:
             module.set_quant(weight, keep_plain=tied and name == "lm_head")
         except ValueError as exc:
@@ -156,6 +157,9 @@ def quantize_model(model: LlamaForCausalLM, scheme: str) -> int:
         raise ConfigError(f"--quantize '{scheme}' is not supported (choose {' or '.join(QUANTIZE)})")
     if tensor_parallel().size != 1:
         raise ConfigError("--quantize runs on one rank: tensor parallelism is not supported with it")
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        raise ConfigError(f"--quantize runs on CPU (its int8/int4 kernels are torch's CPU ones), not '{device}'")
     done: dict[str, dict[int, QuantWeight]] = {}
     fallback = []
     for name, module in model.named_modules():

@@ -87,6 +87,38 @@ def test_quantize_float_weights_int8_and_int4():
         QuantWeight.from_float(torch.randn(48, 40), "int4")
 
 
+@pytest.mark.parametrize("rows", [(16, 64), (48, 16), (32, 16, 48)])
+def test_int4_parts_of_uneven_sizes_merge_exactly(rows):
+    """q+k+v / gate+up merged (`QuantStack.of`): the int4 kernel's layout groups output rows in blocks of 32
+    (AVX2) or 64 (AVX-512), so parts are concatenated as nibbles and packed once, never as packed tensors."""
+    from edgecore.shared.models.quant import QuantStack
+    g = torch.Generator().manual_seed(4)
+    weights = [torch.randn(n, 128, generator=g) for n in rows]
+    x = torch.randn(3, 128, generator=g)
+    separate = torch.cat([QuantWeight.from_float(w, "int4").mm(x) for w in weights], -1)
+    merged = QuantStack.of([QuantWeight.from_float(w, "int4") for w in weights])
+    merged.pack()
+    assert not isinstance(merged, QuantStack) and merged.out_features == sum(rows)
+    torch.testing.assert_close(merged.mm(x), separate, rtol=1e-3, atol=1e-3)
+    packed = [QuantWeight.from_float(w, "int4") for w in weights]
+    for p in packed:
+        p.pack()                    # already in the kernel's layout: kept apart, still right
+    torch.testing.assert_close(QuantStack.of(packed).mm(x), separate, rtol=1e-3, atol=1e-3)
+    raw = [torch.from_numpy(random_blocks("Q4_0", n, 128, seed=n)) for n in rows]
+    blocks = torch.cat([QuantWeight.from_blocks("Q4_0", r, n, 128).mm(x) for r, n in zip(raw, rows)], -1)
+    torch.testing.assert_close(QuantStack.of([QuantWeight.from_blocks("Q4_0", r, n, 128) for r, n in zip(raw, rows)])
+                               .mm(x), blocks, rtol=1e-3, atol=1e-3)
+
+
+def test_quantize_refuses_a_model_off_the_cpu():
+    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.models.loader import build_model
+    from edgecore.shared.models.quant_loader import quantize_model
+    model = build_model(ModelConfig.from_dir(MODEL_DIR), torch.float32, "meta")
+    with pytest.raises(ConfigError, match="--quantize runs on CPU.*'meta'"):
+        quantize_model(model, "int4")
+
+
 # ---- tiny models written as GGUF ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -198,6 +198,38 @@ def test_a_writer_behind_drops_spills_instead_of_waiting(tmp_path, monkeypatch):
     assert tier.counters.written_blocks == accepted.count(True) == len(files(tmp_path))
 
 
+def test_a_full_disk_evicts_no_block(tmp_path, monkeypatch):
+    """The new block's file is written before least recently used ones make room: a write that fails (ENOSPC)
+    keeps the blocks there."""
+    shape = BlockShape(2, 4, 1, 8, 8, "float32")
+    k = torch.randn(2, 4, 1, 8)
+    tier = KVTier(tmp_path, CAPACITY, "fp", shape)
+    assert tier.spill(tier.key(1, None), 1, k, k)
+    tier.close()
+    size = files(tmp_path)[0].stat().st_size
+    tier = KVTier(tmp_path, 2 * size, "fp", shape)      # room for two blocks
+    assert tier.spill(tier.key(2, None), 2, k, k)
+    real_open = open
+
+    def full(path, *args, **kwargs):
+        if str(path).endswith(".tmp"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_open(path, *args, **kwargs)
+
+    tier.close()
+    tier = KVTier(tmp_path, 2 * size, "fp", shape)
+    monkeypatch.setattr(tier_mod, "open", full, raising=False)
+    assert tier.spill(tier.key(3, None), 3, k, k)
+    tier.close()
+    assert tier.counters.dropped_blocks == 1 and not tier.counters.healthy
+    assert len(files(tmp_path)) == 2 and tier.has(tier.key(1, None)) and tier.has(tier.key(2, None))
+    monkeypatch.undo()
+    tier = KVTier(tmp_path, 2 * size, "fp", shape)      # and once writes succeed, the bound holds as before
+    assert tier.spill(tier.key(3, None), 3, k, k)
+    tier.close()
+    assert len(files(tmp_path)) == 2 and tier.has(tier.key(3, None)) and not tier.has(tier.key(1, None))
+
+
 def test_a_block_round_trips_bit_exact_and_only_under_its_own_key(tmp_path):
     shape = BlockShape(3, 16, 2, 8, 8, "bfloat16")
     tier = KVTier(tmp_path, CAPACITY, "fp", shape)
@@ -223,6 +255,45 @@ def test_an_abort_while_loading_releases_everything(tmp_path):
     assert not eng.has_unfinished() and eng.tier.loading == 0
     assert eng.block_manager.num_used == 0
     eng.close()
+
+
+def test_a_refused_reservation_drops_its_prefetched_blocks(tmp_path):
+    from edgecore.shared.errors import RequestError
+    fill(tmp_path, prompts=range(1))
+    eng = engine(tmp_path)
+    future = eng.prefetch_prefix("r", prompt(0))
+    assert future is not None
+    future.result(timeout=30)
+    with pytest.raises(RequestError, match="maximum context length"):       # refused by _new_sequence
+        eng.reserve("r", prompt(0), SamplingParams(max_tokens=10 ** 6))
+    assert not eng.tier.pins and not eng.tier.loads and eng.block_manager.num_used == 0
+    eng.add_request("x", prompt(0), GREEDY)          # a live request reading its prefix...
+    assert eng.tier.loading == 1
+    with pytest.raises(RequestError, match="already in use"):
+        eng.reserve("x", prompt(0), GREEDY)
+    assert eng.tier.loading == 1                    # ...keeps its load when a reservation reuses its id
+    assert eng.abort("x") and eng.block_manager.num_used == 0
+    eng.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="a pool in accelerator memory"))])
+def test_spilled_blocks_wait_for_the_writer_in_host_memory(tmp_path, device):
+    """The writer's queue (up to 256 blocks) must not hold accelerator memory outside the pool's KV budget."""
+    cache = CacheConfig(num_blocks=BLOCKS, tier_dir=str(tmp_path), tier_bytes=CAPACITY)
+    eng = LLMEngine.from_dir(MODEL_DIR, "fp32", device, cache, EngineConfig())
+    assert eng.tier is not None
+    spilled, real = [], eng.tier.tier.spill
+
+    def spy(key, block_hash, k, v, wait=0.0):
+        spilled.append((k.device.type, v.device.type))
+        real(key, block_hash, k, v, wait)
+
+    eng.tier.tier.spill = spy
+    for i in range(4):
+        run(eng, prompt(i), rid=f"s{i}")
+    eng.close()
+    assert spilled and set(spilled) == {("cpu", "cpu")}
 
 
 def test_a_remote_prefill_reports_the_prefilling_nodes_cached_tokens():
@@ -324,3 +395,13 @@ async def test_a_reservation_takes_the_tiers_blocks_as_its_cached_prefix(tmp_pat
         assert handle.stats().blocks_used == 0 and not handle.engine.tier.pins
     finally:
         handle.stop()
+
+
+def test_a_quantized_engine_never_reads_blocks_of_the_float_weights(tmp_path):
+    """`--quantize` computes other KV from the same checkpoint: the tier's keys tell the modes apart."""
+    fill(tmp_path, prompts=range(1))
+    cache = CacheConfig(num_blocks=BLOCKS, tier_dir=str(tmp_path), tier_bytes=CAPACITY)
+    eng = LLMEngine.from_dir(MODEL_DIR, "fp32", "cpu", cache, EngineConfig(quantize="int8"))
+    assert run(eng, prompt(0), rid="q")[1] == 0
+    assert eng.stats().tier_hit_blocks == 0 and eng.stats().tier_miss_blocks > 0
+    eng.close()
