@@ -100,7 +100,7 @@ def _loras(settings: CoreSettings, model_dir: str) -> dict:
     (one-line ConfigError) before anything loads."""
     from edgecore.shared.config import ModelConfig
     from edgecore.shared.errors import ConfigError
-    from edgecore.shared.lora import check_lora_flags
+    from edgecore.shared.lora_files import check_lora_flags
     if settings.lora and settings.tp * settings.pp != 1:
         raise ConfigError("--lora needs a core on one process (no --tp/--pp)")
     loras = check_lora_flags(settings.lora, ModelConfig.from_dir(model_dir), settings.max_lora_rank) \

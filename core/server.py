@@ -37,7 +37,7 @@ from edgecore.protocol.transport import Timeouts, serve
 from edgecore.shared.config import CacheConfig, EngineConfig
 from edgecore.shared.engine.async_engine import AsyncEngine
 from edgecore.shared.engine.engine import LLMEngine
-from edgecore.shared.lora import MAX_LORA_RANK
+from edgecore.shared.lora_files import MAX_LORA_RANK
 from edgecore.shared.fingerprint import model_fingerprint
 from edgecore.shared.kv.wire import DTYPE_NAMES, codec_step_scales
 from edgecore.shared.env import link_sealed

@@ -109,7 +109,7 @@ def _tenants(settings: EdgeSettings, model_dir: str, served: str) -> TenantRegis
     """The `--lora` adapters, each checked against the model (one line, no start, if one does not fit), then the
     tenants file, whose tenants' models may name the base model and those adapters."""
     from edgecore.shared.config import ModelConfig
-    from edgecore.shared.lora import check_lora_flags
+    from edgecore.shared.lora_files import check_lora_flags
     from edgecore.shared.tenants import TenantRegistry
     loras = check_lora_flags(settings.lora, ModelConfig.from_dir(model_dir), settings.max_lora_rank) \
         if settings.lora else []
@@ -203,7 +203,7 @@ def _edge_engine(settings: EdgeSettings, model_dir: str, codecs: list[str], loca
     from edgecore.shared.cli import kv_cache_config
     from edgecore.shared.config import EngineConfig, ModelConfig
     from edgecore.shared.env import reserve_threads_for_engine, resolve_device
-    from edgecore.shared.lora import lora_specs
+    from edgecore.shared.lora_files import lora_specs
     from edgecore.shared.models.loader import resolve_dtype
     from edgecore.shared.secrets import parse_hostport
 

@@ -81,6 +81,10 @@ class CoreClient:
         assert self.peer is not None
         return not self.peer.unresponsive(UNRESPONSIVE_AFTER)
 
+    def supports(self, capability: str) -> bool:
+        """The connected core's AuthOk lists `capability` (protocol/messages.py, e.g. "lora")."""
+        return self.peer is not None and capability in self.peer.conn.peer_capabilities
+
     @property
     def direct(self) -> bool:
         """Connected to every rank that streams its own KV (a parallel core), so requests may ask for it."""
@@ -184,6 +188,8 @@ class CoreClient:
         if not self.healthy:
             raise PeerError(f"core {self.address} is " + ("draining" if self.draining and self.connected else
                                                           "not answering" if self.connected else "not connected"))
+        if request.adapter and not self.supports(m.LORA_ADAPTERS):   # it would drop the adapter: base weights
+            raise PeerError(f"core {self.address} does not serve LoRA adapters")
         queue: asyncio.Queue = asyncio.Queue()
         self.inflight[request.request_id] = queue
         assert self.peer is not None            # healthy
@@ -285,11 +291,12 @@ class CoreRouter:
                 else:
                     await self._try_connect(client)
 
-    def healthy(self) -> list[CoreClient]:
-        return [c for c in self.clients if c.healthy]
+    def healthy(self, needs: str | None = None) -> list[CoreClient]:
+        """Healthy cores; with `needs`, only those that advertise that capability (e.g. "lora")."""
+        return [c for c in self.clients if c.healthy and (needs is None or c.supports(needs))]
 
-    def pick(self, exclude: Set[str] = frozenset()) -> CoreClient | None:
-        candidates = [c for c in self.healthy() if c.address not in exclude]
+    def pick(self, exclude: Set[str] = frozenset(), needs: str | None = None) -> CoreClient | None:
+        candidates = [c for c in self.healthy(needs) if c.address not in exclude]
         if not candidates:
             return None
         return min(candidates, key=lambda c: core_score(c.rtt, c.load))

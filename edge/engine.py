@@ -51,6 +51,7 @@ from edgecore.edge.remote_prefill import RemotePrefill, RemotePrefillFailed
 from edgecore.edge.transfer_metrics import TransferMetrics
 from prometheus_client import generate_latest
 from edgecore.protocol.credentials import NodeIdentity, Trust
+from edgecore.protocol.messages import LORA_ADAPTERS
 from edgecore.protocol.transport import Timeouts
 from edgecore.shared.config import CacheConfig, EngineConfig
 from edgecore.shared.engine.async_engine import AsyncEngine
@@ -62,7 +63,7 @@ from edgecore.shared.errors import EngineDead
 from edgecore.shared.fingerprint import model_fingerprint
 from edgecore.shared.kv.transfer import layers_at_edge
 from edgecore.shared.kv.wire import codec_rope
-from edgecore.shared.lora import MAX_LORA_RANK
+from edgecore.shared.lora_files import MAX_LORA_RANK
 
 log = logging.getLogger("edgecore.edge")
 
@@ -162,9 +163,10 @@ class EdgeEngine:
         """Where the prompt is prefilled: (where, reason, whether the request was already admitted here). With
         a fixed threshold, one engine call both measures the cached prefix and, when the rest is short, admits
         the request right there: one step sooner to the first token than deciding first and adding after."""
-        params, prompt_ids = request.params, _ids(request)
-        if not self.router.healthy():
-            return "local", "no_core" if self.router.clients else "no_core_configured", False
+        params, prompt_ids, needs = request.params, _ids(request), _needs(request)
+        if not self.router.healthy(needs):          # an adapter goes only to a core that serves adapters
+            reason = "no_lora_core" if needs and self.router.healthy() else "no_core"
+            return "local", reason if self.router.clients else "no_core_configured", False
         if params.prompt_logprobs is not None:    # they come from this engine's prefill logits
             return "local", "prompt_logprobs", False
         if params.guided is not None:     # a core would choose the first token without the grammar's mask
@@ -175,7 +177,7 @@ class EdgeEngine:
         if threshold is None:             # the measured crossover: decided here, on the event loop
             cached = await self.handle.cached_prefix(prompt_ids, request.cache_salt, request.adapter)
             uncached = len(prompt_ids) - cached
-            best = self.router.pick()
+            best = self.router.pick(needs=needs)
             if best is not None and self.prefill_model.local_is_faster(uncached, best.address, best.rtt):
                 return "local", "faster_here" if cached == 0 else "prefix_cached", False
             return "remote", "", False
@@ -291,7 +293,7 @@ class EdgeEngine:
         """Prefill at a core, then decode here; None when every core tried failed (nothing admitted)."""
         tried: set[str] = set()
         for attempt in range(self.config.max_core_attempts):
-            client = self.router.pick(tried)
+            client = self.router.pick(tried, needs=_needs(request))
             if client is None:
                 break
             tried.add(client.address)
@@ -423,6 +425,11 @@ def _ids(request: EngineRequest) -> list[int]:
     """An edge request's prompt: token ids (the frontend tokenizes)."""
     assert isinstance(request.prompt, list), "an edge request's prompt is token ids"
     return request.prompt
+
+
+def _needs(request: EngineRequest) -> str | None:
+    """The core capability a request needs: "lora" for one with an adapter (an older core would drop it)."""
+    return LORA_ADAPTERS if request.adapter else None
 
 
 def _megabytes_per_s(rate: float | None) -> float | None:

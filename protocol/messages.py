@@ -21,9 +21,12 @@ HANDOVER_VERSION = 3                   # first version with core decoding (Token
 DRAIN_VERSION = 4                      # first version with Draining (a core announces its graceful stop)
 # Auth / AuthOk capabilities this implementation has beyond its version: "kv-compact-params": it decodes the
 # entropy-coded levels' compact parameters (docs/wire-format.md, q4e/q3e/q2e flag bits 2 and 3); a core
-# sends them only to a peer that says so.
+# sends them only to a peer that says so. "lora": a core reads PrefillRequest's `adapter` fields (a core without it
+# drops them, as unknown trailing fields, and would prefill with the base model): an edge sends a request with an
+# adapter only to a core that says so.
 COMPACT_KV_PARAMS = "kv-compact-params"
-CAPABILITIES = (COMPACT_KV_PARAMS,)
+LORA_ADAPTERS = "lora"
+CAPABILITIES = (COMPACT_KV_PARAMS, LORA_ADAPTERS)
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, tag_field="t", frozen=True):

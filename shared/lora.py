@@ -5,7 +5,7 @@ Life cycle: every engine holds a `LoraRegistry` (`LLMEngine.lora`), empty until 
 layer's attention and MLP (`Attention.lora`, `MLP.lora` in shared/models/llama.py, None without adapters).
 `read_adapter` checks an adapter against the base model completely before anything changes (config fields,
 tensor names, target modules, shapes, rank against `max_rank`: an `AdapterError` naming the first problem;
-nothing is half-loaded; `check_adapter` does the same against a config alone, for a node's start-up flags),
+nothing is half-loaded; shared/lora_files.py checks the files, without torch, for a node's start-up flags),
 folds the scaling (`lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`) into B and gives the
 adapter a slot. Per layer and projection the registry stacks every slot's A and B, stored input-major as the
 products read them: A^T [slots, in, R] and B^T [slots, R, out] (slot 0: zeros, the base model; R the largest
@@ -32,9 +32,6 @@ the files on the engine thread, between steps.
 from __future__ import annotations
 
 import hashlib
-import json
-import math
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,24 +39,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from edgecore.shared.errors import AdapterError, ConfigError, RequestError
+from edgecore.shared.errors import AdapterError, RequestError
+from edgecore.shared.lora_files import FUSED, MAX_LORA_RANK, check_files, model_shapes
 
 if TYPE_CHECKING:
     from edgecore.shared.config import ModelConfig
     from edgecore.shared.models.llama import LlamaForCausalLM
 
-MAX_LORA_RANK = 64          # default of --max-lora-rank
 PAD_LIMIT = 2.0             # batched products while adapters × largest group ≤ this × adapter rows (else per group)
-# Our fused projection → the checkpoint projections it holds, in output order.
-FUSED: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-    "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",),
-}
-PART_OF = {part: fused for fused, parts in FUSED.items() for part in parts}
-TARGETS = tuple(PART_OF)
-_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?"
-                   r"\.weight$")
-_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
 @dataclass
@@ -87,56 +74,6 @@ def adapter_salt(cache_salt: str | None, adapter: Adapter | None) -> str | None:
     return f"lora:{adapter.name}:{adapter.fingerprint}{own}"
 
 
-def parse_lora_spec(spec: str) -> tuple[str, str]:
-    """`NAME=DIR` (the `--lora` flag) → (name, dir); a ValueError or AdapterError (bad name) otherwise."""
-    name, sep, path = spec.partition("=")
-    if not sep or not path:
-        raise ValueError("expected NAME=DIR")
-    check_name(name)
-    return name, path
-
-
-def lora_specs(specs: Iterable[str]) -> list[tuple[str, str]]:
-    """The `--lora NAME=DIR` flags → (name, dir) pairs; a ConfigError (one line) for a malformed or repeated one."""
-    pairs: list[tuple[str, str]] = []
-    for spec in specs:
-        try:
-            name, path = parse_lora_spec(spec)
-        except (ValueError, AdapterError) as exc:
-            raise ConfigError(f"--lora {spec}: {exc}") from None
-        if any(name == n for n, _ in pairs):
-            raise ConfigError(f"--lora {spec}: adapter name '{name}' is given twice")
-        pairs.append((name, path))
-    return pairs
-
-
-def check_lora_flags(specs: Iterable[str], config: ModelConfig, max_rank: int) -> list[tuple[str, str]]:
-    """Start-up: `lora_specs`, then each adapter checked against the model's config (ConfigError, one line)."""
-    if not 1 <= max_rank <= 1024:
-        raise ConfigError(f"--max-lora-rank must be between 1 and 1024, not {max_rank}")
-    pairs = lora_specs(specs)
-    for name, path in pairs:
-        try:
-            check_adapter(name, path, config, max_rank)
-        except AdapterError as exc:
-            raise ConfigError(f"--lora {name}={path}: {exc}") from None
-    return pairs
-
-
-def check_name(name: str) -> None:
-    if not _ADAPTER_NAME.match(name):
-        raise AdapterError(f"adapter name {name!r}: use 1-128 letters, digits and . _ : / -", "lora_name")
-
-
-def _model_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) of each target projection of the base model (all ranks together: one rank only)."""
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    inter = c.intermediate_size
-    return {"q_proj": (c.hidden_size, q), "k_proj": (c.hidden_size, kv), "v_proj": (c.hidden_size, kv),
-            "o_proj": (q, c.hidden_size), "gate_proj": (c.hidden_size, inter), "up_proj": (c.hidden_size, inter),
-            "down_proj": (inter, c.hidden_size)}
-
-
 def _plain_modules(model: LlamaForCausalLM) -> tuple[bool, bool]:
     """Whether every layer's attention, and every layer's MLP, is llama.py's own (where LoRA applies)."""
     from edgecore.shared.models.llama import MLP, Attention, DecoderLayer
@@ -145,44 +82,6 @@ def _plain_modules(model: LlamaForCausalLM) -> tuple[bool, bool]:
                for layer in layers)
     mlp = all(type(layer.mlp).forward is MLP.forward for layer in layers)
     return attn, mlp
-
-
-def _read_config(path: Path) -> tuple[dict[str, Any], bytes]:
-    file = path / "adapter_config.json"
-    try:
-        raw = file.read_bytes()
-    except OSError as exc:
-        raise AdapterError(f"{file}: cannot read ({exc.strerror or exc})") from None
-    try:
-        config = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise AdapterError(f"{file}: not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"{file}: not a JSON object")
-    return config, raw
-
-
-def _check_config(config: dict[str, Any], file: Path, max_rank: int) -> tuple[int, float]:
-    """(r, scaling) from a PEFT LoraConfig, or the first field this server cannot honour."""
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{file}: peft_type {config.get('peft_type')!r} is not LORA")
-    if config.get("bias", "none") != "none":
-        raise AdapterError(f"{file}: bias={config.get('bias')!r} is not supported (only bias=\"none\")")
-    for key in ("use_dora", "fan_in_fan_out"):
-        if config.get(key):
-            raise AdapterError(f"{file}: {key}=true is not supported")
-    for key in ("modules_to_save", "rank_pattern", "alpha_pattern"):
-        if config.get(key):
-            raise AdapterError(f"{file}: {key} is not supported")
-    r, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-        raise AdapterError(f"{file}: r must be a positive integer, got {r!r}")
-    if r > max_rank:
-        raise AdapterError(f"{file}: rank {r} exceeds the limit of {max_rank} (--max-lora-rank)")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise AdapterError(f"{file}: lora_alpha must be a number, got {alpha!r}")
-    scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-    return r, float(scaling)
 
 
 def read_adapter(name: str, path: str | Path, model: LlamaForCausalLM, max_rank: int = MAX_LORA_RANK) -> Adapter:
@@ -198,55 +97,23 @@ def check_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: in
                   plain: tuple[bool, bool] = (True, True), dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu") -> Adapter:
     """`read_adapter` against a model's config alone (`plain`: whether its attention and MLP are the plain
-    Llama-family ones): what a node checks at start-up before its engine loads the model."""
+    Llama-family ones): shared/lora_files.py `check_files`, then the tensors read."""
     from safetensors import SafetensorError, safe_open
-    check_name(name)
-    root = Path(path)
-    peft_config, raw_config = _read_config(root)
-    r, scaling = _check_config(peft_config, root / "adapter_config.json", max_rank)
-    file = root / "adapter_model.safetensors"
-    if not file.is_file():
-        raise AdapterError(f"{file}: missing (the adapter's weights, PEFT's safetensors format)")
-    shapes = _model_shapes(config)
-    plain_attn, plain_mlp = plain
-    layers = config.num_hidden_layers
-    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                m = _NAME.match(key)
-                if m is None:
-                    raise AdapterError(f"{file}: tensor {key!r} is not a LoRA A/B of a decoder layer's projection")
-                layer, proj, which = int(m.group(1)), m.group(3), m.group(4)
-                if proj not in PART_OF:
-                    raise AdapterError(f"{file}: target module {proj!r} is not one of {', '.join(TARGETS)}")
-                if layer >= layers:
-                    raise AdapterError(f"{file}: tensor {key!r} names layer {layer}; the base model has {layers}")
-                if not (plain_attn if m.group(2) == "self_attn" else plain_mlp):
-                    raise AdapterError(f"{file}: target module {proj!r}: the base model's {m.group(2)} is not the "
-                                       f"plain Llama-family one LoRA applies to here")
-                found.setdefault((layer, proj), {})[which] = f.get_tensor(key)
-    except SafetensorError as exc:
-        raise AdapterError(f"{file}: not a readable safetensors file ({exc})") from None
-    if not found:
-        raise AdapterError(f"{file}: holds no LoRA tensors")
+    files = check_files(name, path, config, max_rank, plain)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    for (layer, proj), pair in sorted(found.items()):
-        if set(pair) != {"A", "B"}:
-            raise AdapterError(f"{file}: layer {layer} {proj} has lora_{next(iter(pair))} but not its pair")
-        a, b = pair["A"], pair["B"]
-        fan_in, fan_out = shapes[proj]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape[0] != fan_out or a.shape[0] != b.shape[1]:
-            raise AdapterError(f"{file}: layer {layer} {proj}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit "
-                               f"the base model's {fan_in} → {fan_out} projection")
-        if a.shape[0] != r:
-            raise AdapterError(f"{file}: layer {layer} {proj} has rank {a.shape[0]}, the config says r={r}")
-        weights[(layer, proj)] = (a.to(device, dtype).contiguous(), (b.double() * scaling).to(device, dtype).contiguous())
-    digest = hashlib.sha256(raw_config)
-    with open(file, "rb") as fh:
+    try:
+        with safe_open(str(files.weights_file), framework="pt") as f:
+            for (layer, proj), (a_key, b_key) in files.pairs.items():
+                a, b = f.get_tensor(a_key), f.get_tensor(b_key)
+                weights[(layer, proj)] = (a.to(device, dtype).contiguous(),
+                                          (b.double() * files.scaling).to(device, dtype).contiguous())
+    except SafetensorError as exc:
+        raise AdapterError(f"{files.weights_file}: not a readable safetensors file ({exc})") from None
+    digest = hashlib.sha256(files.raw_config)
+    with open(files.weights_file, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
-    return Adapter(name, str(root), r, digest.hexdigest()[:16], weights)
+    return Adapter(name, str(Path(path)), files.rank, digest.hexdigest()[:16], weights)
 
 
 class LoraStep:
@@ -339,11 +206,22 @@ class LoraRegistry:
 
     def load(self, name: str, path: str | Path) -> Adapter:
         """Read, check and add an adapter (AdapterError: nothing changed)."""
+        return self.add(self.read(name, path))
+
+    def read(self, name: str, path: str | Path) -> Adapter:
+        """Read and check an adapter, changing nothing: file reads and hashing, safe off the engine thread (a slow
+        disk or a FIFO then blocks no step); `add` it on the engine thread."""
         if not self.one_process():
             raise AdapterError("LoRA adapters are served by a node on one process (no --tp/--pp)")
         if name in self.by_name:
             raise AdapterError(f"The lora adapter '{name}' has already been loaded", "lora_name")
-        adapter = read_adapter(name, path, self.model, self.max_rank)
+        return read_adapter(name, path, self.model, self.max_rank)
+
+    def add(self, adapter: Adapter) -> Adapter:
+        """Give a read adapter a slot and rebuild the stacks (AdapterError: nothing changed)."""
+        name = adapter.name
+        if name in self.by_name:            # (loaded meanwhile, by another call)
+            raise AdapterError(f"The lora adapter '{name}' has already been loaded", "lora_name")
         if len(self.slots) == 1:
             self.install()          # the first adapter: the layers get their (empty until rebuilt) stacks
         self.collect(rebuild=False)
@@ -368,6 +246,12 @@ class LoraRegistry:
         self.collect()
         return adapter
 
+    def collect_pending(self) -> None:
+        """`collect` when an unloaded adapter still holds a slot (the engine calls it as requests end: an adapter
+        unloaded while requests ran on it is freed when the last of them finishes, not at the next load/unload)."""
+        if any(a is not None and a.unloaded for a in self.slots):
+            self.collect()
+
     def collect(self, rebuild: bool = True) -> None:
         """Empty the slots of unloaded adapters no live sequence uses any more."""
         busy = set(self.in_use())
@@ -383,7 +267,7 @@ class LoraRegistry:
 
     def _rebuild(self, slots: list[Adapter | None]) -> None:
         """Stack every slot's A and B per layer and fused projection (built aside, then swapped in)."""
-        shapes = _model_shapes(self.model.config)
+        shapes = model_shapes(self.model.config)
         param = next(self.model.parameters())
         new: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
         for global_layer in self.model.model.layer_ids:

@@ -181,9 +181,11 @@ class AsyncEngine:
 
     # ---- LoRA adapters (shared/lora.py; not part of EngineHandle: the nodes that serve them ask) ----------
     async def load_adapter(self, name: str, path: str) -> str:
-        """Load a PEFT adapter (read and checked on the engine thread, between steps); its fingerprint.
-        Raises AdapterError (nothing loaded)."""
-        return await self._call(lambda e: e.lora.load(name, path).fingerprint)
+        """Load a PEFT adapter; its fingerprint. Raises AdapterError (nothing loaded). Its files are read, hashed
+        and checked on a worker thread (a slow disk or a FIFO blocks no step); only the slot and the stacks
+        change on the engine thread, between steps."""
+        adapter = await asyncio.to_thread(self.engine.lora.read, name, path)
+        return await self._call(lambda e: e.lora.add(adapter).fingerprint)
 
     async def unload_adapter(self, name: str) -> None:
         await self._call(lambda e: e.lora.unload(name))

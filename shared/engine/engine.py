@@ -187,6 +187,7 @@ class LLMEngine:
             seq.status = Status.FINISHED
         elif seq.status is not Status.FINISHED:
             self.scheduler.finish(seq, "abort")
+        self.lora.collect_pending()         # an unloaded adapter's slot, once its last request is gone
         return True
 
     def has_unfinished(self) -> bool:
@@ -230,6 +231,7 @@ class LLMEngine:
 
     def step(self, on_layer: LayerHook | None = None) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        self.lora.collect_pending()         # requests finished by activate / push_token since the last step
         self._settle_tier()
         batch = self.scheduler.schedule()
         if self.tier is not None:
@@ -258,6 +260,7 @@ class LLMEngine:
                 if not seq.prefill_only:
                     del self.requests[seq.request_id]
             outputs.append(out)
+        self.lora.collect_pending()         # an unloaded adapter's slot, once its last request finished
         return outputs
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None

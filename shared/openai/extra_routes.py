@@ -18,7 +18,7 @@ from msgspec import Meta, Struct
 
 from edgecore.shared.errors import RequestError
 from edgecore.shared.openai.errors import ApiError
-from edgecore.shared.openai.http import json_body, off_loop
+from edgecore.shared.openai.http import TENANT, json_body, off_loop
 from edgecore.shared.openai.schemas import ChatMessage, TokenId, decode_body
 from edgecore.shared.openai.request import check_model, render_message
 from edgecore.shared.tokenizer import Tokenizer
@@ -61,20 +61,23 @@ def adapter_cards(card: dict, adapters: Iterable[str]) -> list[dict]:
 
 def add_model_routes(app: web.Application, card: Card, list_route: bool = True,
                      adapters: Callable[[], Iterable[str]] | None = None) -> None:
-    """/v1/models/{id} (and /v1/models with `list_route`): the base model's card and its LoRA adapters'."""
-    def cards() -> list[dict]:
+    """/v1/models/{id} (and /v1/models with `list_route`): the base model's card and its LoRA adapters', those
+    the key's tenant may use (a model it may not use is a 404, as one that does not exist)."""
+    def cards(request: web.Request) -> list[dict]:
         c = card()
-        return [c, *adapter_cards(c, adapters())] if adapters is not None else [c]
+        every = [c, *adapter_cards(c, adapters())] if adapters is not None else [c]
+        state = request.get(TENANT)
+        return every if state is None else [c for c in every if state.tenant.allows(str(c["id"]))]
 
     async def one(request: web.Request) -> web.Response:
-        for c in cards():
+        for c in cards(request):
             if request.match_info["model_id"] == c["id"]:
                 return web.json_response(c)
         raise ApiError(404, f"The model '{request.match_info['model_id']}' does not exist (this server serves "
                        f"'{card()['id']}')", "model", "model_not_found")
 
-    async def listing(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": cards()})
+    async def listing(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": cards(request)})
 
     app.router.add_get("/v1/models/{model_id:.+}", one)
     if list_route:

@@ -5,6 +5,7 @@ import http.client
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -77,15 +78,33 @@ def mapped_libraries(pid: int) -> str:
         return f.read()
 
 
-def test_the_frontend_never_loads_torch_and_the_engine_says_what_kv_it_holds():
-    """The HTTP process stays small: it serves plain, sampled, streamed and structured-output requests without
-    torch ever mapped into it (all tensor work is in the engine process). The engine's start-up log states
-    the KV cache that --kv-cache-memory gave it."""
-    edge, port = start_edge("--kv-cache-memory", "64MiB")
+def write_adapter(path: Path) -> Path:
+    """A PEFT LoRA adapter (q_proj and down_proj, r=2) for the bundled model: 192 hidden, 192 query, 512 MLP."""
+    import torch
+    from safetensors.torch import save_file
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    weights = {}
+    for layer in range(4):
+        for where, proj, fan_in, fan_out in (("self_attn", "q_proj", 192, 192), ("mlp", "down_proj", 512, 192)):
+            key = f"base_model.model.model.layers.{layer}.{where}.{proj}"
+            weights[f"{key}.lora_A.weight"] = torch.randn(2, fan_in) * 0.1
+            weights[f"{key}.lora_B.weight"] = torch.randn(fan_out, 2) * 0.1
+    save_file(weights, path / "adapter_model.safetensors")
+    return path
+
+
+def test_the_frontend_never_loads_torch_and_the_engine_says_what_kv_it_holds(tmp_path):
+    """The HTTP process stays small: it checks a --lora adapter's files and serves plain, adapter, sampled,
+    streamed and structured-output requests without torch ever mapped into it (all tensor work is in the
+    engine process). The engine's start-up log states the KV cache that --kv-cache-memory gave it."""
+    edge, port = start_edge("--kv-cache-memory", "64MiB", "--lora", f"tiny={write_adapter(tmp_path / 'tiny')}")
     try:
         engine_pid = get_json(f"http://127.0.0.1:{port}/stats")["engine_pid"]
         base = f"http://127.0.0.1:{port}/v1"
         post_json(f"{base}/completions", {"model": "pydoc-llama", "prompt": "import os", "max_tokens": 4})
+        assert post_json(f"{base}/completions", {"model": "tiny", "prompt": "import os", "max_tokens": 4}
+                         )["usage"]["completion_tokens"] == 4
         post_json(f"{base}/chat/completions", {
             "model": "pydoc-llama", "messages": [{"role": "user", "content": "a name"}], "max_tokens": 24,
             "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {

@@ -2,7 +2,8 @@
 (and with decode handover decodes the first tokens) with the adapter the edge's PrefillRequest names; the
 output equals transformers + peft (greedy, float32) for the base and each adapter, requests of different
 adapters in flight together; an adapter the core lacks, or holds with other weights under the same name
-(fingerprint), is refused by the core and the edge prefills locally, with the same output."""
+(fingerprint), is refused by the core and the edge prefills locally, with the same output; a core that does not
+advertise the "lora" capability (an older one) is never sent an adapter request."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from edgecore.core.server import CoreConfig, CoreServer
 from edgecore.edge.engine import EdgeConfig, EdgeEngine
+from edgecore.protocol import messages as m
 from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine
 from tests.shared import lora_checkpoints
@@ -34,6 +36,19 @@ def expected(root):
 
 @pytest.fixture
 async def pair(root, tmp_path):
+    async for both in _pair(root, tmp_path):
+        yield both
+
+
+@pytest.fixture
+async def older_core_pair(root, tmp_path, monkeypatch):
+    """The same, its core from before LoRA: its AuthOk lacks "lora" (it would drop a PrefillRequest's adapter)."""
+    monkeypatch.setattr(m, "CAPABILITIES", (m.COMPACT_KV_PARAMS,))
+    async for both in _pair(root, tmp_path):
+        yield both
+
+
+async def _pair(root, tmp_path):
     core = CoreServer(CoreConfig(str(root / "base"), b"s", port=0, http_port=None, data_dir=str(tmp_path),
                                  dtype="fp32", loras=[("attn", str(root / "attn")), ("all", str(root / "all")),
                                                       ("same-name", str(root / "all"))]))
@@ -77,3 +92,12 @@ async def test_adapter_missing_or_different_at_the_core_falls_back(pair, expecte
     assert edge.metrics.failovers._value.get() == failovers + 1
     assert await run(edge, "s", "same-name") == expected["attn"]          # the core's 'same-name' is other weights
     assert edge.metrics.failovers._value.get() == failovers + 2
+
+
+async def test_a_core_without_the_lora_capability_gets_no_adapter_request(older_core_pair, expected):
+    core, edge = older_core_pair
+    assert await run(edge, "a", "attn") == expected["attn"]              # prefilled here: the core never sees it
+    assert edge.metrics.local_prefills.labels("no_lora_core")._value.get() == 1
+    assert core.metrics.prefill_requests.labels("ok")._value.get() == 0
+    assert await run(edge, "b", None) == expected[None]                  # the base model still goes to the core
+    assert core.metrics.prefill_requests.labels("ok")._value.get() == 1

@@ -188,6 +188,13 @@ async def test_tenant_models_restrict_adapters(root, tmp_path, expected):
             assert (await complete(s, "mlp", key="sk-t"))[0] == 404          # not among the tenant's models
             async with s.get("/v1/models", headers=_auth("sk-t")) as resp:
                 assert [c["id"] for c in (await resp.json())["data"]] == [BASE, "attn"]
+            async with s.get("/v1/models/attn", headers=_auth("sk-t")) as resp:
+                assert resp.status == 200 and (await resp.json())["parent"] == BASE
+            answers = []
+            for name in ("mlp", "nothing"):          # hidden from the tenant: as a model that does not exist
+                async with s.get(f"/v1/models/{name}", headers=_auth("sk-t")) as resp:
+                    answers.append((resp.status, (await resp.json())["error"]["code"]))
+            assert answers == [(404, "model_not_found")] * 2
     finally:
         await close()
 

@@ -1,5 +1,7 @@
-"""PrefillRequest's trailing LoRA adapter and fingerprint (shared/lora.py): carried to the core; a peer on either
-side without them still talks (an older edge's request is the base model's)."""
+"""PrefillRequest's trailing LoRA adapter and fingerprint (shared/lora.py): carried to the core; an older edge's
+request (without them) is the base model's. An older core would silently drop them (msgspec ignores unknown
+trailing fields) and prefill with the base model, so they stand behind the "lora" capability: a core advertises it
+in AuthOk and an edge sends an adapter only to a core that does (tests/edge/test_lora_placement.py)."""
 
 import msgspec
 
@@ -26,4 +28,19 @@ def test_the_adapter_fields_are_last_and_optional():
         group: str
         cache_salt: str
         tenant: str
-    assert msgspec.msgpack.decode(m.encoder.encode(req), type=OldPrefillRequest).tenant == "acme"
+    dropped = msgspec.msgpack.decode(m.encoder.encode(req), type=OldPrefillRequest)
+    assert dropped.tenant == "acme" and not hasattr(dropped, "adapter")     # the adapter would be lost there
+
+
+def test_cores_advertise_the_lora_capability():
+    """The capability that guards the fields: in the AuthOk every core of this release sends, and the edge's side
+    of the connection records it (protocol/state.py); an older core's AuthOk lacks it."""
+    from tests.protocol.pairs import handshake, new_pair
+    assert m.LORA_ADAPTERS == "lora" and m.LORA_ADAPTERS in m.CAPABILITIES
+    edge, core = new_pair()
+    handshake(edge, core)
+    assert m.LORA_ADAPTERS in edge.peer_capabilities
+    edge, core = new_pair()
+    core.capabilities = [m.COMPACT_KV_PARAMS]                                   # a core before LoRA
+    handshake(edge, core)
+    assert m.LORA_ADAPTERS not in edge.peer_capabilities

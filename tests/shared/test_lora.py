@@ -3,13 +3,17 @@ batches equal each request alone, prefix cache scoped by adapter, bad adapters r
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import shutil
 
 import pytest
 import torch
 
+from edgecore.shared.engine.async_engine import AsyncEngine
 from edgecore.shared.engine.engine import LLMEngine
+from edgecore.shared.engine.handle import EngineRequest
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
 from edgecore.shared.lora import AdapterError, adapter_salt
@@ -117,6 +121,56 @@ def test_unload_while_running_finishes_with_it(root, expected):
     assert tokens == expected[("all", 0)]
     engine.lora.load("again", str(root / "attn"))    # the slot is collected once nothing uses it
     assert engine.lora.get("again").slot == 3
+
+
+def test_an_unloaded_adapter_is_freed_when_its_last_request_ends(root):
+    """Its slot and stacked weights go when the last request on it finishes or is aborted, not at the next
+    load/unload (which may never come)."""
+    engine = make_engine(root)
+    params = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
+    engine.add_request("m", PROMPTS[0], params, adapter="mlp")
+    engine.add_request("a1", PROMPTS[0], params, adapter="all")
+    engine.add_request("a2", PROMPTS[1], params, adapter="all")
+    engine.step()
+    engine.lora.unload("mlp")
+    engine.lora.unload("all")
+    assert engine.lora.slots[2] is not None and engine.lora.slots[3] is not None     # still in use
+    engine.abort("m")
+    assert engine.lora.slots[2] is None                       # its only request aborted
+    engine.abort("a1")
+    assert engine.lora.slots[3] is not None                   # a2 still runs on it
+    while engine.has_unfinished():
+        engine.step()
+    assert [a.name if a else None for a in engine.lora.slots] == [None, "attn"]
+    assert all(a.shape[0] == 2 and b.shape[0] == 2 for layer in engine.lora.layers
+               for a, b in layer.stacks.values())             # the stacks hold the base and "attn" only
+
+
+@pytest.mark.timeout(60)
+async def test_loading_reads_the_files_off_the_engine_thread(root, tmp_path):
+    """/v1/load_lora_adapter's read: an adapter whose config is a FIFO nobody writes yet (a stalled disk) blocks
+    only its own load; requests keep running, and the load finishes once the file is there."""
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    shutil.copy(root / "attn" / "adapter_model.safetensors", slow)
+    os.mkfifo(slow / "adapter_config.json")
+    aengine = AsyncEngine(LLMEngine.from_dir(root / "base", dtype="float32"))
+    aengine.start()
+    load = asyncio.ensure_future(aengine.load_adapter("slow", str(slow)))
+    try:
+        await asyncio.sleep(0.2)                              # the load is waiting on the FIFO
+        request = EngineRequest("base", PROMPTS[0], SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True))
+
+        async def run() -> list:
+            return [out async for out in aengine.generate(request)]
+        outs = await asyncio.wait_for(run(), 15)              # not stuck behind the load
+        assert outs[-1].finished and not load.done()
+    finally:
+        config = (root / "attn" / "adapter_config.json").read_bytes()
+        await asyncio.wait_for(asyncio.to_thread((slow / "adapter_config.json").write_bytes, config), 10)
+        fingerprint = await asyncio.wait_for(load, 10)
+        aengine.stop()
+    assert fingerprint == aengine.engine.lora.fingerprints()["slow"]
 
 
 def _copy(root, tmp_path, name="all"):
