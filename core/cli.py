@@ -6,6 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from edgecore.core.settings import CoreSettings
+from edgecore.shared import tracing
 from edgecore.shared.settings import add_arguments, from_args, namespace
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ def run_core(args: argparse.Namespace) -> int:
     api_keys, control = _control_port(settings, http_host)
     _check_connection_limits(settings)
     check_drain_timeout(settings.drain_timeout)
+    tracing.start(settings.otlp_endpoint, "core", settings.name)
     engine_threads = reserve_threads_for_engine()
     model_dir, device = settings.model or default_model(), resolve_device(settings.device)
     pp_split = [int(x) for x in settings.pp_split.split(",")] if settings.pp_split else None

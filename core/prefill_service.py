@@ -57,6 +57,7 @@ from edgecore.core.kv_sender import LayerStreamer, Pacer, queue_rest, send_queue
 from edgecore.core.metrics import CoreMetrics
 from edgecore.core.outbox import Outbox
 from edgecore.core.transfer import HandoverLimits, Transfer, TransferState
+from edgecore.core.transfer_trace import TransferTrace
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode
 from edgecore.protocol.events import KVData
@@ -184,6 +185,8 @@ class PrefillService:
             self.metrics.kv_chunks.inc()
             self.metrics.kv_bytes_sent.labels(req.codec).inc(len(data.payload))
             self.metrics.kv_raw_bytes.labels(req.codec).inc(data.chunk.raw_len)
+            if req.trace is not None:
+                req.trace.sent(len(data.payload), data.chunk.raw_len)
         await send_queued(session.outbox, session.peer, self.encoder_pool, self.dtype_name, counted,
                           rope=self.streamer.rope, step_scales=self.streamer.step_scales, pacer=session.pacer)
 
@@ -239,6 +242,7 @@ class PrefillService:
                        tenant=msg.tenant or None, adapter=msg.adapter or None,
                        resumable=not direct,
                        piece_bytes=PIECE_BYTES if msg.core_decode else 0)
+        req.trace = TransferTrace.begin(msg, req.received_at, codec, peer.conn)
         session.transfers[rid] = req
         self.streamer.register(req)
         if direct:      # the other ranks learn the route with the first step that computes this request
@@ -321,7 +325,7 @@ class PrefillService:
                     if out.finished and out.finish_reason == "length":
                         reason = "bound"
         except RequestError as exc:
-            self._forget(session, rid)
+            self._forget(session, rid, "rejected")
             self.metrics.prefill_requests.labels("rejected").inc()
             await session.peer.send(m.Error(ErrorCode.BAD_REQUEST, str(exc), rid))
             return
@@ -339,6 +343,8 @@ class PrefillService:
         """Decoding ended: tell the edge where, and start the lease that waits for its Ack."""
         req.decode = None
         session.outbox.put(m.DecodeStop(req.request_id, req.position, reason), urgent=True)
+        if req.trace is not None:
+            req.trace.decode_stopped(req.position, reason)
         if session.transfers.get(req.request_id) is req and req.lease is None:
             req.lease = asyncio.get_running_loop().call_later(self.lease_seconds, self._release, session,
                                                               req.request_id)
@@ -368,7 +374,7 @@ class PrefillService:
                     if out.finished:
                         first = out
         except RequestError as exc:
-            self._forget(session, req.request_id)
+            self._forget(session, req.request_id, "rejected")
             self.metrics.prefill_requests.labels("rejected").inc()
             await session.peer.send(m.Error(ErrorCode.BAD_REQUEST, str(exc), req.request_id))
             return None
@@ -407,14 +413,19 @@ class PrefillService:
         self.metrics.prompt_tokens.inc(req.total_tokens)
         self.metrics.cached_tokens.inc(first.num_cached_tokens)
         self.metrics.prefill_seconds.observe(time.perf_counter() - req.received_at)
+        if req.trace is not None:
+            req.trace.prefilled(req.total_tokens, first.num_cached_tokens)
         if not lease:
             return
         req.lease = asyncio.get_running_loop().call_later(self.lease_seconds, self._release, session,
                                                           req.request_id)
         self.metrics.leases.inc()
 
-    def _forget(self, session: Session, rid: str) -> Transfer | None:
+    def _forget(self, session: Session, rid: str, outcome: str | None = None) -> Transfer | None:
+        """Drop a request from the connection; `outcome`: why, when it ends here (its trace's last word)."""
         req = session.transfers.pop(rid, None)
+        if req is not None and req.trace is not None and outcome is not None:
+            req.trace.close(outcome)
         if not session.transfers and self.inflight() == 0:
             self._idle.set()
         if req is not None:
@@ -439,6 +450,8 @@ class PrefillService:
             req.lease.cancel()
             self.metrics.leases.dec()
         self.handle.abort(req.internal_id)
+        if req.trace is not None:
+            req.trace.close(req.state.value)
 
     # ---- what the node reports -------------------------------------------
     def stats(self) -> dict:

@@ -33,6 +33,7 @@ class CoreSettings:
     name: str = setting("core", help="node name shown to peers and in logs")
     lease: float = setting(30.0, help="seconds a finished prefill's KV waits for the edge's Ack (default 30)")
     drain_timeout: float = common.drain_timeout()
+    otlp_endpoint: str | None = common.otlp_endpoint()
     max_batched_tokens: int = setting(2048, help="prefill token budget per step")
     kv_cache_memory: str = common.kv_cache_memory()
     kv_blocks: int | None = common.kv_blocks()

@@ -53,6 +53,7 @@ from edgecore.shared.errors import ConfigError
 from edgecore.shared.kv.transfer import KVSlice
 
 if TYPE_CHECKING:
+    from edgecore.core.transfer_trace import TransferTrace
     from edgecore.core.outbox import Outbox
 
 
@@ -98,6 +99,7 @@ class Transfer:
     decode: asyncio.Task | None = None   # decode handover: the task streaming this request's tokens
     position: int = 0                  # decode handover: the next output position to send
     piece_bytes: int = 0               # decode handover: KV frames cut to about this size (0: whole slices)
+    trace: TransferTrace | None = None  # its spans when traced (core/transfer_trace.py)
 
     def __post_init__(self) -> None:
         self.sent_until = self.skip_tokens

@@ -15,15 +15,17 @@ from edgecore.shared.settings import to_argv
 
 
 def core_settings(core: CoreNode) -> CoreSettings:
-    """A core's own keys: name, device, parallel layout, drain timeout."""
-    return CoreSettings(name=core.name, device=core.device, tp=core.tp, pp=core.pp, drain_timeout=core.drain_timeout)
+    """A core's own keys: name, device, parallel layout, drain timeout, traces."""
+    return CoreSettings(name=core.name, device=core.device, tp=core.tp, pp=core.pp, drain_timeout=core.drain_timeout,
+                        otlp_endpoint=core.otlp_endpoint)
 
 
 def edge_settings(topo: Topology, edge: EdgeNode) -> EdgeSettings:
-    """An edge's own keys (name, codecs, transfer timeout, compile, drain timeout) and the topology's model name."""
+    """An edge's own keys (name, codecs, transfer timeout, compile, drain timeout, traces) and the topology's model
+    name."""
     return EdgeSettings(name=edge.name, served_model_name=topo.model_name, codec=edge.codecs,
                         transfer_timeout=edge.transfer_timeout, compile=edge.compile,
-                        drain_timeout=edge.drain_timeout)
+                        drain_timeout=edge.drain_timeout, otlp_endpoint=edge.otlp_endpoint)
 
 
 def node_argv(settings: CoreSettings | EdgeSettings) -> list[str]:

@@ -45,6 +45,7 @@ Quantity = Annotated[str, Meta(pattern=QUANTITY_PATTERN)]
 Labels = dict[Annotated[str, Meta(pattern=LABEL_PATTERN)], str]
 Image = Annotated[str, Meta(pattern=IMAGE_PATTERN)]
 Codec = Literal["raw", "lossless", "fp8", "int8", "int4"]
+OtlpUrl = Annotated[str, Meta(pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=2048)]   # `--otlp-endpoint`
 
 
 class TopologyError(ConfigError):
@@ -71,6 +72,7 @@ class CoreSpec(_Spec, frozen=True):
     http_port: Port = 7101
     replicas: Count = 1
     drain_timeout: Annotated[float, Meta(ge=0, le=86400)] = 30.0     # `--drain-timeout`: SIGTERM finishes in-flight work
+    otlp_endpoint: OtlpUrl | None = None     # `--otlp-endpoint`: OpenTelemetry traces to this collector
     resources: Resources = msgspec.field(default_factory=Resources)
 
 
@@ -83,6 +85,7 @@ class EdgeSpec(_Spec, frozen=True):
     transfer_timeout: Annotated[float, Meta(ge=0.1, le=86400)] = 30.0   # seconds without KV progress before giving up
     compile: bool = False           # `edgecore edge --compile`: the decode step through torch.compile
     drain_timeout: Annotated[float, Meta(ge=0, le=86400)] = 30.0     # `--drain-timeout`: SIGTERM lets streams finish
+    otlp_endpoint: OtlpUrl | None = None     # `--otlp-endpoint`: OpenTelemetry traces to this collector
     resources: Resources = msgspec.field(default_factory=lambda: Resources(memory="4Gi"))
 
 

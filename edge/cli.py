@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, cast
 
 from edgecore.edge.settings import EdgeSettings
 from edgecore.shared.cli import kv_cache_memory
+from edgecore.shared import tracing
 from edgecore.shared.settings import add_arguments, from_args, namespace, to_argv
 
 if TYPE_CHECKING:
@@ -46,8 +47,8 @@ def run_edge(args: argparse.Namespace) -> int:
     settings, engine_fd = from_args(EdgeSettings, args), args.engine_fd
     setup_logging(f"[{settings.name}{'/engine' if engine_fd is not None else ''}] ")
     check_drain_timeout(settings.drain_timeout)
-    codecs = _codecs(settings)
-    local_below = _local_prefill_below(settings.local_prefill_below)
+    tracing.start(settings.otlp_endpoint, "edge", settings.name)    # in the HTTP and the engine process each
+    codecs, local_below = _codecs(settings), _local_prefill_below(settings.local_prefill_below)
     codec_policy(settings)
     model_dir = settings.model or default_model()
     limits = _check_limits(settings)

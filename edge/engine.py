@@ -48,6 +48,7 @@ from edgecore.edge.placement import PrefillModel
 from edgecore.edge.progress import Progress
 from edgecore.edge.prefill_plan import RemotePrefillSettings
 from edgecore.edge.remote_prefill import RemotePrefill, RemotePrefillFailed
+from edgecore.edge.request_trace import RequestTrace
 from edgecore.edge.transfer_metrics import TransferMetrics
 from prometheus_client import generate_latest
 from edgecore.protocol.credentials import NodeIdentity, Trust
@@ -201,10 +202,11 @@ class EdgeEngine:
     # ---- the request -------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None,
                        cache_salt: str | None = None, *, tenant: str | None = None, weight: float = 1.0,
-                       priority: int = 0, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, adapter: str | None = None, traceparent: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         request = EngineRequest(request_id, prompt_ids, params, group=group, priority=priority, cache_salt=cache_salt,
-                                tenant=tenant, weight=weight, adapter=adapter)
-        progress = Progress(self, len(prompt_ids))
+                                tenant=tenant, weight=weight, adapter=adapter, traceparent=traceparent)
+        progress = Progress(self, len(prompt_ids), request_id, traceparent)
         queue: OutputQueue = asyncio.Queue()
         try:
             progress.core = await self._open(request, OutputSink.queue(queue), progress)
@@ -227,7 +229,7 @@ class EdgeEngine:
         EngineDead if the engine fails. Cancelling this coroutine undoes it; `cancel(request_id)` aborts
         the request once submitted."""
         rid = request.request_id
-        progress = Progress(self, len(_ids(request)))
+        progress = Progress(self, len(_ids(request)), rid, request.traceparent)
         early: list[Output] | None = []     # outputs before the placement returns: observed once it has
 
         def deliver(item: Output) -> None:
@@ -278,29 +280,39 @@ class EdgeEngine:
         where, reason, admitted = await self._placement(request, sink)
         progress.placed_at = time.perf_counter()
         self.metrics.queue_time.observe(progress.placed_at - progress.arrived)
+        trace = progress.trace
+        if trace is not None:
+            trace.placed(where, reason, progress.placed_at)
         core = None
         if where == "remote":
-            core = await self._remote_with_retries(request, sink)
+            core = await self._remote_with_retries(request, sink, trace)
             admitted = core is not None
             reason = "core_failed"
         if core is None:                  # placed here, or every core failed
             self.metrics.local_prefills.labels(reason).inc()
+            if trace is not None:
+                trace.local(reason)
         if not admitted:
             await self.handle.submit(request, sink)
         return core
 
-    async def _remote_with_retries(self, request: EngineRequest, sink: OutputSink) -> CoreClient | None:
-        """Prefill at a core, then decode here; None when every core tried failed (nothing admitted)."""
+    async def _remote_with_retries(self, request: EngineRequest, sink: OutputSink, trace: RequestTrace | None = None
+                                   ) -> CoreClient | None:
+        """Prefill at a core, then decode here; None when every core tried failed (nothing admitted). Traced,
+        each attempt is a span whose traceparent the core gets."""
         tried: set[str] = set()
         for attempt in range(self.config.max_core_attempts):
             client = self.router.pick(tried, needs=_needs(request))
             if client is None:
                 break
             tried.add(client.address)
+            traced = request if trace is None else replace(request, traceparent=trace.attempt(client.address))
             try:
-                await self._remote(client, request, sink)
+                await self._remote(client, traced, sink, trace)
                 return client
             except RemotePrefillFailed as exc:
+                if trace is not None:
+                    trace.attempt_failed(str(exc))
                 log.warning("request %s: core %s failed (%s); %s", request.request_id, client.address, exc,
                             "retrying" if attempt + 1 < self.config.max_core_attempts else "prefilling locally")
                 self.metrics.failovers.inc()
@@ -342,13 +354,14 @@ class EdgeEngine:
             await self.handle.unpin(self.pinned.pop(0))
             self.metrics.contexts_unpinned.inc()
 
-    async def _remote(self, client: CoreClient, request: EngineRequest, sink: OutputSink | None) -> None:
+    async def _remote(self, client: CoreClient, request: EngineRequest, sink: OutputSink | None,
+                      trace: RequestTrace | None = None) -> None:
         """Prefill at `client` and receive the KV; with a `sink`, the request then decodes here, its outputs
         going to `sink` (None: a prefetch, never activated)."""
         settings = RemotePrefillSettings(self.config.transfer_timeout, self.config.handover_tokens, self.codec_rope,
                                          self.config.first_layer_macs)
         prefill = RemotePrefill(self.handle, client, request, settings=settings, pool=self.decoder_pool,
-                                metrics=TransferMetrics(self.metrics, self.handover_counts),
+                                metrics=TransferMetrics(self.metrics, self.handover_counts, trace),
                                 adapter_fingerprint=self.adapters.get(request.adapter or "", ""))
         await prefill.run(self._codec, sink)
         rid = request.request_id

@@ -125,7 +125,8 @@ class EngineClient:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None,
                        cache_salt: str | None = None, *, tenant: str | None = None, weight: float = 1.0,
-                       priority: int = 0, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, adapter: str | None = None, traceparent: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         if self.dead is not None:
             raise EngineDead(self.dead)
         queue: asyncio.Queue = asyncio.Queue()
@@ -133,7 +134,8 @@ class EngineClient:
         self.active += 1
         finished = False
         try:
-            self._send(Generate(request_id, prompt_ids, params, group, cache_salt, tenant, weight, priority, adapter))
+            self._send(Generate(request_id, prompt_ids, params, group, cache_salt, tenant, weight, priority, adapter,
+                                traceparent))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):

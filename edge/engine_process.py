@@ -122,7 +122,8 @@ class EngineServer:
         try:
             await self.edge.submit(EngineRequest(rid, msg.prompt_ids, msg.params, group=msg.group,
                                                  priority=msg.priority, cache_salt=msg.cache_salt,
-                                                 tenant=msg.tenant, weight=msg.weight, adapter=msg.adapter),
+                                                 tenant=msg.tenant, weight=msg.weight, adapter=msg.adapter,
+                                                 traceparent=msg.traceparent),
                                    partial(self._emit, rid))
         except asyncio.CancelledError:
             pass                                     # aborted by the frontend (client went away)

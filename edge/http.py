@@ -54,10 +54,10 @@ from edgecore.shared.openai.extra_routes import adapter_cards, add_edge_routes, 
 from edgecore.shared.openai.http import TENANT, effective_cache_salt, error_middleware, json_body, off_loop
 from edgecore.shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
 from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body, usage, usage_so_far
-from edgecore.shared.openai.tools import ToolStream
 from edgecore.shared.tenants import BAND_SPAN, Grant, RateLimited, TenantRegistry
 from edgecore.shared.tls import ServerTLS
 from edgecore.shared.tokenizer import TextTooLong
+from edgecore.shared.tracing import parse_traceparent, tracer
 
 log = logging.getLogger("edgecore.http")
 json_encode = msgspec.json.Encoder().encode
@@ -307,15 +307,29 @@ class EdgeHTTP:
         count = len(parsed.params)
         salt = effective_cache_salt(request, parsed.cache_salt)
         grant = request.get(GRANT)       # the tenant's charge, taken in _capacity
+        terms = request.get(ENGINE_TERMS)
+        tr, span = tracer(), None
+        if tr is not None:     # the request's span (under an inbound traceparent): the engine's spans go under it
+            span = tr.start(f"POST {request.path}", parse_traceparent(request.headers.get("traceparent")),
+                            kind="server", request_id=rid, choices=count, stream=parsed.stream)
+            span.set(**{"http.request.method": "POST", "url.path": request.path,
+                        "gen_ai.request.model": self._model_name(request)})
+            terms = {**(terms or {}), "traceparent": span.traceparent}
         self.sequences += count          # checked in _capacity with no await since: no other request raced in
         try:
-            choices = self._choices(parsed, rid, salt, request.get(ENGINE_TERMS))
+            choices = self._choices(parsed, rid, salt, terms)
             async with contextlib.aclosing(choices if grant is None else self._metered(choices, grant)) as outputs:
                 if parsed.stream:     # the first output before the 200: an engine's refusal is still a 4xx
                     first = await anext(outputs, None)
                     return await self._stream(request, parsed, chat, rid, created, _prepend(first, outputs))
                 return await self._collect(parsed, chat, rid, created, outputs, self._model_name(request))
+        except ApiError as exc:
+            if span is not None:
+                span.fail(f"{exc.status} {exc}")
+            raise
         finally:
+            if span is not None:
+                span.end()
             self.sequences -= count
             if grant is not None:
                 grant.finish()
@@ -425,12 +439,13 @@ class EdgeHTTP:
                 if not out.new_text and not out.finished and not out.logprobs:
                     continue
                 reason = out.finish_reason if out.finished else None
+                if chat:
+                    lp = self.texts.chat_logprobs(out.logprobs or []) if parsed.logprobs is not None else None
                 if chat and tool_streams:
-                    for choice in self._tool_chunks(tool_streams[i], i, out, parsed):
+                    for choice in tool_streams[i].chunks(i, out.new_text, out.finished, out.finish_reason, lp):
                         await resp.write(head + json_encode(choice) + tail(i))
                     continue
                 if chat:
-                    lp = self.texts.chat_logprobs(out.logprobs or []) if parsed.logprobs is not None else None
                     delta = {"content": out.new_text} if out.new_text or not out.finished else {}
                     choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
                 else:
@@ -449,26 +464,6 @@ class EdgeHTTP:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
-
-    def _tool_chunks(self, stream: ToolStream, i: int, out: RequestOutput, parsed: ParsedRequest) -> list[dict]:
-        """A chat choice with tools: content deltas (text that may open a call held back), and at the end
-        one delta per tool call (id, name, the whole arguments) and finish_reason "tool_calls"."""
-        lp = self.texts.chat_logprobs(out.logprobs or []) if parsed.logprobs is not None else None
-        text = stream.push(out.new_text)
-        calls: list[dict] = []
-        if out.finished:
-            tail, calls = stream.finish()
-            text += tail
-        chunks = []
-        if text or lp:
-            chunks.append({"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": None})
-        for k, call in enumerate(calls):
-            chunks.append({"index": i, "delta": {"tool_calls": [{"index": k, **call}]}, "logprobs": None,
-                           "finish_reason": None})
-        if out.finished:
-            reason = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
-            chunks.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason})
-        return chunks
 
 
 async def start_http(http: EdgeHTTP, host: str, port: int, tls: ServerTLS | None = None

@@ -40,6 +40,7 @@ class Generate(msgspec.Struct, tag="generate"):
     weight: float = 1.0
     priority: int = 0
     adapter: str | None = None      # the request's LoRA adapter (shared/lora.py); None: the base model
+    traceparent: str | None = None  # the HTTP process's span of the request (shared/tracing.py); None: untraced
 
 
 class Abort(msgspec.Struct, tag="abort"):

@@ -89,6 +89,7 @@ class KVReceiver:
         self._boxes: list[list[_Box]] = [[] for _ in range(num_layers)]
         self._start = [min(max(skip_tokens, s), total_tokens) for s in (needed_from or [0] * num_layers)]
         self._covered = [0] * num_layers
+        self.layer_done_at: list[float | None] = [None] * num_layers     # when each layer's KV was complete
         self._missing_layers = sum(1 for layer in range(num_layers) if self.needed(layer))
         self.encoded_bytes = self.raw_bytes = 0
         self._first_at: float | None = None
@@ -137,6 +138,7 @@ class KVReceiver:
                 self._covered[layer] += area
                 if self._covered[layer] == self.needed(layer):
                     self._missing_layers -= 1
+                    self.layer_done_at[layer] = now
         self.encoded_bytes += encoded_bytes
         self.raw_bytes += c.raw_len
         self._last_at = now

@@ -53,6 +53,7 @@ class PrefillPlan:
     tenant: str | None = None      # the request's tenant: its fair share here and at the core
     adapter: str | None = None     # the request's LoRA adapter (shared/lora.py) and its content fingerprint:
     adapter_fingerprint: str = ""  # the core prefills with its own copy, which must be the same
+    traceparent: str | None = None  # the edge's span of this prefill: the core's spans go under it
 
     @classmethod
     def build(cls, request: EngineRequest, skip_tokens: int, codec: str, settings: RemotePrefillSettings, *,
@@ -66,7 +67,7 @@ class PrefillPlan:
                                      get_codec(codec).lossless)
         return cls(request.request_id, prompt, params, codec, skip_tokens, limit, edge_layers, direct,
                    int(settings.timeout * 1000), request.group, request.cache_salt, request.tenant, request.adapter,
-                   adapter_fingerprint)
+                   adapter_fingerprint, request.traceparent)
 
     @property
     def total_tokens(self) -> int:
@@ -78,7 +79,8 @@ class PrefillPlan:
                                 [self.codec], self.deadline_ms, self.skip_tokens, direct=self.direct,
                                 core_decode=self.core_decode, edge_layers=self.edge_layers, group=self.group or "",
                                 cache_salt=self.cache_salt or "", tenant=self.tenant or "",
-                                adapter=self.adapter or "", adapter_fingerprint=self.adapter_fingerprint)
+                                adapter=self.adapter or "", adapter_fingerprint=self.adapter_fingerprint,
+                                traceparent=self.traceparent or "")
 
     def receiver(self, cfg: ModelConfig) -> KVReceiver:
         """The sans-IO check of the KV this plan asks for (a decoding core streams as the ranks of a parallel

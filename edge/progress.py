@@ -5,7 +5,9 @@ active from then on), told which core prefilled it (if any), fed every output
 (`observe`: TTFT, prefill time and the placement model's timing with the
 first, ITL after; end-to-end, decode time, time per output token, token
 counts and the finish reason with the last), and closed once (`done`),
-whether the request finished, failed or was cancelled.
+whether the request finished, failed or was cancelled. With traces on and a
+traced request, its spans (`trace`, edge/request_trace.py) follow the same
+calls.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from edgecore.edge.core_client import CoreClient
+from edgecore.edge.request_trace import RequestTrace
 from edgecore.shared.engine.output import RequestOutput
 
 if TYPE_CHECKING:
@@ -23,9 +26,10 @@ if TYPE_CHECKING:
 class Progress:
     """One request's counters and latency metrics, fed each output (by `generate` or `submit`'s sink)."""
 
-    def __init__(self, edge: EdgeEngine, prompt_len: int):
+    def __init__(self, edge: EdgeEngine, prompt_len: int, request_id: str = "", traceparent: str | None = None):
         self.edge, self.prompt_len = edge, prompt_len
         self.arrived = self.placed_at = time.perf_counter()
+        self.trace = RequestTrace.begin(traceparent, request_id, prompt_len, self.arrived)
         self.core: CoreClient | None = None
         self.first_at: float | None = None
         self.last_at: float | None = None
@@ -40,6 +44,8 @@ class Progress:
             metrics.ttft.observe(now - self.arrived)
             metrics.prefill_time.observe(now - self.placed_at)
             metrics.cached_tokens.inc(out.num_cached_tokens)
+            if self.trace is not None:
+                self.trace.first_token(now, out.num_cached_tokens)
             prefilled = self.prompt_len - out.num_cached_tokens
             if self.core is None:
                 self.edge.prefill_model.observe_local(prefilled, now - self.arrived)
@@ -59,8 +65,12 @@ class Progress:
             metrics.request_generation_tokens.observe(out.num_output_tokens)
             if out.num_output_tokens > 1:
                 metrics.tpot.observe((now - self.first_at) / (out.num_output_tokens - 1))
+            if self.trace is not None:
+                self.trace.finished(out.num_output_tokens, out.finish_reason, now)
 
     def done(self) -> None:
         if self.open:
             self.open = False
             self.edge.active -= 1
+            if self.trace is not None:
+                self.trace.close()

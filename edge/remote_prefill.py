@@ -71,7 +71,8 @@ class RemotePrefill:
         self.request_id = request.request_id
         self.request = EngineRequest(request.request_id, request.prompt, request.params, group=request.group,
                                      priority=request.priority, cache_salt=request.cache_salt, tenant=request.tenant,
-                                     weight=request.weight, adapter=request.adapter)
+                                     weight=request.weight, adapter=request.adapter,
+                                     traceparent=request.traceparent)
         self.adapter_fingerprint = adapter_fingerprint     # of request.adapter: the core must hold the same one
         self.writer = ChunkWriter(handle, request.request_id, pool, settings.rope)
         self.plan: PrefillPlan | None = None            # once reserved and the codec chosen
@@ -188,7 +189,7 @@ class RemotePrefill:
         """The transfer's metrics (`started`: when the PrefillRequest was about to leave)."""
         assert self.plan is not None
         self.metrics.transfer(self.plan.codec, receiver.encoded_bytes, receiver.raw_bytes,
-                              time.perf_counter() - started)
+                              time.perf_counter() - started, receiver.layer_done_at)
 
     def _give_up(self, receiver: KVReceiver, why: str) -> None:
         """The transfer is given up: writes still in flight write nothing, and the core will hear Cancel."""

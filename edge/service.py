@@ -7,7 +7,8 @@ and uses nothing else of it. Two classes implement it: `EdgeEngine`
 edge's engine process, edge/ipc.py). The service is ready once its engine
 runs; `generate` streams one request's outputs (a consumer that leaves aborts
 the request; `cache_salt` scopes its prefix cache, `tenant`, `weight` and
-`priority` place it among the tenants, `adapter` names its LoRA adapter: shared/engine/handle.py `EngineRequest`);
+`priority` place it among the tenants, `adapter` names its LoRA adapter, `traceparent` the span it runs under:
+shared/engine/handle.py `EngineRequest`);
 `adapters` are the LoRA adapters served (name → fingerprint), changed by `load_adapter` / `unload_adapter`
 (shared/lora.py `AdapterError`: nothing changed); the rest are reads of published state and small commands.
 """
@@ -40,7 +41,8 @@ class EdgeService(Protocol):
 
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None,
                  cache_salt: str | None = None, *, tenant: str | None = None, weight: float = 1.0,
-                 priority: int = 0, adapter: str | None = None) -> AsyncIterator[RequestOutput]: ...
+                 priority: int = 0, adapter: str | None = None, traceparent: str | None = None
+                 ) -> AsyncIterator[RequestOutput]: ...
 
     @property
     def adapters(self) -> dict[str, str]: ...

@@ -68,6 +68,7 @@ class EdgeSettings:
     body_timeout: float = common.body_timeout()
     keepalive_timeout: float = common.keepalive_timeout()
     drain_timeout: float = common.drain_timeout()
+    otlp_endpoint: str | None = common.otlp_endpoint()
     transfer_timeout: float = setting(30.0, help="seconds without KV progress before giving up on a core (then "
                                                  "retry or prefill locally)")
     handover_max_tokens: int = setting(64, help="decode handover: tokens after the first a core may decode and "

@@ -6,22 +6,27 @@ and keeps no state of its own here. Each transfer that is not given up is counte
 the encoded and raw bytes, the ratio, the seconds); each decode handover ends with one outcome (`handover`:
 edge/metrics.py `HANDOVER_OUTCOMES`), and each token a core decoded and the client got counts once
 (`core_token`). A handover whose core failed counts as a failover, and as a local prefill when the edge computes
-the rest (`core_failed`).
+the rest (`core_failed`). A traced request's transfer and handover become spans too (edge/request_trace.py).
 """
 
 from __future__ import annotations
 
 from edgecore.edge.metrics import EdgeMetrics
+from edgecore.edge.request_trace import RequestTrace
 
 
 class TransferMetrics:
-    def __init__(self, metrics: EdgeMetrics, counts: dict | None = None):
+    def __init__(self, metrics: EdgeMetrics, counts: dict | None = None, trace: RequestTrace | None = None):
         self.metrics = metrics
         self.counts = counts if counts is not None else {}
+        self.trace = trace
 
-    def transfer(self, codec: str, encoded: int, raw: int, seconds: float) -> None:
+    def transfer(self, codec: str, encoded: int, raw: int, seconds: float, layers_at: list[float | None] | None = None
+                 ) -> None:
         """One transfer received (or left to the edge after the handover): `encoded` bytes on the wire, `raw`
-        after unpacking, `seconds` from the PrefillRequest."""
+        after unpacking, `seconds` from the PrefillRequest; `layers_at`, when each layer's KV was complete."""
+        if self.trace is not None:
+            self.trace.transfer(codec, encoded, raw, seconds, layers_at or [])
         metrics = self.metrics
         metrics.remote_prefills.labels(codec).inc()
         metrics.kv_bytes.labels(codec).inc(encoded)
@@ -43,6 +48,8 @@ class TransferMetrics:
         c["core_tokens"] = c.get("core_tokens", 0) + core_tokens
         c["last_core_tokens"] = core_tokens
         self.metrics.handover_requests.labels(outcome).inc()
+        if self.trace is not None:
+            self.trace.handover(core_tokens, outcome)
         if outcome == "taken_over":
             self.metrics.handover_core_tokens.observe(core_tokens)
 

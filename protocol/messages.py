@@ -105,6 +105,8 @@ class PrefillRequest(_Msg, tag=5, frozen=True):
     adapter: str = ""                  # the LoRA adapter to prefill with (shared/lora.py), loaded at the core
     adapter_fingerprint: str = ""      # under the same name (`--lora`); its content hash must match the edge's, or
                                        # the core answers an Error; "" = the base model (older edges send none)
+    traceparent: str = ""              # W3C trace context of the edge's span for this prefill: the core's spans
+                                       # join the request's trace (shared/tracing.py); "" = untraced
 
 
 class KVChunk(_Msg, tag=6, frozen=True):

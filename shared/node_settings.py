@@ -161,6 +161,13 @@ def admin_key_file() -> Any:
                                               "routes answer 404 (as vLLM's without runtime LoRA updating)")
 
 
+def otlp_endpoint() -> Any:
+    """otlp_endpoint: str | None"""
+    return setting(None, metavar="URL", help="send OpenTelemetry traces (OTLP over HTTP, protobuf) to this collector, "
+                                             "e.g. http://otel-collector:4318: one trace per request across edge and "
+                                             "core, W3C traceparent honoured; needs edgecore[otel] (default: off)")
+
+
 DRAIN_TIMEOUT = 30.0
 
 

@@ -79,7 +79,11 @@ def run_service(start: Callable[[], Awaitable[asyncio.Future | None]], stop: Cal
         # one that failed re-raises here.
         return (finished.result() or 0) if finished is not None and finished.done() else 0
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    finally:
+        from edgecore.shared.tracing import shutdown
+        shutdown()          # spans still buffered (--otlp-endpoint) leave before the process does
 
 
 async def _drain(drain: Callable[[float], Awaitable[None]], timeout: float, again: asyncio.Event,

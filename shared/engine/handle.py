@@ -119,6 +119,7 @@ class EngineRequest:
     tenant: str | None = None
     adapter: str | None = None              # a loaded LoRA adapter's name (shared/lora.py); None: the base model
     weight: float = 1.0
+    traceparent: str | None = None          # W3C trace context of the span it runs under (shared/tracing.py)
 
 
 Output = RequestOutput | EngineDead     # what a sink receives: an output, or the engine's failure (the last item)

@@ -307,6 +307,26 @@ class ToolStream:
             return held, []
         return content or "", calls
 
+    def chunks(self, i: int, new_text: str, finished: bool, finish_reason: str | None, lp: dict | None
+               ) -> list[dict]:
+        """Choice `i`'s streamed chat deltas for one output: content (text that may open a call held back), and
+        at the end one delta per tool call (id, name, the whole arguments) and finish_reason "tool_calls"."""
+        text = self.push(new_text)
+        calls: list[dict] = []
+        if finished:
+            tail, calls = self.finish()
+            text += tail
+        chunks = []
+        if text or lp:
+            chunks.append({"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": None})
+        for k, call in enumerate(calls):
+            chunks.append({"index": i, "delta": {"tool_calls": [{"index": k, **call}]}, "logprobs": None,
+                           "finish_reason": None})
+        if finished:
+            reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
+            chunks.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason})
+        return chunks
+
 
 class JsonToolStream(ToolStream):
     """A streamed choice in the plain-JSON form: the whole text is the call(s), so all of it is held and split

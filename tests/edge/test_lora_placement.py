@@ -54,7 +54,7 @@ def edge(*cores: CoreClient) -> tuple[EdgeEngine, FakeHandle, list[str]]:
     engine.adapters = {"sql": "0123456789abcdef"}
     remote: list[str] = []
 
-    async def fake_remote(client: CoreClient, request: EngineRequest, sink: OutputSink | None) -> None:
+    async def fake_remote(client: CoreClient, request: EngineRequest, sink: OutputSink | None, trace=None) -> None:
         remote.append(client.address)
     engine._remote = fake_remote
     return engine, handle, remote
@@ -85,7 +85,7 @@ async def test_an_older_core_is_never_sent_an_adapter():
 
 async def test_an_adapter_request_with_only_an_older_core_is_prefilled_at_the_edge():
     engine, handle, remote = edge(core(1, OLD))
-    progress = SimpleNamespace(arrived=time.perf_counter(), placed_at=None)
+    progress = SimpleNamespace(arrived=time.perf_counter(), placed_at=None, trace=None)
     assert await engine._open(request("lora", "sql"), OutputSink(lambda item: None), progress) is None
     assert remote == [] and "lora" in handle.requests                           # admitted here, never sent
     assert engine.metrics.local_prefills.labels("no_lora_core")._value.get() == 1
@@ -95,7 +95,7 @@ async def test_an_adapter_request_with_only_an_older_core_is_prefilled_at_the_ed
 
 async def test_an_adapter_request_goes_to_the_core_that_serves_adapters():
     engine, handle, remote = edge(core(1, OLD, rtt=0.001), core(2, list(m.CAPABILITIES), rtt=0.1))
-    progress = SimpleNamespace(arrived=time.perf_counter(), placed_at=None)
+    progress = SimpleNamespace(arrived=time.perf_counter(), placed_at=None, trace=None)
     used = await engine._open(request("lora", "sql"), OutputSink(lambda item: None), progress)
     assert used is not None and used.address == "10.0.0.1:2" and remote == ["10.0.0.1:2"]
     assert "lora" not in handle.requests

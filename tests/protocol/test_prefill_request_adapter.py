@@ -8,11 +8,12 @@ import msgspec
 from edgecore.protocol import messages as m
 
 
-def test_the_adapter_fields_are_last_and_optional():
+def test_the_adapter_fields_are_trailing_and_optional():
     req = m.PrefillRequest("r", [1, 2, 3], tenant="acme", adapter="sql", adapter_fingerprint="0123456789abcdef")
     fields = msgspec.msgpack.decode(m.encoder.encode(req))
-    assert fields[-3:] == ["acme", "sql", "0123456789abcdef"] and m.decoder.decode(m.encoder.encode(req)) == req
-    older = m.decoder.decode(msgspec.msgpack.encode(fields[:-2]))        # from an edge without them: the base
+    at = fields.index("acme")             # then the adapter's fields (and, since, the trace context)
+    assert fields[at:at + 3] == ["acme", "sql", "0123456789abcdef"] and m.decoder.decode(m.encoder.encode(req)) == req
+    older = m.decoder.decode(msgspec.msgpack.encode(fields[:at + 1]))   # from an edge without them: the base
     assert older.adapter == "" and older.adapter_fingerprint == "" and older.tenant == "acme"
 
     class OldPrefillRequest(msgspec.Struct, array_like=True, tag=5, tag_field="t"):   # a core without them
