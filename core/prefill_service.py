@@ -172,7 +172,7 @@ class PrefillService:
             log.info("edge %s left: %s", peer.peername, exc)
         finally:
             for rid in list(session.transfers):
-                self._release(session, rid, cancelled=True)
+                self._release(session, rid, True, "disconnected")
             for task in tasks:
                 task.cancel()
             sender.cancel()
@@ -331,7 +331,7 @@ class PrefillService:
             return
         except TimeoutError:
             if req.position == 0:
-                self._release(session, rid, cancelled=True)
+                self._release(session, rid, True, "timeout")
                 self.metrics.prefill_requests.labels("timeout").inc()
                 await session.peer.send(m.Error(ErrorCode.TIMEOUT, f"prefill missed its deadline of {deadline_ms} "
                                                 "ms", rid))
@@ -347,7 +347,7 @@ class PrefillService:
             req.trace.decode_stopped(req.position, reason)
         if session.transfers.get(req.request_id) is req and req.lease is None:
             req.lease = asyncio.get_running_loop().call_later(self.lease_seconds, self._release, session,
-                                                              req.request_id)
+                                                              req.request_id, False, "lease_expired")
             self.metrics.leases.inc()
 
     def _handover(self, session: Session, msg: m.Handover) -> None:
@@ -379,7 +379,7 @@ class PrefillService:
             await session.peer.send(m.Error(ErrorCode.BAD_REQUEST, str(exc), req.request_id))
             return None
         except TimeoutError:
-            self._release(session, req.request_id, cancelled=True)
+            self._release(session, req.request_id, True, "timeout")
             self.metrics.prefill_requests.labels("timeout").inc()
             await session.peer.send(m.Error(ErrorCode.TIMEOUT, f"prefill missed its deadline of {deadline_ms} ms",
                                             req.request_id))
@@ -403,7 +403,7 @@ class PrefillService:
             try:
                 await queue_rest(self.handle, req, wait=req.decode is None)
             except KeyError:         # the engine had ended the request (a decoding one) and freed its KV
-                self._release(session, req.request_id, cancelled=True)
+                self._release(session, req.request_id, True, "kv_lost")
                 session.outbox.put(m.Error(ErrorCode.INTERNAL, "the KV left the core's cache before it could "
                                            "be sent", req.request_id), urgent=True)
                 return
@@ -414,11 +414,11 @@ class PrefillService:
         self.metrics.cached_tokens.inc(first.num_cached_tokens)
         self.metrics.prefill_seconds.observe(time.perf_counter() - req.received_at)
         if req.trace is not None:
-            req.trace.prefilled(req.total_tokens, first.num_cached_tokens)
+            req.trace.prefilled(req.total_tokens, first.num_cached_tokens, req.received_at + done.timings["total_ms"] / 1e3)
         if not lease:
             return
         req.lease = asyncio.get_running_loop().call_later(self.lease_seconds, self._release, session,
-                                                          req.request_id)
+                                                          req.request_id, False, "lease_expired")
         self.metrics.leases.inc()
 
     def _forget(self, session: Session, rid: str, outcome: str | None = None) -> Transfer | None:
@@ -434,8 +434,8 @@ class PrefillService:
                 self.handle.drop_stream_route(req.internal_id)
         return req
 
-    def _release(self, session: Session, rid: str, cancelled: bool = False) -> None:
-        """Free a request's KV at the core (Ack, Cancel, lease expiry, disconnect)."""
+    def _release(self, session: Session, rid: str, cancelled: bool = False, outcome: str | None = None) -> None:
+        """Free a request's KV at the core (Ack, Cancel, lease expiry, disconnect; `outcome` for its trace)."""
         req = self._forget(session, rid)
         if req is None:
             return
@@ -451,7 +451,7 @@ class PrefillService:
             self.metrics.leases.dec()
         self.handle.abort(req.internal_id)
         if req.trace is not None:
-            req.trace.close(req.state.value)
+            req.trace.close(outcome or req.state.value)
 
     # ---- what the node reports -------------------------------------------
     def stats(self) -> dict:

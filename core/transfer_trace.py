@@ -6,8 +6,8 @@ tokens the edge lets the core decode). The sender reports each KV frame (`sent`:
 the first and last frame's times). `prefilled` adds "core.prefill" (receipt to the first token; the tokens
 found in this core's prefix cache). With decode handover, `decode_stopped` adds "core.decode" (first token to
 DecodeStop: tokens decoded for the edge, why it stopped). `close` adds "core.kv_send" (first frame to last:
-bytes, frames) and ends the request span with its outcome (released after the edge's Ack, cancelled,
-rejected), once.
+bytes, frames) and ends the request span with its outcome, once: released after the edge's Ack, cancelled by
+the edge's Cancel, or in error: rejected, timeout, kv_lost, disconnected, lease_expired (no Ack in time).
 """
 
 from __future__ import annotations
@@ -48,10 +48,13 @@ class TransferTrace:
         self.raw_bytes += raw
         self.frames += 1
 
-    def prefilled(self, prompt_tokens: int, cached_tokens: int) -> None:
-        self.first_at = now = time.perf_counter()
+    def prefilled(self, prompt_tokens: int, cached_tokens: int, at: float) -> None:
+        """The first token was sampled `at` (the span ends there, not when the rest of the KV was queued)."""
+        if self.root.ended:
+            return
+        self.first_at = at
         self.tracer.start("core.prefill", self.root, self.received_at, prompt_tokens=prompt_tokens,
-                          cached_tokens=cached_tokens).end(now)
+                          cached_tokens=cached_tokens).end(at)
 
     def decode_stopped(self, tokens: int, reason: str) -> None:
         if self.first_at is not None:
@@ -65,5 +68,5 @@ class TransferTrace:
             self.tracer.start("core.kv_send", self.root, self.first_sent_at, kv_bytes=self.sent_bytes,
                               kv_raw_bytes=self.raw_bytes, frames=self.frames).end(self.last_sent_at)
         if outcome not in ("released", "cancelled"):     # cancelled: the edge's Cancel (a request that ended)
-            self.root.fail(outcome)
+            self.root.fail(outcome)                       # timeout, kv_lost, disconnected, lease_expired, rejected
         self.root.end(outcome=outcome, kv_bytes=self.sent_bytes)

@@ -73,9 +73,13 @@ class RequestTrace:
         span.end(now)
 
     def handover(self, core_tokens: int, outcome: str) -> None:
+        """The handover ended (`core_tokens` < 0: unknown; outcome "core_failed": in error, the edge computed
+        the rest)."""
         start = self.first_at if self.first_at is not None else time.perf_counter()
-        span = self.tracer.start("edge.handover", self.prefill or self.root, start, core_tokens=core_tokens,
-                                 outcome=outcome)
+        span = self.tracer.start("edge.handover", self.prefill or self.root, start, outcome=outcome,
+                                 core_tokens=core_tokens if core_tokens >= 0 else None)
+        if outcome == "core_failed":
+            span.fail("the core failed after the first token")
         span.end()
 
     def finished(self, output_tokens: int, finish_reason: str, at: float) -> None:

@@ -57,5 +57,7 @@ class TransferMetrics:
         """A decoding core failed after the first token: a failover; `computed_here`, the edge computes the rest
         itself (the request had not ended)."""
         self.metrics.failovers.inc()
+        if self.trace is not None:
+            self.trace.handover(-1, "core_failed")
         if computed_here:
             self.metrics.local_prefills.labels("core_failed").inc()

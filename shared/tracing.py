@@ -75,7 +75,7 @@ def configure(endpoint: str, role: str, instance: str, exporter: SpanExporter | 
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
             raise ConfigError("--otlp-endpoint needs the OTLP exporter: pip install 'edgecore[otel]'") from None
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_url(endpoint))))
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_url(endpoint), timeout=5)))
     _tracer = Tracer(provider)
     return _tracer
 
@@ -99,6 +99,7 @@ def shutdown() -> None:
     """Export what is buffered and stop (a node's exit); traces are off afterwards."""
     global _tracer
     if _tracer is not None:
+        _tracer.provider.force_flush(timeout_millis=2000)    # an unreachable collector: seconds, not its retries
         _tracer.provider.shutdown()
         _tracer = None
 
@@ -117,7 +118,7 @@ class Span:
         return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
 
     def _ns(self, at: float | None) -> int:
-        return time.time_ns() if at is None else int(at * 1e9) + self._offset
+        return (time.perf_counter_ns() if at is None else int(at * 1e9)) + self._offset
 
     def set(self, **attributes: Any) -> None:
         """Attributes under their names, `edgecore.` prefixed unless the name is dotted already."""
@@ -160,7 +161,7 @@ class Tracer:
             context = trace.set_span_in_context(NonRecordingSpan(remote))
         else:
             context = None
-        start_ns = time.time_ns() if at is None else int(at * 1e9) + self._offset
+        start_ns = (time.perf_counter_ns() if at is None else int(at * 1e9)) + self._offset   # one clock
         span = Span(self._tracer.start_span(name, context, getattr(SpanKind, kind.upper()), start_time=start_ns),
                     self._offset)
         span.set(**attributes)

@@ -17,20 +17,7 @@ def test_the_traceparent_is_last_optional_and_ignored_by_older_cores():
     older = m.decoder.decode(msgspec.msgpack.encode(fields[:-1]))         # from an edge that does not trace
     assert older.traceparent == "" and older.adapter == "sql"
 
-    class CoreBeforeTraces(msgspec.Struct, array_like=True, tag=5, tag_field="t"):
-        request_id: str
-        token_ids: list[int]
-        sampling: list
-        codecs: list[str]
-        deadline_ms: int
-        skip_tokens: int
-        direct: bool
-        core_decode: int
-        edge_layers: int
-        group: str
-        cache_salt: str
-        tenant: str
-        adapter: str
-        adapter_fingerprint: str
+    fields_before = [(name, object) for name in m.PrefillRequest.__struct_fields__[:-1]]     # a core before it
+    CoreBeforeTraces = msgspec.defstruct("CoreBeforeTraces", fields_before, array_like=True, tag=5, tag_field="t")
     seen = msgspec.msgpack.decode(m.encoder.encode(req), type=CoreBeforeTraces)
     assert seen.adapter_fingerprint == "0123456789abcdef"                  # the rest of the request is intact

@@ -77,3 +77,38 @@ def test_off_by_default_and_endpoint_checked():
     assert tracing.traces_url("https://c/otlp/v1/traces") == "https://c/otlp/v1/traces"
     with pytest.raises(ConfigError, match="--otlp-endpoint"):
         tracing.traces_url("c:4318")
+
+
+def test_request_spans_end_in_error_for_failures(exported):
+    """The core's request span: its outcome, in error unless the edge acknowledged or cancelled it; the prefill
+    span ends when the first token was sampled; an edge's handover whose core failed is in error."""
+    from types import SimpleNamespace
+
+    from edgecore.core.transfer_trace import TransferTrace
+    from edgecore.edge.request_trace import RequestTrace
+    from edgecore.protocol.messages import PrefillRequest
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    t0 = time.perf_counter()
+    for outcome in ("released", "cancelled", "timeout", "lease_expired"):
+        trace = TransferTrace.begin(PrefillRequest(outcome, [1, 2, 3], traceparent=parent), t0, "lossless",
+                                    SimpleNamespace(peer_name="edge-a"))
+        trace.sent(100, 400)
+        trace.prefilled(3, 0, t0 + 0.01)
+        trace.close(outcome)
+        trace.close("released")                       # once only
+    assert TransferTrace.begin(PrefillRequest("x", [1], traceparent="00-bad"), t0, "lossless",
+                               SimpleNamespace(peer_name="")) is None
+    requests = {s.attributes["edgecore.request_id"]: s for s in exported.get_finished_spans()
+                if s.name == "core.request"}
+    assert {k: s.status.status_code.name for k, s in requests.items()} == {
+        "released": "UNSET", "cancelled": "UNSET", "timeout": "ERROR", "lease_expired": "ERROR"}
+    assert all(s.attributes["edgecore.outcome"] == k for k, s in requests.items())
+    prefill = [s for s in exported.get_finished_spans() if s.name == "core.prefill"]
+    assert len(prefill) == 4 and all(s.end_time - s.start_time == pytest.approx(1e7, abs=1e4) for s in prefill)
+    assert len([s for s in exported.get_finished_spans() if s.name == "core.kv_send"]) == 4
+    edge = RequestTrace.begin(parent, "r", 3, t0)
+    edge.first_token(t0 + 0.02, 0)
+    edge.handover(-1, "core_failed")
+    edge.close()
+    (handover,) = [s for s in exported.get_finished_spans() if s.name == "edge.handover"]
+    assert handover.status.status_code.name == "ERROR" and "edgecore.core_tokens" not in handover.attributes
