@@ -188,7 +188,9 @@ class EngineClient:
         return {"ready": r.ready, "cores_healthy": r.cores_healthy}
 
     def count_error(self, status: str) -> None:
-        if self.dead is None and self._writer is not None:
+        """Fire and forget: an error answered while the engine process is going away (a drain's last moments)
+        is not counted, and never turns the answer into another error."""
+        if self.dead is None and self._writer is not None and not self._writer.is_closing():
             self._send(CountError(status))
 
     # ---- internals -------------------------------------------------------------

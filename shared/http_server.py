@@ -117,8 +117,8 @@ class GuardedHandler(RequestHandler):
     def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.Response:
         """aiohttp's answer to a request it could not parse (or a handler that escaped our middleware)."""
-        if isinstance(exc, ConnectionError):
-            pass                        # already logged where it happened
+        if isinstance(exc, ConnectionError) and request.writer.output_size > 0:
+            pass                        # the response had started: the connection is closed below
         elif status >= 500:
             log.error("error handling a request from %s", request.remote, exc_info=exc)
         else:

@@ -85,7 +85,8 @@ def test_sighup_restarts_every_node_under_load_without_a_failed_request(tmp_path
         print(f"{len(results)} requests, {len(results) - started} during or after the restart, "
               f"{sum(r[1] for r in results if not isinstance(r, Exception))} retries")
         failures = [r for r in results if isinstance(r, Exception)]
-        assert not failures, failures
+        errors = [line for line in lines if " ERROR " in line or " WARNING " in line or "Traceback" in line]
+        assert not failures, (failures, "".join(errors[-40:]))
         assert all(tokens == 16 for tokens, _ in results)
         assert len(results) > started                                   # served during the restart too
         assert text.count("exited with code 0 after") == 2, text[-3000:]  # the core, then the edge, drained
