@@ -20,8 +20,9 @@ disconnects cancels the handler, which aborts every choice and frees its KV
 at the edge and the core.
 
 Drain (`start_drain`, the edge's SIGTERM): /ready turns 503 at once, every new generation or context request
-gets a 503 (`server_shutting_down`), and `drained()` returns once the requests being served (streams
-included) have finished; the node then stops (edge/cli.py, shared/service.py).
+gets a 503 (`server_shutting_down`), and so does every request still waiting for its first output (queued or
+prefilling: nothing of it was sent); `drained()` returns once the requests being served (streams included) have
+finished; the node then stops (edge/cli.py, shared/service.py).
 
 LoRA adapters (shared/lora.py): `model` may name a served adapter (`--lora`, or loaded with vLLM's
 `POST /v1/load_lora_adapter`, which with `POST /v1/unload_lora_adapter` needs the admin key,
@@ -43,6 +44,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from edgecore.edge.drain import Drain
 from edgecore.edge.metrics import TenantMetrics
 from edgecore.edge.service import EdgeService
 from edgecore.shared.engine.output import RequestOutput
@@ -84,7 +86,7 @@ class EdgeHTTP:
         self.max_seqs_per_request = max_seqs_per_request
         self.limits = limits or ServerLimits()
         self.sequences = 0                              # choices of the requests being served now
-        self.draining = False                           # SIGTERM: no new requests, those in flight finish
+        self.drain = Drain()                            # SIGTERM: no new requests, those in flight finish
         self.prefetches = 0                             # context prefetches in flight (a drain waits for them)
         self.created = int(time.time())
         self.texts = TokenText(edge.tokenizer)
@@ -118,7 +120,7 @@ class EdgeHTTP:
             raise ApiError(400, f"This request asks for {prompts} prompt(s) × n={parsed.n} = {count} sequences; "
                                 f"this server allows at most {self.max_seqs_per_request} per request",
                            "n" if parsed.n > 1 else "prompt", "too_many_sequences")
-        self._refuse_when_draining()     # (a request that began before the drain and parsed during it)
+        self.drain.check()     # (a request that began before the drain and parsed during it)
         if not self.edge.ready:
             raise ApiError(503, "The engine is not running", None, "engine_unavailable",
                            headers={"x-should-retry": "false"})
@@ -178,8 +180,9 @@ class EdgeHTTP:
 
     # ---- endpoints ------------------------------------------------------------
     def start_drain(self) -> None:
-        """Refuse new requests (503) and report not ready from now on; those being served go on."""
-        self.draining = True
+        """Refuse new requests (503) and report not ready from now on; those being served go on, except those
+        still waiting for their first output (edge/drain.py)."""
+        self.drain.start()
 
     async def drained(self) -> None:
         """Returns once no request or context prefetch is being served (its last byte written, or its client
@@ -187,13 +190,8 @@ class EdgeHTTP:
         while self.sequences > 0 or self.prefetches > 0:
             await asyncio.sleep(0.05)
 
-    def _refuse_when_draining(self) -> None:
-        if self.draining:
-            raise ApiError(503, "The server is shutting down; retry on another replica", None,
-                           "server_shutting_down", headers={"retry-after": "1"})
-
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        self._refuse_when_draining()
+        self.drain.check()
         body = await json_body(request)
         self._tenant_terms(request, body)
         self._model(request, body)
@@ -203,7 +201,7 @@ class EdgeHTTP:
         return await self._serve(request, parsed, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        self._refuse_when_draining()
+        self.drain.check()
         body = await json_body(request)
         self._tenant_terms(request, body)
         self._model(request, body)
@@ -214,7 +212,7 @@ class EdgeHTTP:
 
     async def prefetch(self, request: web.Request) -> web.Response:
         """Context prefetch: a core (or an operator) pushes a shared prefix here ahead of requests."""
-        self._refuse_when_draining()
+        self.drain.check()
         body = await json_body(request)
         tok = self.edge.tokenizer
         ids = body.get("token_ids")
@@ -285,7 +283,7 @@ class EdgeHTTP:
         return web.json_response({"status": "ok"})
 
     async def ready(self, _: web.Request) -> web.Response:
-        if self.draining:
+        if self.drain.draining:
             return web.json_response({"ready": False, "draining": True}, status=503)
         try:
             readiness = await self.edge.get_readiness()
@@ -294,7 +292,11 @@ class EdgeHTTP:
         return web.json_response(readiness, status=200 if readiness["ready"] else 503)
 
     async def metrics(self, _: web.Request) -> web.Response:
-        return web.Response(body=(await self.edge.get_metrics() + self.tenant_metrics.text()).encode(),
+        try:
+            engine = await self.edge.get_metrics()
+        except EngineDead as exc:       # stopping (after a drain), or the engine process failed
+            raise ApiError(503, f"metrics unavailable: {exc}", None, "engine_unavailable") from None
+        return web.Response(body=(engine + self.tenant_metrics.text()).encode(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def stats(self, _: web.Request) -> web.Response:
@@ -319,10 +321,12 @@ class EdgeHTTP:
         try:
             choices = self._choices(parsed, rid, salt, terms)
             async with contextlib.aclosing(choices if grant is None else self._metered(choices, grant)) as outputs:
-                if parsed.stream:     # the first output before the 200: an engine's refusal is still a 4xx
-                    first = await anext(outputs, None)
+                # the first output before the 200: an engine's refusal is still a 4xx, a drain still a 503
+                first = await self.drain.first_output(outputs)
+                if parsed.stream:
                     return await self._stream(request, parsed, chat, rid, created, _prepend(first, outputs))
-                return await self._collect(parsed, chat, rid, created, outputs, self._model_name(request))
+                return await self._collect(parsed, chat, rid, created, _prepend(first, outputs),
+                                           self._model_name(request))
         except ApiError as exc:
             if span is not None:
                 span.fail(f"{exc.status} {exc}")
