@@ -10,7 +10,7 @@ rolling restart (`restart_all`): one node at a time, cores first, each sent
 SIGTERM (it drains: shared/service.py), awaited up to its drain timeout plus
 `RESTART_MARGIN` (then killed), started again with the same command line and
 awaited on /ready before the next; a stop signal meanwhile stops after the
-node being restarted. Nodes that would
+node being restarted (`kill` and `respawn` are a crash and a supervisor's restart, for bench/soak.py). Nodes that would
 share a port on one host are refused first. Each node's output is echoed
 with a `[region/node]` prefix. With `--emulate-wan` the nodes run inside
 per-region network namespaces (deploy/wan.py) and reach each other through
@@ -28,6 +28,7 @@ the run) and no credentials.
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import secrets
 import signal
@@ -307,6 +308,19 @@ class Launcher:
         self.say(f"restarting {proc.label}: draining (at most {proc.drain_timeout:g} s)")
         code = self._terminate(proc, proc.drain_timeout + RESTART_MARGIN)
         self.say(f"{proc.label} exited with code {code} after {time.monotonic() - started:.1f} s; starting it again")
+        self.respawn(proc, started)
+
+    def kill(self, proc: Proc) -> None:
+        """SIGKILL a node's process group (a crash, no drain) and reap it; `respawn` starts it again."""
+        with_group(proc, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(10)
+        self.say(f"{proc.label} killed")
+
+    def respawn(self, proc: Proc, since: float | None = None) -> None:
+        """Start a node that has exited again, with the same command line, and wait until it is ready (as a
+        supervisor would). `since`: when its restart began, for the log line."""
+        started = time.monotonic() if since is None else since
         proc.popen = self._popen(proc.label, proc.cmd)
         self._wait_ready([proc])
         self.say(f"{proc.label} is ready again ({time.monotonic() - started:.1f} s)")

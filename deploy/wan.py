@@ -12,7 +12,8 @@ Life cycle: `setup()` first removes leftovers of an earlier run (namespaces
   inside the edge's namespace, listening on 127.0.0.1 and forwarding over the
   link (this kernel has no netem, so delay and jitter are added in userspace).
 `teardown()` stops the relays and deletes the namespaces (and with them every
-interface and rule). `cut(a, b)` takes a link down.
+interface and rule). `cut(a, b)` takes a link down (`up=True` back up); `set_bandwidth(a, b, mbit)`
+changes its cap (faults of `bench/soak.py`).
 """
 
 from __future__ import annotations
@@ -101,10 +102,7 @@ class WanEmulation:
                 _run("ip", "netns", "exec", ns, "ip", "addr", "add", addr, "dev", iface)
                 _run("ip", "netns", "exec", ns, "ip", "link", "set", iface, "up")
                 if link.bandwidth_mbit:
-                    rate = f"{link.bandwidth_mbit}mbit"
-                    burst = max(16384, int(link.bandwidth_mbit * 1e6 / 8 / 250))   # ~4 ms of traffic
-                    _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", iface, "root", "tbf", "rate",
-                         rate, "burst", str(burst), "latency", "100ms")
+                    self._tbf(ns, iface, link.bandwidth_mbit)
                 if link.loss_pct:
                     self._loss(ns, iface, link.loss_pct)
         for edge in self.topo.edges:
@@ -118,6 +116,13 @@ class WanEmulation:
                 port = 17000 + 100 * self.index[edge.region] + len(self.relays)
                 self._relay(edge.region, port, f"{core_ip}:{core.port}", route.delay_ms, route.jitter_ms)
                 self.relays[(edge.region, core.name)] = port
+
+    @staticmethod
+    def _tbf(ns: str, iface: str, mbit: float) -> None:
+        """A token bucket at `mbit` on the interface (replacing one that is there)."""
+        burst = max(16384, int(mbit * 1e6 / 8 / 250))   # ~4 ms of traffic
+        _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", iface, "root", "tbf", "rate", f"{mbit}mbit",
+             "burst", str(burst), "latency", "100ms")
 
     def _loss(self, ns: str, iface: str, pct: float) -> None:
         threshold = int(round(pct * 100))    # of 10000
@@ -139,10 +144,18 @@ class WanEmulation:
         if "relay ready" not in line:
             raise ConfigError(f"WAN relay for {region} did not start: {line.strip()}")
 
-    def cut(self, a: str, b: str) -> None:
+    def cut(self, a: str, b: str, up: bool = False) -> None:
+        """Take the link between regions `a` and `b` down (both ends), or back up with `up`."""
         a_if, b_if, _ = self.link_ifaces(a, b)
-        _run("ip", "netns", "exec", self.netns(a), "ip", "link", "set", a_if, "down")
-        _run("ip", "netns", "exec", self.netns(b), "ip", "link", "set", b_if, "down")
+        state = "up" if up else "down"
+        _run("ip", "netns", "exec", self.netns(a), "ip", "link", "set", a_if, state)
+        _run("ip", "netns", "exec", self.netns(b), "ip", "link", "set", b_if, state)
+
+    def set_bandwidth(self, a: str, b: str, mbit: float) -> None:
+        """Change the link's bandwidth cap, both directions (`tc qdisc replace`)."""
+        a_if, b_if, _ = self.link_ifaces(a, b)
+        self._tbf(self.netns(a), a_if, mbit)
+        self._tbf(self.netns(b), b_if, mbit)
 
     def teardown(self) -> None:
         import os
