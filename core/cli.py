@@ -66,7 +66,8 @@ def run_core(args: argparse.Namespace) -> int:
                         pp_split=pp_split,
                         pp_micro_batches=settings.pp_micro_batches,
                         # worker ranks' stream ports do not present credentials yet: rank 0 sends all KV
-                        gather_kv=settings.gather_kv or identity is not None,
+                        gather_kv=settings.gather_kv or identity is not None or settings.external_workers,
+                        external_workers=settings.external_workers,
                         stream_layers=not settings.kv_after_prefill, engine_threads=engine_threads,
                         rendezvous=settings.rendezvous,
                         handover=HandoverLimits(settings.handover_max_tokens, settings.handover_max_seconds,
@@ -137,7 +138,8 @@ def _check_parallel(model_dir: str, pp_split: list[int] | None, settings: CoreSe
     from edgecore.shared.errors import ConfigError
     from edgecore.shared.parallel import check_parallel
     from edgecore.shared.secrets import parse_hostport
-    parse_hostport(settings.rendezvous)
+    if parse_hostport(settings.rendezvous)[1] == 0 and settings.external_workers:
+        raise ConfigError("--external-workers needs --rendezvous HOST:PORT with a port the workers are told")
     if settings.quantize or model_dir.endswith(".gguf"):
         raise ConfigError("quantized weights (--quantize, a .gguf model) run on one process: not with --tp/--pp")
     try:
@@ -160,12 +162,19 @@ def _push_edges(values: tuple[str, ...]) -> dict[str, str]:
 def register_worker(sub: argparse._SubParsersAction) -> None:
     """`edgecore core-worker` (internal): core/ranks.py, imported only when a rank runs (it loads torch)."""
     p = sub.add_parser("core-worker", help="(internal) one rank of a parallel core",
-                       description="A tensor/pipeline-parallel rank started by `edgecore core --tp/--pp`.")
-    for flag, kind in (("--rank", int), ("--tp", int), ("--pp", int), ("--kv-blocks", int), ("--block-size", int),
-                       ("--parent", int), ("--micro-batches", int)):
-        p.add_argument(flag, type=kind, required=True)
-    p.add_argument("--master", required=True)
-    p.add_argument("--model", required=True)
+                       description="A tensor/pipeline-parallel rank: started by `edgecore core --tp/--pp`, or "
+                                   "started elsewhere for a driver run with --external-workers.")
+    for flag in ("--rank", "--tp", "--pp"):
+        p.add_argument(flag, type=int, required=True)
+    p.add_argument("--kv-blocks", type=int, default=0, help="KV blocks (0: the driver's, sent when it runs with "
+                   "--external-workers)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--micro-batches", type=int, default=0)
+    p.add_argument("--parent", type=int, default=0, help="the driver's PID: exit when it is gone (0: a worker "
+                   "started elsewhere, which exits when its collectives fail)")
+    p.add_argument("--join-timeout", type=float, default=120.0, help="seconds to reach the driver's rendezvous")
+    p.add_argument("--master", required=True, help="HOST:PORT of the driver's rendezvous")
+    p.add_argument("--model", default=None, help="model directory (default: the bundled model)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="cpu")
     p.add_argument("--split", default=None)
@@ -177,4 +186,6 @@ def register_worker(sub: argparse._SubParsersAction) -> None:
 
 def run_worker(args: argparse.Namespace) -> int:
     from edgecore.core.ranks import run_worker as run
+    from edgecore.shared.env import default_model
+    args.model = args.model or default_model()
     return run(args)

@@ -69,10 +69,11 @@ def owns_kv(tp_rank: int, tp: int, total_kv_heads: int) -> bool:
 
 def start_parallel_engine(model_dir: str, tp: int, pp: int, dtype: str, device: str, cache: CacheConfig,
                           engine_cfg: EngineConfig, split: list[int] | None = None, micro_batches: int = 0,
-                          streams: StreamConfig | None = None, rendezvous: str = "127.0.0.1:0"
-                          ) -> tuple[LLMEngine, list[subprocess.Popen[bytes]], list[int]]:
+                          streams: StreamConfig | None = None, rendezvous: str = "127.0.0.1:0",
+                          external: bool = False) -> tuple[LLMEngine, list[subprocess.Popen[bytes]], list[int]]:
     """Start the worker ranks and build the driver's engine. Returns (engine, worker processes, the ports of the
-    workers' KV stream servers). `rendezvous`: HOST:PORT the driver's TCP store listens on (port 0: any)."""
+    workers' KV stream servers). `rendezvous`: HOST:PORT the driver's TCP store listens on (port 0: any).
+    `external`: the workers are started elsewhere (none here, no streams) and are sent the KV pool's size."""
     config = ModelConfig.from_dir(model_dir)
     try:
         check_parallel(config, tp, pp, split)
@@ -86,7 +87,7 @@ def start_parallel_engine(model_dir: str, tp: int, pp: int, dtype: str, device: 
     master = f"[{host}]:{listen.getsockname()[1]}" if ":" in host else f"{host}:{listen.getsockname()[1]}"
     backend = "nccl" if device.startswith("cuda") else "gloo"
     workers = []
-    for rank in range(1, tp * pp):
+    for rank in range(1, tp * pp) if not external else ():
         cmd = [sys.executable, "-m", "edgecore", "core-worker", "--rank", str(rank), "--tp", str(tp), "--pp",
                str(pp), "--master", master, "--model", model_dir, "--dtype", dtype, "--device", device,
                "--kv-blocks", str(cache.num_blocks), "--block-size", str(cache.block_size),
@@ -102,8 +103,12 @@ def start_parallel_engine(model_dir: str, tp: int, pp: int, dtype: str, device: 
             proc.stdin.write(streams.secret.hex().encode() + b"\n")
             proc.stdin.close()
         workers.append(proc)
+    if external:
+        log.info("waiting for %d worker rank(s) at %s", tp * pp - 1, master)
     lay = init_distributed(0, tp, pp, config.num_hidden_layers, master, backend, split,
-                           micro_batches=micro_batches, listen=listen)
+                           micro_batches=micro_batches, listen=listen, timeout_s=600.0 if external else 120.0)
+    if external:     # the pool's shape, which the driver alone derived from its settings
+        dist.broadcast(torch.tensor([cache.num_blocks, cache.block_size], dtype=torch.long), src=0)
     torch_dtype = resolve_dtype(dtype, device)
     model = load_model(model_dir, torch_dtype, device, layers=lay.stage_layers(), config=config)
     tokenizer = Tokenizer.from_dir(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
@@ -150,12 +155,17 @@ def run_worker(args: argparse.Namespace) -> int:
             if os.getppid() != args.parent:
                 os._exit(3)     # the driver is gone: leave at once
             time.sleep(0.5)
-    threading.Thread(target=orphan_guard, daemon=True).start()
+    if args.parent:         # started by the driver (0: started elsewhere; a failed collective ends it)
+        threading.Thread(target=orphan_guard, daemon=True).start()
     config = ModelConfig.from_dir(args.model)
     split = [int(x) for x in args.split.split(",")] if args.split else None
     backend = "nccl" if args.device.startswith("cuda") else "gloo"
     lay = init_distributed(args.rank, args.tp, args.pp, config.num_hidden_layers, args.master, backend, split,
-                           micro_batches=args.micro_batches)
+                           timeout_s=args.join_timeout, micro_batches=args.micro_batches)
+    if not args.kv_blocks:      # a driver with --external-workers sends its pool's shape
+        shape = torch.zeros(2, dtype=torch.long)
+        dist.broadcast(shape, src=0)
+        args.kv_blocks, args.block_size = int(shape[0]), int(shape[1])
     dtype = resolve_dtype(args.dtype, args.device)
     model = load_model(args.model, dtype, args.device, layers=lay.stage_layers(), config=config)
     attn = cast("Attention | MLAttention", model.model.layers[0].self_attn)

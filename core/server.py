@@ -84,6 +84,7 @@ class CoreConfig:
     pp_split: list[int] | None = None   # layers per stage (default: balanced)
     pp_micro_batches: int = 0           # micro-batches per step (default: one per stage)
     engine_threads: int | None = None   # intra-op threads of the engine thread (None: leave as they are)
+    external_workers: bool = False      # parallel core: the worker ranks are started elsewhere and join
     gather_kv: bool = False             # parallel core: rank 0 sends all KV, the other ranks serve no streams
     control: ControlPort | None = None  # core/http.py ControlPort: server limits, push targets (None: defaults)
     rendezvous: str = "127.0.0.1:0"     # parallel core: HOST:PORT of the ranks' TCP store (port 0: any free)
@@ -106,7 +107,7 @@ class CoreServer:
             engine, self.workers, self.stream_ports = start_parallel_engine(
                 config.model_dir, config.tp, config.pp, config.dtype, config.device, config.cache, config.engine,
                 config.pp_split, config.pp_micro_batches, streams=self._stream_config(),
-                rendezvous=config.rendezvous)
+                rendezvous=config.rendezvous, external=config.external_workers)
         engine = engine or LLMEngine.from_dir(config.model_dir, config.dtype, config.device,
                                               config.cache, config.engine)
         engine.lora.max_rank = config.max_lora_rank
@@ -146,7 +147,7 @@ class CoreServer:
         """Where and how worker ranks serve their own KV streams (None: they don't; rank 0 gathers)."""
         from edgecore.core.ranks import StreamConfig
         c = self.config
-        if c.gather_kv or c.ssl is not None or not c.stream_layers:   # TLS material stays with rank 0
+        if c.gather_kv or c.external_workers or c.ssl is not None or not c.stream_layers:   # TLS material stays with rank 0
             return None
         return StreamConfig(c.host, c.secret, list(c.codecs))
 

@@ -72,6 +72,10 @@ class CoreSettings:
     rendezvous: str = setting("127.0.0.1:0", metavar="HOST:PORT", help="parallel core: where the ranks' rendezvous "
                               "(TCP store) listens; gloo's own sockets use the same host's interface (default "
                               "127.0.0.1, any free port)")
+    external_workers: bool = setting(False, help="parallel core: the worker ranks are started elsewhere (`edgecore "
+                                     "core-worker --master HOST:PORT --rank R`, e.g. the worker pods of a "
+                                     "LeaderWorkerSet) and join at --rendezvous (give it a port); this process "
+                                     "starts none and sends every rank's KV itself")
     gather_kv: bool = setting(False, help="parallel core: rank 0 gathers every rank's KV after the prefill and "
                                           "sends it, instead of each rank streaming its own on its own port (when "
                                           "edges can reach only --listen)")

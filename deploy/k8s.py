@@ -10,7 +10,9 @@ k8s_monitoring) and writes this layout under OUT, returning the files written:
                            topology names one) and the revocation list (revoked.txt; no hash suffix,
                            so `kubectl apply` updates it in place and running nodes re-read it)
   overlays/REGION/         base + the region's nodes: per core a headless Service, StatefulSet
-                           (data claim per replica) and PDB; per edge a Deployment, Service and PDB;
+                           (data claim per replica) and PDB, a parallel core's StatefulSet being a
+                           LeaderWorkerSet (a group of one pod per rank per replica) and its ranks'
+                           NetworkPolicy; per edge a Deployment, Service and PDB;
                            the region's model claim unless the model is bundled in the image; a
                            secretGenerator per node, `edgecore-credential-NODE` from
                            overlays/REGION/secrets/NODE.cred (kustomize reads files only under the

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from edgecore.deploy.k8s_refs import gather
 from edgecore.deploy.k8s_refs import problems as references
-from edgecore.deploy.k8s_schemas import CRDS, KUSTOMIZATION
+from edgecore.deploy.k8s_schemas import CRDS, KUSTOMIZATION, LWS_POD_TEMPLATES
 from edgecore.shared.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -52,12 +52,28 @@ def check_document(doc: dict) -> list[str]:
         return ["not a Kubernetes object (no apiVersion/kind)"]
     schema = CRDS.get((doc["apiVersion"], doc["kind"]))
     if schema is not None:
-        return _schema_problems(jsonschema, schema, doc)
+        found = _schema_problems(jsonschema, schema, doc)
+        if doc["kind"] == "LeaderWorkerSet" and not found:
+            found = _leader_worker_set_templates(doc)
+        return found
     validator = _strict_validator(doc["apiVersion"], doc["kind"])
     if validator is None:
         return [f"no schema for {doc['kind']} ({doc['apiVersion']}) in Kubernetes {KUBERNETES_VERSION}"]
     error = next(iter(sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))), None)
     return [] if error is None else [f"{'.'.join(str(p) for p in error.absolute_path) or '(top)'}: {error.message}"]
+
+
+def _leader_worker_set_templates(doc: dict) -> list[str]:
+    """A LeaderWorkerSet's pod and claim templates against Kubernetes' strict Pod and PersistentVolumeClaim."""
+    found = []
+    group = doc["spec"]["leaderWorkerTemplate"]
+    embedded = [(f"spec.leaderWorkerTemplate.{key}", "Pod", group[key]) for key in LWS_POD_TEMPLATES if key in group]
+    embedded += [(f"spec.leaderWorkerTemplate.volumeClaimTemplates.{i}", "PersistentVolumeClaim", claim)
+                 for i, claim in enumerate(group.get("volumeClaimTemplates", []))]
+    for where, kind, template in embedded:
+        as_object = {"apiVersion": "v1", "kind": kind, **template}
+        found += [f"{where}: {p}" for p in check_document(as_object)]
+    return found
 
 
 @functools.cache

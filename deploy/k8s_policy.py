@@ -6,6 +6,7 @@ into the base (one per core, one for all edges, one default deny). Allowed:
   edges (same namespace)-> every core's protocol port and control port (model fetch)
   Prometheus (its namespace and pod labels, from the topology) -> every core's control port
   named batch clients (namespace + pod labels)                  -> every core's control port
+  the pods of a parallel core's group (leader and workers)      -> each other, any port (rendezvous, gloo)
 Everything else into the namespace is denied (egress is not restricted).
 `netpol.Cluster` answers reachability questions over the rendered objects.
 """
@@ -48,4 +49,7 @@ def network_policies(topo: Topology) -> list[dict]:
         rules = [{"from": [edges], "ports": _tcp(core.port, core.http_port)},
                  {"from": [prometheus, *clients], "ports": _tcp(core.http_port)}]
         policies.append(_policy(f"edgecore-{core_name(core)}", {"matchLabels": selector("core", core.name)}, rules))
+        if core.tp * core.pp > 1:     # a LeaderWorkerSet group: its ranks reach each other on any port (gloo/NCCL)
+            group = {"matchLabels": {"app.kubernetes.io/name": APP, "edgecore.dev/node": core.name}}
+            policies.append(_policy(f"edgecore-{core_name(core)}-ranks", group, [{"from": [{"podSelector": group}]}]))
     return policies

@@ -4,7 +4,7 @@ Life cycle: `gather(directory)` collects what `kubectl apply -k DIRECTORY`
 would apply (resources followed recursively; a secretGenerator becomes a
 Secret with its keys, not its contents); `problems(directory)` then checks
 each workload's pods: mounted Secrets exist with the keys mounted, claims
-exist (or come from the StatefulSet's templates), volume mounts name
+exist (or come from the workload's claim templates), volume mounts name
 volumes, files the node reads from Secrets (`SECRET_FILE_FLAGS`: credential,
 keys, certificate) are keys of a mounted Secret, `--core-dns NAME:PORT` names
 a headless Service with that port (in this overlay or another region's,
@@ -46,9 +46,24 @@ def _selects(selector: dict, labels: dict) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
-def _pod_problems(workload: dict, by_kind: dict[str, dict[str, dict]], services: dict[str, dict]) -> list[str]:
-    spec = workload["spec"]["template"]["spec"]
-    templates = {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
+WORKLOADS = ("Deployment", "StatefulSet", "LeaderWorkerSet")
+
+
+def pod_templates(workload: dict) -> list[tuple[dict, list[dict]]]:
+    """A workload's pod templates, each with the claim templates its pods may mount: a Deployment's or
+    StatefulSet's one, a LeaderWorkerSet's leader and worker templates."""
+    spec = workload["spec"]
+    if workload["kind"] == "LeaderWorkerSet":
+        group = spec["leaderWorkerTemplate"]
+        claims = group.get("volumeClaimTemplates", [])
+        return [(group[key], claims) for key in ("leaderTemplate", "workerTemplate") if key in group]
+    return [(spec["template"], spec.get("volumeClaimTemplates", []))]
+
+
+def _pod_problems(template: dict, claims: list[dict], by_kind: dict[str, dict[str, dict]],
+                  services: dict[str, dict]) -> list[str]:
+    spec = template["spec"]
+    templates = {t["metadata"]["name"] for t in claims}
     volumes = {v["name"]: v for v in spec.get("volumes", [])}
     found = []
     for volume in volumes.values():
@@ -87,11 +102,13 @@ def problems(directory: Path, yaml: ModuleType, elsewhere: Sequence[dict] = ()) 
     by_kind: dict[str, dict[str, dict]] = {}
     for o in objects:
         by_kind.setdefault(o["kind"], {})[o["metadata"]["name"]] = o
-    workloads = [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+    workloads = [o for o in objects if o["kind"] in WORKLOADS]
     found = []
     services = {o["metadata"]["name"]: o for o in [*elsewhere, *objects] if o["kind"] == "Service"}
     for w in workloads:
-        found += [f"{w['kind']}/{w['metadata']['name']}: {p}" for p in _pod_problems(w, by_kind, services)]
+        for template, claims in pod_templates(w):
+            found += [f"{w['kind']}/{w['metadata']['name']}: {p}"
+                      for p in _pod_problems(template, claims, by_kind, services)]
     for name, monitor in by_kind.get("ServiceMonitor", {}).items():
         for endpoint in monitor["spec"].get("endpoints", []):
             ref = endpoint.get("tlsConfig", {}).get("ca", {}).get("secret")
@@ -103,6 +120,6 @@ def problems(directory: Path, yaml: ModuleType, elsewhere: Sequence[dict] = ()) 
             selector = o
             for part in key:
                 selector = selector.get(part, {})
-            if not any(_selects(selector, w["spec"]["template"]["metadata"]["labels"]) for w in workloads):
+            if not any(_selects(selector, t["metadata"]["labels"]) for w in workloads for t, _ in pod_templates(w)):
                 found.append(f"{kind}/{name}: selects no pod of this overlay")
     return found

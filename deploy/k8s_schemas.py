@@ -1,9 +1,10 @@
-"""JSON Schemas for the kinds kubernetes-validate has none for: the CRDs of the monitoring overlay and
-kustomize's Kustomization.
+"""JSON Schemas for the kinds kubernetes-validate has none for: the CRDs of the monitoring overlay, the
+LeaderWorkerSet of parallel cores, and kustomize's Kustomization.
 
 Life cycle: constants read by `k8s_check`. Each is the part of the upstream
 schema (Prometheus Operator `monitoring.coreos.com/v1` ServiceMonitor, KEDA
-`keda.sh/v1alpha1` ScaledObject, kustomize `v1beta1` Kustomization) covering
+`keda.sh/v1alpha1` ScaledObject, LWS `leaderworkerset.x-k8s.io/v1` LeaderWorkerSet, kustomize `v1beta1`
+Kustomization) covering
 the fields edgecore renders, closed with `additionalProperties: false` so a
 misspelt or misplaced field fails as `--strict` does for built-in kinds.
 """
@@ -86,5 +87,24 @@ KUSTOMIZATION = _closed({
                                                   "includeTemplates": {"type": "boolean"}})},
 }, ("apiVersion", "kind"))
 
+_INT_OR_PERCENT = {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]+%$"}]}
+# LeaderWorkerSet (leaderworkerset.x-k8s.io/v1): its pod templates are {"type": "object"} here and checked as Pods
+# against Kubernetes' own strict schema (`LWS_POD_TEMPLATES`, k8s_check), its claim templates as
+# PersistentVolumeClaims.
+LEADER_WORKER_SET = _object("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", _closed({
+    "replicas": {"type": "integer", "minimum": 0},
+    "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
+    "rolloutStrategy": _closed({"type": {"enum": ["RollingUpdate"]}, "rollingUpdateConfiguration": _closed({
+        "partition": {"type": "integer", "minimum": 0}, "maxUnavailable": _INT_OR_PERCENT,
+        "maxSurge": _INT_OR_PERCENT})}, ("type",)),
+    "leaderWorkerTemplate": _closed({
+        "size": {"type": "integer", "minimum": 1},
+        "restartPolicy": {"enum": ["RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None", "Default"]},
+        "leaderTemplate": {"type": "object"}, "workerTemplate": {"type": "object"},
+        "volumeClaimTemplates": {"type": "array", "items": {"type": "object"}}}, ("workerTemplate",)),
+}, ("leaderWorkerTemplate",)))
+LWS_POD_TEMPLATES = ("leaderTemplate", "workerTemplate")
+
 CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICE_MONITOR,
-        ("keda.sh/v1alpha1", "ScaledObject"): SCALED_OBJECT}
+        ("keda.sh/v1alpha1", "ScaledObject"): SCALED_OBJECT,
+        ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): LEADER_WORKER_SET}

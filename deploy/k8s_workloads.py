@@ -1,5 +1,8 @@
 """Kubernetes objects of one node: a core's StatefulSet and headless Service, an edge's Deployment and
-Service, a PodDisruptionBudget for each, and a region's model volume claim.
+Service, a PodDisruptionBudget for each, and a region's model volume claim. A parallel core (tp × pp > 1)
+is a LeaderWorkerSet instead of a StatefulSet: per replica a group of one pod per rank, the leader running
+the core (rank 0, `--external-workers`, the Service and PDB select it alone), each worker `edgecore
+core-worker` (`_leader_worker_set`).
 
 Life cycle: pure functions from the topology (`Topology`, `CoreNode`,
 `EdgeNode`) to manifest dicts; `k8s.render` writes them into the region's
@@ -55,6 +58,8 @@ PRESTOP_SECONDS = 5     # an edge keeps serving this long after it is marked ter
 GRACE_MARGIN = 10       # seconds beyond the drain (and preStop) before the kubelet's SIGKILL
 MIN_READY_SECONDS = 10  # a replaced core is Ready this long before the next core pod is stopped
 ZONE_KEY = "topology.kubernetes.io/zone"
+RENDEZVOUS_PORT = 29500  # a parallel core's leader: where its worker pods join (torch.distributed's TCP store)
+LWS_API = "leaderworkerset.x-k8s.io/v1"
 
 
 def labels(component: str, node: str, region: str) -> dict:
@@ -249,6 +254,8 @@ def core_manifests(topo: Topology, core: CoreNode) -> list[dict]:
                        data_dir="/data", api_key_file=f"{SECRET_MOUNT}/{API_KEYS_KEY}",  # control port beyond loopback
                        # the Service exposes one KV port, so rank 0 sends every rank's KV
                        gather_kv=core.tp * core.pp > 1)
+    if core.tp * core.pp > 1:    # the worker ranks are the group's other pods: they join the leader's rendezvous
+        settings = replace(settings, external_workers=True, rendezvous=f"0.0.0.0:{RENDEZVOUS_PORT}")
     cert, key = _tls(topo)
     settings = replace(settings, tls_cert=cert, tls_key=key)
     mounts.append({"name": "data", "mountPath": "/data"})
@@ -256,14 +263,19 @@ def core_manifests(topo: Topology, core: CoreNode) -> list[dict]:
         mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": models_claim(core.region),
                                                                     "readOnly": True}})
+    world = core.tp * core.pp
     container = {"name": "core", "image": topo.cuda_image if core.device == "cuda" else topo.image,
                  "imagePullPolicy": PULL_POLICY, "args": node_argv(settings),
                  "ports": [{"name": "kv", "containerPort": core.port},
-                           {"name": "http", "containerPort": core.http_port}],
-                 "resources": _resources(core.resources, core.gpus), "volumeMounts": mounts}
+                           {"name": "http", "containerPort": core.http_port},
+                           *([{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}] if world > 1 else [])],
+                 "resources": _resources(core.resources, -(-core.gpus // world)), "volumeMounts": mounts}
     data = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": topo.kube.data_pvc_size}}}
     if topo.kube.storage_class:
         data["storageClassName"] = topo.kube.storage_class
+    if world > 1:
+        return [service, _leader_worker_set(topo, core, container, volumes, data),
+                _disruption_budget(name, lab, sel, core.replicas)]
     statefulset = {
         "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name, "labels": lab},
         "spec": {"serviceName": name, "replicas": core.replicas, "selector": {"matchLabels": sel},
@@ -274,6 +286,44 @@ def core_manifests(topo: Topology, core: CoreNode) -> list[dict]:
                                   core.drain_timeout),
                  "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": data}]}}
     return [service, statefulset, _disruption_budget(name, lab, sel, core.replicas)]
+
+
+def _leader_worker_set(topo: Topology, core: CoreNode, leader: dict, volumes: list[dict], data: dict) -> dict:
+    """A parallel core as LeaderWorkerSet groups, one per replica: the leader pod runs rank 0 (the core, with
+    --external-workers: its protocol, control and rendezvous ports), each worker pod one more rank (`edgecore
+    core-worker`, its rank from LWS_WORKER_INDEX, the leader from LWS_LEADER_ADDRESS, both set by the
+    controller). A pod of a group that fails or restarts recreates the group (ranks join together or not at
+    all); a rolling update replaces one group at a time, and with one replica surges a new group first."""
+    name, world = core_name(core), core.tp * core.pp
+    lab, sel = labels("core", core.name, core.region), selector("core", core.name)
+    worker_lab, worker_sel = labels("core-worker", core.name, core.region), selector("core-worker", core.name)
+    args = ["core-worker", "--rank", "$(LWS_WORKER_INDEX)", "--tp", str(core.tp), "--pp", str(core.pp),
+            "--master", f"$(LWS_LEADER_ADDRESS):{RENDEZVOUS_PORT}", "--device", core.device,
+            "--join-timeout", str(topo.kube.startup_seconds)]
+    model = _model_path(topo)
+    mounts, worker_volumes = [], []
+    if model is not None:
+        args += ["--model", model]
+    if needs_model_volume(topo, core.region):
+        mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
+        worker_volumes = [v for v in volumes if v["name"] == "models"]
+    worker = {"name": "core-worker", "image": leader["image"], "imagePullPolicy": PULL_POLICY, "args": args,
+              "resources": leader["resources"], "volumeMounts": mounts,
+              "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
+    leader_pod = _pod(topo, lab, core.region, core.http_port, leader, volumes, sel, core.drain_timeout)
+    worker_pod = _pod(topo, worker_lab, core.region, core.http_port, worker, worker_volumes, worker_sel,
+                      core.drain_timeout)
+    for key in ("startupProbe", "readinessProbe", "livenessProbe"):    # a worker serves no HTTP
+        worker_pod["spec"]["containers"][0].pop(key)
+    del worker_pod["metadata"]["annotations"]                              # nor metrics
+    rolling = {"maxUnavailable": 1, "maxSurge": 0} if core.replicas > 1 else {"maxUnavailable": 0, "maxSurge": 1}
+    return {"apiVersion": LWS_API, "kind": "LeaderWorkerSet", "metadata": {"name": name, "labels": lab},
+            "spec": {"replicas": core.replicas, "startupPolicy": "LeaderCreated",
+                     "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": rolling},
+                     "leaderWorkerTemplate": {
+                         "size": world, "restartPolicy": "RecreateGroupOnPodRestart",
+                         "leaderTemplate": leader_pod, "workerTemplate": worker_pod,
+                         "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": data}]}}}
 
 
 def core_address(topo: Topology, core: CoreNode) -> str:

@@ -1,7 +1,7 @@
 """A small NetworkPolicy evaluator: may this pod reach that pod on that port, given the policies?
 
 Life cycle: `Cluster(objects, namespaces)` takes rendered objects (the pods
-come from Deployment/StatefulSet templates, with the kustomization's
+come from Deployment/StatefulSet/LeaderWorkerSet templates, with the kustomization's
 namespace) and namespace labels; `allowed(source, target, port)` answers for
 ingress as Kubernetes does: a target no Ingress policy selects accepts
 everything; otherwise some selecting policy must have a rule whose peers
@@ -15,6 +15,8 @@ Used by the tests to check that the policies mean what docs/deploy.md says.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from edgecore.deploy.k8s_refs import WORKLOADS, pod_templates
 
 
 @dataclass(frozen=True)
@@ -48,12 +50,14 @@ class Cluster:
         for ns, labels in (namespaces or {}).items():
             self.namespaces[ns] = {"kubernetes.io/metadata.name": ns, **labels}
         for ns, o in objects:
-            if o.get("kind") in ("Deployment", "StatefulSet", "DaemonSet"):
-                template = o["spec"]["template"]
+            if o.get("kind") not in WORKLOADS:
+                continue
+            for template, _ in pod_templates(o):      # a LeaderWorkerSet's worker pods: NAME-worker
+                name = o["metadata"]["name"] + ("-worker" if template is o["spec"].get("leaderWorkerTemplate", {})
+                                                .get("workerTemplate") else "")
                 ports = {p["name"]: p["containerPort"] for c in template["spec"]["containers"]
                          for p in c.get("ports", []) if "name" in p}
-                self.pods[o["metadata"]["name"]] = Pod(o["metadata"]["name"], ns, template["metadata"]["labels"],
-                                                       ports)
+                self.pods[name] = Pod(name, ns, template["metadata"]["labels"], ports)
 
     def pod(self, name: str) -> Pod:
         return self.pods[name]

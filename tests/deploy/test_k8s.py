@@ -129,32 +129,62 @@ def test_render_cli(tmp_path):
 
 
 def test_parallel_core_gets_its_layout_and_parses(tmp_path):
-    """A TP×PP core in the topology runs with --tp/--pp (and --gather-kv: its Service has one KV port), an
-    edge with `compile = true` with --compile; every rendered command line is accepted by edgecore's own
-    parser and the manifests check."""
+    """A TP×PP core in the topology is a LeaderWorkerSet: the leader runs the core with --tp/--pp,
+    --external-workers and its rendezvous port (and --gather-kv: its Service has one KV port, and selects the
+    leaders only), each worker pod one `core-worker` rank that joins the leader's address; the group's pods
+    reach each other and nothing else does; an edge with `compile = true` runs with --compile; every rendered
+    command line is accepted by edgecore's own parser and the manifests check."""
     from edgecore.deploy.cli import build_parser
+    from edgecore.deploy.netpol import Cluster
     text = (ROOT / "deploy" / "topology.toml").read_text().replace("tp = 1 ", "tp = 2 ", 1)
     text = text.replace("compile = false", "compile = true", 1)             # edge-west: --compile
     assert "tp = 2 " in text and "compile = true" in text
     (tmp_path / "topology.toml").write_text(text)
     files = render(load_topology(tmp_path / "topology.toml"), tmp_path / "out")
-    cores = [d for f in files if f.suffix == ".yaml" for d in yaml.safe_load_all(f.read_text())
-             if d["kind"] == "StatefulSet"]
-    args = cores[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    docs = [d for f in files if f.suffix == ".yaml" for d in yaml.safe_load_all(f.read_text())]
+    assert not [d for d in docs if d["kind"] == "StatefulSet"]               # the only core is parallel
+    lws = next(d for d in docs if d["kind"] == "LeaderWorkerSet")
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxUnavailable": 0, "maxSurge": 1}
+    leader = group["leaderTemplate"]["spec"]["containers"][0]
+    parsed = build_parser().parse_args(leader["args"])
+    assert (parsed.tp, parsed.pp, parsed.gather_kv, parsed.external_workers) == (2, 1, True, True)
+    assert parsed.rendezvous == "0.0.0.0:29500"
+    worker = group["workerTemplate"]["spec"]["containers"][0]
+    assert "readinessProbe" not in worker and worker["image"] == leader["image"]
+    args = [a.replace("$(LWS_WORKER_INDEX)", "1").replace("$(LWS_LEADER_ADDRESS)", "core-east-0.core-east")
+            for a in worker["args"]]
     parsed = build_parser().parse_args(args)
-    assert (parsed.tp, parsed.pp, parsed.gather_kv) == (2, 1, True)
+    assert (parsed.rank, parsed.tp, parsed.pp, parsed.master) == (1, 2, 1, "core-east-0.core-east:29500")
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == lws["metadata"]["name"])
+    assert service["spec"]["selector"].items() <= group["leaderTemplate"]["metadata"]["labels"].items()
+    assert not service["spec"]["selector"].items() <= group["workerTemplate"]["metadata"]["labels"].items()
+    cluster = Cluster([("edgecore", d) for d in docs])
+    leader_pod, worker_pod = cluster.pod("core-east"), cluster.pod("core-east-worker")
+    assert cluster.allowed(worker_pod, leader_pod, 29500) and cluster.allowed(leader_pod, worker_pod, 40123)
+    assert not cluster.allowed(cluster.pod("edge-west"), worker_pod, 40123)
     compiles = {}
-    for f in files:
-        if f.suffix == ".yaml":
-            for doc in yaml.safe_load_all(f.read_text()):
-                if doc["kind"] in ("StatefulSet", "Deployment"):
-                    parsed = build_parser().parse_args(doc["spec"]["template"]["spec"]["containers"][0]["args"])
-                    if doc["kind"] == "Deployment":
-                        container = doc["spec"]["template"]["spec"]["containers"][0]
-                        assert parsed.compile == ("env" in container)    # its compile cache on the pod's volume
-                        compiles[doc["metadata"]["name"]] = parsed.compile
+    for doc in docs:
+        if doc["kind"] == "Deployment":
+            container = doc["spec"]["template"]["spec"]["containers"][0]
+            parsed = build_parser().parse_args(container["args"])
+            assert parsed.compile == ("env" in container)    # its compile cache on the pod's volume
+            compiles[doc["metadata"]["name"]] = parsed.compile
     assert compiles == {"edge-west": True, "edge-south": False}
     assert check(tmp_path / "out") == []                                    # strict schemas, references
+
+
+def test_leader_worker_set_templates_are_checked_strictly(tmp_path):
+    """A misspelt field inside a LeaderWorkerSet's pod template fails the check as one in a Deployment does."""
+    text = (ROOT / "deploy" / "topology.toml").read_text().replace("tp = 1 ", "tp = 2 ", 1)
+    (tmp_path / "topology.toml").write_text(text)
+    files = render(load_topology(tmp_path / "topology.toml"), tmp_path / "out")
+    path = next(f for f in files if "LeaderWorkerSet" in f.read_text())
+    path.write_text(path.read_text().replace("terminationGracePeriodSeconds", "terminationGraceSeconds", 1))
+    problems = check(tmp_path / "out")
+    assert any("LeaderWorkerSet" in p and "leaderTemplate" in p and "terminationGraceSeconds" in p
+               for p in problems), problems
 
 
 def test_any_valid_topology_renders_manifests_that_check(tmp_path):

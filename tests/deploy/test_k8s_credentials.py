@@ -26,7 +26,11 @@ def overlays(out):
 
 
 def workloads(objects):
-    return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+    """The object running each node's pods, as {kind, metadata, spec: {template}}: a parallel core's
+    LeaderWorkerSet stands there with its leader's template (its workers run no node of their own)."""
+    return [o if o["kind"] != "LeaderWorkerSet" else
+            {**o, "spec": {"template": o["spec"]["leaderWorkerTemplate"]["leaderTemplate"]}}
+            for o in objects if o["kind"] in ("Deployment", "StatefulSet", "LeaderWorkerSet")]
 
 
 def node_of(workload):

@@ -68,10 +68,19 @@ def test_every_pod_reference_resolves(rendered, three):
 def test_three_regions_resources_claims_and_gpus(three):
     topo, out, _, docs = three
     sts = {d["metadata"]["name"]: d for _, d in docs["StatefulSet"]}
-    east = sts["core-east"]["spec"]["template"]["spec"]["containers"][0]
-    assert east["image"] == "edgecore:latest-cuda"
-    assert east["resources"]["limits"]["nvidia.com/gpu"] == "2" == east["resources"]["requests"]["nvidia.com/gpu"]
-    assert east["args"][east["args"].index("--model") + 1] == "/models/tiny"
+    assert "core-east" not in sts                              # tp = 2: a LeaderWorkerSet, one rank per pod
+    [lws] = [d for _, d in docs["LeaderWorkerSet"]]
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert lws["metadata"]["name"] == "core-east" and group["size"] == 2 and lws["spec"]["replicas"] == 2
+    for template in ("leaderTemplate", "workerTemplate"):
+        east = group[template]["spec"]["containers"][0]
+        assert east["image"] == "edgecore:latest-cuda"
+        assert east["resources"]["limits"]["nvidia.com/gpu"] == "1" == east["resources"]["requests"]["nvidia.com/gpu"]
+        assert east["args"][east["args"].index("--model") + 1] == "/models/tiny"
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in east["volumeMounts"]
+    assert group["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "100Gi"
+    # two groups: one at a time is replaced, the other serves
+    assert lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxUnavailable": 1, "maxSurge": 0}
     west = sts["core-west"]["spec"]["template"]["spec"]["containers"][0]
     assert west["resources"] == {"requests": {"cpu": "4", "memory": "12Gi"}, "limits": {"memory": "12Gi"}}
     assert sts["core-west"]["spec"]["volumeClaimTemplates"][0]["spec"] == {
