@@ -7,8 +7,8 @@ edge in each of west and east, every edge linked to both core regions: one near,
 `Launcher(emulate_wan=True)` (root) → `calibrate()`: the capacity in requests/s from a closed loop →
 `run(seconds, fault_every, rate)`: a Poisson load (`soak_load.Load`), a fault thread (the first fault after
 one period, then one per period, the `FAULTS` in turn, each at the next node or link of its kind) and a
-sampler (every `SAMPLE_S` s, each node's `soak_probe.sample`) → `rolling_restart()`: every node drained
-and restarted one at a time under the same load → `stop()` → `report()`, one JSON-ready dict.
+sampler (every `SAMPLE_S` s, each node's `soak_probe.sample`) → `rolling_restart()`: after a settling
+time without faults, every node drained and restarted one at a time under the same load → `stop()` → `report()`, one JSON-ready dict.
 
 Faults: `kill_core` (SIGKILL, then started again as a supervisor would), `drain_core` and `drain_edge`
 (SIGTERM: a drain, then started again), `cut_link` (both ends down for `CUT_S` s) and `slow_link` (its
@@ -160,9 +160,11 @@ class Soak:
             k += 1
         self._stop.wait(max(0.0, end - time.monotonic()))
 
-    def rolling_restart(self) -> None:
-        """Every node drained and restarted, one at a time, while the load goes on; then the load stops."""
+    def rolling_restart(self, settle: float = 30.0) -> None:
+        """After `settle` s more of load without faults (the last fault's backlog served), every node drained
+        and restarted, one at a time, while the load goes on; then the load stops."""
         assert self.launcher is not None and self.load is not None
+        self._stop.wait(settle)
         started = time.monotonic()
         before = len(self.load.results)
         for proc in self.launcher.procs:

@@ -1,40 +1,43 @@
 """The soak's load: streamed completions against a fleet's edges, open loop (Poisson) or closed loop.
 
-Life cycle: `Load(edge_urls, model, prompts)`; `closed(clients, seconds)` runs that many clients back to back
-and returns requests/s (the capacity); `start(rate)` sends Poisson arrivals at `rate` requests/s from a thread,
-each request in a pool thread; `stop()` stops sending and waits for the answers (at most `LOST_S`);
-`results` holds one `Result` per request sent.
+Life cycle: `Load(edge_urls, model, prompts)` starts its own event loop on a thread (one aiohttp session: the
+client must stay cheap on the machine it shares with the fleet, so no thread per request); `closed(clients,
+seconds)` runs that many clients back to back and returns requests/s (the capacity); `start(rate)` sends
+Poisson arrivals at `rate` requests/s, each request a task created at its arrival time; `stop()` stops
+sending, gives every request in flight up to `LOST_S` s from its arrival to end, and closes the loop;
+`results` holds one `Result` per request sent, appended at its arrival.
 
-One request (`send`): a streamed `/v1/completions` (`include_usage`), its TTFT timed to the first token. It goes
-to one edge (round robin); while that edge drains (503 `server_shutting_down`) or refuses connections it goes
-to the next one, as a load balancer in front of the edges would, for at most `RETRY_S` s. Outcomes: completed
-(every token and `[DONE]`), failed by cause (an HTTP error, an error event in the stream, a stream cut or
-stalled after its first byte, no edge for `RETRY_S` s), or lost: no answer at all within `LOST_S` s, or still
-unanswered when `stop()` gives up.
+One request (`send`): a streamed `/v1/completions` (`include_usage`), its TTFT timed from its arrival to the
+first token. It goes to one edge (round robin); while that edge drains (503 `server_shutting_down`) or refuses
+connections it goes to the next one, as a load balancer in front of the edges would, for at most `RETRY_S`
+s; so does one an edge refuses at capacity (503 `server_overloaded`), as the `openai` client retries a 503. Outcomes: completed (every token and `[DONE]`), failed by cause (an HTTP error, an error event in the
+stream, a stream cut or stalled after its first byte, no edge for `RETRY_S` s), or lost: no answer at all
+within `LOST_S` s of its arrival (the run's end included).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import http.client
+import asyncio
 import itertools
 import json
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
 
 RETRY_S = 60.0      # how long a request looks for an edge that takes it
-LOST_S = 90.0       # no byte of an answer for this long: lost
+LOST_S = 90.0       # no answer this long after its arrival: lost
 
 
 @dataclass
 class Result:
-    sent: float                       # time.monotonic() when it was sent
+    sent: float                       # time.monotonic() at its arrival
     prompt_tokens: int
-    ttft: float | None = None         # seconds to the first token
+    ttft: float | None = None         # seconds from its arrival to the first token
     done: float | None = None         # when it ended (any outcome)
     tokens: int = 0
     retries: int = 0                  # edges that refused it before one took it
@@ -54,60 +57,81 @@ class Load:
         self.rng = random.Random(seed)
         self.results: list[Result] = []
         self._counter = itertools.count()
-        self._stop = threading.Event()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="soak-request")
-        self._futures: list[concurrent.futures.Future] = []
-        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._tasks: set[asyncio.Task] = set()
+        self._arrivals_done: Future | None = None
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="soak-load", daemon=True)
+        self._thread.start()
+        self.session: aiohttp.ClientSession = self._run(self._session())
+
+    def _run(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @staticmethod
+    async def _session() -> aiohttp.ClientSession:
+        # a connection per request (a draining edge closes idle ones); no pool limit
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=LOST_S))
 
     # ---- closed loop: the capacity --------------------------------------------------------------
     def closed(self, clients: int, seconds: float) -> float:
         """Completed requests/s with `clients` sending back to back for `seconds` (not kept in `results`)."""
-        end = time.monotonic() + seconds
-        counts = [0] * clients
+        async def run() -> float:
+            end, started, count = time.monotonic() + seconds, time.monotonic(), 0
 
-        def client(c: int) -> None:
-            while time.monotonic() < end:
-                if self.send(self._next_prompt(), keep=False).error is None:
-                    counts[c] += 1
-        threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-        started = time.monotonic()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return sum(counts) / (time.monotonic() - started)
+            async def client() -> None:
+                nonlocal count
+                while time.monotonic() < end:
+                    if (await self.send(self._next_prompt(), keep=False)).error is None:
+                        count += 1
+            await asyncio.gather(*(client() for _ in range(clients)))
+            return count / (time.monotonic() - started)
+        return self._run(run())
 
     # ---- open loop ------------------------------------------------------------------------------
     def start(self, rate: float) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._arrivals, args=(rate,), daemon=True)
-        self._thread.start()
+        self._stopping = False
+        self._arrivals_done = asyncio.run_coroutine_threadsafe(self._arrivals(rate), self.loop)
 
-    def _arrivals(self, rate: float) -> None:
+    async def _arrivals(self, rate: float) -> None:
         at = time.monotonic()
-        while not self._stop.is_set():
+        while not self._stopping:
             at += self.rng.expovariate(rate)
-            wait = at - time.monotonic()
-            if wait > 0 and self._stop.wait(wait):
+            await asyncio.sleep(max(0.0, at - time.monotonic()))
+            if self._stopping:
                 return
-            self._futures.append(self._pool.submit(self.send, self._next_prompt()))
+            task = asyncio.ensure_future(self.send(self._next_prompt()))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def stop(self) -> None:
-        """Stop sending; wait for every answer, at most `LOST_S` s; what has none by then is lost."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        concurrent.futures.wait(self._futures, timeout=LOST_S + 10)
+        """Stop sending; every request in flight gets up to `LOST_S` s from its arrival; what has no answer by
+        then is lost. Then the session and the loop close."""
+        self._stopping = True
+        if self._arrivals_done is not None:
+            self._arrivals_done.result(30)
+
+        async def drain() -> None:
+            if self._tasks:
+                last = max((r.sent for r in self.results), default=time.monotonic())
+                await asyncio.wait(set(self._tasks), timeout=max(0.0, last + LOST_S + 5 - time.monotonic()))
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self.session.close()
+        self._run(drain())
         for result in self.results:
             if result.done is None:
-                result.lost = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
+                result.lost, result.error = True, result.error or "no answer"
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
 
     def _next_prompt(self) -> list[int]:
         return self.prompts[self.rng.randrange(len(self.prompts))]
 
     # ---- one request ------------------------------------------------------------------------------
-    def send(self, ids: list[int], keep: bool = True) -> Result:
+    async def send(self, ids: list[int], keep: bool = True) -> Result:
         result = Result(time.monotonic(), len(ids))
         if keep:
             self.results.append(result)
@@ -116,70 +140,62 @@ class Load:
         for attempt in range(10_000):
             url = result.edge = self.urls[(first + attempt) % len(self.urls)]
             try:
-                self._stream(url, ids, result)
+                await self._stream(url, ids, result)
                 break
             except _Refused as exc:
                 if time.monotonic() > deadline:
                     result.error = f"no edge took it: {exc}"
                     break
                 result.retries += 1
-                time.sleep(0.05 if attempt % len(self.urls) else 0.2)
+                await asyncio.sleep(0.05 if attempt % len(self.urls) else 0.2)
         result.done = time.monotonic()
         return result
 
-    def _stream(self, url: str, ids: list[int], result: Result) -> None:
-        body = json.dumps({"model": self.model, "prompt": ids, "max_tokens": self.max_tokens, "temperature": 0,
-                           "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
-        req = urllib.request.Request(f"{url}/completions", data=body, headers={"Content-Type": "application/json"})
+    async def _stream(self, url: str, ids: list[int], result: Result) -> None:
+        body = {"model": self.model, "prompt": ids, "max_tokens": self.max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         try:
-            resp = urllib.request.urlopen(req, timeout=LOST_S)
-        except urllib.error.HTTPError as exc:
-            try:
-                code = json.loads(exc.read())["error"].get("code")
-            except (ValueError, KeyError, TypeError, OSError):
-                code = None
-            if exc.code == 503 and code == "server_shutting_down":
-                raise _Refused("draining") from None
-            result.error = f"HTTP {exc.code} {code}"
-            return
-        except TimeoutError:
-            result.error, result.lost = "no answer", True
-            return
-        except (ConnectionError, http.client.RemoteDisconnected, urllib.error.URLError) as exc:
-            reason = getattr(exc, "reason", exc)
-            if isinstance(reason, TimeoutError):
-                result.error, result.lost = "no answer", True
-                return
-            if isinstance(reason, (ConnectionError, http.client.RemoteDisconnected)):
-                raise _Refused(type(reason).__name__) from None   # refused or closed before any answer
-            raise
-        with resp:
-            self._read_events(resp, result)
-
-    def _read_events(self, resp: http.client.HTTPResponse, result: Result) -> None:
-        finished = False
-        try:
-            for raw in resp:
-                line = raw.strip()
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[6:]
-                if data == b"[DONE]":
-                    finished = True
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    result.error = f"stream error {event['error'].get('code')}"
+            async with self.session.post(f"{url}/completions", json=body) as resp:
+                if resp.status != 200:
+                    try:
+                        code = (await resp.json(content_type=None))["error"].get("code")
+                    except (ValueError, KeyError, TypeError, aiohttp.ClientError):
+                        code = None
+                    if resp.status == 503 and code in ("server_shutting_down", "server_overloaded"):
+                        raise _Refused(code)      # a load balancer (or the openai client) tries again
+                    result.error = f"HTTP {resp.status} {code}"
                     return
-                if event.get("usage"):
-                    result.tokens = event["usage"]["completion_tokens"]
-                if result.ttft is None and event.get("choices"):
-                    result.ttft = time.monotonic() - result.sent
-        except TimeoutError:
-            result.error = "stream stalled"
-            return
-        except (ConnectionError, http.client.HTTPException) as exc:
+                await self._read_events(resp, result)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError) as exc:
+            if result.ttft is None and result.error is None:
+                raise _Refused(type(exc).__name__) from None    # refused, or closed before any answer
             result.error = f"stream cut ({type(exc).__name__})"
-            return
+        except TimeoutError:
+            if result.ttft is None:
+                result.error, result.lost = "no answer", True
+            else:
+                result.error = "stream stalled"
+        except aiohttp.ClientError as exc:
+            result.error = f"stream cut ({type(exc).__name__})"
+
+    async def _read_events(self, resp: aiohttp.ClientResponse, result: Result) -> None:
+        finished, pending = False, b""
+        async for data in resp.content.iter_any():
+            *events, pending = (pending + data).split(b"\n\n")
+            for event in events:
+                if not event.startswith(b"data: "):
+                    continue
+                if event == b"data: [DONE]":
+                    finished = True
+                elif b'"choices":[{' in event:          # a token chunk (parsed only when needed)
+                    if result.ttft is None:
+                        result.ttft = time.monotonic() - result.sent
+                else:
+                    chunk = json.loads(event[6:])
+                    if "error" in chunk:
+                        result.error = f"stream error {chunk['error'].get('code')}"
+                        return
+                    if chunk.get("usage"):
+                        result.tokens = chunk["usage"]["completion_tokens"]
         if not finished or result.tokens != self.max_tokens:
             result.error = f"stream ended early ({result.tokens} of {self.max_tokens} tokens)"
