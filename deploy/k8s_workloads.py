@@ -273,9 +273,10 @@ def core_manifests(topo: Topology, core: CoreNode) -> list[dict]:
     data = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": topo.kube.data_pvc_size}}}
     if topo.kube.storage_class:
         data["storageClassName"] = topo.kube.storage_class
-    if world > 1:
+    if world > 1:     # the budget covers every pod of the core: evicting a worker recreates its whole group
+        group = {"app.kubernetes.io/name": APP, "edgecore.dev/node": core.name}
         return [service, _leader_worker_set(topo, core, container, volumes, data),
-                _disruption_budget(name, lab, sel, core.replicas)]
+                _disruption_budget(name, lab, group, core.replicas)]
     statefulset = {
         "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name, "labels": lab},
         "spec": {"serviceName": name, "replicas": core.replicas, "selector": {"matchLabels": sel},
@@ -315,9 +316,12 @@ def _leader_worker_set(topo: Topology, core: CoreNode, leader: dict, volumes: li
                       core.drain_timeout)
     for key in ("startupProbe", "readinessProbe", "livenessProbe"):    # a worker serves no HTTP
         worker_pod["spec"]["containers"][0].pop(key)
+    del worker_pod["spec"]["topologySpreadConstraints"]    # a group's ranks stay together (no zone spreading)
     del worker_pod["metadata"]["annotations"]                              # nor metrics
     rolling = {"maxUnavailable": 1, "maxSurge": 0} if core.replicas > 1 else {"maxUnavailable": 0, "maxSurge": 1}
-    return {"apiVersion": LWS_API, "kind": "LeaderWorkerSet", "metadata": {"name": name, "labels": lab},
+    # Its own name: the LWS controller makes a headless Service of that name (publishing pods not yet Ready) and
+    # LWS_LEADER_ADDRESS names the leader through it; edgecore's Service `name` publishes Ready leaders only.
+    return {"apiVersion": LWS_API, "kind": "LeaderWorkerSet", "metadata": {"name": f"{name}-ranks", "labels": lab},
             "spec": {"replicas": core.replicas, "startupPolicy": "LeaderCreated",
                      "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": rolling},
                      "leaderWorkerTemplate": {

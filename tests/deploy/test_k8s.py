@@ -157,11 +157,15 @@ def test_parallel_core_gets_its_layout_and_parses(tmp_path):
             for a in worker["args"]]
     parsed = build_parser().parse_args(args)
     assert (parsed.rank, parsed.tp, parsed.pp, parsed.master) == (1, 2, 1, "core-east-0.core-east:29500")
-    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == lws["metadata"]["name"])
+    assert lws["metadata"]["name"] == "core-east-ranks"     # not the Service's name: LWS makes its own
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "core-east")
+    assert "topologySpreadConstraints" not in group["workerTemplate"]["spec"]
+    pdb = next(d for d in docs if d["kind"] == "PodDisruptionBudget" and d["metadata"]["name"] == "core-east")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= group["workerTemplate"]["metadata"]["labels"].items()
     assert service["spec"]["selector"].items() <= group["leaderTemplate"]["metadata"]["labels"].items()
     assert not service["spec"]["selector"].items() <= group["workerTemplate"]["metadata"]["labels"].items()
     cluster = Cluster([("edgecore", d) for d in docs])
-    leader_pod, worker_pod = cluster.pod("core-east"), cluster.pod("core-east-worker")
+    leader_pod, worker_pod = cluster.pod("core-east-ranks"), cluster.pod("core-east-ranks-worker")
     assert cluster.allowed(worker_pod, leader_pod, 29500) and cluster.allowed(leader_pod, worker_pod, 40123)
     assert not cluster.allowed(cluster.pod("edge-west"), worker_pod, 40123)
     compiles = {}
@@ -232,7 +236,8 @@ def test_any_valid_topology_renders_manifests_that_check(tmp_path):
         net = Cluster(docs)
         stranger = Pod("x", "default", {})
         for c in topo.cores:
-            target = net.pod(c.name if c.name.startswith("core") else f"core-{c.name}")
+            name = c.name if c.name.startswith("core") else f"core-{c.name}"
+            target = net.pod(name if c.tp * c.pp == 1 else f"{name}-ranks")     # a parallel core's leader
             assert not net.allowed(stranger, target, c.http_port) and not net.allowed(stranger, target, c.port)
             assert net.allowed(Pod("etl", topo.kube.namespace, {"app": "etl"}), target, c.http_port)
             for e in topo.edges:

@@ -71,7 +71,7 @@ def test_three_regions_resources_claims_and_gpus(three):
     assert "core-east" not in sts                              # tp = 2: a LeaderWorkerSet, one rank per pod
     [lws] = [d for _, d in docs["LeaderWorkerSet"]]
     group = lws["spec"]["leaderWorkerTemplate"]
-    assert lws["metadata"]["name"] == "core-east" and group["size"] == 2 and lws["spec"]["replicas"] == 2
+    assert lws["metadata"]["name"] == "core-east-ranks" and group["size"] == 2 and lws["spec"]["replicas"] == 2
     for template in ("leaderTemplate", "workerTemplate"):
         east = group[template]["spec"]["containers"][0]
         assert east["image"] == "edgecore:latest-cuda"
@@ -106,7 +106,7 @@ def test_network_policies_admit_what_the_docs_say(three):
     for region in ("gpu-east", "cpu-west"):
         everything += [(namespace, o) for o in build(out / "overlays" / region)[1] if o["kind"] != "NetworkPolicy"]
     net = Cluster(everything)
-    north, west_edge, east = net.pod("edge-north"), net.pod("edge-west"), net.pod("core-east")
+    north, west_edge, east = net.pod("edge-north"), net.pod("edge-west"), net.pod("core-east-ranks")
     west_core = net.pod("core-west")
     prometheus = Pod("prometheus-0", "observability", {"app": "prometheus", "tier": "monitoring"})
     impostor = Pod("prometheus-0", "default", {"app": "prometheus", "tier": "monitoring"})
