@@ -127,6 +127,8 @@ class Soak:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.load is not None:
+            self.load.stop()
         if self.launcher is not None:
             self.launcher.stop()
         self.log.close()
@@ -156,7 +158,7 @@ class Soak:
             f, results = self.faults[-1], self.load.results
             progress(f"{time.monotonic() - self.t0:.0f}/{seconds:.0f} s: {f.kind} {f.target} over in {f.took:.1f} s"
                      f"{' (' + f.error + ')' if f.error else ''}; {len(results)} requests sent, "
-                     f"{sum(r.error is not None for r in results)} failed")
+                     f"{sum(_failed(r) for r in results)} failed")
             k += 1
         self._stop.wait(max(0.0, end - time.monotonic()))
 
@@ -168,13 +170,13 @@ class Soak:
         started = time.monotonic()
         before = len(self.load.results)
         for proc in self.launcher.procs:
-            self.nodes[proc.label].restarts.append(time.monotonic() - self.t0)
             self.launcher.restart(proc)
+            self.nodes[proc.label].restarts.append(time.monotonic() - self.t0)
         during = self.load.results[before:len(self.load.results)]
         self.load.stop()
         self._stop.set()
         self.rolling = {"seconds": round(time.monotonic() - started, 1), "requests": len(during),
-                        "failed": sum(r.error is not None for r in during), "lost": sum(r.lost for r in during)}
+                        "failed": sum(map(_failed, during)), "lost": sum(r.lost for r in during)}
 
     def _procs(self, role: str) -> list[Proc]:
         assert self.launcher is not None
@@ -196,20 +198,28 @@ class Soak:
         launcher.say(f"soak: {kind} {record.target} at {record.at:.0f} s")
         try:
             if kind == "kill_core":
-                self.nodes[proc.label].restarts.append(now - self.t0)
-                launcher.kill(proc)
-                launcher.respawn(proc, now)
+                try:
+                    launcher.kill(proc)
+                    launcher.respawn(proc, now)
+                finally:                  # a fresh process from here (its warm-up is not judged)
+                    self.nodes[proc.label].restarts.append(time.monotonic() - self.t0)
             elif kind in ("drain_core", "drain_edge"):
-                self.nodes[proc.label].restarts.append(now - self.t0)
-                launcher.restart(proc)
+                try:
+                    launcher.restart(proc)
+                finally:
+                    self.nodes[proc.label].restarts.append(time.monotonic() - self.t0)
             elif kind == "cut_link":
-                wan.cut(a, b)
-                time.sleep(CUT_S)
-                wan.cut(a, b, up=True)
+                try:
+                    wan.cut(a, b)
+                    time.sleep(CUT_S)
+                finally:
+                    wan.cut(a, b, up=True)
             else:
-                wan.set_bandwidth(a, b, LINK_MBIT / 10)
-                time.sleep(SLOW_S)
-                wan.set_bandwidth(a, b, LINK_MBIT)
+                try:
+                    wan.set_bandwidth(a, b, LINK_MBIT / 10)
+                    time.sleep(SLOW_S)
+                finally:
+                    wan.set_bandwidth(a, b, LINK_MBIT)
         except Exception as exc:   # noqa: BLE001 - a fault that could not be injected or undone is reported
             record.error = f"{type(exc).__name__}: {exc}"
             launcher.say(f"soak: {kind} {record.target} failed: {record.error}")
@@ -228,11 +238,11 @@ class Soak:
         results = self.load.results
         causes: dict[str, int] = {}
         for r in results:
-            if r.error is not None and not r.lost:
+            if _failed(r) and r.error is not None:
                 causes[r.error] = causes.get(r.error, 0) + 1
         return {
             "requests": {"sent": len(results), "completed": sum(r.error is None and not r.lost for r in results),
-                         "failed": sum(r.error is not None and not r.lost for r in results),
+                         "failed": sum(map(_failed, results)),
                          "lost": sum(r.lost for r in results), "failed_by_cause": causes,
                          "retried": sum(r.retries > 0 for r in results)},
             "minutes": self._minutes(results),
@@ -249,11 +259,16 @@ class Soak:
         for minute in sorted(rows):
             ttfts = sorted(r.ttft for r in rows[minute] if r.ttft is not None)
             out.append({"minute": minute, "sent": len(rows[minute]),
-                        "failed": sum(r.error is not None for r in rows[minute]),
+                        "failed": sum(map(_failed, rows[minute])), "lost": sum(r.lost for r in rows[minute]),
                         "ttft_p50_ms": round(1000 * ttfts[len(ttfts) // 2], 1) if ttfts else None,
                         "ttft_p99_ms": round(1000 * _quantile(ttfts, 0.99), 1) if ttfts else None,
                         "faults": [f"{f.kind} {f.target}" for f in self.faults if int(f.at // 60) == minute]})
         return out
+
+
+def _failed(r: Result) -> bool:
+    """Answered with an error (a lost request, which had no answer, is counted apart)."""
+    return r.error is not None and not r.lost
 
 
 def _quantile(xs: list[float], q: float) -> float:

@@ -58,6 +58,7 @@ class Load:
         self.results: list[Result] = []
         self._counter = itertools.count()
         self._stopping = False
+        self._closed = False
         self._tasks: set[asyncio.Task] = set()
         self._arrivals_done: Future | None = None
         self.loop = asyncio.new_event_loop()
@@ -107,7 +108,10 @@ class Load:
 
     def stop(self) -> None:
         """Stop sending; every request in flight gets up to `LOST_S` s from its arrival; what has no answer by
-        then is lost. Then the session and the loop close."""
+        then is lost. Then the session and the loop close (once: a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         self._stopping = True
         if self._arrivals_done is not None:
             self._arrivals_done.result(30)
@@ -154,8 +158,10 @@ class Load:
     async def _stream(self, url: str, ids: list[int], result: Result) -> None:
         body = {"model": self.model, "prompt": ids, "max_tokens": self.max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        answered = False                 # the response's head came: from then on a broken stream is a failure
         try:
             async with self.session.post(f"{url}/completions", json=body) as resp:
+                answered = True
                 if resp.status != 200:
                     try:
                         code = (await resp.json(content_type=None))["error"].get("code")
@@ -166,16 +172,14 @@ class Load:
                     result.error = f"HTTP {resp.status} {code}"
                     return
                 await self._read_events(resp, result)
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError) as exc:
-            if result.ttft is None and result.error is None:
-                raise _Refused(type(exc).__name__) from None    # refused, or closed before any answer
-            result.error = f"stream cut ({type(exc).__name__})"
         except TimeoutError:
-            if result.ttft is None:
-                result.error, result.lost = "no answer", True
-            else:
+            if answered:
                 result.error = "stream stalled"
+            else:
+                result.error, result.lost = "no answer", True
         except aiohttp.ClientError as exc:
+            if not answered and isinstance(exc, aiohttp.ClientConnectionError):
+                raise _Refused(type(exc).__name__) from None    # refused, reset or closed before any answer
             result.error = f"stream cut ({type(exc).__name__})"
 
     async def _read_events(self, resp: aiohttp.ClientResponse, result: Result) -> None:
