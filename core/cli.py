@@ -66,8 +66,7 @@ def run_core(args: argparse.Namespace) -> int:
                         pp_split=pp_split,
                         pp_micro_batches=settings.pp_micro_batches,
                         # worker ranks' stream ports do not present credentials yet: rank 0 sends all KV
-                        gather_kv=settings.gather_kv or identity is not None or settings.external_workers,
-                        external_workers=settings.external_workers,
+                        gather_kv=settings.gather_kv or identity is not None, external_workers=settings.external_workers,
                         stream_layers=not settings.kv_after_prefill, engine_threads=engine_threads,
                         rendezvous=settings.rendezvous,
                         handover=HandoverLimits(settings.handover_max_tokens, settings.handover_max_seconds,

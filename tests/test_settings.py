@@ -171,13 +171,16 @@ def test_launcher_argv_comes_from_the_renderer(rendered, monkeypatch):
 def test_manifest_argv_comes_from_the_renderer(rendered):
     topo, calls = rendered
 
-    def args(doc):
-        return doc["spec"]["template"]["spec"]["containers"][0]["args"]
+    def args(doc):      # a parallel core's LeaderWorkerSet: the leader runs the core
+        template = doc["spec"]["leaderWorkerTemplate"]["leaderTemplate"] if doc["kind"] == "LeaderWorkerSet" \
+            else doc["spec"]["template"]
+        return template["spec"]["containers"][0]["args"]
     argvs = [args(core_manifests(topo, topo.cores[0])[1]), *(args(edge_manifests(topo, e)[0]) for e in topo.edges)]
     assert [parse(argv) for argv in argvs] == calls
     core, east, west = (parse(argv) for argv in argvs)
     assert (core.name, core.device, core.tp, core.pp, core.gather_kv, core.listen, core.data_dir) == \
         ("core-east", "cuda", 2, 2, True, "0.0.0.0:7200", "/data")
+    assert (core.external_workers, core.rendezvous) == (True, "0.0.0.0:29500")
     assert (east.codec, east.transfer_timeout, east.compile, east.core_dns, east.model_from) == \
         (("fp8", "int8"), 4.5, True, ("core-east:7200",), "http://core-east:7201")
     assert (west.codec, west.compile, west.core_dns, west.model_from) == (("lossless",), False, (), None)
