@@ -4,7 +4,8 @@ Life cycle: `CoreServer(config)` loads the model (or starts a parallel core's
 ranks, core/ranks.py) and keeps only an `EngineHandle` to it; `start()` starts
 the engine thread, the `LayerStreamer` (its per-layer hook), the
 `PrefillService` (core/prefill_service.py: edges' sessions and their KV
-transfers) behind the protocol server, the batch subsystem (store, contexts,
+transfers) behind the protocol server, the prefix digests those edges route by
+(core/cache_digest.py), the batch subsystem (store, contexts,
 runner, API routes) and the control port (core/http.py). Each of them receives
 the handle, not the node. A rank that dies, or an engine thread that fails, marks
 the node failed (`mark_failed`: it stops serving, edges fail over, /health turns
@@ -27,6 +28,7 @@ from pathlib import Path
 from ssl import SSLContext
 from typing import TYPE_CHECKING
 
+from edgecore.core.cache_digest import CacheDigests
 from edgecore.core.kv_sender import LayerStreamer
 from edgecore.core.metrics import CoreMetrics
 from edgecore.core.prefill_service import MAX_INFLIGHT, OUTBOX_BYTES, PrefillService
@@ -128,6 +130,8 @@ class CoreServer:
                                       config.max_inflight, admitted, config.outbox_bytes)
         self.prefill.adapters = engine.lora.fingerprints()
         self.metrics.prefill_backlog.set_function(self.prefill.backlog_tokens)     # read at scrape time
+        self.digests = CacheDigests(self.handle.cache_changes, self.handle.block_size, self.prefill.backlog_tokens,
+                                    lambda: [(s.peer, s.outbox) for s in self.prefill.sessions])
         self.metrics.draining.set_function(lambda: float(self.draining))
         self.server: asyncio.Server | None = None
         self.http_runner: web.AppRunner | None = None
@@ -171,6 +175,7 @@ class CoreServer:
                                   streams=self.stream_ports, identity=c.identity, trust=c.trust,
                                   sealed=link_sealed())
         self.port = self.server.sockets[0].getsockname()[1]
+        self.digests.start()
         if self.failure is not None:     # failed while starting: the port opens closed
             self.server.close()
         if self.workers:
@@ -229,6 +234,7 @@ class CoreServer:
             self.watch.stop_all()
         if self.server is not None:
             self.server.close()
+        await self.digests.stop()
         await self.prefill.close()
         if self.http_runner is not None:
             await self.http_runner.cleanup()

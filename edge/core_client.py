@@ -12,7 +12,9 @@ transfer (EWMA). A core that announces its drain (Draining, protocol version 4)
 gets no new requests on that connection at once (`healthy` is False) while its
 requests in flight finish; if the connection is still open `DRAIN_GRACE` seconds
 after the drain timeout it announced, it is failed here (its requests fail over
-as for a dead core). A new connection (the restarted core) starts undrained.
+as for a dead core). A new connection (the restarted core) starts undrained. The main connection asks for the
+core's prefix digests (capability "prefix-digest"): `cache` (edge/core_cache.py) holds what the core said its
+prefix cache holds and its queue, fresh for each connection.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import cast
 from collections.abc import Callable, Set
 from ssl import SSLContext
 
+from edgecore.edge.core_cache import CoreCache
 from edgecore.protocol import messages as m
 from edgecore.protocol.credentials import NodeIdentity, Trust
 from edgecore.protocol.errors import ErrorCode
@@ -58,6 +61,7 @@ class CoreClient:
         self.bandwidth: float | None = None      # wire bytes/s while KV arrived, EWMA over transfers
         self.last_bandwidth: float | None = None  # the same for the latest transfer alone
         self.draining = False                    # the core announced its drain on the current connection
+        self.cache = CoreCache()                 # what the core's digests say it holds (current connection)
         self.drain_grace = DRAIN_GRACE
         self._drain_timer: asyncio.TimerHandle | None = None
         self._failing: asyncio.Future | None = None    # failing the connection of a core whose drain overran
@@ -107,11 +111,12 @@ class CoreClient:
                 self.peer = await connect(self.host, self.port, secret=self.secret, fingerprint=self.fingerprint,
                                           codecs=self.codecs, timeouts=self.timeouts, ssl=self.ssl, name=self.name,
                                           session=os.urandom(16).hex(), identity=self.identity, trust=self.trust,
-                                          sealed=self.sealed)
+                                          sealed=self.sealed, capabilities=(*m.CAPABILITIES, m.PREFIX_DIGEST))
             except PeerError as exc:
                 self.last_error = str(exc)
                 raise
             self.last_error = None
+            self.cache = CoreCache()
             self._end_drain()
             self.reader = asyncio.create_task(self._read(self.peer))
             await self.peer.ping()
@@ -141,6 +146,10 @@ class CoreClient:
                 ev = await peer.recv()
                 if isinstance(ev, m.Draining):
                     self._on_draining(peer, ev)
+                    continue
+                if isinstance(ev, m.CacheDigest):
+                    if peer is self.peer:
+                        self.cache.apply(ev)
                     continue
                 rid = ev.chunk.request_id if isinstance(ev, KVData) else getattr(ev, "request_id", "")
                 queue = self.inflight.get(rid)

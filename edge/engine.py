@@ -7,8 +7,12 @@ engine process does to forward them without a task switch per token):
    short (below `local_prefill_below`, a measured crossover), or when the edge's
    own prefix cache leaves only a short uncached suffix, or when the request
    follows a grammar (the mask must choose every token, the first included,
-   so it never asks a core to sample or decode); otherwise pick a core by RTT
-   and load.
+   so it never asks a core to sample or decode); otherwise pick the core with
+   the least predicted time to first token for this prompt (edge/core_choice.py:
+   RTT, its prefill queue, and the prompt tokens its prefix cache does not hold,
+   from its digests); with `local_prefill_below` auto, the edge's own prediction
+   (its uncached suffix behind its own prefill queue) competes too. The choice
+   and its predictions go to the log (logger edgecore.placement) and metrics.
 2. Remote (`RemotePrefill`, edge/remote_prefill.py, around the sans-IO
    `KVReceiver`, edge/kv_receiver.py): reserve blocks for the prompt (the
    locally cached prefix is announced as `skip_tokens`), send a PrefillRequest
@@ -42,6 +46,7 @@ from ssl import SSLContext
 from collections.abc import AsyncIterator, Callable
 
 from edgecore.edge.codec_policy import CURVE, DEFAULT_QUALITY_BUDGET, choose_codec, with_layer0
+from edgecore.edge.core_choice import CoreChoice, Prediction
 from edgecore.edge.core_client import CoreClient, CoreRouter
 from edgecore.edge.metrics import EdgeMetrics
 from edgecore.edge.placement import PrefillModel
@@ -64,9 +69,11 @@ from edgecore.shared.errors import EngineDead
 from edgecore.shared.fingerprint import model_fingerprint
 from edgecore.shared.kv.transfer import layers_at_edge
 from edgecore.shared.kv.wire import codec_rope
+from edgecore.shared.lora import scope_salt
 from edgecore.shared.lora_files import MAX_LORA_RANK
 
 log = logging.getLogger("edgecore.edge")
+placement_log = logging.getLogger("edgecore.placement")     # one line per request prefilled at a core
 
 PINNED_SHARE = 0.25     # of the KV pool that prefetched contexts may keep pinned
 
@@ -160,32 +167,41 @@ class EdgeEngine:
         self.metrics.generation_tokens.inc(sum(len(o.new_token_ids) for o in outputs))
 
     # ---- placement ---------------------------------------------------------
-    async def _placement(self, request: EngineRequest, sink: OutputSink) -> tuple[str, str, bool]:
-        """Where the prompt is prefilled: (where, reason, whether the request was already admitted here). With
+    async def _placement(self, request: EngineRequest, sink: OutputSink) -> tuple[str, str, bool, CoreChoice | None]:
+        """Where the prompt is prefilled: (where, reason, whether the request was already admitted here, the cores'
+        predictions when they were made). With
         a fixed threshold, one engine call both measures the cached prefix and, when the rest is short, admits
         the request right there: one step sooner to the first token than deciding first and adding after."""
         params, prompt_ids, needs = request.params, _ids(request), _needs(request)
         if not self.router.healthy(needs):          # an adapter goes only to a core that serves adapters
             reason = "no_lora_core" if needs and self.router.healthy() else "no_core"
-            return "local", reason if self.router.clients else "no_core_configured", False
+            return "local", reason if self.router.clients else "no_core_configured", False, None
         if params.prompt_logprobs is not None:    # they come from this engine's prefill logits
-            return "local", "prompt_logprobs", False
+            return "local", "prompt_logprobs", False, None
         if params.guided is not None:     # a core would choose the first token without the grammar's mask
-            return "local", "guided", False
+            return "local", "guided", False, None
         threshold = self.config.local_prefill_below
         if threshold == 0:                # never here: no engine turn to measure the cached prefix
-            return "remote", "", False
+            return "remote", "", False, None
         if threshold is None:             # the measured crossover: decided here, on the event loop
             cached = await self.handle.cached_prefix(prompt_ids, request.cache_salt, request.adapter)
-            uncached = len(prompt_ids) - cached
-            best = self.router.pick(needs=needs)
-            if best is not None and self.prefill_model.local_is_faster(uncached, best.address, best.rtt):
-                return "local", "faster_here" if cached == 0 else "prefix_cached", False
-            return "remote", "", False
+            uncached, choice = len(prompt_ids) - cached, self._choice(request)
+            best, queue = choice.best(), self.handle.stats().prefill_tokens_left
+            if best is not None and self.prefill_model.local_is_faster(uncached, best.address, best.seconds, queue):
+                return "local", "faster_here" if cached == 0 else "prefix_cached", False, choice
+            return "remote", "", False, choice
         cached, admitted = await self.handle.submit_if_uncached_below(request, sink, threshold)
         if not admitted:
-            return "remote", "", False
-        return "local", "short" if cached == 0 else "prefix_cached", True
+            return "remote", "", False, None
+        return "local", "short" if cached == 0 else "prefix_cached", True, None
+
+    def _choice(self, request: EngineRequest) -> CoreChoice:
+        """The healthy cores that can take `request`, each with its predicted time to first token for it (its
+        prefix cache scoped as the core scopes it: the cache salt, under an adapter its name and fingerprint)."""
+        salt = request.cache_salt
+        if request.adapter:
+            salt = scope_salt(salt, request.adapter, self.adapters.get(request.adapter, ""))
+        return CoreChoice(self.router.healthy(_needs(request)), _ids(request), salt, self.prefill_model)
 
     def _codec(self, client: CoreClient, num_tokens: int) -> str:
         assert client.peer is not None          # a picked core is connected
@@ -277,7 +293,7 @@ class EdgeEngine:
         None."""
         n, mean = len(_ids(request)), self.prompt_tokens_mean
         self.prompt_tokens_mean = n if mean is None else 0.9 * mean + 0.1 * n
-        where, reason, admitted = await self._placement(request, sink)
+        where, reason, admitted, choice = await self._placement(request, sink)
         progress.placed_at = time.perf_counter()
         self.metrics.queue_time.observe(progress.placed_at - progress.arrived)
         trace = progress.trace
@@ -285,7 +301,7 @@ class EdgeEngine:
             trace.placed(where, reason, progress.placed_at)
         core = None
         if where == "remote":
-            core = await self._remote_with_retries(request, sink, trace)
+            core = await self._remote_with_retries(request, sink, progress, choice or self._choice(request))
             admitted = core is not None
             reason = "core_failed"
         if core is None:                  # placed here, or every core failed
@@ -296,17 +312,20 @@ class EdgeEngine:
             await self.handle.submit(request, sink)
         return core
 
-    async def _remote_with_retries(self, request: EngineRequest, sink: OutputSink, trace: RequestTrace | None = None
-                                   ) -> CoreClient | None:
-        """Prefill at a core, then decode here; None when every core tried failed (nothing admitted). Traced,
-        each attempt is a span whose traceparent the core gets."""
+    async def _remote_with_retries(self, request: EngineRequest, sink: OutputSink, progress: Progress,
+                                   choice: CoreChoice) -> CoreClient | None:
+        """Prefill at a core, then decode here; None when every core tried failed (nothing admitted). The cores
+        are tried best predicted first. Traced, each attempt is a span whose traceparent the core gets."""
         tried: set[str] = set()
+        trace = progress.trace
         for attempt in range(self.config.max_core_attempts):
-            client = self.router.pick(tried, needs=_needs(request))
-            if client is None:
+            pick = choice.best(tried)
+            if pick is None:
                 break
+            client = pick.client
             tried.add(client.address)
             traced = request if trace is None else replace(request, traceparent=trace.attempt(client.address))
+            self._chosen(request, pick, choice, progress)
             try:
                 await self._remote(client, traced, sink, trace)
                 return client
@@ -317,6 +336,19 @@ class EdgeEngine:
                             "retrying" if attempt + 1 < self.config.max_core_attempts else "prefilling locally")
                 self.metrics.failovers.inc()
         return None
+
+    def _chosen(self, request: EngineRequest, pick: Prediction, choice: CoreChoice, progress: Progress) -> None:
+        """A core takes the prefill: its queue grows by the tokens it computes; the prediction is logged and
+        measured (the request's first token tells how good it was)."""
+        choice.sent(pick)
+        progress.predicted = pick.seconds
+        self.metrics.prefill_predicted.observe(pick.seconds)
+        self.metrics.core_cached_tokens.inc(pick.cached)
+        placement_log.info("request %s: prefill at core %s, predicted TTFT %.3f s (%d of %d prompt tokens cached "
+                           "there); %s", request.request_id, pick.address, pick.seconds, pick.cached,
+                           pick.cached + pick.uncached, choice.describe())
+        if progress.trace is not None:
+            progress.trace.predicted(pick.address, pick.seconds, pick.cached)
 
     async def prefetch(self, prompt_ids: list[int]) -> dict:
         """Bring a context's KV to this edge ahead of requests (from a core if one is healthy, else by
@@ -429,6 +461,8 @@ class EdgeEngine:
                        "load": c.load, "stream_connections": len(c.streams),
                        "bandwidth_MBps": _megabytes_per_s(c.bandwidth),
                        "last_transfer_MBps": _megabytes_per_s(c.last_bandwidth),
+                       "prefix_digest": {"blocks": len(c.cache.hashes), "block_size": c.cache.block_size,
+                                         "queued_tokens": c.cache.queue} if c.cache.known else None,
                        "error": c.last_error} for c in self.router.clients],
         })
         return stats

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 LATENCY = (.005, .01, .02, .04, .06, .08, .1, .25, .5, .75, 1, 2.5, 5, 7.5, 10, 20, 40)
 TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 HANDOVER_OUTCOMES = ("taken_over", "finished_on_core", "refused", "core_failed")
+RATIO = (.125, .25, .5, .67, .8, .9, 1.1, 1.25, 1.5, 2, 4, 8)
 TPOT = (.001, .0025, .005, .01, .02, .04, .06, .08, .1, .15, .2, .3, .4, .5, .75, 1, 2.5)
 
 
@@ -70,6 +71,13 @@ class EdgeMetrics:
                                    "failed")
         self.contexts_unpinned = m.counter("edgecore:contexts_unpinned", "Prefetched contexts unpinned to keep "
                                            "pinned blocks within their share of the KV pool")
+        self.prefill_predicted = m.histogram("edgecore:core_prefill_predicted_seconds", "Predicted time to first "
+                                             "token at the core chosen for a prefill (edge/core_choice.py)",
+                                             buckets=LATENCY)
+        self.prediction_ratio = m.histogram("edgecore:core_prefill_prediction_ratio", "Measured ÷ predicted time "
+                                            "to first token of a prefill at a core", buckets=RATIO)
+        self.core_cached_tokens = m.counter("edgecore:core_prefix_hit_tokens", "Prompt tokens the chosen core "
+                                            "held in its prefix cache, by its digest, for prefills sent to it")
         self.local_prefills = m.counter("edgecore:local_prefills", "Prefills done at the edge", "reason")
         self.remote_prefills = m.counter("edgecore:remote_prefills", "Prefills done at a core", "codec")
         self.errors = m.counter("edgecore:request_errors", "Requests answered with an error", "status")

@@ -9,12 +9,18 @@ threshold decides. So that a core's estimate does not go stale while every
 prompt stays local, one in `explore_every` prompts that the fixed threshold
 would have sent to the core still goes there. `predict_ttft` turns the same
 rates into the edge's predicted time to first token for a new request (the
-`edgecore:predicted_ttft_seconds` gauge, an autoscaling signal).
+`edgecore:predicted_ttft_seconds` gauge, an autoscaling signal). `predict_core` and `predict_local` are the
+per-request predictions that prefix-aware routing compares (edge/core_choice.py): the tokens a place would
+compute, behind its prefill queue, at its rate; a rate not measured yet is borrowed (another core's, the
+edge's) or, with nothing measured, PRIOR_SECONDS_PER_TOKEN. The measured rates include the queueing their
+prefills met, so under load the queue term counts some of it twice: a first-order model, ranked, not trusted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+PRIOR_SECONDS_PER_TOKEN = 1e-3     # before anything is measured: a small model on a few CPU cores
 
 
 class PrefillModel:
@@ -38,11 +44,32 @@ class PrefillModel:
             self.remote_per_token[core] = self._ewma(self.remote_per_token.get(core),
                                                      max(0.0, seconds - rtt) / tokens)
 
-    def local_is_faster(self, tokens: int, core: str, rtt: float) -> bool:
-        remote = self.remote_per_token.get(core)
-        if self.local_per_token is None or remote is None:
+    def core_rate(self, core: str) -> float:
+        """Seconds per prompt token at `core`: measured, else the best measured core's, else the edge's, else the
+        prior."""
+        rate = self.remote_per_token.get(core)
+        if rate is None and self.remote_per_token:
+            rate = min(self.remote_per_token.values())
+        return rate if rate is not None else self.local_per_token or PRIOR_SECONDS_PER_TOKEN
+
+    def predict_core(self, core: str, rtt: float, uncached: int, queue: int) -> float:
+        """Time to first token at `core`: the round trip, then its `queue` of prompt tokens and the `uncached`
+        ones this prompt adds."""
+        return rtt + (max(0, queue) + uncached) * self.core_rate(core)
+
+    def predict_local(self, uncached: int, queue: int) -> float | None:
+        """Time to first token here behind `queue` prompt tokens; None before a local prefill was measured."""
+        if self.local_per_token is None:
+            return None
+        return (max(0, queue) + uncached) * self.local_per_token
+
+    def local_is_faster(self, tokens: int, core: str, core_seconds: float, queue: int = 0) -> bool:
+        """Prefill here (`tokens` uncached here, behind `queue` prompt tokens) rather than at `core`, predicted to
+        take `core_seconds` (`predict_core`); the fixed threshold until both sides were measured."""
+        local = self.predict_local(tokens, queue)
+        if local is None or core not in self.remote_per_token:
             return tokens < self.fallback
-        local = tokens * self.local_per_token <= rtt + tokens * remote
+        local = local <= core_seconds
         if local and tokens >= self.fallback:
             self._local_picks += 1
             if self._local_picks % self.explore_every == 0:

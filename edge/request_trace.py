@@ -46,6 +46,11 @@ class RequestTrace:
         self.prefill = self.tracer.start("edge.prefill.remote", self.root, core=core)
         return self.prefill.traceparent
 
+    def predicted(self, core: str, seconds: float, cached_tokens: int) -> None:
+        """Why `core` was chosen: its predicted time to first token and the prompt tokens it held."""
+        if self.prefill is not None:
+            self.prefill.set(predicted_ttft_s=round(seconds, 4), core_cached_tokens=cached_tokens)
+
     def attempt_failed(self, why: str) -> None:
         if self.prefill is not None:
             self.prefill.fail(why)

@@ -23,10 +23,14 @@ DRAIN_VERSION = 4                      # first version with Draining (a core ann
 # entropy-coded levels' compact parameters (docs/wire-format.md, q4e/q3e/q2e flag bits 2 and 3); a core
 # sends them only to a peer that says so. "lora": a core reads PrefillRequest's `adapter` fields (a core without it
 # drops them, as unknown trailing fields, and would prefill with the base model): an edge sends a request with an
-# adapter only to a core that says so.
+# adapter only to a core that says so. "prefix-digest" (not in CAPABILITIES: a client asks for it, `connect`'s
+# `capabilities`): an edge reads CacheDigest (what the core's prefix cache holds and its queue); a core sends it only to
+# an edge that says so.
 COMPACT_KV_PARAMS = "kv-compact-params"
 LORA_ADAPTERS = "lora"
+PREFIX_DIGEST = "prefix-digest"
 CAPABILITIES = (COMPACT_KV_PARAMS, LORA_ADAPTERS)
+DIGEST_MAX_HASHES = 4096               # block hashes in one CacheDigest (32 KiB: its msgpack header stays small)
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, tag_field="t", frozen=True):
@@ -185,6 +189,19 @@ class Draining(_Msg, tag=17, frozen=True):
     message: str = ""
 
 
+# Capability "prefix-digest": a core tells an edge which prompt prefixes its prefix cache holds, as the chained
+# block hashes of shared/kv/block_manager.py (each 8 bytes little-endian, at most DIGEST_MAX_HASHES per frame), and
+# how much prefill work it has queued. The first digest on a connection has `reset` (the set so far, maybe in several
+# frames: only the first has `reset`); later ones carry the changes since the previous one. The edge predicts each
+# core's time to first token from it (edge/core_cache.py).
+class CacheDigest(_Msg, tag=18, frozen=True):
+    block_size: int                    # tokens per hashed block
+    stored: bytes = b""                # hashes cached since the previous digest
+    evicted: bytes = b""               # hashes no longer cached
+    reset: bool = False                # forget every hash announced before this frame
+    queued_tokens: int = 0             # prompt tokens waiting or prefilling at the core, every edge's
+
+
 class Ping(_Msg, tag=11, frozen=True):
     nonce: int
 
@@ -195,7 +212,7 @@ class Pong(_Msg, tag=12, frozen=True):
 
 
 Message = (Hello | Welcome | Auth | AuthOk | PrefillRequest | KVChunk | PrefillDone | Ack | Cancel | Error
-           | Ping | Pong | Reject | Token | Handover | DecodeStop | Draining)
+           | Ping | Pong | Reject | Token | Handover | DecodeStop | Draining | CacheDigest)
 HANDOVER_MESSAGES = (Token, Handover, DecodeStop)     # only on a connection that agreed version 3
 DRAIN_MESSAGES = (Draining,)                          # only on a connection that agreed version 4
 MESSAGE_TYPES: dict[int, type] = {cls.__struct_config__.tag: cls for cls in typing.get_args(Message)}

@@ -10,7 +10,7 @@ sends and receives are checked against the one table below (`TRANSITIONS`):
            PrefillRequest may ask for `core_decode`; on a version-2 connection these are protocol errors,
            so a version-2 peer keeps the old mode (the KV first, then the edge decodes).
            Version 4 only (`drain`): the server also Draining (it is stopping gracefully); an older peer is
-           never sent it.
+           never sent it. Capability "prefix-digest" (the client's Auth lists it): the server also CacheDigest.
     any state --Error without request (either side)--> CLOSED;  before READY any Error closes.
     any exception inside the machine (sending or receiving) --> ERROR: further use raises,
            except `error_frame`, which tells the peer why and moves to CLOSED.
@@ -74,7 +74,8 @@ class State(enum.Enum):
 C, S = Role.CLIENT, Role.SERVER
 READY_FROM = {
     C: (m.PrefillRequest, m.Ack, m.Cancel, m.Ping, m.Pong, m.Error, m.Reject, m.Handover),
-    S: (m.KVChunk, m.PrefillDone, m.Ping, m.Pong, m.Error, m.Reject, m.Token, m.DecodeStop, m.Draining),
+    S: (m.KVChunk, m.PrefillDone, m.Ping, m.Pong, m.Error, m.Reject, m.Token, m.DecodeStop, m.Draining,
+        m.CacheDigest),
 }
 # (role that sends, state, message type) → next state. Sending and receiving both use it.
 TRANSITIONS: dict[tuple[Role, State, type], State] = {
@@ -243,6 +244,8 @@ class Connection:
     def _send(self, event: m.Message | KVData) -> list[bytes | memoryview]:
         msg = event.chunk if isinstance(event, KVData) else event
         nxt = next_state(self.role, self.state, msg, self.version)
+        if isinstance(msg, m.CacheDigest) and m.PREFIX_DIGEST not in self.peer_capabilities:
+            raise LocalProtocolError("a peer that does not list prefix-digest is never sent a CacheDigest")
         if nxt is None:
             raise LocalProtocolError(f"{self.role.value} cannot send {type(msg).__name__} in state {self.state.value}"
                                      f"{self._version_note(msg)}")
@@ -379,6 +382,8 @@ class Connection:
         if payload.nbytes and not isinstance(msg, m.KVChunk):
             raise RemoteProtocolError(f"{cls.__name__} frames carry no payload")
         nxt = next_state(self.peer_role, self.state, msg, self.version)
+        if isinstance(msg, m.CacheDigest) and m.PREFIX_DIGEST not in self.capabilities:
+            raise RemoteProtocolError("CacheDigest to a side that does not list prefix-digest")
         if nxt is None:
             raise RemoteProtocolError(f"unexpected {type(msg).__name__} from peer in state {self.state.value}"
                                       f"{self._version_note(msg)}")

@@ -362,13 +362,15 @@ async def connect(host: str, port: int, *, secret: bytes, fingerprint: str, code
                   timeouts: Timeouts = Timeouts(), ssl: ssl_module.SSLContext | None = None,
                   name: str = "edge", limits: Limits | None = None, session: str = "", sealed: bool = True,
                   rekey: Rekey = Rekey(), identity: NodeIdentity | None = None, trust: Trust | None = None,
-                  versions: tuple[int, ...] | None = None) -> Peer:
+                  versions: tuple[int, ...] | None = None, capabilities: tuple[str, ...] | None = None) -> Peer:
     """`sealed`: encrypt the link (the default; False only to measure against authenticated-only frames);
     `rekey`: when this side updates its sending key; `identity` / `trust`: this node's credential and the
     authorities and revocations it checks the core's against (credentials.py); `versions`: the protocol
-    versions offered (default: all this release speaks)."""
+    versions offered (default: all this release speaks); `capabilities`: what the Auth lists (default
+    messages.CAPABILITIES)."""
     conn = Connection(Role.CLIENT, secret, fingerprint, codecs, limits, name, session=session, sealed=sealed,
-                      rekey=rekey, identity=identity, trust=trust, versions=versions)
+                      rekey=rekey, identity=identity, trust=trust, versions=versions,
+                      capabilities=None if capabilities is None else list(capabilities))
     loop = asyncio.get_running_loop()
     try:
         _, stream = await asyncio.wait_for(loop.create_connection(lambda: _Stream(conn), host, port, ssl=ssl),

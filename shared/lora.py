@@ -68,10 +68,13 @@ class Adapter:
 def adapter_salt(cache_salt: str | None, adapter: Adapter | None) -> str | None:
     """The prefix-cache salt of a request under `adapter`: the adapter's name and fingerprint ‖ US ‖ its own salt
     (no separator without one, so a salt of "" stays apart from none; no adapter: the salt as given)."""
-    if adapter is None:
-        return cache_salt
+    return cache_salt if adapter is None else scope_salt(cache_salt, adapter.name, adapter.fingerprint)
+
+
+def scope_salt(cache_salt: str | None, name: str, fingerprint: str) -> str:
+    """`adapter_salt` from the adapter's name and fingerprint alone (an edge predicting a core's cache hits)."""
     own = "" if cache_salt is None else "\x1f" + cache_salt
-    return f"lora:{adapter.name}:{adapter.fingerprint}{own}"
+    return f"lora:{name}:{fingerprint}{own}"
 
 
 def _plain_modules(model: LlamaForCausalLM) -> tuple[bool, bool]:

@@ -179,6 +179,11 @@ class AsyncEngine:
         """(`adapter`: measured under a LoRA adapter's scope, shared/lora.py; beyond EngineHandle's form.)"""
         return await self._call(lambda e: e.cached_prefix(prompt_ids, cache_salt, adapter))
 
+    async def cache_changes(self) -> dict[int, bool]:
+        """The prefix cache's block hashes gained (True) and lost (False) since the previous call; the first call
+        gives every hash cached now (`BlockManager.take_journal`; beyond EngineHandle's form: a core's digest)."""
+        return await self._call(lambda e: e.block_manager.take_journal())
+
     # ---- LoRA adapters (shared/lora.py; not part of EngineHandle: the nodes that serve them ask) ----------
     async def load_adapter(self, name: str, path: str) -> str:
         """Load a PEFT adapter; its fingerprint. Raises AdapterError (nothing loaded). Its files are read, hashed

@@ -473,6 +473,7 @@ class LLMEngine:
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting) + (self.tier.loading if self.tier is not None else 0),
+            prefill_tokens_left=self.scheduler.prefill_tokens_left(),
             prefilled=statuses.count(Status.PREFILLED),
             awaiting_kv=statuses.count(Status.AWAITING_KV),
             requests=len(statuses),

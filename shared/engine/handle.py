@@ -48,6 +48,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     """What the engine thread publishes after each step (and after each batch of commands)."""
     running: int = 0
     waiting: int = 0
+    prefill_tokens_left: int = 0    # prompt tokens of running and waiting requests not computed yet (the prefill queue)
     prefilled: int = 0          # prefill-only requests done, KV kept for a reader
     awaiting_kv: int = 0        # blocks reserved, KV being written from outside
     requests: int = 0           # every request the engine holds

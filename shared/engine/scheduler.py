@@ -96,6 +96,10 @@ class Scheduler:
                 self.waiting.insert(i, seq)
                 return
 
+    def prefill_tokens_left(self) -> int:
+        """Prompt tokens of running and waiting sequences not computed yet: the prefill queue."""
+        return sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in (*self.running, *self.waiting))
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -41,6 +41,9 @@ their table entries become -1 (the runner reads them as block 0, masked out).
 Disk tier (shared/kv/tier.py): `on_evict` is told of each cached block evicted (before its pages are reused) so
 its KV can be spilled; `adopt` registers a block whose KV is read back from there as cached.
 
+Journal (a core's prefix digest for its edges, core/cache_digest.py): once `take_journal` has been called, every
+hash entered into or dropped from the cache is noted with its latest state, and the next call hands the notes over.
+
 Partly filled blocks: a sequence whose KV came from a core may lack the KV of windowed layers before
 their window (`BlockTable.uncached_before`); its blocks there keep their place in the hash chain but are
 never entered into the cache, so no later prompt can take them as a computed prefix.
@@ -119,6 +122,9 @@ class BlockManager:
         # Called with (block id, hash, salt) as a cached block is evicted, before its KV is overwritten (the disk
         # tier copies it out: shared/engine/tier_loads.py).
         self.on_evict: Callable[[int, int, str | None], None] | None = None
+        # Hashes entered into (True) or dropped from (False) the cache since the journal was last taken, the latest
+        # state of each; None: not kept (`take_journal` turns it on; a core's digest for its edges reads it).
+        self.journal: dict[int, bool] | None = None
 
     # ---- capacity -------------------------------------------------------
     @property
@@ -145,6 +151,8 @@ class BlockManager:
             old = self.blocks[bid]
             if old.hash is not None and self.cached.get(old.hash) == bid:
                 del self.cached[old.hash]
+                if self.journal is not None:
+                    self.journal[old.hash] = False
                 if self.on_evict is not None:
                     self.on_evict(bid, old.hash, old.salt)
             old.hash = None
@@ -205,6 +213,8 @@ class BlockManager:
         block = self.blocks[bid]
         block.hash, block.salt = block_hash, salt
         self.cached[block_hash] = bid
+        if self.journal is not None:
+            self.journal[block_hash] = True
         return bid, True
 
     def grow(self, table: BlockTable, num_tokens: int) -> None:
@@ -227,7 +237,8 @@ class BlockManager:
             block = self.blocks[table.blocks[i]]
             if block.hash is None and i * bs >= table.uncached_before:
                 block.hash, block.salt = h, table.salt
-                self.cached.setdefault(h, block.block_id)
+                if self.cached.setdefault(h, block.block_id) == block.block_id and self.journal is not None:
+                    self.journal[h] = True
             table.last_hash = h
             table.num_hashed += 1
 
@@ -279,4 +290,16 @@ class BlockManager:
             self.blocks[bid].hash = None
             self.free.appendleft(bid)       # touched: ahead of the untouched blocks
         self.evictable.clear()
-        self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].ref_count > 0}
+        kept = {h: b for h, b in self.cached.items() if self.blocks[b].ref_count > 0}
+        if self.journal is not None:
+            self.journal.update((h, False) for h in self.cached if h not in kept)
+        self.cached = kept
+
+    def take_journal(self) -> dict[int, bool]:
+        """The cache's changes since the previous call (hash → cached now); the first call starts the journal and
+        returns every hash cached now."""
+        if self.journal is None:
+            self.journal = {}
+            return dict.fromkeys(self.cached, True)
+        changes, self.journal = self.journal, {}
+        return changes

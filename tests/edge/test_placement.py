@@ -3,11 +3,16 @@
 from edgecore.edge.placement import PrefillModel
 
 
+def local(m: PrefillModel, tokens: int, rtt: float) -> bool:
+    """Local against the core with nothing cached at either and no queue."""
+    return m.local_is_faster(tokens, "core", m.predict_core("core", rtt, tokens, 0))
+
+
 def test_fixed_threshold_until_both_sides_are_measured():
     m = PrefillModel(fallback_threshold=32)
-    assert m.local_is_faster(10, "core", 0.02) and not m.local_is_faster(100, "core", 0.02)
+    assert local(m, 10, 0.02) and not local(m, 100, 0.02)
     m.observe_local(100, 0.1)
-    assert not m.local_is_faster(100, "core", 0.02)          # the core is not measured yet
+    assert not local(m, 100, 0.02)          # the core is not measured yet
 
 
 def test_crossover_from_measurements():
@@ -15,9 +20,9 @@ def test_crossover_from_measurements():
     m.observe_local(200, 0.2)                 # 1 ms per token here
     m.observe_remote("core", 200, 0.06, 0.02)  # 0.2 ms per token at the core, 20 ms round trip
     assert m.crossover("core", 0.02) == 0.02 / (0.001 - 0.0002)      # 25 tokens
-    assert m.local_is_faster(20, "core", 0.02) and not m.local_is_faster(30, "core", 0.02)
+    assert local(m, 20, 0.02) and not local(m, 30, 0.02)
     # A far core (200 ms away) moves the crossover up.
-    assert m.local_is_faster(200, "core", 0.2) and not m.local_is_faster(300, "core", 0.2)
+    assert local(m, 200, 0.2) and not local(m, 300, 0.2)
 
 
 def test_local_always_faster_has_no_crossover_but_still_probes_the_core():
@@ -25,6 +30,6 @@ def test_local_always_faster_has_no_crossover_but_still_probes_the_core():
     m.observe_local(100, 0.01)
     m.observe_remote("core", 100, 0.1, 0.02)
     assert m.crossover("core", 0.02) is None
-    picks = [m.local_is_faster(10_000, "core", 0.02) for _ in range(8)]
+    picks = [local(m, 10_000, 0.02) for _ in range(8)]
     assert picks.count(False) == 2              # one in four goes to the core to refresh its estimate
-    assert all(m.local_is_faster(5, "core", 0.02) for _ in range(8))   # short prompts never probe
+    assert all(local(m, 5, 0.02) for _ in range(8))   # short prompts never probe

@@ -34,6 +34,7 @@ def test_current_peers_agree_version_4_and_exchange_draining():
 def test_draining_takes_a_new_tag_and_the_previous_messages_keep_theirs():
     tags = {cls.__name__: tag for tag, cls in m.MESSAGE_TYPES.items()}
     assert tags.pop("Draining") == 17
+    assert tags.pop("CacheDigest") == 18          # later: a capability's, not a version's
     assert sorted(tags.values()) == list(range(1, 17))
 
 
