@@ -223,6 +223,7 @@ def _edge_engine(settings: EdgeSettings, model_dir: str, codecs: list[str], loca
                         dtype=settings.dtype, device=device, codecs=codecs,
                         adaptive=settings.adaptive, ttft_target_ms=settings.ttft_target_ms,
                         **codec_policy(settings), local_prefill_below=local_below, cache=cache,
+                        core_routing=settings.core_routing,
                         engine=EngineConfig(compile_decode=settings.compile, quantize=settings.quantize),
                         transfer_timeout=settings.transfer_timeout, handover_tokens=max(0, settings.handover_max_tokens),
                         first_layer_macs=max(0.0, settings.first_layer_macs),

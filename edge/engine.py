@@ -94,6 +94,7 @@ class EdgeConfig:
     kv_quality_budget: float = DEFAULT_QUALITY_BUDGET   # adaptive: max perplexity increase (edge/codec_policy.py)
     kv_curve: dict | None = None                        # adaptive: the model's curve (None: the bundled model's)
     local_prefill_below: int | None = 32   # None: measured crossover (fixed 32 until measured)
+    core_routing: str = "predicted"        # "rtt": cores ranked by round trip and load, their digests unread
     transfer_timeout: float = 30.0
     max_core_attempts: int = 2
     handover_tokens: int = 64          # tokens after the first a core may decode while the KV travels; 0: off
@@ -201,7 +202,8 @@ class EdgeEngine:
         salt = request.cache_salt
         if request.adapter:
             salt = scope_salt(salt, request.adapter, self.adapters.get(request.adapter, ""))
-        return CoreChoice(self.router.healthy(_needs(request)), _ids(request), salt, self.prefill_model)
+        return CoreChoice(self.router.healthy(_needs(request)), _ids(request), salt, self.prefill_model,
+                          digests=self.config.core_routing != "rtt")
 
     def _codec(self, client: CoreClient, num_tokens: int) -> str:
         assert client.peer is not None          # a picked core is connected

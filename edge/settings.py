@@ -10,6 +10,7 @@ Kubernetes manifests (deploy/k8s_workloads.py), both through deploy/node_setting
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from edgecore.shared import node_settings as common
 from edgecore.shared.node_settings import Dtype, Quantize
@@ -56,6 +57,10 @@ class EdgeSettings:
     first_layer_macs: float = setting(
         1e9, metavar="N", help="lossy codecs: compute layer 0's KV here (it depends on the prompt's tokens alone) "
         "instead of receiving it, when that costs at most N multiply-adds (default 1e9; 0: always receive)")
+    core_routing: Literal["predicted", "rtt"] = setting(
+        "predicted", help="how a core is picked for a prefill: 'predicted' (default), the least predicted time to "
+        "first token for the prompt (round trip, the core's prefill queue and the prompt tokens its prefix cache "
+        "lacks, from the digests it sends); 'rtt', round trip and requests in flight only")
     local_prefill_below: str = setting(
         "32", metavar="N|auto", help="prompts (or uncached suffixes) shorter than N tokens prefill at the edge; "
         "'auto' uses the crossover measured from this edge's own and the cores' prefill times")

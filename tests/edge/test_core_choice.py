@@ -92,3 +92,9 @@ def test_the_edge_competes_with_its_own_cached_prefix_and_queue():
     assert model.local_is_faster(100, "far", best.seconds)            # 100 uncached here: 0.2 s
     assert not model.local_is_faster(100, "far", best.seconds, queue=400)   # behind 400 queued tokens: 1 s
     assert not model.local_is_faster(800, "far", best.seconds)
+
+
+def test_core_routing_rtt_reads_no_digest():
+    near, far = FakeCore("near", 0.010), FakeCore("far", 0.080).holds(PROMPT[:640])
+    choice = CoreChoice([near, far], PROMPT, None, measured(), digests=False)
+    assert choice.best().address == "near" and all(p.cached == 0 for p in choice.predictions)
