@@ -4,7 +4,7 @@ Life cycle: `CacheDigests` starts with the core's server and runs until it stops
 takes the block hashes the engine's prefix cache gained and lost since its previous look (`changes`: the block
 manager's journal, handed over on the engine thread; never a scan of the pool) and applies them to `mirror`, its
 copy of the whole set. Then each edge session that listed "prefix-digest" is sent what changed for it, with the
-core's queued prompt tokens (`queued`): a session's first digest is the whole mirror (`reset`), later ones the
+prompt tokens its engine still has to compute (`queued`; the disk tier, if the core has one, is not announced): a session's first digest is the whole mirror (`reset`), later ones the
 changes since. Frames go through the session's outbox as urgent items (ahead of KV, each at most
 DIGEST_MAX_HASHES hashes, 32 KiB), so a fresh digest does not wait behind a long transfer.
 
@@ -26,6 +26,7 @@ import numpy as np
 from edgecore.core.outbox import Outbox
 from edgecore.protocol import messages as m
 from edgecore.protocol.transport import Peer
+from edgecore.shared.errors import EngineDead
 
 log = logging.getLogger("edgecore.core")
 
@@ -84,6 +85,8 @@ class CacheDigests:
             await asyncio.sleep(self.interval)
             try:
                 await self.tick()
+            except EngineDead:       # the core is failing: its edges fail over; nothing more to tell
+                return
             except Exception:        # a hint only: never take the core down; the next look starts from the journal
                 log.exception("prefix digest failed")
 

@@ -130,7 +130,10 @@ class CoreServer:
                                       config.max_inflight, admitted, config.outbox_bytes)
         self.prefill.adapters = engine.lora.fingerprints()
         self.metrics.prefill_backlog.set_function(self.prefill.backlog_tokens)     # read at scrape time
-        self.digests = CacheDigests(self.handle.cache_changes, self.handle.block_size, self.prefill.backlog_tokens,
+        # the queue edges are told: prompt tokens the engine has still to compute, whoever asked (edges, the batch
+        # API), cached prefixes of admitted requests excluded, as the edges count what they send
+        self.digests = CacheDigests(self.handle.cache_changes, self.handle.block_size,
+                                    lambda: self.handle.stats().prefill_tokens_left,
                                     lambda: [(s.peer, s.outbox) for s in self.prefill.sessions])
         self.metrics.draining.set_function(lambda: float(self.draining))
         self.server: asyncio.Server | None = None

@@ -88,10 +88,12 @@ class Proc:
 class Launcher:
     def __init__(self, topology: Topology, emulate_wan: bool = False, data_dir: str | None = None,
                  ready_timeout: float = 180.0, out: TextIO = sys.stdout, tls: bool = False,
-                 shared_secret: bool = False):
+                 shared_secret: bool = False, extra_args: dict[str, list[str]] | None = None):
         """`tls`: HTTPS on every node's HTTP port, certificates from a local CA made for this run.
-        `shared_secret`: one cluster secret for every node and no per-node credentials."""
+        `shared_secret`: one cluster secret for every node and no per-node credentials. `extra_args`: more
+        `edgecore` flags for a node, by its name (benchmarks: flags a topology has no key for)."""
         self.topology = topology
+        self.extra_args = extra_args or {}
         self.shared_secret = shared_secret
         self.emulate_wan = emulate_wan
         self.data_dir = Path(data_dir) if data_dir else None
@@ -253,7 +255,7 @@ class Launcher:
                 settings = replace(settings, api_key_file=topo.api_keys_file or self._control_key_file())
             cert, key = self._certificate(core.name, host)
             settings = replace(settings, tls_cert=cert, tls_key=key)
-            self._spawn(f"{core.region}/{core.name}", node_argv(settings),
+            self._spawn(f"{core.region}/{core.name}", node_argv(settings) + self.extra_args.get(core.name, []),
                         f"{self.scheme}://{host}:{core.http_port}/ready",
                         self.wan.netns(core.region) if self.wan else None).drain_timeout = settings.drain_timeout
             addr[core.name] = (host, core.port)
@@ -271,7 +273,8 @@ class Launcher:
                                 revocations=auth.revocations, api_key_file=topo.api_keys_file)
             cert, key = self._certificate(edge.name, host)
             edge_args = replace(edge_args, tls_cert=cert, tls_key=key)
-            edges.append(self._spawn(f"{edge.region}/{edge.name}", node_argv(edge_args),
+            edges.append(self._spawn(f"{edge.region}/{edge.name}",
+                                     node_argv(edge_args) + self.extra_args.get(edge.name, []),
                                      f"{self.scheme}://{host}:{edge.port}/ready",
                                      self.wan.netns(edge.region) if self.wan else None))
             edges[-1].drain_timeout = edge_args.drain_timeout

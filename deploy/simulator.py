@@ -257,7 +257,7 @@ class Simulator:
         if self.opt.local_prefill_below == 0:
             local = False
         else:
-            local = model.local_is_faster(uncached, core.name, 2 * link.delay)
+            local = model.local_is_faster(uncached, core.name, model.predict_core(core.name, 2 * link.delay, uncached, 0))
         if local:
             self.local(job, "cache" if job.cached else "local")
             return

@@ -8,7 +8,9 @@ announced as held, never the last token, as the core's own prefix cache counts t
 tokens the core said it still has to prefill, plus those this edge sent it since (`sent`), so a burst between two
 digests sees the queue grow. A digest is a hint: a wrong one costs time, never a wrong token (the core computes
 whatever it does not hold). Bounded: at most MAX_HASHES hashes per core (more announced are not believed), and a
-malformed frame (hash bytes not a multiple of 8, a block size below 1) is ignored and counted.
+malformed frame (hash bytes not a multiple of 8, a block size outside 1..MAX_BLOCK_SIZE) is ignored and counted.
+A prompt's hashes (`PromptHashes`) are computed lazily, one block at a time and only as far as some core holds
+them, so a core cannot make each request hash a long prompt in full on the event loop.
 """
 
 from __future__ import annotations
@@ -18,9 +20,30 @@ from collections.abc import Sequence
 import numpy as np
 
 from edgecore.protocol import messages as m
-from edgecore.shared.kv.block_manager import prefix_hashes
+from edgecore.shared.kv.block_manager import block_hash
 
 MAX_HASHES = 1 << 20        # per core: 8 M tokens at 8-token blocks; a set of them is ~100 MB at most
+MAX_BLOCK_SIZE = 1024
+
+
+class PromptHashes:
+    """One prompt's chained block hashes under one salt, per block size, computed only as far as asked; never the
+    block holding the last token's position beyond the full blocks of the first len - 1 tokens (as the core counts)."""
+
+    def __init__(self, prompt_ids: Sequence[int], salt: str | None) -> None:
+        self.ids, self.salt = prompt_ids, salt
+        self._by_size: dict[int, list[int]] = {}
+
+    def get(self, size: int, i: int) -> int | None:
+        """The hash of block `i` at block size `size`; None past the prompt's last countable block."""
+        if i >= (len(self.ids) - 1) // size:
+            return None
+        done = self._by_size.setdefault(size, [])
+        while len(done) <= i:
+            k = len(done)
+            done.append(block_hash(done[-1] if done else None, self.ids[k * size:(k + 1) * size],
+                                   self.salt if k == 0 else None))
+        return done[i]
 
 
 class CoreCache:
@@ -42,7 +65,7 @@ class CoreCache:
         return self.queued_tokens + self.sent
 
     def apply(self, digest: m.CacheDigest) -> None:
-        if digest.block_size < 1 or len(digest.stored) % 8 or len(digest.evicted) % 8:
+        if not 1 <= digest.block_size <= MAX_BLOCK_SIZE or len(digest.stored) % 8 or len(digest.evicted) % 8:
             self.malformed += 1
             return
         if digest.reset or digest.block_size != self.block_size:
@@ -55,16 +78,12 @@ class CoreCache:
         self.queued_tokens, self.sent = max(0, digest.queued_tokens), 0
         self.digests += 1
 
-    def cached_tokens(self, prompt_ids: Sequence[int], salt: str | None, hashes: list[int] | None = None) -> int:
-        """Leading prompt tokens this core holds (0 before its first digest). `hashes`: the prompt's chained hashes
-        at this core's block size and salt, when the caller computed them already."""
-        if not self.hashes:
-            return 0
-        if hashes is None:
-            hashes = prefix_hashes(prompt_ids, self.block_size, len(prompt_ids) - 1, salt)
+    def cached_tokens(self, hashes: PromptHashes) -> int:
+        """Leading tokens of the prompt whose `hashes` these are that this core holds (0 before its first digest)."""
         held = 0
-        for h in hashes:
-            if h not in self.hashes:
+        while self.hashes:
+            h = hashes.get(self.block_size, held)
+            if h is None or h not in self.hashes:
                 break
             held += 1
         return held * self.block_size

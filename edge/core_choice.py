@@ -8,7 +8,7 @@ digests (edge/core_cache.py: what each one's prefix cache holds, its prefill que
 
 (a core that sends no digest, an older release: nothing held, and its requests in flight taken as prompts of this
 one's length; with `--core-routing rtt`, every core so). The prompt's chained hashes are computed once per block
-size. `best(exclude)` is the core to try next (a retry skips the ones that failed); `sent(core)` adds the request's uncached tokens to that core's queue
+size, and only as far as a core holds them (`PromptHashes`). `best(exclude)` is the core to try next (a retry skips the ones that failed); `sent(core)` adds the request's uncached tokens to that core's queue
 until its next digest; `describe()` is the text of the request's placement log line. A retry reuses the predictions
 made at placement.
 """
@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Set
 from dataclasses import dataclass
 
+from edgecore.edge.core_cache import PromptHashes
 from edgecore.edge.core_client import CoreClient
 from edgecore.edge.placement import PrefillModel
-from edgecore.shared.kv.block_manager import prefix_hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,16 +39,11 @@ class CoreChoice:
     def __init__(self, clients: Iterable[CoreClient], prompt_ids: list[int], salt: str | None, model: PrefillModel,
                  digests: bool = True):
         """`digests` False (`--core-routing rtt`): every core as one without digests (round trip and load)."""
-        n, by_size = len(prompt_ids), {}
+        n, hashes = len(prompt_ids), PromptHashes(prompt_ids, salt)
         self.predictions: list[Prediction] = []
         for client in clients:
             cache = client.cache
-            cached = 0
-            if digests and cache.hashes:
-                size = cache.block_size
-                if size not in by_size:
-                    by_size[size] = prefix_hashes(prompt_ids, size, n - 1, salt)
-                cached = cache.cached_tokens(prompt_ids, salt, by_size[size])
+            cached = cache.cached_tokens(hashes) if digests else 0
             queue = cache.queue if digests and cache.known else client.load * n
             seconds = model.predict_core(client.address, client.rtt, n - cached, queue)
             self.predictions.append(Prediction(client, cached, n - cached, seconds))

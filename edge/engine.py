@@ -330,6 +330,8 @@ class EdgeEngine:
             self._chosen(request, pick, choice, progress)
             try:
                 await self._remote(client, traced, sink, trace)
+                self.metrics.prefill_predicted.observe(pick.seconds)     # (the attempt that took it, once)
+                self.metrics.core_cached_tokens.inc(pick.cached)
                 return client
             except RemotePrefillFailed as exc:
                 if trace is not None:
@@ -340,12 +342,10 @@ class EdgeEngine:
         return None
 
     def _chosen(self, request: EngineRequest, pick: Prediction, choice: CoreChoice, progress: Progress) -> None:
-        """A core takes the prefill: its queue grows by the tokens it computes; the prediction is logged and
-        measured (the request's first token tells how good it was)."""
+        """A core is asked to prefill: its queue grows by the tokens it computes; the prediction is logged and,
+        from this attempt's start, measured (the request's first token tells how good it was)."""
         choice.sent(pick)
-        progress.predicted = pick.seconds
-        self.metrics.prefill_predicted.observe(pick.seconds)
-        self.metrics.core_cached_tokens.inc(pick.cached)
+        progress.predicted = (pick.seconds, time.perf_counter())
         placement_log.info("request %s: prefill at core %s, predicted TTFT %.3f s (%d of %d prompt tokens cached "
                            "there); %s", request.request_id, pick.address, pick.seconds, pick.cached,
                            pick.cached + pick.uncached, choice.describe())

@@ -31,7 +31,7 @@ class Progress:
         self.arrived = self.placed_at = time.perf_counter()
         self.trace = RequestTrace.begin(traceparent, request_id, prompt_len, self.arrived)
         self.core: CoreClient | None = None
-        self.predicted: float | None = None      # the chosen core's predicted time to first token
+        self.predicted: tuple[float, float] | None = None    # the latest core attempt: predicted TTFT, its start
         self.first_at: float | None = None
         self.last_at: float | None = None
         self.open = True
@@ -44,8 +44,8 @@ class Progress:
             self.first_at = now
             metrics.ttft.observe(now - self.arrived)
             metrics.prefill_time.observe(now - self.placed_at)
-            if self.predicted and self.core is not None:
-                metrics.prediction_ratio.observe((now - self.placed_at) / self.predicted)
+            if self.predicted is not None and self.core is not None and self.predicted[0] > 0:
+                metrics.prediction_ratio.observe((now - self.predicted[1]) / self.predicted[0])
             metrics.cached_tokens.inc(out.num_cached_tokens)
             if self.trace is not None:
                 self.trace.first_token(now, out.num_cached_tokens)

@@ -8,7 +8,7 @@ import pytest
 
 from edgecore.core.cache_digest import CacheDigests, frames
 from edgecore.core.outbox import Outbox
-from edgecore.edge.core_cache import CoreCache
+from edgecore.edge.core_cache import CoreCache, PromptHashes
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import LocalProtocolError, RemoteProtocolError
 from edgecore.protocol.state import Connection, Role
@@ -110,7 +110,7 @@ async def test_a_pending_set_larger_than_the_cache_becomes_one_reset():
         journal.next.update({h: False for h in range((step - 1) * 5000, step * 5000)} if step else {})
         await digests.tick()
     edge = digests.edges[slow[0]]
-    assert len(edge.pending) <= max(len(digests.mirror), m.DIGEST_MAX_HASHES)
+    assert not edge.announced and not edge.pending     # the changes outgrew the cache: the whole set goes again
     mirror = CoreCache()
     replay(mirror, drain(slow[1]))
     await digests.tick()
@@ -131,19 +131,21 @@ def test_frames_split_at_the_limit_and_only_the_first_resets():
 def test_core_cache_counts_whole_blocks_under_the_salt_and_ignores_malformed_frames():
     ids = list(range(100, 150))                       # 50 tokens: 3 blocks of 16 among the first 49
     cache = CoreCache()
-    assert cache.cached_tokens(ids, None) == 0 and not cache.known
+    assert cache.cached_tokens(PromptHashes(ids, None)) == 0 and not cache.known
     salted = prefix_hashes(ids, 16, 49, "tenant-a")
     plain = prefix_hashes(ids, 16, 49)
     cache.apply(frames(16, plain[:2] + salted, [], True, 7)[0])
-    assert cache.cached_tokens(ids, None) == 32 and cache.cached_tokens(ids, "tenant-a") == 48
-    assert cache.cached_tokens(ids, "tenant-b") == 0 and cache.queue == 7
+    assert cache.cached_tokens(PromptHashes(ids, None)) == 32
+    assert cache.cached_tokens(PromptHashes(ids, "tenant-a")) == 48
+    assert cache.cached_tokens(PromptHashes(ids, "tenant-b")) == 0 and cache.queue == 7
     cache.prefill_sent(100)
     assert cache.queue == 107
     cache.apply(m.CacheDigest(16, b"\x00" * 7))        # not whole hashes
     cache.apply(m.CacheDigest(0, b""))                 # no block size
-    assert cache.malformed == 2 and cache.cached_tokens(ids, "tenant-a") == 48
+    cache.apply(m.CacheDigest(1 << 20, b""))           # a block size no engine has
+    assert cache.malformed == 3 and cache.cached_tokens(PromptHashes(ids, "tenant-a")) == 48
     cache.apply(frames(16, [], [salted[1]], False, 0)[0])      # the second block evicted: the chain stops there
-    assert cache.cached_tokens(ids, "tenant-a") == 16 and cache.queue == 0
+    assert cache.cached_tokens(PromptHashes(ids, "tenant-a")) == 16 and cache.queue == 0
 
 
 def connected(edge_capabilities):
@@ -170,3 +172,15 @@ def test_an_unannounced_digest_is_a_protocol_error():
     server.peer_capabilities.append(m.PREFIX_DIGEST)   # a core that wrongly believes the edge asked
     with pytest.raises(RemoteProtocolError, match="prefix-digest"):
         deliver(server.send_bytes(m.CacheDigest(16)), client)
+
+
+def test_prompt_hashes_are_the_block_managers_and_computed_only_as_far_as_asked():
+    ids = list(range(7, 107))
+    for size, salt in ((16, None), (8, "s"), (1, None)):
+        lazy = PromptHashes(ids, salt)
+        assert [lazy.get(size, i) for i in range(len(ids))][:(len(ids) - 1) // size] == \
+            prefix_hashes(ids, size, len(ids) - 1, salt)
+        assert lazy.get(size, (len(ids) - 1) // size) is None
+    lazy = PromptHashes(ids, None)
+    lazy.get(16, 1)
+    assert len(lazy._by_size[16]) == 2
