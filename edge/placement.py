@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 PRIOR_SECONDS_PER_TOKEN = 1e-3     # before anything is measured: a small model on a few CPU cores
+EXPLORE_LOCAL_BELOW = 512          # the longest uncached suffix prefilled here only to measure this edge's rate
 
 
 class PrefillModel:
@@ -29,6 +30,7 @@ class PrefillModel:
         self.alpha = alpha
         self.explore_every = explore_every
         self._local_picks = 0
+        self._remote_picks = 0
         self.local_per_token: float | None = None
         self.remote_per_token: dict[str, float] = {}
 
@@ -65,9 +67,15 @@ class PrefillModel:
 
     def local_is_faster(self, tokens: int, core: str, core_seconds: float, queue: int = 0) -> bool:
         """Prefill here (`tokens` uncached here, behind `queue` prompt tokens) rather than at `core`, predicted to
-        take `core_seconds` (`predict_core`); the fixed threshold until both sides were measured."""
+        take `core_seconds` (`predict_core`); the fixed threshold until both sides were measured. While this
+        edge has never prefilled a prompt of 8 tokens or more itself (every prompt went to a core), one in
+        `explore_every` of those the threshold sends away (up to `EXPLORE_LOCAL_BELOW` tokens) is prefilled here,
+        so that its own rate gets measured at all."""
         local = self.predict_local(tokens, queue)
         if local is None or core not in self.remote_per_token:
+            if local is None and tokens >= self.fallback and tokens <= EXPLORE_LOCAL_BELOW:
+                self._remote_picks += 1
+                return self._remote_picks % self.explore_every == 0
             return tokens < self.fallback
         local = local <= core_seconds
         if local and tokens >= self.fallback:

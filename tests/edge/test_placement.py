@@ -33,3 +33,13 @@ def test_local_always_faster_has_no_crossover_but_still_probes_the_core():
     picks = [local(m, 10_000, 0.02) for _ in range(8)]
     assert picks.count(False) == 2              # one in four goes to the core to refresh its estimate
     assert all(local(m, 5, 0.02) for _ in range(8))   # short prompts never probe
+
+
+def test_an_edge_that_never_prefilled_itself_tries_now_and_then_to_measure_its_rate():
+    m = PrefillModel(fallback_threshold=32, explore_every=8)
+    m.observe_remote("core", 200, 0.06, 0.02)
+    picks = [local(m, 100, 0.02) for _ in range(16)]
+    assert picks.count(True) == 2                       # one in eight, until a local prefill is measured
+    assert not any(local(m, 600, 0.02) for _ in range(16))     # never a long one just to measure
+    m.observe_local(100, 0.01)
+    assert local(m, 100, 0.02)                          # measured: 10 ms here against 20 ms + 20 ms there
