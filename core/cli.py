@@ -165,8 +165,9 @@ def register_worker(sub: argparse._SubParsersAction) -> None:
                                    "started elsewhere for a driver run with --external-workers.")
     for flag in ("--rank", "--tp", "--pp"):
         p.add_argument(flag, type=int, required=True)
-    p.add_argument("--kv-blocks", type=int, default=0, help="KV blocks (0: the driver's, sent when it runs with "
-                   "--external-workers)")
+    p.add_argument("--kv-blocks", type=int, default=0, help="KV blocks (a worker the driver starts is told)")
+    p.add_argument("--pool-from-driver", action="store_true", help="receive the KV pool's size from the driver "
+                   "(one run with --external-workers sends it): a worker started elsewhere")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--micro-batches", type=int, default=0)
     p.add_argument("--parent", type=int, default=0, help="the driver's PID: exit when it is gone (0: a worker "

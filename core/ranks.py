@@ -157,12 +157,15 @@ def run_worker(args: argparse.Namespace) -> int:
             time.sleep(0.5)
     if args.parent:         # started by the driver (0: started elsewhere; a failed collective ends it)
         threading.Thread(target=orphan_guard, daemon=True).start()
+    if not args.pool_from_driver and args.kv_blocks < 1:
+        raise ConfigError("core-worker needs --kv-blocks N, or --pool-from-driver for a driver run with "
+                          "--external-workers")
     config = ModelConfig.from_dir(args.model)
     split = [int(x) for x in args.split.split(",")] if args.split else None
     backend = "nccl" if args.device.startswith("cuda") else "gloo"
     lay = init_distributed(args.rank, args.tp, args.pp, config.num_hidden_layers, args.master, backend, split,
                            timeout_s=args.join_timeout, micro_batches=args.micro_batches)
-    if not args.kv_blocks:      # a driver with --external-workers sends its pool's shape
+    if args.pool_from_driver:   # a driver with --external-workers sends its pool's shape
         shape = torch.zeros(2, dtype=torch.long)
         dist.broadcast(shape, src=0)
         args.kv_blocks, args.block_size = int(shape[0]), int(shape[1])

@@ -300,7 +300,7 @@ def _leader_worker_set(topo: Topology, core: CoreNode, leader: dict, volumes: li
     worker_lab, worker_sel = labels("core-worker", core.name, core.region), selector("core-worker", core.name)
     args = ["core-worker", "--rank", "$(LWS_WORKER_INDEX)", "--tp", str(core.tp), "--pp", str(core.pp),
             "--master", f"$(LWS_LEADER_ADDRESS):{RENDEZVOUS_PORT}", "--device", core.device,
-            "--join-timeout", str(topo.kube.startup_seconds)]
+            "--join-timeout", str(topo.kube.startup_seconds), "--pool-from-driver"]
     model = _model_path(topo)
     mounts, worker_volumes = [], []
     if model is not None:

@@ -24,7 +24,7 @@ def test_core_with_external_workers_equals_one_process(secret_file, tokenizer, h
     logs = [open(tmp_path / f"worker-{rank}.log", "w+") for rank in range(1, tp * pp)]
     workers = [subprocess.Popen([sys.executable, "-m", "edgecore", "core-worker", "--rank", str(rank), "--tp",
                                  str(tp), "--pp", str(pp), "--master", f"127.0.0.1:{rendezvous}", "--model",
-                                 str(MODEL), "--join-timeout", "120"], cwd=ROOT, env=env, stdout=log,
+                                 str(MODEL), "--join-timeout", "120", "--pool-from-driver"], cwd=ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
                for rank, log in zip(range(1, tp * pp), logs)]
     core = edge = None
