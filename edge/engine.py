@@ -67,6 +67,7 @@ from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import EngineDead
 from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.kv.block_manager import NoFreeBlocks
 from edgecore.shared.kv.transfer import layers_at_edge
 from edgecore.shared.kv.wire import codec_rope
 from edgecore.shared.lora import scope_salt
@@ -303,9 +304,8 @@ class EdgeEngine:
             trace.placed(where, reason, progress.placed_at)
         core = None
         if where == "remote":
-            core = await self._remote_with_retries(request, sink, progress, choice or self._choice(request))
+            core, reason = await self._remote_with_retries(request, sink, progress, choice or self._choice(request))
             admitted = core is not None
-            reason = "core_failed"
         if core is None:                  # placed here, or every core failed
             self.metrics.local_prefills.labels(reason).inc()
             if trace is not None:
@@ -315,9 +315,11 @@ class EdgeEngine:
         return core
 
     async def _remote_with_retries(self, request: EngineRequest, sink: OutputSink, progress: Progress,
-                                   choice: CoreChoice) -> CoreClient | None:
-        """Prefill at a core, then decode here; None when every core tried failed (nothing admitted). The cores
-        are tried best predicted first. Traced, each attempt is a span whose traceparent the core gets."""
+                                   choice: CoreChoice) -> tuple[CoreClient | None, str]:
+        """Prefill at a core, then decode here: (the core, ""); (None, why) when nothing was admitted: every core
+        tried failed ("core_failed"), or this edge's KV pool has no room for the prompt now ("kv_full": the request
+        then waits in this engine's queue, prefilled here once blocks free up, instead of failing). The cores are
+        tried best predicted first. Traced, each attempt is a span whose traceparent the core gets."""
         tried: set[str] = set()
         trace = progress.trace
         for attempt in range(self.config.max_core_attempts):
@@ -332,14 +334,20 @@ class EdgeEngine:
                 await self._remote(client, traced, sink, trace)
                 self.metrics.prefill_predicted.observe(pick.seconds)     # (the attempt that took it, once)
                 self.metrics.core_cached_tokens.inc(pick.cached)
-                return client
+                return client, ""
+            except NoFreeBlocks:        # reserving the prompt's blocks here: nothing was sent to the core
+                if trace is not None:
+                    trace.attempt_failed("no free KV blocks at the edge")
+                log.info("request %s: no free KV blocks for its %d prompt tokens; it waits here for a local prefill",
+                         request.request_id, len(_ids(request)))
+                return None, "kv_full"
             except RemotePrefillFailed as exc:
                 if trace is not None:
                     trace.attempt_failed(str(exc))
                 log.warning("request %s: core %s failed (%s); %s", request.request_id, client.address, exc,
                             "retrying" if attempt + 1 < self.config.max_core_attempts else "prefilling locally")
                 self.metrics.failovers.inc()
-        return None
+        return None, "core_failed"
 
     def _chosen(self, request: EngineRequest, pick: Prediction, choice: CoreChoice, progress: Progress) -> None:
         """A core is asked to prefill: its queue grows by the tokens it computes; the prediction is logged and,
@@ -363,8 +371,9 @@ class EdgeEngine:
             try:
                 await self._remote(client, request, None)
                 source = client.address
-            except RemotePrefillFailed as exc:
-                log.warning("prefetch from %s failed (%s); prefilling locally", client.address, exc)
+            except (RemotePrefillFailed, NoFreeBlocks) as exc:
+                log.warning("prefetch from %s failed (%s); prefilling locally", client.address,
+                            str(exc) or "no free KV blocks")
         if source == "local":
             async for _ in self.handle.generate(replace(request, prefill_only=True)):
                 pass
