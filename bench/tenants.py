@@ -155,7 +155,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0, help="length of each phase (default 30)")
     ap.add_argument("--quiet-rate", type=float, default=4.0, help="quiet tenant's requests/s (default 4)")
     ap.add_argument("--noisy-quota", type=float, default=1.0, help="noisy tenant's quota in requests/s (default 1)")
-    ap.add_argument("--clients", type=int, default=96, help="closed-loop clients per tenant in the shares phase")
+    ap.add_argument("--clients", type=int, default=128, help="closed-loop clients per tenant in the shares phase "
+                    "(default 128: 256 together, the edge's --max-concurrent; each tenant has more clients than the "
+                    "128 batch slots' 3/4, so a client between two requests leaves no slot to the other tenant)")
     args = ap.parse_args()
     keys = {name: "sk-" + secrets.token_hex(16) for name in ("quiet", "noisy", "a", "b")}
     prompts = [[(i * 131 + j * 17) % 2000 + 2 for j in range(64 + (i * 37) % 136)] for i in range(50)]
