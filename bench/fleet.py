@@ -160,7 +160,7 @@ class Driver:
                         record.cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         except (aiohttp.ClientError, TimeoutError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"
-        return record, self.tok.encode("".join(text))[:MAX_TOKENS]
+        return record, self.tok.encode("".join(text), add_special_tokens=False)[:MAX_TOKENS]
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -233,7 +233,8 @@ def after_restart(launcher: Launcher, driver: Driver, sessions: list[Session], u
     moved = {k: v - before.get(k, 0.0) for k, v in scrape(urls[0]).items()}
     prompt = sum(t.prompt_tokens for t in replay)
     return {"requests": len(replay), "errors": sum(t.error is not None for t in replay),
-            "cached_share": round(sum(t.cached for t in replay) / max(1, prompt), 3),
+            "cached_share": round(sum(t.cached for t in replay) / max(1, prompt), 3),   # anywhere (a core's too)
+            "edge_tier_share": round(moved["tier_hit_blocks"] * BLOCK / max(1, prompt), 3),
             "edge_tier_hit_tokens": int(moved["tier_hit_blocks"] * BLOCK),
             "edge_tier_read_MBps": round(moved["tier_read_bytes"] / moved["tier_read_seconds"] / 1e6, 1)
             if moved["tier_read_seconds"] > 0 else None,
@@ -245,6 +246,7 @@ def summarize(name: str, turns: list[Turn], moved: dict[str, float], took: float
     ttfts = [t.ttft for t in ok if t.ttft is not None]
     reusable = sum(t.reusable for t in ok)
     cached = sum(t.cached for t in ok)
+    reused = sum(min(t.cached, t.reusable) for t in ok)      # per request: one's extra cannot hide another's miss
     by_turn: dict[int, list[float]] = {}
     for t in ok:
         if t.ttft is not None:
@@ -259,7 +261,7 @@ def summarize(name: str, turns: list[Turn], moved: dict[str, float], took: float
         "remote_prefills": int(moved["edgecore:remote_prefills_total"]),
         "local_prefills": int(moved["edgecore:local_prefills_total"]),
         "reusable_tokens": reusable, "cached_tokens": cached,
-        "reusable_served_from_cache": round(min(cached, reusable) / max(1, reusable), 3),
+        "reusable_served_from_cache": round(reused / max(1, reusable), 3),
         # where hits were found: the edges' own lookups (pool, and of those the tier) for every request, local or
         # remote (a remote one's edge hit is its skip_tokens: KV not sent); usage's cached tokens are what was not
         # computed anywhere (for a remote prefill, the core's hit)

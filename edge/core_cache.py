@@ -89,4 +89,5 @@ class CoreCache:
         return held * self.block_size
 
     def prefill_sent(self, tokens: int) -> None:
-        self.sent += max(0, tokens)
+        """`tokens` more sent to the core (negative: a prefill counted but never sent)."""
+        self.sent = max(0, self.sent + tokens)

@@ -334,8 +334,11 @@ class EdgeEngine:
                 await self._remote(client, traced, sink, trace)
                 self.metrics.prefill_predicted.observe(pick.seconds)     # (the attempt that took it, once)
                 self.metrics.core_cached_tokens.inc(pick.cached)
+                progress.measured = attempt == 0       # after a failed attempt its time is not this core's rate
                 return client, ""
             except NoFreeBlocks:        # reserving the prompt's blocks here: nothing was sent to the core
+                client.cache.prefill_sent(-pick.uncached)
+                progress.measured = False       # its wait for blocks is not this edge's prefill rate
                 if trace is not None:
                     trace.attempt_failed("no free KV blocks at the edge")
                 log.info("request %s: no free KV blocks for its %d prompt tokens; it waits here for a local prefill",
@@ -347,6 +350,7 @@ class EdgeEngine:
                 log.warning("request %s: core %s failed (%s); %s", request.request_id, client.address, exc,
                             "retrying" if attempt + 1 < self.config.max_core_attempts else "prefilling locally")
                 self.metrics.failovers.inc()
+        progress.measured = False               # its time includes the failed attempts
         return None, "core_failed"
 
     def _chosen(self, request: EngineRequest, pick: Prediction, choice: CoreChoice, progress: Progress) -> None:

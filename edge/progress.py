@@ -32,6 +32,7 @@ class Progress:
         self.trace = RequestTrace.begin(traceparent, request_id, prompt_len, self.arrived)
         self.core: CoreClient | None = None
         self.predicted: tuple[float, float] | None = None    # the latest core attempt: predicted TTFT, its start
+        self.measured = True        # its first token times a prefill (False: it waited for KV room, or cores failed)
         self.first_at: float | None = None
         self.last_at: float | None = None
         self.open = True
@@ -50,9 +51,10 @@ class Progress:
             if self.trace is not None:
                 self.trace.first_token(now, out.num_cached_tokens)
             prefilled = self.prompt_len - out.num_cached_tokens
-            if self.core is None:
+            if self.measured and self.core is None:
                 self.edge.prefill_model.observe_local(prefilled, now - self.arrived)
-            else:
+            elif self.measured:
+                assert self.core is not None
                 self.edge.prefill_model.observe_remote(self.core.address, prefilled, now - self.arrived,
                                                        self.core.rtt)
         elif out.new_token_ids:

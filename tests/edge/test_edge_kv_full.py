@@ -28,3 +28,5 @@ async def test_no_room_for_the_kv_queues_the_request_here_instead_of_failing_it(
     assert len(tried) == 1 and "r1" in handle.requests          # one attempt, then admitted to the local queue
     assert engine.metrics.local_prefills.labels("kv_full")._value.get() == 1
     assert engine.metrics.failovers._value.get() == 0
+    assert progress.measured is False                 # its wait for blocks will not be taken for a prefill rate
+    assert all(c.cache.sent == 0 for c in engine.router.clients)   # nothing sent: the cores' queues as they were
