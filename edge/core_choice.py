@@ -8,8 +8,9 @@ digests (edge/core_cache.py: what each one's prefix cache holds, its prefill que
 
 (a core that sends no digest, an older release: nothing held, and its requests in flight taken as prompts of this
 one's length; with `--core-routing rtt`, every core so). The prompt's chained hashes are computed once per block
-size, and only as far as a core holds them (`PromptHashes`). `best(exclude)` is the core to try next (a retry skips the ones that failed); `sent(core)` adds the request's uncached tokens to that core's queue
-until its next digest; `describe()` is the text of the request's placement log line. A retry reuses the predictions
+size, and only as far as a core holds them (`PromptHashes`). `best(exclude)` is the core to try next (a retry
+skips the ones that failed); `sent(core)` adds the request's uncached tokens to that core's queue until its next
+digest; `describe()` is the text of the request's placement log line. A retry reuses the predictions
 made at placement.
 """
 
@@ -29,6 +30,7 @@ class Prediction:
     cached: int          # leading prompt tokens the core holds (its digest)
     uncached: int        # prompt tokens it would compute
     seconds: float       # predicted time to first token
+    queue: int = 0       # prompt tokens queued there ahead of it (what the prediction assumed)
 
     @property
     def address(self) -> str:
@@ -46,7 +48,7 @@ class CoreChoice:
             cached = cache.cached_tokens(hashes) if digests else 0
             queue = cache.queue if digests and cache.known else client.load * n
             seconds = model.predict_core(client.address, client.rtt, n - cached, queue)
-            self.predictions.append(Prediction(client, cached, n - cached, seconds))
+            self.predictions.append(Prediction(client, cached, n - cached, seconds, queue))
         self.predictions.sort(key=lambda p: p.seconds)
 
     def best(self, exclude: Set[str] = frozenset()) -> Prediction | None:

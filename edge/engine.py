@@ -296,6 +296,7 @@ class EdgeEngine:
         None."""
         n, mean = len(_ids(request)), self.prompt_tokens_mean
         self.prompt_tokens_mean = n if mean is None else 0.9 * mean + 0.1 * n
+        progress.queued = self.handle.stats().prefill_tokens_left     # ahead of it here (a core's: `_chosen`)
         where, reason, admitted, choice = await self._placement(request, sink)
         progress.placed_at = time.perf_counter()
         self.metrics.queue_time.observe(progress.placed_at - progress.arrived)
@@ -358,6 +359,7 @@ class EdgeEngine:
         from this attempt's start, measured (the request's first token tells how good it was)."""
         choice.sent(pick)
         progress.predicted = (pick.seconds, time.perf_counter())
+        progress.queued = pick.queue
         placement_log.info("request %s: prefill at core %s, predicted TTFT %.3f s (%d of %d prompt tokens cached "
                            "there); %s", request.request_id, pick.address, pick.seconds, pick.cached,
                            pick.cached + pick.uncached, choice.describe())

@@ -13,7 +13,9 @@ rates into the edge's predicted time to first token for a new request (the
 per-request predictions that prefix-aware routing compares (edge/core_choice.py): the tokens a place would
 compute, behind its prefill queue, at its rate; a rate not measured yet is borrowed (another core's, the
 edge's) or, with nothing measured, PRIOR_SECONDS_PER_TOKEN. The measured rates include the queueing their
-prefills met, so under load the queue term counts some of it twice: a first-order model, ranked, not trusted.
+prefills met: each request is measured over its own tokens plus the queue it was predicted to wait behind
+(edge/progress.py), so the rates and the predictions count the same work. A first-order model: a batch of prefills
+sharing steps, decode steps and a queue that changes while a request waits are not modelled.
 """
 
 from __future__ import annotations

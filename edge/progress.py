@@ -33,6 +33,7 @@ class Progress:
         self.core: CoreClient | None = None
         self.predicted: tuple[float, float] | None = None    # the latest core attempt: predicted TTFT, its start
         self.measured = True        # its first token times a prefill (False: it waited for KV room, or cores failed)
+        self.queued = 0             # prompt tokens queued ahead of it where it was prefilled, at its placement
         self.first_at: float | None = None
         self.last_at: float | None = None
         self.open = True
@@ -50,7 +51,9 @@ class Progress:
             metrics.cached_tokens.inc(out.num_cached_tokens)
             if self.trace is not None:
                 self.trace.first_token(now, out.num_cached_tokens)
-            prefilled = self.prompt_len - out.num_cached_tokens
+            # the tokens its time covers: its own uncached ones and the queue it waited behind (the prediction's
+            # terms, edge/placement.py), so the rates measured are the ones the predictions assume
+            prefilled = self.prompt_len - out.num_cached_tokens + self.queued
             if self.measured and self.core is None:
                 self.edge.prefill_model.observe_local(prefilled, now - self.arrived)
             elif self.measured:

@@ -1,6 +1,13 @@
 """The measured prefill crossover: local below it, the core above it; the fixed threshold until measured."""
 
+from types import SimpleNamespace
+
+import pytest
+
+from edgecore.edge.metrics import EdgeMetrics
 from edgecore.edge.placement import PrefillModel
+from edgecore.edge.progress import Progress
+from tests.shared.fake_handle import output
 
 
 def local(m: PrefillModel, tokens: int, rtt: float) -> bool:
@@ -43,3 +50,20 @@ def test_an_edge_that_never_prefilled_itself_tries_now_and_then_to_measure_its_r
     assert not any(local(m, 600, 0.02) for _ in range(16))     # never a long one just to measure
     m.observe_local(100, 0.01)
     assert local(m, 100, 0.02)                          # measured: 10 ms here against 20 ms + 20 ms there
+
+
+def test_a_prefill_is_measured_over_the_queue_it_was_predicted_to_wait_behind():
+    for queued, where in ((300, "core"), (0, "core"), (150, None)):
+        edge = SimpleNamespace(metrics=EdgeMetrics(), prefill_model=PrefillModel(), active=0)
+        progress = Progress(edge, 100)
+        progress.core = SimpleNamespace(address="core", rtt=0.02) if where else None
+        progress.queued = queued
+        progress.arrived -= 0.42                       # its first token 0.42 s after it arrived
+        progress.observe(output("r", 5, cached=20))    # 80 of its 100 tokens computed, behind `queued`
+        if where:
+            rate = edge.prefill_model.remote_per_token["core"]
+            assert rate == pytest.approx((0.42 - 0.02) / (80 + queued), rel=0.01)
+            # the prediction for the same work gives the time it took
+            assert edge.prefill_model.predict_core("core", 0.02, 80, queued) == pytest.approx(0.42, rel=0.01)
+        else:
+            assert edge.prefill_model.local_per_token == pytest.approx(0.42 / (80 + queued), rel=0.01)
