@@ -46,6 +46,18 @@ def engine_tokens_per_s(prompts, max_tokens: int, max_num_seqs: int, num_blocks:
     return sum(len(r["token_ids"]) for r in out) / (time.perf_counter() - t)
 
 
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None (with a note) when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        progress("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+        return None
+    return plt
+
+
 def emit(name: str, metric: str, value, **extra) -> dict:
     record = {"bench": name, "metric": metric, "value": value, **extra}
     line = json.dumps(record)

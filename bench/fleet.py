@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-from common import RESULTS, ROOT, emit, progress
+from common import RESULTS, ROOT, emit, progress, pyplot
 
 from edgecore.deploy.launcher import Launcher
 from edgecore.deploy.soak import topology_text
@@ -275,12 +275,8 @@ def summarize(name: str, turns: list[Turn], moved: dict[str, float], took: float
 
 
 def plot(results: dict[str, dict], path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        progress("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, r in results.items():

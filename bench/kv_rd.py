@@ -36,7 +36,7 @@ import math
 import time
 from pathlib import Path
 
-from common import RESULTS, ROOT, emit, progress
+from common import RESULTS, ROOT, emit, progress, pyplot
 import kv_klt
 from kv_alloc import Allocated, allocation, channel_scales, channel_weights
 
@@ -291,12 +291,8 @@ def sensitivity(engine, windows, greedy, codec: Codec, layers: int, args) -> dic
 
 
 def plot(rows: dict, path: Path, title: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        progress("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     families: dict[str, list] = {}

@@ -105,7 +105,7 @@ class CacheDigests:
             edge.pending.update(changes)
             if len(edge.pending) > max(len(self.mirror), m.DIGEST_MAX_HASHES):
                 edge.announced, edge.pending = False, {}       # cheaper as the whole set again
-        if edge.last is not None and edge.outbox.holds(edge.last):
+        if edge.last is not None and edge.outbox.holds_urgent(edge.last):
             return                                             # it has not taken the previous one yet
         if not edge.announced:
             out = frames(self.block_size, list(self.mirror), [], True, queued)

@@ -103,9 +103,10 @@ class Outbox:
             await self._ready.wait()
         return self.get_nowait()
 
-    def holds(self, item: Outgoing) -> bool:
-        """`item` (this very object) is still queued."""
-        return any(i is item for i in self._urgent) or any(i is item for i in self._ordinary)
+    def holds_urgent(self, item: Outgoing) -> bool:
+        """`item` (this very object), put as urgent, is still queued (the urgent queue is short: the KV is not
+        scanned)."""
+        return any(i is item for i in self._urgent)
 
     def has_urgent(self) -> bool:
         return bool(self._urgent)

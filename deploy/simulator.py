@@ -15,8 +15,8 @@ follows the batch as it changes.
 
 The nodes' own policy code decides, as on the real edge: `PrefillModel.local_is_faster` (edge/placement.py:
 the fixed `local_prefill_below` threshold, or with `auto` the measured crossover, fed the simulated TTFTs),
-`core_score` (edge/core_client.py: RTT inflated by load), `choose_codec` and `transfer_estimate`
-(edge/codec_policy.py, over the profile's codec table). A request's path: placement at the least loaded
+`choose_codec` and `transfer_estimate` (edge/codec_policy.py, over the profile's codec table); cores are
+ranked as an edge ranks cores without prefix digests (`pick`: round trip and load). A request's path: placement at the least loaded
 live edge of its region, then either a local prefill, or a remote one: the request crosses the link, the
 core prefills it, its KV streams layer by layer on the link (FIFO per link: the transfer starts once the
 first layer is computed and the link is free, and takes the codec's `transfer_estimate`), the first token
@@ -41,7 +41,6 @@ from edgecore.deploy.sim_node import Job, LinkState, Node
 from edgecore.deploy.topology import CoreNode, EdgeNode, Topology, TopologyError
 from edgecore.deploy.trace import Trace
 from edgecore.edge.codec_policy import CURVE, DEFAULT_QUALITY_BUDGET, CurvePoint, choose_codec, transfer_estimate
-from edgecore.edge.core_client import core_score
 from edgecore.edge.placement import PrefillModel
 
 
@@ -267,6 +266,9 @@ class Simulator:
         self.push(self.now + link.delay, AT_CORE, job, job.epoch)
 
     def pick(self, job: Job) -> tuple[Node, LinkState] | None:
+        """The core to try: the least round trip inflated by its load (the edge's ranking of cores that send no
+        prefix digests, `--core-routing rtt`; the simulator models no core prefix caches, so it does not
+        predict as edge/core_choice.py does)."""
         edge = job.edge
         assert edge is not None
         best, score = None, math.inf
@@ -274,7 +276,7 @@ class Simulator:
         for pair in self.reach[edge.region]:
             core = pair[0]
             if core.alive and core.name not in job.tried:      # load: in flight from this edge + the core's queue
-                s = core_score(2 * pair[1].delay, inflight.get(core.name, 0) + core.nrun + len(core.prefill)
+                s = _rtt_score(2 * pair[1].delay, inflight.get(core.name, 0) + core.nrun + len(core.prefill)
                                + len(core.waiting))
                 if s < score:
                     best, score = pair, s
@@ -446,3 +448,8 @@ class Simulator:
 
 def _replica(spec: CoreNode | EdgeNode, r: int) -> str:
     return spec.name if r == 0 else f"{spec.name}#{r}"
+
+
+def _rtt_score(rtt: float, load: int) -> float:
+    """A core's rank, lowest first: the round trip inflated by the requests in flight."""
+    return rtt * (1 + load) + 0.001 * load

@@ -15,12 +15,12 @@ them, so a core cannot make each request hash a long prompt in full on the event
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from edgecore.protocol import messages as m
-from edgecore.shared.kv.block_manager import block_hash
+from edgecore.shared.kv.block_manager import chained_hashes
 
 MAX_HASHES = 1 << 20        # per core: 8 M tokens at 8-token blocks; a set of them is ~100 MB at most
 MAX_BLOCK_SIZE = 1024
@@ -32,17 +32,18 @@ class PromptHashes:
 
     def __init__(self, prompt_ids: Sequence[int], salt: str | None) -> None:
         self.ids, self.salt = prompt_ids, salt
-        self._by_size: dict[int, list[int]] = {}
+        self._by_size: dict[int, tuple[list[int], Iterator[int]]] = {}
 
     def get(self, size: int, i: int) -> int | None:
         """The hash of block `i` at block size `size`; None past the prompt's last countable block."""
-        if i >= (len(self.ids) - 1) // size:
-            return None
-        done = self._by_size.setdefault(size, [])
+        if size not in self._by_size:
+            self._by_size[size] = [], chained_hashes(self.ids, size, len(self.ids) - 1, self.salt)
+        done, more = self._by_size[size]
         while len(done) <= i:
-            k = len(done)
-            done.append(block_hash(done[-1] if done else None, self.ids[k * size:(k + 1) * size],
-                                   self.salt if k == 0 else None))
+            h = next(more, None)
+            if h is None:
+                return None
+            done.append(h)
         return done[i]
 
 

@@ -25,7 +25,7 @@ import logging
 import os
 import socket
 from typing import cast
-from collections.abc import Callable, Set
+from collections.abc import Callable
 from ssl import SSLContext
 
 from edgecore.edge.core_cache import CoreCache
@@ -238,14 +238,8 @@ class CoreClient:
             self.reader.cancel()
 
 
-def core_score(rtt: float, load: int) -> float:
-    """How the router ranks healthy cores, lowest first: the round trip inflated by the requests in flight
-    (`edgecore plan`'s simulator ranks its cores with this too)."""
-    return rtt * (1 + load) + 0.001 * load
-
-
 class CoreRouter:
-    """The configured cores, health-checked; picks the best by RTT and load.
+    """The configured cores, health-checked (which of them takes a request: edge/core_choice.py).
 
     Cores come from static addresses and/or DNS names (e.g. a headless Service):
     each name is resolved at start and on every health check, and every address
@@ -303,12 +297,6 @@ class CoreRouter:
     def healthy(self, needs: str | None = None) -> list[CoreClient]:
         """Healthy cores; with `needs`, only those that advertise that capability (e.g. "lora")."""
         return [c for c in self.clients if c.healthy and (needs is None or c.supports(needs))]
-
-    def pick(self, exclude: Set[str] = frozenset(), needs: str | None = None) -> CoreClient | None:
-        candidates = [c for c in self.healthy(needs) if c.address not in exclude]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda c: core_score(c.rtt, c.load))
 
     async def stop(self) -> None:
         if self._task is not None:

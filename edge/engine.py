@@ -372,8 +372,8 @@ class EdgeEngine:
         the rest."""
         request = EngineRequest(f"prefetch-{uuid.uuid4().hex}", prompt_ids, SamplingParams(max_tokens=1,
                                                                                            temperature=0))
-        source = "local"
-        for client in [c for c in [self.router.pick()] if c is not None]:
+        source, pick = "local", self._choice(request).best()     # the core that holds most of it, if any
+        for client in [pick.client] if pick is not None else []:
             try:
                 await self._remote(client, request, None)
                 source = client.address

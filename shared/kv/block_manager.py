@@ -54,7 +54,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 
@@ -69,15 +69,21 @@ def block_hash(prev: int | None, tokens: Iterable[int], salt: str | None = None)
     return int.from_bytes(h.digest(), "little")
 
 
+def chained_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None,
+                   salt: str | None = None) -> Iterator[int]:
+    """The chained hashes of the full blocks among the first `limit` tokens, one at a time (`salt`: mixed into
+    the first): a caller that stops at the first miss hashes no further."""
+    n = len(token_ids) if limit is None else min(limit, len(token_ids))
+    prev = None
+    for start in range(0, n - block_size + 1, block_size):
+        prev = block_hash(prev, token_ids[start:start + block_size], salt if prev is None else None)
+        yield prev
+
+
 def prefix_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None,
                   salt: str | None = None) -> list[int]:
     """Chained hashes of the full blocks among the first `limit` tokens (`salt`: mixed into the first)."""
-    n = len(token_ids) if limit is None else min(limit, len(token_ids))
-    hashes, prev = [], None
-    for start in range(0, n - block_size + 1, block_size):
-        prev = block_hash(prev, token_ids[start:start + block_size], salt if prev is None else None)
-        hashes.append(prev)
-    return hashes
+    return list(chained_hashes(token_ids, block_size, limit, salt))
 
 
 @dataclass

@@ -183,4 +183,42 @@ def test_prompt_hashes_are_the_block_managers_and_computed_only_as_far_as_asked(
         assert lazy.get(size, (len(ids) - 1) // size) is None
     lazy = PromptHashes(ids, None)
     lazy.get(16, 1)
-    assert len(lazy._by_size[16]) == 2
+    assert len(lazy._by_size[16][0]) == 2
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.asyncio
+async def test_an_edge_mirror_agrees_with_the_core_cache_under_random_traffic(block_size):
+    """Random prompts, salts (none, tenants, LoRA scopes) and evictions on a small pool: after every digest the
+    edge's mirror is the block manager's cache, and its `cached_tokens` is the core's own prefix match."""
+    import random
+
+    from edgecore.shared.lora import scope_salt
+    rng = random.Random(block_size)
+    bm = BlockManager(num_blocks=24, block_size=block_size)
+    edge = (FakePeer(), Outbox())
+
+    async def journal() -> dict[int, bool]:
+        return bm.take_journal()
+    digests = CacheDigests(journal, block_size, lambda: 0, lambda: [edge])
+    mirror = CoreCache()
+    salts = [None, "tenant-a", scope_salt(None, "sql", "0123456789abcdef"), scope_salt("tenant-a", "sql", "f" * 16)]
+    stems = [[rng.randrange(1, 50) for _ in range(40)] for _ in range(3)]
+    for _ in range(60):
+        ids = rng.choice(stems)[:rng.randrange(2, 40)] + [rng.randrange(1, 50) for _ in range(rng.randrange(0, 8))]
+        table = BlockTable(salt=rng.choice(salts))
+        try:
+            bm.allocate_prompt(table, ids, len(ids))
+        except Exception:
+            continue
+        bm.register_full_blocks(table, ids, len(ids))
+        bm.free_table(table)
+        if rng.random() < 0.05:
+            bm.reset_prefix_cache()
+        await digests.tick()
+        replay(mirror, drain(edge[1]))
+        assert mirror.hashes == set(bm.cached)
+        for salt in salts:
+            probe = rng.choice(stems)[:rng.randrange(2, 40)]
+            assert mirror.cached_tokens(PromptHashes(probe, salt)) == \
+                len(bm.match_prefix(probe, salt)) * block_size

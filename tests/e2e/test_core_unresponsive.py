@@ -25,19 +25,19 @@ async def test_a_stopped_core_is_avoided_then_taken_back(secret_file, monkeypatc
     router = CoreRouter([client], check_interval=0.3)
     try:
         await router.start()
-        assert client.healthy and router.pick() is client
+        assert client.healthy and router.healthy() == [client]
         os.killpg(node.proc.pid, signal.SIGSTOP)
         for _ in range(50):
             await asyncio.sleep(0.1)
             if not client.healthy:
                 break
-        assert not client.healthy and client.connected and router.pick() is None
+        assert not client.healthy and client.connected and router.healthy() == []
         os.killpg(node.proc.pid, signal.SIGCONT)
         for _ in range(50):
             await asyncio.sleep(0.1)
             if client.healthy:
                 break
-        assert client.healthy and router.pick() is client and client.peer.rtt is not None
+        assert client.healthy and router.healthy() == [client] and client.peer.rtt is not None
     finally:
         os.killpg(node.proc.pid, signal.SIGCONT)
         await router.stop()

@@ -51,7 +51,7 @@ async def test_a_draining_core_gets_nothing_new_and_is_failed_after_its_timeout(
         inflight: asyncio.Queue = asyncio.Queue()
         client.inflight["in-flight"] = inflight            # a request sent before the drain
         await until(lambda: client.draining)
-        assert client.connected and not client.healthy and router.pick() is None
+        assert client.connected and not client.healthy and router.healthy() == []
         with pytest.raises(PeerError, match="draining"):
             await client.prefill(m.PrefillRequest("new", [1, 2, 3], codecs=CODECS))
         assert inflight.empty()                              # still in flight: the core may finish it
@@ -62,7 +62,7 @@ async def test_a_draining_core_gets_nothing_new_and_is_failed_after_its_timeout(
         assert not client.connected
         # the restarted core (a new connection) is healthy and undrained
         await client.connect()
-        assert client.healthy and not client.draining and router.pick() is client
+        assert client.healthy and not client.draining and router.healthy() == [client]
     finally:
         await client.close()
         server.close()

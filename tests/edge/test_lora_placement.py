@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from edgecore.edge.core_choice import CoreChoice
 from edgecore.edge.core_client import CoreClient, CoreRouter
 from edgecore.edge.engine import EdgeConfig, EdgeEngine
 from edgecore.edge.metrics import EdgeMetrics
@@ -68,9 +69,13 @@ def test_the_router_picks_only_cores_that_serve_adapters_for_an_adapter():
     old, new = core(1, OLD, rtt=0.001), core(2, list(m.CAPABILITIES), rtt=0.1)
     assert m.LORA_ADAPTERS in m.CAPABILITIES            # this implementation advertises it
     router = CoreRouter([old, new])
-    assert router.pick() is old                          # the base model: the nearest core
-    assert router.pick(needs=m.LORA_ADAPTERS) is new
-    assert router.pick({new.address}, needs=m.LORA_ADAPTERS) is None
+
+    def pick(exclude=frozenset(), needs=None):
+        best = CoreChoice(router.healthy(needs), list(range(3, 103)), None, PrefillModel()).best(exclude)
+        return best.client if best is not None else None
+    assert pick() is old                                 # the base model: the nearest core
+    assert pick(needs=m.LORA_ADAPTERS) is new
+    assert pick({new.address}, needs=m.LORA_ADAPTERS) is None
     assert CoreRouter([old]).healthy(m.LORA_ADAPTERS) == [] and CoreRouter([old]).healthy() == [old]
 
 
