@@ -44,14 +44,14 @@ bench: $(STAMP)
 IMAGE   ?= edgecore
 # WITH_CXX=1: the CPU image gets a C++ compiler (edges with `compile = true` in the topology)
 WITH_CXX ?= 0
-ENGINE  ?= $(shell command -v docker || command -v podman)
+CONTAINER_TOOL ?= $(shell command -v docker || command -v podman)
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
 .PHONY: image
 image:
-	@test -n "$(ENGINE)" || { echo "make image: no container engine (docker or podman) on PATH"; exit 1; }
-	$(ENGINE) build -f deploy/docker/Dockerfile --build-arg WITH_CXX=$(WITH_CXX) -t $(IMAGE):latest -t $(IMAGE):$(VERSION) .
-	$(ENGINE) build -f deploy/docker/Dockerfile.cuda -t $(IMAGE):latest-cuda -t $(IMAGE):$(VERSION)-cuda .
+	@test -n "$(CONTAINER_TOOL)" || { echo "make image: no container tool (docker or podman) on PATH"; exit 1; }
+	$(CONTAINER_TOOL) build -f deploy/docker/Dockerfile --build-arg WITH_CXX=$(WITH_CXX) -t $(IMAGE):latest -t $(IMAGE):$(VERSION) .
+	$(CONTAINER_TOOL) build -f deploy/docker/Dockerfile.cuda -t $(IMAGE):latest-cuda -t $(IMAGE):$(VERSION)-cuda .
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -29,7 +29,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    from edgecore.shared.tokenizer import Tokenizer
+    from edgecore.shared.text.tokenizer import Tokenizer
     model = ROOT / "models" / "pydoc-llama"
     tok = Tokenizer.from_dir(model)
     ids = tok.encode((model / "heldout.txt").read_text())

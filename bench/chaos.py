@@ -16,7 +16,7 @@ from pathlib import Path
 from common import ROOT, emit, progress
 
 from edgecore.deploy.chaos import ChaosCluster
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.text.tokenizer import Tokenizer
 
 
 def main() -> None:

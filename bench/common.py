@@ -34,7 +34,7 @@ def engine_tokens_per_s(prompts, max_tokens: int, max_num_seqs: int, num_blocks:
     """The engine offline on `prompts` (greedy, ignore_eos): generated tokens per second, after a warm-up."""
     import time
 
-    from edgecore.shared.config import CacheConfig, EngineConfig
+    from edgecore.shared.models.config import CacheConfig, EngineConfig
     from edgecore.shared.engine.engine import LLMEngine
     from edgecore.shared.engine.sampling_params import SamplingParams
     engine = LLMEngine.from_dir(ROOT / "models" / "pydoc-llama", cache_config=CacheConfig(num_blocks=num_blocks),

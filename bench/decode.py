@@ -3,7 +3,7 @@
 Default: the bundled model, 1/8/32/64 concurrent requests of 128 prompt + 128 new tokens,
 greedy, token ids out (no detokenization on either side); our engine and transformers side by
 side in the same run, in the same dtype; ratio per batch size. Both run in one process, so
-process-wide settings (threads, the engine's heap settings from shared/malloc.py) apply to
+process-wide settings (threads, the engine's heap settings from shared/node/malloc.py) apply to
 transformers too. The headline is float32, the engine's CPU default; bfloat16 (the checkpoint's
 own dtype) is measured and reported beside it.
 `--synthetic`: a random-weight Llama of about 1 GB; batch-1 decode step time against the time
@@ -44,7 +44,7 @@ from common import ROOT, emit, median_time, progress
 
 import torch
 
-from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
+from edgecore.shared.models.config import CacheConfig, EngineConfig, ModelConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.models.loader import build_model

@@ -19,7 +19,7 @@ import torch
 
 from common import ROOT, progress
 
-from edgecore.shared.config import CacheConfig, EngineConfig
+from edgecore.shared.models.config import CacheConfig, EngineConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from common import ROOT, progress
 
-from edgecore.shared.config import CacheConfig
+from edgecore.shared.models.config import CacheConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 

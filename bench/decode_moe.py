@@ -16,7 +16,7 @@ from common import emit, median_time, progress
 import torch
 import torch.nn.functional as F
 
-from edgecore.shared.config import CacheConfig, EngineConfig
+from edgecore.shared.models.config import CacheConfig, EngineConfig
 from edgecore.shared.engine.engine import LLMEngine
 
 SHAPE = dict(vocab_size=8192, hidden_size=512, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,

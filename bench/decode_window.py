@@ -18,7 +18,7 @@ from common import emit, progress
 
 import torch
 
-from edgecore.shared.config import CacheConfig, EngineConfig
+from edgecore.shared.models.config import CacheConfig, EngineConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.model_runner import ModelRunner, first_visible
 from edgecore.shared.engine.sampling_params import SamplingParams

@@ -79,11 +79,11 @@ def _wrap(cls, name: str, before=None, after=None, is_async: bool = False) -> No
 
 def patch_core() -> None:
     """The core process's probes (run before its CLI)."""
-    from edgecore.core.kv_sender import LayerStreamer
+    from edgecore.core.kv_sender import LayerSender
     from edgecore.core.prefill_service import PrefillService
     from edgecore.protocol import messages as m
     from edgecore.protocol.transport import Peer
-    from edgecore.shared.engine.async_engine import AsyncEngine
+    from edgecore.shared.engine.engine_thread import EngineThread
 
     def recv_after(ev, *a, **kw):
         if isinstance(ev, m.PrefillRequest):
@@ -105,7 +105,7 @@ def patch_core() -> None:
         for out in outputs:
             if out.num_output_tokens == 1 and out.new_token_ids:
                 _stamp("core_step_out", _rid(out.request_id))
-    _wrap(AsyncEngine, "_hold_collected", after=hold_after)
+    _wrap(EngineThread, "_hold_collected", after=hold_after)
 
     def layer_before(self, layer, items):
         if layer == self.last_layer:
@@ -113,17 +113,17 @@ def patch_core() -> None:
                 req = self.remote.get(seq.request_id)
                 if req is not None and req.last_layer_at is None and seq.num_computed_tokens + n >= req.total_tokens:
                     _stamp("core_last_layer", req.request_id)
-    _wrap(LayerStreamer, "on_layer", before=layer_before)
+    _wrap(LayerSender, "on_layer", before=layer_before)
 
 
 def patch_edge(stamps: dict) -> None:
     """The bench process's probes: the edge and the relay's link toward it."""
     from edgecore.deploy import wan_relay
     from edgecore.edge.core_client import CoreClient
-    from edgecore.edge.engine import EdgeEngine
+    from edgecore.edge.node import EdgeNode
     from edgecore.edge.handover_follower import HandoverFollower
     from edgecore.edge.remote_prefill import RemotePrefill
-    from edgecore.shared.engine.async_engine import AsyncEngine
+    from edgecore.shared.engine.engine_thread import EngineThread
     from edgecore.protocol import messages as m
     from edgecore.protocol.transport import Peer
 
@@ -139,14 +139,14 @@ def patch_edge(stamps: dict) -> None:
         _wrap(cls, name, is_async=is_async, **{when: hook})
     own = lambda self, *a, **kw: self.request_id       # noqa: E731 (a RemotePrefill's or follower's own request)
     of_request = lambda self, request, *a, **kw: request.request_id     # noqa: E731 (an EngineRequest argument)
-    on(AsyncEngine, "activate", "edge_activated")
+    on(EngineThread, "activate", "edge_activated")
     on(RemotePrefill, "_request", "edge_request_sent", own)
     on(HandoverFollower, "_push", "edge_push_called", own, when="before")
     on(HandoverFollower, "_push", "edge_pushed", own)
     on(LLMEngine, "push_token", "edge_engine_push", when="before", is_async=False)
-    on(EdgeEngine, "_placement", "edge_placed", of_request)
-    on(AsyncEngine, "reserve", "edge_reserved", of_request)
-    on(AsyncEngine, "take_over", "edge_taken_over")
+    on(EdgeNode, "_placement", "edge_placed", of_request)
+    on(EngineThread, "reserve", "edge_reserved", of_request)
+    on(EngineThread, "take_over", "edge_taken_over")
 
     def recv_after(ev, *a, **kw):
         if isinstance(ev, m.PrefillDone):
@@ -159,7 +159,7 @@ def patch_edge(stamps: dict) -> None:
         for out in outputs:
             if out.num_output_tokens == 1:
                 put("edge_output_dispatched", out.request_id)
-    _wrap(AsyncEngine, "_dispatch", before=dispatch_before)
+    _wrap(EngineThread, "_dispatch", before=dispatch_before)
 
     def send_before(self, msg):
         if isinstance(msg, m.Handover):
@@ -233,8 +233,8 @@ def relay_release(reads: list, written: float) -> tuple[float | None, int]:
 async def run(args, model_dir: Path) -> dict:
     import torch
     from edgecore.deploy.wan_relay import LinkSpec, WanRelay
-    from edgecore.edge.engine import EdgeConfig, EdgeEngine
-    from edgecore.shared.config import CacheConfig, EngineConfig
+    from edgecore.edge.node import EdgeConfig, EdgeNode
+    from edgecore.shared.models.config import CacheConfig, EngineConfig
     from edgecore.shared.engine.engine import LLMEngine
 
     stamps: dict = {}
@@ -250,7 +250,7 @@ async def run(args, model_dir: Path) -> dict:
                                   data_dir=str(model_dir.parent / "core"))
     relay = WanRelay(LinkSpec(delay_ms=args.delay_ms, bandwidth_mbit=args.mbit))
     relay_port = await relay.start(("127.0.0.1", 0), ("127.0.0.1", port))
-    edge = EdgeEngine(EdgeConfig(str(model_dir), cores=[("127.0.0.1", relay_port)], secret=b"probe",
+    edge = EdgeNode(EdgeConfig(str(model_dir), cores=[("127.0.0.1", relay_port)], secret=b"probe",
                                  codecs=["lossless"], local_prefill_below=0, cache=cache, engine=budget,
                                  transfer_timeout=300, handover_tokens=64),
                       engine=LLMEngine.from_dir(model_dir, "bf16", "cpu", cache, budget))
@@ -286,9 +286,9 @@ def use_variant(variant: str) -> None:
     leaves with the engine thread's next turn (a step), not with the command's reply. `current`: the code as
     it is."""
     from edgecore.edge.chunk_writer import ChunkWriter, unpack
-    from edgecore.shared.engine.async_engine import AsyncEngine
+    from edgecore.shared.engine.engine_thread import EngineThread
     if not _CURRENT:
-        _CURRENT.update(kv=ChunkWriter.write, push=AsyncEngine.push_token)
+        _CURRENT.update(kv=ChunkWriter.write, push=EngineThread.push_token)
 
     def inline(self, data):
         self._write(data.chunk, unpack(data, self.rope))
@@ -296,7 +296,7 @@ def use_variant(variant: str) -> None:
     async def next_turn(self, request_id, token):
         return await self._call(lambda e: e.push_token(request_id, token.token, token.logprob, token.top))
     ChunkWriter.write = inline if variant == "chunks_inline" else _CURRENT["kv"]
-    AsyncEngine.push_token = next_turn if variant == "push_output_next_turn" else _CURRENT["push"]
+    EngineThread.push_token = next_turn if variant == "push_output_next_turn" else _CURRENT["push"]
 
 
 async def one_request(edge, core, stamps: dict, rid: str, prompt: list[int], args) -> dict:

@@ -45,7 +45,7 @@ from edgecore.deploy.launcher import Launcher
 from edgecore.deploy.soak import topology_text
 from edgecore.deploy.topology import load_topology
 from edgecore.shared.kv.block_manager import prefix_hashes
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.text.tokenizer import Tokenizer
 
 BLOCK = 16
 MAX_TOKENS = 16

@@ -13,7 +13,7 @@ import argparse, json, sys, time
 sys.path.insert(0, "bench")
 import torch
 from common import emit
-from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
+from edgecore.shared.models.config import CacheConfig, EngineConfig, ModelConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.models.loader import build_model

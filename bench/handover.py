@@ -44,8 +44,8 @@ from common import ROOT, emit, progress
 import torch
 
 from edgecore.deploy.wan_relay import LinkSpec, WanRelay
-from edgecore.edge.engine import EdgeConfig, EdgeEngine
-from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
+from edgecore.edge.node import EdgeConfig, EdgeNode
+from edgecore.shared.models.config import CacheConfig, EngineConfig, ModelConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.e2e.procs import get_json, start_core
@@ -62,7 +62,7 @@ def _core_prompt_tokens(http: int) -> float:
                if line.startswith("edgecore:core_prompt_tokens_total"))
 
 
-async def _round(edge: EdgeEngine, prompts: list[list[int]], max_tokens: int, tag: str, http: int) -> dict:
+async def _round(edge: EdgeNode, prompts: list[list[int]], max_tokens: int, tag: str, http: int) -> dict:
     """All prompts at once. The core's prefill makespan: from the start until its prompt-token counter
     (polled every 50 ms) has counted every prompt; also the seconds to the last first and last token."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -93,7 +93,7 @@ async def core_cost(args, mbit: float) -> dict:
     relay = WanRelay(LinkSpec(delay_ms=args.delay_ms, bandwidth_mbit=mbit))
     relay_port = await relay.start(("127.0.0.1", 0), ("127.0.0.1", port))
     cache = CacheConfig(num_blocks=2048)
-    edges = {mode: EdgeEngine(EdgeConfig(str(BUNDLED), cores=[("127.0.0.1", relay_port)], secret=b"handover-bench",
+    edges = {mode: EdgeNode(EdgeConfig(str(BUNDLED), cores=[("127.0.0.1", relay_port)], secret=b"handover-bench",
                                          local_prefill_below=0, transfer_timeout=300, cache=cache,
                                          handover_tokens=64 if mode == "on" else 0, name=f"edge-{mode}"))
              for mode in ("on", "off")}

@@ -54,7 +54,7 @@ import torch
 
 from edgecore.protocol.codecs import CODECS, PlaneInfo
 from edgecore.protocol.kv import plane_codecs
-from edgecore.shared.config import CacheConfig
+from edgecore.shared.models.config import CacheConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.kv.wire import codec_rope
 

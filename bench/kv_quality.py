@@ -26,7 +26,7 @@ import torch
 
 from edgecore.protocol.codecs import CODECS, PlaneInfo
 from edgecore.protocol.kv import plane_codecs
-from edgecore.shared.config import CacheConfig
+from edgecore.shared.models.config import CacheConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.engine.sequence import Sequence

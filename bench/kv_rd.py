@@ -15,8 +15,8 @@ uncompressed bf16 KV:
 - encode / decode MB/s of bf16 input per core, in CPU time of the calling thread (the
   machines are shared; wall time is printed beside it), side by side with `int8`.
 Lossy codecs are measured as the live path sends them: the edge computes layer 0's KV itself (it depends on
-the tokens alone; edge/remote_prefill.py) when that costs at most `--first-layer-macs` per prompt, so layer 0
-is exact and costs no bytes; rows NAME+layer0 code every layer (the edge's `--first-layer-macs 0`).
+the tokens alone; edge/remote_prefill.py) when that costs at most `--layer0-budget-macs` per prompt, so layer 0
+is exact and costs no bytes; rows NAME+layer0 code every layer (the edge's `--layer0-budget-macs 0`).
 The model computes in float32 by default and the KV is rounded to bf16 before any codec
 (and for the reference), so the curve isolates the codec's error; `--dtype bf16` runs the
 model in bf16. Writes one JSON line, bench/results/NAME.json and NAME.png (matplotlib,
@@ -45,11 +45,11 @@ import torch
 
 from edgecore.protocol.codecs import CODECS, Codec, PlaneInfo
 from edgecore.protocol.codecs.equant import EntropyQuantCodec, Level
-from edgecore.shared.config import CacheConfig
+from edgecore.shared.models.config import CacheConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.engine.sequence import Sequence
-from edgecore.edge.engine import EdgeConfig
+from edgecore.edge.node import EdgeConfig
 from edgecore.shared.kv.transfer import layers_at_edge
 from edgecore.shared.kv.wire import ALLOCATION_FILE, codec_rope, codec_step_scales, from_bits, to_bits
 
@@ -141,7 +141,7 @@ def model_allocation(engine, model: Path, calib, codecs, channels, args) -> tupl
 
 
 class AllLayers(Codec):
-    """A lossy level with every layer coded, layer 0 included (the edge's `--first-layer-macs 0`)."""
+    """A lossy level with every layer coded, layer 0 included (the edge's `--layer0-budget-macs 0`)."""
 
     def __init__(self, codec: Codec):
         self.codec, self.name, self.codec_id, self.lossless = codec, f"{codec.name}+layer0", codec.codec_id, False
@@ -345,7 +345,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-rope", action="store_true", help="do not give codecs the model's RoPE (keys coded rotated)")
     ap.add_argument("--name", default="kv_rd", help="result file name (bench/results/NAME.json, NAME.png)")
-    ap.add_argument("--first-layer-macs", type=float, default=EdgeConfig.first_layer_macs,
+    ap.add_argument("--layer0-budget-macs", "--first-layer-macs", type=float, default=EdgeConfig.layer0_budget_macs,
                     help="as the edge's flag: lossy levels leave layer 0 to the edge when computing it costs at most "
                          "this many multiply-adds per prompt (rows NAME+layer0: every layer coded anyway)")
     args = ap.parse_args()
@@ -354,7 +354,7 @@ def main():
     engine = LLMEngine.from_dir(model, args.dtype, "cpu", CacheConfig(num_blocks=1024, enable_prefix_caching=False))
     args.rope = None if args.no_rope else codec_rope(engine.config)
     # the edge's rule for a lossy transfer of one prompt (edge/remote_prefill.py)
-    args.edge_layers = layers_at_edge(engine.runner.first_layer_macs, args.prompt_len, args.first_layer_macs, False)
+    args.edge_layers = layers_at_edge(engine.runner.layer0_macs_per_token, args.prompt_len, args.layer0_budget_macs, False)
     ids = engine.tokenizer.encode(heldout_text(model))
     span = args.prompt_len + args.new_tokens
     if len(ids) < span:

@@ -77,8 +77,8 @@ def decimate(samples: list, keep: int) -> list:
 def child(args: argparse.Namespace) -> dict:
     import torch
 
-    from edgecore.shared.cli import kv_cache_config
-    from edgecore.shared.config import EngineConfig, ModelConfig
+    from edgecore.shared.node.cli import kv_cache_config
+    from edgecore.shared.models.config import EngineConfig, ModelConfig
     from edgecore.shared.engine.engine import LLMEngine
     from edgecore.shared.engine.sampling_params import SamplingParams
 

@@ -23,7 +23,7 @@ import torch
 
 from common import ROOT, emit, progress
 
-from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
+from edgecore.shared.models.config import CacheConfig, EngineConfig, ModelConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.models.loader import build_model

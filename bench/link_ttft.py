@@ -22,8 +22,8 @@ from ttft import measure, write_model
 import torch
 
 from edgecore.deploy.wan_relay import LinkSpec, WanRelay
-from edgecore.edge.engine import EdgeConfig, EdgeEngine
-from edgecore.shared.config import CacheConfig, EngineConfig
+from edgecore.edge.node import EdgeConfig, EdgeNode
+from edgecore.shared.models.config import CacheConfig, EngineConfig
 from edgecore.shared.engine.engine import LLMEngine
 from tests.e2e.procs import start_core
 
@@ -46,7 +46,7 @@ async def run(args: argparse.Namespace, model_dir: Path) -> dict:
             relays.append(relay)
             relay_port = await relay.start(("127.0.0.1", 0), ("127.0.0.1", port))
             os.environ["EDGECORE_LINK_SEALED"] = sealed        # read as the edge's core clients are made
-            edges[mode] = EdgeEngine(EdgeConfig(str(model_dir), cores=[("127.0.0.1", relay_port)], secret=b"link-ttft",
+            edges[mode] = EdgeNode(EdgeConfig(str(model_dir), cores=[("127.0.0.1", relay_port)], secret=b"link-ttft",
                                                 codecs=["lossless"], local_prefill_below=0, cache=cache, engine=budget,
                                                 transfer_timeout=300, handover_tokens=0),
                                      engine=LLMEngine.from_dir(model_dir, "bf16", "cpu", cache, budget))

@@ -10,7 +10,7 @@ request on the base model, once with request i on adapter i mod `--adapters`. Ea
 prefix-cache hits). Reported: generated tokens/s of each (median), their ratio (adapters / base), and the
 configuration, as one JSON line and in bench/results/lora.json (lora_synthetic.json for `--model synthetic`).
 Both runs share the engine: base-only steps take the fast decode path (flat_decode.py), steps
-with adapter rows the module tree plus the gathered LoRA products (shared/lora.py).
+with adapter rows the module tree plus the gathered LoRA products (shared/models/lora.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from common import ROOT, emit, progress
 
-from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
+from edgecore.shared.models.config import CacheConfig, EngineConfig, ModelConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.models.loader import build_model

@@ -32,7 +32,7 @@ import torch
 
 from edgecore.protocol.codecs import CODECS, PlaneInfo
 from edgecore.protocol.kv import decode_chunk, encode_chunk
-from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
+from edgecore.shared.models.config import CacheConfig, EngineConfig, ModelConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.kv.transfer import KVSlice

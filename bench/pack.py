@@ -30,7 +30,7 @@ import lz4.frame
 import torch
 import zstandard
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from edgecore.shared.models.loader import build_model, load_model
 from edgecore.shared.pack import PackedCheckpoint, pack_model
 

@@ -48,7 +48,7 @@ def write_model(path: Path) -> None:
 def child(args) -> None:
     import torch
     from edgecore.core.ranks import start_parallel_engine
-    from edgecore.shared.config import CacheConfig, EngineConfig
+    from edgecore.shared.models.config import CacheConfig, EngineConfig
     from edgecore.shared.engine.sampling_params import SamplingParams
     tp, pp, *micro = map(int, args.layout.split("x"))
     torch.set_num_threads(max(1, 2 // (tp * pp)))

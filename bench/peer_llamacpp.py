@@ -315,9 +315,9 @@ def main() -> None:
     args = ap.parse_args()
     import torch
     torch.set_num_threads(args.threads)
-    from edgecore.shared.config import CacheConfig, EngineConfig
+    from edgecore.shared.models.config import CacheConfig, EngineConfig
     from edgecore.shared.engine.engine import LLMEngine
-    from edgecore.shared.tokenizer import Tokenizer
+    from edgecore.shared.text.tokenizer import Tokenizer
     bin_dir = build()
     models = {"bundled": MODEL} if "synthetic" in args.skip else {"bundled": MODEL, "synthetic_1gb": synthetic_model()}
     ggufs = {name: to_gguf(path, name) for name, path in models.items()}

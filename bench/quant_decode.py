@@ -31,7 +31,7 @@ def write_ggufs(out: Path) -> dict[str, Path]:
     import torch
     import transformers
 
-    from edgecore.shared.gguf_tokenizer import tokenizer_metadata
+    from edgecore.shared.text.gguf_tokenizer import tokenizer_metadata
     from tests.shared.gguf_checkpoints import write_gguf
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval()
     tok = tokenizer_metadata(MODEL / "tokenizer.json")
@@ -51,7 +51,7 @@ def main() -> int:
     args = p.parse_args()
     import torch
 
-    from edgecore.shared.config import CacheConfig, EngineConfig
+    from edgecore.shared.models.config import CacheConfig, EngineConfig
     from edgecore.shared.engine.engine import LLMEngine
     from edgecore.shared.engine.sampling_params import SamplingParams
     torch.set_num_threads(args.threads)

@@ -100,7 +100,7 @@ def main():
                     help="torch threads of the nodes and of the baseline engine (on 2 cores the load "
                          "generator needs the other one)")
     args = ap.parse_args()
-    from edgecore.shared.tokenizer import Tokenizer
+    from edgecore.shared.text.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(ROOT / "models" / "pydoc-llama")
     ids = tok.encode((ROOT / "models" / "pydoc-llama" / "heldout.txt").read_text())
     rng = random.Random(1)

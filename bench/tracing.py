@@ -27,7 +27,7 @@ def off_path_ns(repeats: int = 200_000) -> float:
     from edgecore.core.transfer_trace import TransferTrace
     from edgecore.edge.request_trace import RequestTrace
     from edgecore.protocol.messages import PrefillRequest
-    from edgecore.shared.tracing import tracer
+    from edgecore.shared.node.tracing import tracer
     trace, msg, conn = None, PrefillRequest("r", [1, 2, 3]), None
     t = time.perf_counter_ns()
     for _ in range(repeats):
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args()
-    from edgecore.shared.tokenizer import Tokenizer
+    from edgecore.shared.text.tokenizer import Tokenizer
     model = ROOT / "models" / "pydoc-llama"
     tok = Tokenizer.from_dir(model)
     ids = tok.encode((model / "heldout.txt").read_text())

@@ -19,7 +19,7 @@ request (its cost) and the core's own prefill time (request received →
 PrefillDone, its `edgecore:core_prefill_seconds`), the base of the TTFT
 target. Medians of `--repeats` runs. (a)-(e) use the old mode
 (`handover_tokens=0`). (h) and (i): layer-wise + q3e, (h) with every layer sent, (i) with layer 0 computed
-at the edge whatever it costs (`first_layer_macs` unbounded; (a)-(h) set 0: every layer travels): what
+at the edge whatever it costs (`layer0_budget_macs` unbounded; (a)-(h) set 0: every layer travels): what
 the edge's own layer 0 does to the streaming overlap.
 
 The floor under (f)'s and (g)'s TTFT: the relay delays both directions, so the
@@ -69,8 +69,8 @@ from common import emit, progress
 import torch
 
 from edgecore.deploy.wan_relay import LinkSpec, WanRelay
-from edgecore.edge.engine import EdgeConfig, EdgeEngine
-from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
+from edgecore.edge.node import EdgeConfig, EdgeNode
+from edgecore.shared.models.config import CacheConfig, EngineConfig, ModelConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.models.loader import build_model
@@ -111,7 +111,7 @@ def write_model(path: Path) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
 
 
-async def measure(edge: EdgeEngine, prompt: list[int], tag: str) -> float:
+async def measure(edge: EdgeNode, prompt: list[int], tag: str) -> float:
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     t = time.perf_counter()
     async for _ in edge.generate(tag, prompt, params):
@@ -121,7 +121,7 @@ async def measure(edge: EdgeEngine, prompt: list[int], tag: str) -> float:
     return ttft
 
 
-async def measure_stream(edge: EdgeEngine, prompt: list[int], tag: str, tokens: int = 64) -> dict:
+async def measure_stream(edge: EdgeNode, prompt: list[int], tag: str, tokens: int = 64) -> dict:
     """TTFT, the largest gap between consecutive tokens and the median gap over the first `tokens` (the 8k
     prompt + 64 tokens fill the model's context exactly)."""
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
@@ -165,12 +165,12 @@ async def run(args, model_dir: Path):
         relays[mode] = (relay, await relay.start(("127.0.0.1", 0), ("127.0.0.1", port)))
         cores[mode], core_http[mode] = core, http
 
-    def edge_for(mode: str | None, codecs: list[str], adaptive=False, handover=0, first_layer_macs=0.0) -> EdgeEngine:
+    def edge_for(mode: str | None, codecs: list[str], adaptive=False, handover=0, layer0_budget_macs=0.0) -> EdgeNode:
         addr = [("127.0.0.1", relays[mode][1])] if mode else []
         engine = LLMEngine.from_dir(model_dir, "bf16", "cpu", cache, budget)
-        return EdgeEngine(EdgeConfig(str(model_dir), cores=addr, secret=secret, codecs=codecs, adaptive=adaptive,
+        return EdgeNode(EdgeConfig(str(model_dir), cores=addr, secret=secret, codecs=codecs, adaptive=adaptive,
                                      local_prefill_below=0, cache=cache, engine=budget, transfer_timeout=300,
-                                     handover_tokens=handover, first_layer_macs=first_layer_macs), engine=engine)
+                                     handover_tokens=handover, layer0_budget_macs=layer0_budget_macs), engine=engine)
 
     variants = {
         "a_local": edge_for(None, ["lossless"]),
@@ -181,7 +181,7 @@ async def run(args, model_dir: Path):
         "f_handover": edge_for("stream", ["lossless"], handover=64),
         "g_handover_kv_after_prefill": edge_for("batch", ["lossless"], handover=64),
         "h_stream_q3e": edge_for("stream", ["q3e"]),
-        "i_stream_q3e_layer0_here": edge_for("stream", ["q3e"], first_layer_macs=math.inf),
+        "i_stream_q3e_layer0_here": edge_for("stream", ["q3e"], layer0_budget_macs=math.inf),
     }
     handover_core = {"f_handover": "stream", "g_handover_kv_after_prefill": "batch"}
     for edge in variants.values():
@@ -276,7 +276,7 @@ async def sliding_window_row(args, tmp: Path, length: int = 2048, window: int = 
                                    data_dir=str(tmp / f"core-{name}"))
         relay = WanRelay(LinkSpec(delay_ms=args.delay_ms, bandwidth_mbit=args.mbit))
         relay_port = await relay.start(("127.0.0.1", 0), ("127.0.0.1", port))
-        edge = EdgeEngine(EdgeConfig(str(path), cores=[("127.0.0.1", relay_port)], secret=b"ttft-sliding",
+        edge = EdgeNode(EdgeConfig(str(path), cores=[("127.0.0.1", relay_port)], secret=b"ttft-sliding",
                                      codecs=["lossless"], local_prefill_below=0, cache=cache, engine=budget,
                                      transfer_timeout=300),
                           engine=LLMEngine.from_dir(path, "bf16", "cpu", cache, budget))
@@ -353,7 +353,7 @@ async def slow_link_rows(args, model_dir: Path) -> dict:
     prefill + one round trip (+ 30 ms, the target), the largest gap between streamed tokens while the KV is
     still crossing (against 2 x the median gap + 20 ms), and the KV's goodput (the edge's wire bytes over the
     span from its first to its last chunk) as a fraction of the link."""
-    from edgecore.edge.kv_receiver import KVReceiver
+    from edgecore.protocol.kv_receiver import KVReceiver
     spans: list[tuple[float, float, int]] = []
     sample = KVReceiver.bandwidth_sample
 
@@ -378,7 +378,7 @@ async def slow_link_rows(args, model_dir: Path) -> dict:
             relay_port = await relay.start(("127.0.0.1", 0), ("127.0.0.1", port))
             for codec in args.slow_codecs:
                 for handover in args.slow_handover:
-                    edge = EdgeEngine(EdgeConfig(str(model_dir), cores=[("127.0.0.1", relay_port)], secret=b"ttft-slow",
+                    edge = EdgeNode(EdgeConfig(str(model_dir), cores=[("127.0.0.1", relay_port)], secret=b"ttft-slow",
                                                  codecs=[codec], local_prefill_below=0, cache=cache, engine=budget,
                                                  transfer_timeout=600, handover_tokens=64 if handover else 0),
                                       engine=LLMEngine.from_dir(model_dir, "bf16", "cpu", cache, budget))

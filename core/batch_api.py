@@ -29,7 +29,7 @@ from edgecore.core.batch_store import BatchStore, DiskFull, is_disk_full
 from edgecore.shared.engine.handle import EngineHandle
 from edgecore.shared.openai.http import json_body
 from edgecore.shared.openai.request import ApiError
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from edgecore.core.contexts import Contexts

@@ -71,7 +71,7 @@ class Api:
 
 
 def run_submit(args: argparse.Namespace) -> int:
-    from edgecore.shared.secrets import read_api_keys
+    from edgecore.shared.node.secrets import read_api_keys
     path = Path(args.file)
     if not path.is_file():
         raise ConfigError(f"batch input {path} does not exist")

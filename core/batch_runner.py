@@ -54,7 +54,7 @@ from edgecore.shared.engine.handle import EngineHandle
 from edgecore.shared.errors import RequestError
 from edgecore.shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
 from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.text.tokenizer import Tokenizer
 
 log = logging.getLogger("edgecore.batch")
 ParseFn = Callable[[dict, Tokenizer, int, int], ParsedRequest]

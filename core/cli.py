@@ -6,8 +6,8 @@ import argparse
 from typing import TYPE_CHECKING
 
 from edgecore.core.settings import CoreSettings
-from edgecore.shared import tracing
-from edgecore.shared.settings import add_arguments, from_args, namespace
+from edgecore.shared.node import tracing
+from edgecore.shared.node.settings import add_arguments, from_args, namespace
 
 if TYPE_CHECKING:
     import ssl
@@ -30,14 +30,14 @@ def run_core(args: argparse.Namespace) -> int:
     from edgecore.core.http import protection
     from edgecore.core.server import CoreConfig, CoreServer
     from edgecore.core.transfer import HandoverLimits
-    from edgecore.shared.cli import kv_cache_config
-    from edgecore.shared.config import EngineConfig, ModelConfig
+    from edgecore.shared.node.cli import kv_cache_config
+    from edgecore.shared.models.config import EngineConfig, ModelConfig
     from edgecore.shared.models.loader import resolve_dtype
-    from edgecore.shared.env import default_model, reserve_threads_for_engine, resolve_device
-    from edgecore.shared.link_auth import link_auth
-    from edgecore.shared.node_settings import check_drain_timeout
-    from edgecore.shared.secrets import parse_hostport
-    from edgecore.shared.service import run_service, setup_logging
+    from edgecore.shared.node.env import default_model, reserve_threads_for_engine, resolve_device
+    from edgecore.shared.node.link_auth import link_auth
+    from edgecore.shared.node.node_settings import check_drain_timeout
+    from edgecore.shared.node.secrets import parse_hostport
+    from edgecore.shared.node.service import run_service, setup_logging
 
     settings = from_args(CoreSettings, args)
     setup_logging(f"[{settings.name}] ")
@@ -100,9 +100,9 @@ def _link_tls(settings: CoreSettings) -> ssl.SSLContext | None:
 def _loras(settings: CoreSettings, model_dir: str) -> dict:
     """CoreConfig's `loras` and `max_lora_rank`: the `--lora` flags, each adapter checked against the model
     (one-line ConfigError) before anything loads."""
-    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.models.config import ModelConfig
     from edgecore.shared.errors import ConfigError
-    from edgecore.shared.lora_files import check_lora_flags
+    from edgecore.shared.models.lora_files import check_lora_flags
     if settings.lora and settings.tp * settings.pp != 1:
         raise ConfigError("--lora needs a core on one process (no --tp/--pp)")
     loras = check_lora_flags(settings.lora, ModelConfig.from_dir(model_dir), settings.max_lora_rank) \
@@ -122,9 +122,9 @@ def _control_port(settings: CoreSettings, http_host: str) -> tuple[list[bytes], 
     """The control port's API keys and settings; refuses (one line, before anything loads) a port beyond
     loopback without a key."""
     from edgecore.core.http import ControlPort, check_control_port
-    from edgecore.shared.http_server import limits_from_args
-    from edgecore.shared.secrets import read_api_keys
-    from edgecore.shared.tls import server_tls
+    from edgecore.shared.node.http_server import limits_from_args
+    from edgecore.shared.node.secrets import read_api_keys
+    from edgecore.shared.node.tls import server_tls
     api_keys = read_api_keys(settings.api_key_file)
     check_control_port(http_host, api_keys)
     return api_keys, ControlPort(limits_from_args(namespace(settings)), _push_edges(settings.push_edge),
@@ -133,10 +133,10 @@ def _control_port(settings: CoreSettings, http_host: str) -> tuple[list[bytes], 
 
 
 def _check_parallel(model_dir: str, pp_split: list[int] | None, settings: CoreSettings) -> None:
-    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.models.config import ModelConfig
     from edgecore.shared.errors import ConfigError
-    from edgecore.shared.parallel import check_parallel
-    from edgecore.shared.secrets import parse_hostport
+    from edgecore.shared.models.parallel import check_parallel
+    from edgecore.shared.node.secrets import parse_hostport
     if parse_hostport(settings.rendezvous)[1] == 0 and settings.external_workers:
         raise ConfigError("--external-workers needs --rendezvous HOST:PORT with a port the workers are told")
     if settings.quantize or model_dir.endswith(".gguf"):
@@ -186,6 +186,6 @@ def register_worker(sub: argparse._SubParsersAction) -> None:
 
 def run_worker(args: argparse.Namespace) -> int:
     from edgecore.core.ranks import run_worker as run
-    from edgecore.shared.env import default_model
+    from edgecore.shared.node.env import default_model
     args.model = args.model or default_model()
     return run(args)

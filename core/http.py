@@ -20,11 +20,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from edgecore.core.server import CoreServer, model_name
 from edgecore.shared.errors import ConfigError
-from edgecore.shared.http_server import ServerLimits, start_site
+from edgecore.shared.node.http_server import ServerLimits, start_site
 from edgecore.shared.openai.extra_routes import add_model_routes, model_card
 from edgecore.shared.openai.http import error_middleware
-from edgecore.shared.secrets import is_loopback
-from edgecore.shared.tls import ServerTLS
+from edgecore.shared.node.secrets import is_loopback
+from edgecore.shared.node.tls import ServerTLS
 
 
 @dataclass

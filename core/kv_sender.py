@@ -1,7 +1,7 @@
 """Streams each remote request's K/V, layer by layer, as the engine computes it, within a bound.
 
 Life cycle: the core registers a `Transfer` (core/transfer.py) before the
-prefill starts. During every engine step, `LayerStreamer.on_layer(layer,
+prefill starts. During every engine step, `LayerSender.on_layer(layer,
 items)` runs on the engine thread right after a layer has written its K/V: for
 each remote request in the step it copies that layer's new token range out of
 the pool as a `KVSlice` and queues it (`KVSend`) in the connection's `Outbox`
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from edgecore.shared.kv.pool import KVPool
 
 
-class LayerStreamer:
+class LayerSender:
     def __init__(self, pool: KVPool, model: Any, loop: asyncio.AbstractEventLoop | None, mode: str = "stream",
                  head_start: int = 0, forget_when_sent: bool = False) -> None:
         """mode: "stream" (send each layer as computed) or "hold" (keep each layer's slice in `Transfer.held`,
@@ -314,7 +314,7 @@ async def send_queued(queue: Source, peer: Peer, encoder_pool: Executor, dtype_n
                       pacer: Pacer | None = None) -> None:
     """One connection's sender: encodes and sends queued `KVSend`s (and queued protocol messages) in order,
     until the peer fails. `rope`, `step_scales`: the model's RoPE and bit allocation for the codecs (the
-    `LayerStreamer`'s). `pacer`: KV is cut into frames of `pacer.piece_bytes` and paced (urgent items go
+    `LayerSender`'s). `pacer`: KV is cut into frames of `pacer.piece_bytes` and paced (urgent items go
     between any two frames); without one, frames go as queued."""
     loop = asyncio.get_running_loop()
     compact = COMPACT_KV_PARAMS in peer.conn.peer_capabilities      # an older edge decodes float16 parameters

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from edgecore.shared.metrics import EngineCollector, ModelMetrics
+from edgecore.shared.node.metrics import EngineCollector, ModelMetrics
 
 if TYPE_CHECKING:
     from edgecore.shared.engine.handle import EngineStats

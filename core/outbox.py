@@ -1,7 +1,7 @@
 """A connection's outbox: what its sender sends, in order, with a bound on the KV it holds.
 
 Life cycle: one `Outbox` per edge connection (core/prefill_service.py `Session`; a worker rank's stream
-connection, core/stream_server.py), made on the event loop. Producers `put` items: `KVSend`s (one request's
+connection, core/direct_server.py), made on the event loop. Producers `put` items: `KVSend`s (one request's
 KV) and protocol messages. `urgent=True` (a decode handover's PrefillDone, Token and DecodeStop, and request
 refusals) puts an item ahead of every ordinary item queued, in order among the urgent ones, so a token never
 waits behind megabytes of KV. The outbox never cuts an item: a caller that wants small KV frames (a handover's

@@ -6,8 +6,8 @@ Cancel cancels its transfer, Ack releases its KV → on disconnect every
 transfer of the session is cancelled and its KV freed.
 
 Life cycle of one remote request (its `Transfer`, core/transfer.py, holds the
-state): validated → registered with the `LayerStreamer` (and, for a parallel
-core whose edge holds stream connections to every rank, its `StreamRoute` is
+state): validated → registered with the `LayerSender` (and, for a parallel
+core whose edge holds stream connections to every rank, its `DirectRoute` is
 queued on the handle) → added to the engine as prefill-only (batched with other
 prefills under the step token budget, chunked if long, reusing the core's
 prefix cache) → PREFILLING: each layer's K/V leaves as soon as it is computed →
@@ -53,7 +53,7 @@ import sys
 import time
 from concurrent.futures import Executor
 
-from edgecore.core.kv_sender import LayerStreamer, Pacer, queue_rest, send_queued
+from edgecore.core.kv_sender import LayerSender, Pacer, queue_rest, send_queued
 from edgecore.core.metrics import CoreMetrics
 from edgecore.core.outbox import Outbox
 from edgecore.core.transfer import HandoverLimits, Transfer, TransferState
@@ -65,9 +65,9 @@ from edgecore.protocol.transport import Peer, PeerError
 from edgecore.shared.engine.handle import EngineHandle, EngineRequest
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
-from edgecore.shared.env import kv_pacing_mode
+from edgecore.shared.node.env import kv_pacing_mode
 from edgecore.shared.errors import RequestError
-from edgecore.shared.kv.transfer import EDGE_LAYERS, StreamRoute
+from edgecore.shared.kv.transfer import EDGE_LAYERS, DirectRoute
 
 log = logging.getLogger("edgecore.core")
 
@@ -120,7 +120,7 @@ class Session:
 
 
 class PrefillService:
-    def __init__(self, handle: EngineHandle, streamer: LayerStreamer, metrics: CoreMetrics, encoder_pool: Executor,
+    def __init__(self, handle: EngineHandle, streamer: LayerSender, metrics: CoreMetrics, encoder_pool: Executor,
                  dtype_name: str, lease_seconds: float, parallel: bool = False, direct_streams: bool = False,
                  handover: HandoverLimits | None = None, max_inflight: int = MAX_INFLIGHT,
                  max_admitted: int | None = None, outbox_bytes: int | None = OUTBOX_BYTES) -> None:
@@ -246,7 +246,7 @@ class PrefillService:
         session.transfers[rid] = req
         self.streamer.register(req)
         if direct:      # the other ranks learn the route with the first step that computes this request
-            self.handle.add_stream_route(req.internal_id, StreamRoute(rid, peer.conn.session, codec, msg.skip_tokens,
+            self.handle.add_direct_route(req.internal_id, DirectRoute(rid, peer.conn.session, codec, msg.skip_tokens,
                                                                       len(msg.token_ids), msg.edge_layers))
         return req
 
@@ -431,7 +431,7 @@ class PrefillService:
         if req is not None:
             self.streamer.forget(req.internal_id)
             if self.parallel:
-                self.handle.drop_stream_route(req.internal_id)
+                self.handle.drop_direct_route(req.internal_id)
         return req
 
     def _release(self, session: Session, rid: str, cancelled: bool = False, outcome: str | None = None) -> None:

@@ -7,8 +7,8 @@ port by default), starts ranks 1..N×M−1 as `edgecore core-worker` processes, 
 torch.distributed world as rank 0, loads its own shard (stage 0's layers, its
 TP slice of each) and gets an `LLMEngine` whose runner drives the others.
 Each worker loads its shard and KV pool and follows the driver's step plans.
-With a `StreamConfig`, every worker whose KV is its own (not a replica of a
-lower TP rank's heads) also starts a `StreamServer` and reports its port to
+With a `DirectConfig`, every worker whose KV is its own (not a replica of a
+lower TP rank's heads) also starts a `DirectServer` and reports its port to
 the driver (the cluster secret reaches it on stdin, never on the command
 line), so each stage streams its KV to edges itself.
 `RankWatch` polls the workers: when one dies the core is marked unhealthy
@@ -34,27 +34,27 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 
-from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
+from edgecore.shared.models.config import CacheConfig, EngineConfig, ModelConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.parallel_runner import ParallelModelRunner, StageRunner, kv_head_start, worker_loop
 from edgecore.shared.errors import ConfigError
 from edgecore.shared.kv.pool import KVPool
 from edgecore.shared.models.loader import load_model, resolve_dtype
-from edgecore.shared.parallel import check_parallel, init_distributed, rendezvous_socket
-from edgecore.shared.secrets import parse_hostport
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.models.parallel import check_parallel, init_distributed, rendezvous_socket
+from edgecore.shared.node.secrets import parse_hostport
+from edgecore.shared.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from edgecore.core.stream_server import StreamServer
+    from edgecore.core.direct_server import DirectServer
     from edgecore.shared.models.llama import Attention, LlamaForCausalLM
     from edgecore.shared.models.mla import MLAttention
-    from edgecore.shared.parallel import Layout
+    from edgecore.shared.models.parallel import Layout
 
 log = logging.getLogger("edgecore.ranks")
 
 
 @dataclass
-class StreamConfig:
+class DirectConfig:
     """How worker ranks serve their KV streams: bind host, cluster secret, codecs."""
     host: str
     secret: bytes
@@ -69,7 +69,7 @@ def owns_kv(tp_rank: int, tp: int, total_kv_heads: int) -> bool:
 
 def start_parallel_engine(model_dir: str, tp: int, pp: int, dtype: str, device: str, cache: CacheConfig,
                           engine_cfg: EngineConfig, split: list[int] | None = None, micro_batches: int = 0,
-                          streams: StreamConfig | None = None, rendezvous: str = "127.0.0.1:0",
+                          streams: DirectConfig | None = None, rendezvous: str = "127.0.0.1:0",
                           external: bool = False) -> tuple[LLMEngine, list[subprocess.Popen[bytes]], list[int]]:
     """Start the worker ranks and build the driver's engine. Returns (engine, worker processes, the ports of the
     workers' KV stream servers). `rendezvous`: HOST:PORT the driver's TCP store listens on (port 0: any).
@@ -177,7 +177,7 @@ def run_worker(args: argparse.Namespace) -> int:
     runner = StageRunner(model, pool, config.sliding_window, lay, config.num_key_value_heads)
     streams = None
     if args.stream_host is not None:
-        streams = _start_streams(args, lay, model, pool, config, dtype)
+        streams = _start_direct_servers(args, lay, model, pool, config, dtype)
         dist.send(torch.tensor([streams.port if streams else 0], dtype=torch.long), dst=0)
     try:
         worker_loop(runner, streams)
@@ -190,16 +190,16 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_streams(args: argparse.Namespace, lay: Layout, model: LlamaForCausalLM, pool: KVPool, config: ModelConfig,
-                   dtype: torch.dtype) -> StreamServer | None:
+def _start_direct_servers(args: argparse.Namespace, lay: Layout, model: LlamaForCausalLM, pool: KVPool, config: ModelConfig,
+                   dtype: torch.dtype) -> DirectServer | None:
     """This rank's KV stream server, or None when its heads replicate a lower TP rank's."""
-    from edgecore.core.stream_server import StreamServer
-    from edgecore.shared.fingerprint import model_fingerprint
+    from edgecore.core.direct_server import DirectServer
+    from edgecore.shared.models.fingerprint import model_fingerprint
     from edgecore.shared.kv.wire import DTYPE_NAMES, codec_step_scales
     secret = bytes.fromhex(sys.stdin.readline().strip())
     if not owns_kv(lay.tp_rank, lay.tp, config.num_key_value_heads):
         return None
-    server = StreamServer(pool, model, args.stream_host, secret, model_fingerprint(args.model, config),
+    server = DirectServer(pool, model, args.stream_host, secret, model_fingerprint(args.model, config),
                           [c for c in args.codecs.split(",") if c], DTYPE_NAMES[dtype],
                           kv_head_start(lay.tp_rank, lay.tp, config.num_key_value_heads), f"rank{args.rank}")
     server.streamer.step_scales = codec_step_scales(args.model)

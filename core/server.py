@@ -2,7 +2,7 @@
 
 Life cycle: `CoreServer(config)` loads the model (or starts a parallel core's
 ranks, core/ranks.py) and keeps only an `EngineHandle` to it; `start()` starts
-the engine thread, the `LayerStreamer` (its per-layer hook), the
+the engine thread, the `LayerSender` (its per-layer hook), the
 `PrefillService` (core/prefill_service.py: edges' sessions and their KV
 transfers) behind the protocol server, the prefix digests those edges route by
 (core/cache_digest.py), the batch subsystem (store, contexts,
@@ -10,7 +10,7 @@ runner, API routes) and the control port (core/http.py). Each of them receives
 the handle, not the node. A rank that dies, or an engine thread that fails, marks
 the node failed (`mark_failed`: it stops serving, edges fail over, /health turns
 503 so a supervisor restarts it); `stop()` takes everything down in reverse.
-`drain(timeout)` (SIGTERM, shared/service.py) comes before `stop()`: the protocol port stops listening, /ready
+`drain(timeout)` (SIGTERM, shared/node/service.py) comes before `stop()`: the protocol port stops listening, /ready
 turns 503, edges are told (Draining, protocol version 4) and new prefills refused, and it returns once the
 edges' requests in flight have finished; the batch runner keeps running meanwhile (its committed results are
 kept; `stop()` leaves the uncommitted ones to run again after the restart).
@@ -29,20 +29,20 @@ from ssl import SSLContext
 from typing import TYPE_CHECKING
 
 from edgecore.core.cache_digest import CacheDigests
-from edgecore.core.kv_sender import LayerStreamer
+from edgecore.core.kv_sender import LayerSender
 from edgecore.core.metrics import CoreMetrics
 from edgecore.core.prefill_service import MAX_INFLIGHT, OUTBOX_BYTES, PrefillService
 from edgecore.core.transfer import HandoverLimits
 from edgecore.protocol.codecs import CODECS
 from edgecore.protocol.credentials import NodeIdentity, Trust
 from edgecore.protocol.transport import Timeouts, serve
-from edgecore.shared.config import CacheConfig, EngineConfig
-from edgecore.shared.engine.async_engine import AsyncEngine
+from edgecore.shared.models.config import CacheConfig, EngineConfig
+from edgecore.shared.engine.engine_thread import EngineThread
 from edgecore.shared.engine.engine import LLMEngine
-from edgecore.shared.lora_files import MAX_LORA_RANK
-from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.models.lora_files import MAX_LORA_RANK
+from edgecore.shared.models.fingerprint import model_fingerprint
 from edgecore.shared.kv.wire import DTYPE_NAMES, codec_step_scales
-from edgecore.shared.env import link_sealed
+from edgecore.shared.node.env import link_sealed
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from edgecore.core.batch_store import BatchStore
     from edgecore.core.contexts import Contexts
     from edgecore.core.http import ControlPort
-    from edgecore.core.ranks import StreamConfig
+    from edgecore.core.ranks import DirectConfig
 
 log = logging.getLogger("edgecore.core")
 
@@ -93,7 +93,7 @@ class CoreConfig:
     max_inflight: int = MAX_INFLIGHT    # per edge connection: requests in flight (beyond: Error OVERLOADED)
     max_admitted: int | None = None     # per edge connection: requests in the engine at once (None: half its seqs)
     outbox_bytes: int | None = OUTBOX_BYTES   # per edge connection: KV bytes copied and queued for its sender
-    loras: list[tuple[str, str]] = field(default_factory=list)     # LoRA adapters served (shared/lora.py)
+    loras: list[tuple[str, str]] = field(default_factory=list)     # LoRA adapters served (shared/models/lora.py)
     max_lora_rank: int = MAX_LORA_RANK
 
 
@@ -108,7 +108,7 @@ class CoreServer:
             from edgecore.core.ranks import start_parallel_engine
             engine, self.workers, self.stream_ports = start_parallel_engine(
                 config.model_dir, config.tp, config.pp, config.dtype, config.device, config.cache, config.engine,
-                config.pp_split, config.pp_micro_batches, streams=self._stream_config(),
+                config.pp_split, config.pp_micro_batches, streams=self._direct_config(),
                 rendezvous=config.rendezvous, external=config.external_workers)
         engine = engine or LLMEngine.from_dir(config.model_dir, config.dtype, config.device,
                                               config.cache, config.engine)
@@ -116,9 +116,9 @@ class CoreServer:
         for name, path in config.loras:      # LoRA adapters edges may ask prefills with (AdapterError: no start)
             engine.lora.load(name, path)
         # On a parallel core this streams rank 0's own layers and heads; the other ranks stream theirs.
-        self.streamer = LayerStreamer(engine.pool, engine.model, None, "stream" if config.stream_layers else "hold")
+        self.streamer = LayerSender(engine.pool, engine.model, None, "stream" if config.stream_layers else "hold")
         self.streamer.step_scales = codec_step_scales(config.model_dir)
-        self.handle = AsyncEngine(engine, on_layer=self.streamer.on_layer, threads=config.engine_threads)
+        self.handle = EngineThread(engine, on_layer=self.streamer.on_layer, threads=config.engine_threads)
         self.handle.on_failure = lambda exc: self.mark_failed(f"engine failed: {exc}")
         self.fingerprint = model_fingerprint(config.model_dir, self.handle.config)
         self.metrics = CoreMetrics(model_name(config.model_dir), self.handle.stats, self.handle.block_size)
@@ -150,13 +150,13 @@ class CoreServer:
         self.batches: BatchRunner | None = None
         self.contexts: Contexts | None = None
 
-    def _stream_config(self) -> StreamConfig | None:
+    def _direct_config(self) -> DirectConfig | None:
         """Where and how worker ranks serve their own KV streams (None: they don't; rank 0 gathers)."""
-        from edgecore.core.ranks import StreamConfig
+        from edgecore.core.ranks import DirectConfig
         c = self.config
         if c.gather_kv or c.external_workers or c.ssl is not None or not c.stream_layers:   # TLS material stays with rank 0
             return None
-        return StreamConfig(c.host, c.secret, list(c.codecs))
+        return DirectConfig(c.host, c.secret, list(c.codecs))
 
     @property
     def layout(self) -> dict:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edgecore.shared import node_settings as common
-from edgecore.shared.node_settings import Dtype, Quantize
-from edgecore.shared.settings import setting
+from edgecore.shared.node import node_settings as common
+from edgecore.shared.node.node_settings import Dtype, Quantize
+from edgecore.shared.node.settings import setting
 
 
 @dataclass(frozen=True, kw_only=True)

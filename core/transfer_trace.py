@@ -1,4 +1,4 @@
-"""The spans one remote request leaves at the core (traces on, shared/tracing.py; off: no object at all).
+"""The spans one remote request leaves at the core (traces on, shared/node/tracing.py; off: no object at all).
 
 Life cycle: `TransferTrace.begin` makes one when this core traces and the PrefillRequest carries a `traceparent`
 (the edge's span of this prefill attempt): "core.request" opens at receipt (prompt and skipped tokens, codec,
@@ -16,7 +16,7 @@ import time
 
 from edgecore.protocol import messages as m
 from edgecore.protocol.state import Connection
-from edgecore.shared.tracing import Tracer, parse_traceparent, tracer
+from edgecore.shared.node.tracing import Tracer, parse_traceparent, tracer
 
 
 class TransferTrace:

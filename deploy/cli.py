@@ -14,10 +14,10 @@ from types import ModuleType
 
 # Before anything imports numpy: its BLAS (OpenBLAS) sums the KV codecs' columns in worker threads beside
 # torch's, and a BLAS thread pool of its own on the same cores slowed a core's prefill (bench/ttft.py, q3e, 8k
-# tokens on 2 cores: TTFT 3.8 s, lossless 2.1 s; with one BLAS thread 2.1 s). shared/env.py lists it.
+# tokens on 2 cores: TTFT 3.8 s, lossless 2.1 s; with one BLAS thread 2.1 s). shared/node/env.py lists it.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from edgecore.shared import cli as shared_cli  # noqa: E402
+from edgecore.shared.node import cli as shared_cli  # noqa: E402
 from edgecore.shared.errors import EdgecoreError  # noqa: E402
 
 EXIT_USER_ERROR = 2
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)     # e.g. to start a helper process alike
     try:
-        from edgecore.shared.env import apply_threads
+        from edgecore.shared.node.env import apply_threads
         apply_threads()
         return args.func(args) or 0
     except EdgecoreError as exc:

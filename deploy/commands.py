@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_up(args: argparse.Namespace) -> int:
     from edgecore.deploy.launcher import Launcher
     from edgecore.deploy.topology import default_topology, load_topology
-    from edgecore.shared.env import default_model
+    from edgecore.shared.node.env import default_model
     from edgecore.shared.errors import ConfigError
     if args.emulate_wan and os.geteuid() != 0:
         raise ConfigError("--emulate-wan needs root (network namespaces, tc and nftables)")
@@ -84,8 +84,8 @@ def run_render(args: argparse.Namespace) -> int:
 def run_relay(args: argparse.Namespace) -> int:
 
     from edgecore.deploy.wan_relay import LinkSpec, WanRelay
-    from edgecore.shared.secrets import parse_hostport
-    from edgecore.shared.service import run_service
+    from edgecore.shared.node.secrets import parse_hostport
+    from edgecore.shared.node.service import run_service
     relay = WanRelay(LinkSpec(args.delay_ms, args.jitter_ms))
 
     async def start() -> None:

@@ -13,7 +13,7 @@ list (`revoked.txt`, a Secret without a hash suffix, so that an update reaches r
 it). They mount the region's model claim read-only unless the model is the one bundled in the image, and
 are probed on /health (startup, sized for model loading; liveness) and /ready.
 Drains and rolling updates: each pod's `terminationGracePeriodSeconds` is its node's drain timeout plus a
-margin (and an edge's preStop pause), so SIGTERM's graceful drain (shared/service.py) finishes before the
+margin (and an edge's preStop pause), so SIGTERM's graceful drain (shared/node/service.py) finishes before the
 kubelet's SIGKILL; an edge first pauses `PRESTOP_SECONDS` in preStop (still serving) while it leaves the
 Service's endpoints, then drains. Edge Deployments roll with maxUnavailable 0 / maxSurge 1 (a new pod is
 Ready before an old one stops); core StatefulSets roll one pod at a time, the next only after the last

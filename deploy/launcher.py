@@ -7,7 +7,7 @@ example request → wait for SIGINT/SIGTERM or a node dying (a signal, SIGHUP
 too, while starting stops the start there) → SIGTERM every node (each drains), SIGKILL
 what is still alive after the longest drain timeout + 5 s (at least 15 s), remove temporary files. SIGHUP once up is a
 rolling restart (`restart_all`): one node at a time, cores first, each sent
-SIGTERM (it drains: shared/service.py), awaited up to its drain timeout plus
+SIGTERM (it drains: shared/node/service.py), awaited up to its drain timeout plus
 `RESTART_MARGIN` (then killed), started again with the same command line and
 awaited on /ready before the next; a stop signal meanwhile stops after the
 node being restarted (`kill` and `respawn` are a crash and a supervisor's restart, for bench/soak.py). Nodes that would
@@ -48,7 +48,7 @@ from edgecore.deploy.node_settings import core_settings, edge_settings, node_arg
 from edgecore.deploy.topology import CoreNode, EdgeNode, Topology
 from edgecore.protocol.credentials import Authority, NodeIdentity
 from edgecore.shared.errors import EdgecoreError
-from edgecore.shared.node_settings import DRAIN_TIMEOUT
+from edgecore.shared.node.node_settings import DRAIN_TIMEOUT
 
 if TYPE_CHECKING:
     from edgecore.deploy.wan import WanEmulation

@@ -11,7 +11,7 @@ from __future__ import annotations
 from edgecore.core.settings import CoreSettings
 from edgecore.deploy.topology import CoreNode, EdgeNode, Topology
 from edgecore.edge.settings import EdgeSettings
-from edgecore.shared.settings import to_argv
+from edgecore.shared.node.settings import to_argv
 
 
 def core_settings(core: CoreNode) -> CoreSettings:

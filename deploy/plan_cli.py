@@ -92,7 +92,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_profile(args: argparse.Namespace) -> int:
     from edgecore.deploy.profile import measure, save
-    from edgecore.shared.env import default_model
+    from edgecore.shared.node.env import default_model
     model = args.model or default_model()
     t = time.perf_counter()
     profile = measure(model, args.device, args.dtype, args.codecs, max(1, args.repeats), args.quick,
@@ -195,7 +195,7 @@ def run_replay(args: argparse.Namespace) -> int:
     from edgecore.deploy.replay import replay
     from edgecore.deploy.topology import load_topology
     from edgecore.deploy.trace import read_trace
-    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.models.config import ModelConfig
     from edgecore.shared.errors import ConfigError
     topology = load_topology(args.topology)
     regions = edge_regions(topology)

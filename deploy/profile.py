@@ -126,7 +126,7 @@ def compare(profile: Profile, model_dir: str | None) -> list[str]:
         warnings.append(f"profile made by edgecore {profile.edgecore_version}, this is {edgecore_version()}")
     if model_dir is not None and profile.model.get("fingerprint"):
         try:
-            from edgecore.shared.fingerprint import model_fingerprint
+            from edgecore.shared.models.fingerprint import model_fingerprint
             ours = model_fingerprint(model_dir)
         except Exception as exc:     # noqa: BLE001 - a model we cannot read: say so, do not fail the plan
             return [*warnings, f"cannot fingerprint the topology's model {model_dir}: {exc}"]
@@ -200,10 +200,10 @@ def measure(model_dir: str, device: str = "cpu", dtype: str = "auto", codecs: li
     import torch
 
     from edgecore.protocol.codecs import CODECS, get_codec
-    from edgecore.shared.config import CacheConfig, EngineConfig
+    from edgecore.shared.models.config import CacheConfig, EngineConfig
     from edgecore.shared.engine.engine import LLMEngine
     from edgecore.shared.engine.sampling_params import SamplingParams
-    from edgecore.shared.fingerprint import model_fingerprint
+    from edgecore.shared.models.fingerprint import model_fingerprint
     say = log or (lambda _msg: None)
     codec_names = codecs or list(CODECS)
     for name in codec_names:

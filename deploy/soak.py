@@ -31,7 +31,7 @@ from edgecore.deploy.launcher import Launcher, Proc
 from edgecore.deploy.soak_load import Load, Result
 from edgecore.deploy.soak_probe import NodeSample, sample
 from edgecore.deploy.topology import load_topology
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.text.tokenizer import Tokenizer
 
 FAULTS = ("kill_core", "drain_core", "drain_edge", "cut_link", "slow_link")
 CUT_S = 5.0             # a cut link is down this long

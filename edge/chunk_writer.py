@@ -23,7 +23,7 @@ from concurrent.futures import Executor
 
 import numpy as np
 
-from edgecore.edge.kv_receiver import TransferFailed
+from edgecore.protocol.kv_receiver import TransferFailed
 from edgecore.protocol import messages as m
 from edgecore.protocol.events import KVData
 from edgecore.protocol.kv import SMALL_CHUNK_BYTES, decode_chunk as unpack

@@ -7,23 +7,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from edgecore.edge.settings import EdgeSettings
-from edgecore.shared.cli import kv_cache_memory
-from edgecore.shared import tracing
-from edgecore.shared.settings import add_arguments, from_args, namespace, to_argv
+from edgecore.shared.node.cli import kv_cache_memory
+from edgecore.shared.node import tracing
+from edgecore.shared.node.settings import add_arguments, from_args, namespace, to_argv
 
 if TYPE_CHECKING:
     import asyncio
 
     from aiohttp import web
 
-    from edgecore.edge.engine import EdgeEngine
-    from edgecore.edge.engine_client import EngineClient
+    from edgecore.edge.node import EdgeNode
+    from edgecore.edge.node_client import NodeProcessClient
     from edgecore.edge.http import EdgeHTTP
     from edgecore.edge.service import EdgeService
     from edgecore.protocol.credentials import NodeIdentity, Trust
-    from edgecore.shared.admin_key import AdminKey
-    from edgecore.shared.http_server import ServerLimits
-    from edgecore.shared.tenants import TenantRegistry
+    from edgecore.shared.node.admin_key import AdminKey
+    from edgecore.shared.node.http_server import ServerLimits
+    from edgecore.shared.node.tenants import TenantRegistry
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,11 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_edge(args: argparse.Namespace) -> int:
     """The HTTP frontend, which starts the engine process (`--engine-fd`) unless `--engine-in-process`."""
     from edgecore.edge.http import EdgeHTTP, start_http
-    from edgecore.shared.env import default_model
-    from edgecore.shared.node_settings import check_drain_timeout
-    from edgecore.shared.secrets import parse_hostport, read_api_keys
-    from edgecore.shared.service import run_service, setup_logging
-    from edgecore.shared.tls import server_tls
+    from edgecore.shared.node.env import default_model
+    from edgecore.shared.node.node_settings import check_drain_timeout
+    from edgecore.shared.node.secrets import parse_hostport, read_api_keys
+    from edgecore.shared.node.service import run_service, setup_logging
+    from edgecore.shared.node.tls import server_tls
 
     settings, engine_fd = from_args(EdgeSettings, args), args.engine_fd
     setup_logging(f"[{settings.name}{'/engine' if engine_fd is not None else ''}] ")
@@ -53,17 +53,17 @@ def run_edge(args: argparse.Namespace) -> int:
     model_dir = settings.model or default_model()
     limits = _check_limits(settings)
     if engine_fd is not None:
-        return _run_engine_process(settings, engine_fd, model_dir, codecs, local_below)
+        return _run_node_process(settings, engine_fd, model_dir, codecs, local_below)
     if settings.model_from:
         model_dir = _fetch_model(settings, settings.model_from)
     (host, port), tls = parse_hostport(settings.listen), server_tls(settings.tls_cert, settings.tls_key)
     served = _served_name(settings, model_dir)
     tenants = _tenants(settings, model_dir, served)      # (and the --lora adapters) a bad file: no start
-    edge: EdgeEngine | EngineClient
+    edge: EdgeNode | NodeProcessClient
     if settings.engine_in_process:
         edge = _edge_engine(settings, model_dir, codecs, local_below)
     else:
-        edge = _engine_client(settings, model_dir)
+        edge = _node_client(settings, model_dir)
     http = EdgeHTTP(cast("EdgeService", edge), served, read_api_keys(settings.api_key_file),
                     int(settings.max_body_mb * 1024 * 1024), settings.max_concurrent,
                     settings.max_seqs_per_request, limits, tenants, _admin_key(settings))
@@ -109,9 +109,9 @@ def _ready_line(settings: EdgeSettings, http: EdgeHTTP, url: str) -> str:
 def _tenants(settings: EdgeSettings, model_dir: str, served: str) -> TenantRegistry | None:
     """The `--lora` adapters, each checked against the model (one line, no start, if one does not fit), then the
     tenants file, whose tenants' models may name the base model and those adapters."""
-    from edgecore.shared.config import ModelConfig
-    from edgecore.shared.lora_files import check_lora_flags
-    from edgecore.shared.tenants import TenantRegistry
+    from edgecore.shared.models.config import ModelConfig
+    from edgecore.shared.models.lora_files import check_lora_flags
+    from edgecore.shared.node.tenants import TenantRegistry
     loras = check_lora_flags(settings.lora, ModelConfig.from_dir(model_dir), settings.max_lora_rank) \
         if settings.lora else []
     return TenantRegistry.load(settings.tenants, [served, *(n for n, _ in loras)]) if settings.tenants else None
@@ -119,7 +119,7 @@ def _tenants(settings: EdgeSettings, model_dir: str, served: str) -> TenantRegis
 
 def _admin_key(settings: EdgeSettings) -> AdminKey | None:
     """`--admin-key-file`: who may load and unload LoRA adapters (none: nobody, the routes are 404s)."""
-    from edgecore.shared.admin_key import AdminKey
+    from edgecore.shared.node.admin_key import AdminKey
     return AdminKey.read(settings.admin_key_file) if settings.admin_key_file else None
 
 
@@ -134,24 +134,24 @@ def _codecs(settings: EdgeSettings) -> list[str]:
 
 
 def _link_auth(settings: EdgeSettings, needed: bool) -> tuple[bytes | None, NodeIdentity | None, Trust | None]:
-    from edgecore.shared.link_auth import link_auth
+    from edgecore.shared.node.link_auth import link_auth
     return link_auth(settings.secret_file, settings.credential, settings.authority, settings.revocations, needed)
 
 
-def _engine_client(settings: EdgeSettings, model_dir: str) -> EngineClient:
+def _node_client(settings: EdgeSettings, model_dir: str) -> NodeProcessClient:
     """The frontend's handle on an engine process yet to start; a bad model or flag fails here, in one line."""
-    from edgecore.edge.engine_client import EngineClient
-    from edgecore.shared.config import ModelConfig
+    from edgecore.edge.node_client import NodeProcessClient
+    from edgecore.shared.models.config import ModelConfig
     ModelConfig.from_dir(model_dir)
     _link_auth(settings, bool(settings.core or settings.core_dns))
-    return EngineClient(["edge", *to_argv(settings)], model_dir)        # the same settings, parsed again there
+    return NodeProcessClient(["edge", *to_argv(settings)], model_dir)        # the same settings, parsed again there
 
 
 def _fetch_model(settings: EdgeSettings, model_from: str) -> str:
     """`--model-from`: download (resuming, verified) a core's packed model; its local directory."""
     from edgecore.edge.model_fetch import fetch_model
-    from edgecore.shared.cli import Progress
-    from edgecore.shared.secrets import read_api_keys
+    from edgecore.shared.node.cli import Progress
+    from edgecore.shared.node.secrets import read_api_keys
     cache = settings.model_cache or str(Path.home() / ".cache" / "edgecore" / "models")
     progress = Progress("fetch")
     keys = read_api_keys(settings.model_from_key_file or settings.api_key_file)
@@ -162,7 +162,7 @@ def _fetch_model(settings: EdgeSettings, model_from: str) -> str:
 
 def _served_name(settings: EdgeSettings, model_dir: str) -> str:
     """The model id in the API: --served-model-name, the packed original's name, or the directory's."""
-    from edgecore.shared.env import default_model
+    from edgecore.shared.node.env import default_model
     if settings.served_model_name:
         return settings.served_model_name
     if settings.model_from:
@@ -173,7 +173,7 @@ def _served_name(settings: EdgeSettings, model_dir: str) -> str:
 
 def _check_limits(settings: EdgeSettings) -> ServerLimits:
     from edgecore.shared.errors import ConfigError
-    from edgecore.shared.http_server import limits_from_args
+    from edgecore.shared.node.http_server import limits_from_args
     if settings.max_seqs_per_request < 1 or settings.max_concurrent < 1:
         raise ConfigError("--max-seqs-per-request and --max-concurrent must be at least 1")
     kv_cache_memory(namespace(settings))      # a bad size fails here, before the engine process starts
@@ -194,19 +194,19 @@ def _local_prefill_below(value: str) -> int | None:
 
 
 def _edge_engine(settings: EdgeSettings, model_dir: str, codecs: list[str], local_below: int | None
-                 ) -> EdgeEngine:
+                 ) -> EdgeNode:
     """The engine in this process (`--engine-in-process`). Its tokenizer is None for a model without tokenizer
     files (EdgeService says Tokenizer): such a model serves token-id prompts only."""
     import logging
 
-    from edgecore.edge.engine import EdgeConfig, EdgeEngine
+    from edgecore.edge.node import EdgeConfig, EdgeNode
     from edgecore.protocol.transport import tls_context
-    from edgecore.shared.cli import kv_cache_config
-    from edgecore.shared.config import EngineConfig, ModelConfig
-    from edgecore.shared.env import reserve_threads_for_engine, resolve_device
-    from edgecore.shared.lora_files import lora_specs
+    from edgecore.shared.node.cli import kv_cache_config
+    from edgecore.shared.models.config import EngineConfig, ModelConfig
+    from edgecore.shared.node.env import reserve_threads_for_engine, resolve_device
+    from edgecore.shared.models.lora_files import lora_specs
     from edgecore.shared.models.loader import resolve_dtype
-    from edgecore.shared.secrets import parse_hostport
+    from edgecore.shared.node.secrets import parse_hostport
 
     engine_threads = reserve_threads_for_engine()
     device = resolve_device(settings.device)
@@ -226,25 +226,25 @@ def _edge_engine(settings: EdgeSettings, model_dir: str, codecs: list[str], loca
                         core_routing=settings.core_routing,
                         engine=EngineConfig(compile_decode=settings.compile, quantize=settings.quantize),
                         transfer_timeout=settings.transfer_timeout, handover_tokens=max(0, settings.handover_max_tokens),
-                        first_layer_macs=max(0.0, settings.first_layer_macs),
+                        layer0_budget_macs=max(0.0, settings.layer0_budget_macs),
                         name=settings.name, ssl=ssl, engine_threads=engine_threads,
                         served_model_name=settings.served_model_name or "",
                         loras=lora_specs(settings.lora), max_lora_rank=settings.max_lora_rank)
-    return EdgeEngine(config)
+    return EdgeNode(config)
 
 
-def _run_engine_process(settings: EdgeSettings, engine_fd: int, model_dir: str, codecs: list[str],
+def _run_node_process(settings: EdgeSettings, engine_fd: int, model_dir: str, codecs: list[str],
                         local_below: int | None) -> int:
-    """The engine process (edge/engine_process.py): serves the frontend on the socket `--engine-fd`."""
+    """The engine process (edge/node_process.py): serves the frontend on the socket `--engine-fd`."""
     import asyncio
     import socket
 
-    from edgecore.edge.engine_process import EngineServer
-    from edgecore.shared.service import run_service
+    from edgecore.edge.node_process import NodeProcessServer
+    from edgecore.shared.node.service import run_service
 
     import sys
 
-    from edgecore.edge.engine_process import SWITCH_INTERVAL_S
+    from edgecore.edge.node_process import SWITCH_INTERVAL_S
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     sock = socket.socket(fileno=engine_fd)
     edge = _edge_engine(settings, model_dir, codecs, local_below)
@@ -263,7 +263,7 @@ def _run_engine_process(settings: EdgeSettings, engine_fd: int, model_dir: str, 
             if not finished.done():
                 error = None if task.cancelled() else task.exception()
                 finished.set_exception(error) if error else finished.set_result(0)
-        tasks.append(asyncio.create_task(EngineServer(edge, sock).run()))      # held: a task is weakly referenced
+        tasks.append(asyncio.create_task(NodeProcessServer(edge, sock).run()))      # held: a task is weakly referenced
         tasks[0].add_done_callback(served)
         return finished
 

@@ -1,6 +1,6 @@
 """Which core prefills one request: each healthy core's predicted time to first token for this very prompt.
 
-Life cycle: the edge engine makes one `CoreChoice` per request at placement (edge/engine.py), from the cores'
+Life cycle: the edge engine makes one `CoreChoice` per request at placement (edge/node.py), from the cores'
 digests (edge/core_cache.py: what each one's prefix cache holds, its prefill queue) and the measured rates
 (edge/placement.py `PrefillModel`). For each core the prediction is
 

@@ -34,7 +34,7 @@ from edgecore.protocol.credentials import NodeIdentity, Trust
 from edgecore.protocol.errors import ErrorCode
 from edgecore.protocol.state import KVData
 from edgecore.protocol.transport import Peer, PeerError, Timeouts, connect
-from edgecore.shared.env import link_sealed
+from edgecore.shared.node.env import link_sealed
 
 log = logging.getLogger("edgecore.edge")
 
@@ -54,8 +54,8 @@ class CoreClient:
         self.timeouts, self.ssl, self.name = timeouts, ssl, name
         self.peer: Peer | None = None
         self.reader: asyncio.Task | None = None
-        self.streams: list[Peer] = []            # connections to a parallel core's other ranks
-        self.stream_readers: list[asyncio.Task] = []
+        self.direct_peers: list[Peer] = []            # connections to a parallel core's other ranks
+        self.direct_readers: list[asyncio.Task] = []
         self.inflight: dict[str, asyncio.Queue] = {}
         self.last_error: str | None = None
         self.bandwidth: float | None = None      # wire bytes/s while KV arrived, EWMA over transfers
@@ -92,7 +92,7 @@ class CoreClient:
     @property
     def direct(self) -> bool:
         """Connected to every rank that streams its own KV (a parallel core), so requests may ask for it."""
-        return bool(self.streams) and all(not s.closed for s in self.streams)
+        return bool(self.direct_peers) and all(not s.closed for s in self.direct_peers)
 
     @property
     def rtt(self) -> float:
@@ -106,7 +106,7 @@ class CoreClient:
         async with self._lock:
             if self.connected:
                 return
-            await self._close_streams()
+            await self._close_direct()
             try:
                 self.peer = await connect(self.host, self.port, secret=self.secret, fingerprint=self.fingerprint,
                                           codecs=self.codecs, timeouts=self.timeouts, ssl=self.ssl, name=self.name,
@@ -120,11 +120,11 @@ class CoreClient:
             self._end_drain()
             self.reader = asyncio.create_task(self._read(self.peer))
             await self.peer.ping()
-            await self.connect_streams()
+            await self.connect_direct()
 
-    async def connect_streams(self) -> None:
+    async def connect_direct(self) -> None:
         """(Re)open a connection to every stream port of the core, with the main connection's session."""
-        await self._close_streams()
+        await self._close_direct()
         assert self.peer is not None            # called once connected
         for port in self.peer.conn.streams:
             try:
@@ -135,10 +135,10 @@ class CoreClient:
             except PeerError as exc:        # requests fall back to KV gathered by the core's first rank
                 log.warning("core %s: stream port %d unreachable (%s); KV will come gathered", self.address,
                             port, exc)
-                await self._close_streams()
+                await self._close_direct()
                 return
-            self.streams.append(stream)
-            self.stream_readers.append(asyncio.create_task(self._read(stream)))
+            self.direct_peers.append(stream)
+            self.direct_readers.append(asyncio.create_task(self._read(stream)))
 
     async def _read(self, peer: Peer) -> None:
         try:
@@ -222,16 +222,16 @@ class CoreClient:
             with contextlib.suppress(PeerError):
                 await self.peer.send(msg)
 
-    async def _close_streams(self) -> None:
-        for task in self.stream_readers:
+    async def _close_direct(self) -> None:
+        for task in self.direct_readers:
             task.cancel()
-        for stream in self.streams:
-            await stream.close()
-        self.streams, self.stream_readers = [], []
+        for peer in self.direct_peers:
+            await peer.close()
+        self.direct_peers, self.direct_readers = [], []
 
     async def close(self) -> None:
         self._end_drain()
-        await self._close_streams()
+        await self._close_direct()
         if self.peer is not None:
             await self.peer.close()
         if self.reader is not None:
@@ -290,7 +290,7 @@ class CoreRouter:
                     with contextlib.suppress(PeerError):
                         await client.peer.ping()
                     if client.peer.conn.streams and not client.direct:     # a stream connection dropped
-                        await client.connect_streams()
+                        await client.connect_direct()
                 else:
                     await self._try_connect(client)
 

@@ -1,14 +1,14 @@
 """The edge's OpenAI-compatible HTTP endpoint (aiohttp).
 
 Life cycle of a request: the connection is admitted under the server's
-limits (`shared/http_server.py`: connection cap, header and body timeouts) →
+limits (`shared/node/http_server.py`: connection cap, header and body timeouts) →
 middleware checks the API key (constant-time) on /v1/ and /stats and turns
 every failure, our own bugs included, into a counted OpenAI error object → the
 handler reads the body (size-limited: 413), decodes JSON (400), validates
 fields (400/404), checks the request's sequences (prompts × n ≤
 `max_seqs_per_request`: 400), its tenant's terms (with a tenants file: the key's tenant,
 its models — 404 — and limits: requests and tokens per minute, sequences in flight — 429 with
-Retry-After, nothing charged —; shared/tenants.py) and capacity (sequences in flight ≤
+Retry-After, nothing charged —; shared/node/tenants.py) and capacity (sequences in flight ≤
 `max_concurrent`: 503), then charges the tenant → its prefix-cache scope (the API key's salt combined with
 the body's `cache_salt`: `effective_cache_salt`) → one engine stream per choice (prompts × n), merged → either
 one JSON response, or SSE chunks as tokens decode (role first, deltas — with
@@ -22,9 +22,9 @@ at the edge and the core.
 Drain (`start_drain`, the edge's SIGTERM): /ready turns 503 at once, every new generation or context request
 gets a 503 (`server_shutting_down`), and so does every request still waiting for its first output (queued or
 prefilling: nothing of it was sent); `drained()` returns once the requests being served (streams included) have
-finished; the node then stops (edge/cli.py, shared/service.py).
+finished; the node then stops (edge/cli.py, shared/node/service.py).
 
-LoRA adapters (shared/lora.py): `model` may name a served adapter (`--lora`, or loaded with vLLM's
+LoRA adapters (shared/models/lora.py): `model` may name a served adapter (`--lora`, or loaded with vLLM's
 `POST /v1/load_lora_adapter`, which with `POST /v1/unload_lora_adapter` needs the admin key,
 `--admin-key-file`, and is a 404 without one); /v1/models lists them with the base model as `parent`.
 """
@@ -49,17 +49,17 @@ from edgecore.edge.metrics import TenantMetrics
 from edgecore.edge.service import EdgeService
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.errors import EngineDead, RequestError
-from edgecore.shared.admin_key import AdminKey
-from edgecore.shared.http_server import ServerLimits, start_site
+from edgecore.shared.node.admin_key import AdminKey
+from edgecore.shared.node.http_server import ServerLimits, start_site
 from edgecore.shared.errors import AdapterError
 from edgecore.shared.openai.extra_routes import adapter_cards, add_edge_routes, model_card
 from edgecore.shared.openai.http import TENANT, effective_cache_salt, error_middleware, json_body, off_loop
 from edgecore.shared.openai.request import ApiError, ParsedRequest, check_model, parse_chat, parse_completion
 from edgecore.shared.openai.response import ChoiceResult, TokenText, response_body, usage, usage_so_far
-from edgecore.shared.tenants import BAND_SPAN, Grant, RateLimited, TenantRegistry
-from edgecore.shared.tls import ServerTLS
-from edgecore.shared.tokenizer import TextTooLong
-from edgecore.shared.tracing import parse_traceparent, tracer
+from edgecore.shared.node.tenants import BAND_SPAN, Grant, RateLimited, TenantRegistry
+from edgecore.shared.node.tls import ServerTLS
+from edgecore.shared.text.tokenizer import TextTooLong
+from edgecore.shared.node.tracing import parse_traceparent, tracer
 
 log = logging.getLogger("edgecore.http")
 json_encode = msgspec.json.Encoder().encode
@@ -75,7 +75,7 @@ class EdgeHTTP:
                  admin_key: AdminKey | None = None):
         self.edge = edge
         self.admin_key = admin_key                      # None: no adapter loading at run time (the routes 404)
-        self.tenants = tenants                          # shared/tenants.py; None: the API keys alone, no limits
+        self.tenants = tenants                          # shared/node/tenants.py; None: the API keys alone, no limits
         self.tenant_metrics = TenantMetrics(served_model)
         if tenants is not None:
             tenants.on_change = lambda: self.tenant_metrics.keep(tenants.names)

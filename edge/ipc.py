@@ -39,8 +39,8 @@ class Generate(msgspec.Struct, tag="generate"):
     tenant: str | None = None       # the request's tenant, its weight and its engine priority (band and own)
     weight: float = 1.0
     priority: int = 0
-    adapter: str | None = None      # the request's LoRA adapter (shared/lora.py); None: the base model
-    traceparent: str | None = None  # the HTTP process's span of the request (shared/tracing.py); None: untraced
+    adapter: str | None = None      # the request's LoRA adapter (shared/models/lora.py); None: the base model
+    traceparent: str | None = None  # the HTTP process's span of the request (shared/node/tracing.py); None: untraced
 
 
 class Abort(msgspec.Struct, tag="abort"):

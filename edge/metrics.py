@@ -1,10 +1,10 @@
 """Prometheus metrics of an edge node: vLLM-style names under the `edgecore:` prefix, a `model_name` label on
 every one (docs/metrics.md lists them).
 
-Life cycle: `EdgeEngine` builds one `EdgeMetrics` (its own registry); `Progress` (edge/progress.py) feeds the
+Life cycle: `EdgeNode` builds one `EdgeMetrics` (its own registry); `Progress` (edge/progress.py) feeds the
 per-request histograms as outputs arrive, placement and transfers count themselves (a decode
 handover its outcome, `HANDOVER_OUTCOMES`, and the core's tokens), and a scrape refreshes the
-gauges from the engine's stats snapshot (`EdgeEngine.get_metrics`); the engine's own cumulative counts
+gauges from the engine's stats snapshot (`EdgeNode.get_metrics`); the engine's own cumulative counts
 (preemptions, prefix cache, tokens per step, cache configuration) are read from that snapshot by
 `EngineCollector` during the scrape. `TenantMetrics` is the HTTP frontend's own (requests, tokens and 429s per
 tenant, counted where requests are admitted; a `tenant` label whose values are the tenants file's names only),
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from edgecore.shared.metrics import EngineCollector, ModelMetrics
+from edgecore.shared.node.metrics import EngineCollector, ModelMetrics
 
 if TYPE_CHECKING:
     from edgecore.shared.engine.handle import EngineStats

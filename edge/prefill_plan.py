@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edgecore.edge.kv_receiver import KVReceiver
+from edgecore.protocol.kv_receiver import KVReceiver
 from edgecore.protocol import messages as m
 from edgecore.protocol.codecs import get_codec
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from edgecore.shared.engine.handle import EngineRequest, FirstToken
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.kv.transfer import layers_at_edge, needed_from
@@ -29,12 +29,12 @@ class RemotePrefillSettings:
     """The edge's rules for every remote prefill: `timeout`, seconds for the whole transfer (also each wait for
     the core's next event, and the core's deadline); `core_decode`, tokens after the first a core may decode
     before the edge takes over (0: never); `rope`, the model's RoPE for the codecs, what the core's encoder took
-    (`codec_rope`); `first_layer_budget`, the most multiply-adds this edge spends computing layer 0's KV of a
+    (`codec_rope`); `layer0_budget_macs`, the most multiply-adds this edge spends computing layer 0's KV of a
     lossy transfer itself (`edge_layers`)."""
     timeout: float
     core_decode: int = 0
     rope: tuple[float, ...] | None = None
-    first_layer_budget: float = 0.0
+    layer0_budget_macs: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,19 +51,19 @@ class PrefillPlan:
     group: str | None = None       # the request's fairness group, here and at the core
     cache_salt: str | None = None  # the request's prefix-cache scope, here and at the core
     tenant: str | None = None      # the request's tenant: its fair share here and at the core
-    adapter: str | None = None     # the request's LoRA adapter (shared/lora.py) and its content fingerprint:
+    adapter: str | None = None     # the request's LoRA adapter (shared/models/lora.py) and its content fingerprint:
     adapter_fingerprint: str = ""  # the core prefills with its own copy, which must be the same
     traceparent: str | None = None  # the edge's span of this prefill: the core's spans go under it
 
     @classmethod
     def build(cls, request: EngineRequest, skip_tokens: int, codec: str, settings: RemotePrefillSettings, *,
-              first_layer_macs: int, core_decodes: bool, direct: bool, adapter_fingerprint: str = "") -> PrefillPlan:
+              layer0_macs_per_token: int, core_decodes: bool, direct: bool, adapter_fingerprint: str = "") -> PrefillPlan:
         """`core_decodes`: the request decodes here (it has a sink) and the core speaks decode handover;
-        `first_layer_macs`: the engine's multiply-adds per token of layer 0's KV (0: it cannot compute it)."""
+        `layer0_macs_per_token`: the engine's multiply-adds per token of layer 0's KV (0: it cannot compute it)."""
         assert isinstance(request.prompt, list), "a remote prefill's prompt is token ids"
         prompt, params = request.prompt, request.params
         limit = min(settings.core_decode, params.max_tokens - 1) if core_decodes else 0
-        edge_layers = layers_at_edge(first_layer_macs, len(prompt) - skip_tokens, settings.first_layer_budget,
+        edge_layers = layers_at_edge(layer0_macs_per_token, len(prompt) - skip_tokens, settings.layer0_budget_macs,
                                      get_codec(codec).lossless)
         return cls(request.request_id, prompt, params, codec, skip_tokens, limit, edge_layers, direct,
                    int(settings.timeout * 1000), request.group, request.cache_salt, request.tenant, request.adapter,

@@ -1,6 +1,6 @@
 """One edge request's counters and latency metrics.
 
-Life cycle: made when a request arrives at the `EdgeEngine` (it counts as
+Life cycle: made when a request arrives at the `EdgeNode` (it counts as
 active from then on), told which core prefilled it (if any), fed every output
 (`observe`: TTFT, prefill time and the placement model's timing with the
 first, ITL after; end-to-end, decode time, time per output token, token
@@ -20,13 +20,13 @@ from edgecore.edge.request_trace import RequestTrace
 from edgecore.shared.engine.output import RequestOutput
 
 if TYPE_CHECKING:
-    from edgecore.edge.engine import EdgeEngine
+    from edgecore.edge.node import EdgeNode
 
 
 class Progress:
     """One request's counters and latency metrics, fed each output (by `generate` or `submit`'s sink)."""
 
-    def __init__(self, edge: EdgeEngine, prompt_len: int, request_id: str = "", traceparent: str | None = None):
+    def __init__(self, edge: EdgeNode, prompt_len: int, request_id: str = "", traceparent: str | None = None):
         self.edge, self.prompt_len = edge, prompt_len
         self.arrived = self.placed_at = time.perf_counter()
         self.trace = RequestTrace.begin(traceparent, request_id, prompt_len, self.arrived)

@@ -2,7 +2,7 @@
 
 The parts (each its own module):
 - `PrefillPlan` (edge/prefill_plan.py): what the core is asked, a frozen value built before anything is sent;
-- `KVReceiver` (edge/kv_receiver.py): checks each KVChunk header, PrefillDone, failures; decides Ack or Cancel;
+- `KVReceiver` (protocol/kv_receiver.py): checks each KVChunk header, PrefillDone, failures; decides Ack or Cancel;
 - `ChunkWriter` (edge/chunk_writer.py): unpacks chunk payloads (in worker threads) into the paged cache, and
   the barrier before anything reads the KV;
 - `HandoverFollower` (edge/handover_follower.py): the tokens the core decodes, Handover and the take-over;
@@ -43,7 +43,7 @@ from concurrent.futures import Executor
 from edgecore.edge.chunk_writer import ChunkWriter
 from edgecore.edge.core_client import CoreClient
 from edgecore.edge.handover_follower import HandoverFollower
-from edgecore.edge.kv_receiver import KVReceiver, TransferFailed
+from edgecore.protocol.kv_receiver import KVReceiver, TransferFailed
 from edgecore.edge.prefill_plan import PrefillPlan, RemotePrefillSettings
 from edgecore.edge.transfer_metrics import TransferMetrics
 from edgecore.protocol import messages as m
@@ -89,7 +89,7 @@ class RemotePrefill:
         codec = choose_codec(client, len(self.request.prompt) - cached)
         assert client.peer is not None          # a picked core is connected
         plan = self.plan = PrefillPlan.build(self.request, cached, codec, self.settings,
-                                             first_layer_macs=handle.first_layer_macs, direct=client.direct,
+                                             layer0_macs_per_token=handle.layer0_macs_per_token, direct=client.direct,
                                              core_decodes=activate and client.peer.conn.handover,
                                              adapter_fingerprint=self.adapter_fingerprint)
         receiver = self.receiver = plan.receiver(handle.config)

@@ -1,4 +1,4 @@
-"""The spans one edge request leaves in its engine process (traces on, shared/tracing.py; off: no object at all).
+"""The spans one edge request leaves in its engine process (traces on, shared/node/tracing.py; off: no object at all).
 
 Life cycle: `RequestTrace.begin` makes one when this process traces and the request carries a `traceparent`
 (the HTTP process's span of it): "edge.request" opens at arrival, "edge.queue" under it. `placed` ends the queue
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from edgecore.shared.tracing import Span, Tracer, tracer
+from edgecore.shared.node.tracing import Span, Tracer, tracer
 
 
 class RequestTrace:

@@ -1,16 +1,16 @@
 """What the edge's HTTP frontend asks of the edge: the `EdgeService` protocol.
 
 Life cycle of the seam: `EdgeHTTP` (edge/http.py) is built on an `EdgeService`
-and uses nothing else of it. Two classes implement it: `EdgeEngine`
-(edge/engine.py: placement, remote prefill, decode, in this process) and
-`EngineClient` (edge/engine_client.py: the same calls as typed messages to the
+and uses nothing else of it. Two classes implement it: `EdgeNode`
+(edge/node.py: placement, remote prefill, decode, in this process) and
+`NodeProcessClient` (edge/node_client.py: the same calls as typed messages to the
 edge's engine process, edge/ipc.py). The service is ready once its engine
 runs; `generate` streams one request's outputs (a consumer that leaves aborts
 the request; `cache_salt` scopes its prefix cache, `tenant`, `weight` and
 `priority` place it among the tenants, `adapter` names its LoRA adapter, `traceparent` the span it runs under:
 shared/engine/handle.py `EngineRequest`);
 `adapters` are the LoRA adapters served (name → fingerprint), changed by `load_adapter` / `unload_adapter`
-(shared/lora.py `AdapterError`: nothing changed); the rest are reads of published state and small commands.
+(shared/models/lora.py `AdapterError`: nothing changed); the rest are reads of published state and small commands.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.text.tokenizer import Tokenizer
 
 
 class EdgeService(Protocol):

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from edgecore.shared import node_settings as common
-from edgecore.shared.node_settings import Dtype, Quantize
-from edgecore.shared.settings import setting
+from edgecore.shared.node import node_settings as common
+from edgecore.shared.node.node_settings import Dtype, Quantize
+from edgecore.shared.node.settings import setting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +30,7 @@ class EdgeSettings:
                                         "a headless Service), re-resolved periodically")
     listen: str = setting("127.0.0.1:8000", metavar="HOST:PORT", help="HTTP address")
     api_key_file: str | None = setting(None, help="API keys, one per line (or EDGECORE_API_KEYS)")
-    tenants: str | None = setting(None, metavar="FILE", help="tenants (TOML, shared/tenants.py): each tenant's API "
+    tenants: str | None = setting(None, metavar="FILE", help="tenants (TOML, shared/node/tenants.py): each tenant's API "
                                   "key digests, rate and concurrency limits, engine weight, priority band and "
                                   "models; other keys get a 401 (those of --api-key-file stay valid, unlimited); "
                                   "re-read when it changes")
@@ -54,8 +54,8 @@ class EdgeSettings:
     kv_curve: str | None = setting(None, metavar="FILE", help="with --adaptive: this model's rate-distortion curve, "
                                    "a bench/kv_rd.py result (default: the bundled model's, shipped in "
                                    "edge/codec_policy.py)")
-    first_layer_macs: float = setting(
-        1e9, metavar="N", help="lossy codecs: compute layer 0's KV here (it depends on the prompt's tokens alone) "
+    layer0_budget_macs: float = setting(
+        1e9, metavar="N", aliases=("--first-layer-macs",), help="lossy codecs: compute layer 0's KV here (it depends on the prompt's tokens alone) "
         "instead of receiving it, when that costs at most N multiply-adds (default 1e9; 0: always receive)")
     core_routing: Literal["predicted", "rtt"] = setting(
         "predicted", help="how a core is picked for a prefill: 'predicted' (default), the least predicted time to "

@@ -5,7 +5,8 @@ edgecore. The names below are its public API (loaded on first use); everything e
 - connections: `Connection`, `Role`, `State`, `NEED_DATA`, events `KVData`, `BadFrame`, `FrameRejected`
   (state.py, events.py); messages in `messages` (msgspec structs);
 - security: `Rekey` (cipher.py), `Authority`, `NodeIdentity`, `Trust`, `Credential` (credentials.py);
-- KV: `encode_chunk`, `decode_chunk` (kv.py), the codec registry `CODECS` (codecs/);
+- KV: `encode_chunk`, `decode_chunk` (kv.py), the codec registry `CODECS` (codecs/), the receiving side's
+  sans-IO bookkeeping `KVReceiver`, `ReceiveState`, `TransferFailed` (kv_receiver.py);
 - I/O: `connect`, `serve`, `Peer`, `PeerError`, `Timeouts`, `tls_context` (transport.py);
 - errors: `ErrorCode`, `ProtocolError`, `LocalProtocolError`, `RemoteProtocolError` (errors.py).
 """
@@ -19,7 +20,8 @@ _WHERE = {
     "Connection": "state", "Role": "state", "State": "state", "NEED_DATA": "events", "KVData": "events",
     "BadFrame": "events", "FrameRejected": "events", "Rekey": "cipher", "Authority": "credentials",
     "NodeIdentity": "credentials", "Trust": "credentials", "Credential": "credentials", "encode_chunk": "kv",
-    "decode_chunk": "kv", "CODECS": "codecs", "connect": "transport", "serve": "transport", "Peer": "transport",
+    "decode_chunk": "kv", "CODECS": "codecs", "KVReceiver": "kv_receiver", "ReceiveState": "kv_receiver",
+    "TransferFailed": "kv_receiver", "connect": "transport", "serve": "transport", "Peer": "transport",
     "PeerError": "transport", "Timeouts": "transport", "tls_context": "transport", "ErrorCode": "errors",
     "ProtocolError": "errors", "LocalProtocolError": "errors", "RemoteProtocolError": "errors",
 }

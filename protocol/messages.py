@@ -104,13 +104,13 @@ class PrefillRequest(_Msg, tag=5, frozen=True):
                                        # request); "" = the request alone. The core shares its steps by it
     cache_salt: str = ""               # the request's prefix-cache scope: the core reuses cached KV only between
                                        # requests with the same salt; "" = unsalted (an older edge sends none)
-    tenant: str = ""                   # the edge's tenant of the request (shared/tenants.py): the core shares its
+    tenant: str = ""                   # the edge's tenant of the request (shared/node/tenants.py): the core shares its
                                        # steps between tenants, then groups; "" = none (older peers ignore it)
-    adapter: str = ""                  # the LoRA adapter to prefill with (shared/lora.py), loaded at the core
+    adapter: str = ""                  # the LoRA adapter to prefill with (shared/models/lora.py), loaded at the core
     adapter_fingerprint: str = ""      # under the same name (`--lora`); its content hash must match the edge's, or
                                        # the core answers an Error; "" = the base model (older edges send none)
     traceparent: str = ""              # W3C trace context of the edge's span for this prefill: the core's spans
-                                       # join the request's trace (shared/tracing.py); "" = untraced
+                                       # join the request's trace (shared/node/tracing.py); "" = untraced
 
 
 class KVChunk(_Msg, tag=6, frozen=True):

@@ -1,11 +1,13 @@
 """What both node kinds run (the name means shared by core and edge, not "utilities"):
 
-- the engine: `engine/` (LLMEngine, scheduler, sampler, the typed `EngineHandle` and its in-thread
-  `AsyncEngine`), `kv/` (paged KV pool, prefix cache, KV slices for transfer), `parallel.py`;
-- models: `models/` (families), `config.py`, `weights.py` (checkpoint reading), `pack/` (lossless packing);
-- text and API: `tokenizer.py`, `token_bytes.py`, `openai/` (request parsing, responses, errors, routes);
-- node plumbing: `settings.py` and `node_settings.py` (settings defined once), `secrets.py`, `link_auth.py`,
-  `tls.py`, `http_server.py`, `metrics.py`, `service.py`, `env.py`, `malloc.py`, `log_budget.py`, `cli.py`.
+- the engine: `engine/` (`LLMEngine`, scheduler, sampler, the typed `EngineHandle` and the `EngineThread` that
+  runs an engine behind it), `kv/` (paged KV pool, prefix cache, disk tier, KV slices for transfer);
+- models: `models/` (families, `config.py`, checkpoint reading `weights.py` and `gguf_file.py`, quantized
+  weights, LoRA, the tensor/pipeline-parallel state `parallel.py`, the model `fingerprint.py`), `pack/`
+  (lossless packing for shipping weights);
+- text and API: `text/` (tokenizer, token bytes), `openai/` (request parsing, responses, errors, routes);
+- node plumbing: `node/` (settings defined once, secrets, link credentials, TLS, HTTP server, metrics, tenants,
+  tracing, environment, the CLI's common parts); `errors.py`, the exceptions a user can cause.
 
 shared/ imports protocol/ but never core/, edge/ or deploy/ (tests/test_layering.py).
 """

@@ -40,7 +40,7 @@ def heldout() -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from edgecore.shared.tokenizer import Tokenizer
+    from edgecore.shared.text.tokenizer import Tokenizer
     return Tokenizer.from_dir(MODEL_DIR)
 
 
@@ -51,7 +51,7 @@ def hf_model():
 
 
 def make_engine(model_dir=MODEL_DIR, **kw):
-    from edgecore.shared.config import CacheConfig, EngineConfig
+    from edgecore.shared.models.config import CacheConfig, EngineConfig
     from edgecore.shared.engine.engine import LLMEngine
     cache = CacheConfig(block_size=kw.pop("block_size", 16), num_blocks=kw.pop("num_blocks", 1024),
                         enable_prefix_caching=kw.pop("prefix_caching", True))

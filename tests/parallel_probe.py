@@ -13,7 +13,7 @@ import json
 import torch
 
 from edgecore.core.ranks import start_parallel_engine
-from edgecore.shared.config import CacheConfig, EngineConfig
+from edgecore.shared.models.config import CacheConfig, EngineConfig
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.engine.sequence import Sequence
 from edgecore.shared.engine.step_plan import encode_step

@@ -16,8 +16,8 @@ from edgecore.deploy.k8s_workloads import core_manifests, edge_manifests
 from edgecore.deploy.launcher import Launcher, Proc
 from edgecore.deploy.topology import load_topology
 from edgecore.edge.settings import EdgeSettings
-from edgecore.shared import settings as machinery
-from edgecore.shared.settings import flag_names, from_args, specs, to_argv
+from edgecore.shared.node import settings as machinery
+from edgecore.shared.node.settings import flag_names, from_args, specs, to_argv
 from tests.conftest import MODEL_DIR
 
 NODES = {"edge": EdgeSettings, "core": CoreSettings}
@@ -56,7 +56,8 @@ def test_every_field_is_a_flag_and_every_node_flag_a_field(command):
     cls, parser = NODES[command], subparser(command)
     actions = {o: a for a in parser._actions for o in a.option_strings}
     fields = flag_names(cls)
-    assert set(actions) - PLUMBING[command] == set(fields)
+    aliases = {alias for s in specs(cls) for alias in s.meta.aliases}
+    assert set(actions) - PLUMBING[command] - aliases == set(fields)
     for s in specs(cls):                     # the flag is what the field says: name, default, type, choices, help
         action = actions[s.flag]
         assert action.dest == s.name and action.help == s.meta.help and action.metavar == s.meta.metavar
@@ -92,22 +93,27 @@ def test_every_option_switched_renders_argv_that_parses_back(command):
 
 
 def test_values_render_exactly():
-    settings = EdgeSettings(core=("a:1", "b:2"), first_layer_macs=1e-05, kv_quality_budget=-0.1, adaptive=True,
+    settings = EdgeSettings(core=("a:1", "b:2"), layer0_budget_macs=1e-05, kv_quality_budget=-0.1, adaptive=True,
                             max_concurrent=3)
     assert to_argv(settings) == ["--core", "a:1", "--core", "b:2", "--adaptive", "--kv-quality-budget=-0.1",
-                                 "--first-layer-macs", "1e-05", "--max-concurrent", "3"]
+                                 "--layer0-budget-macs", "1e-05", "--max-concurrent", "3"]
     assert parse(["edge", *to_argv(settings)]) == settings
     with pytest.raises(ValueError, match="--codec"):
         to_argv(EdgeSettings(codec=()))          # an empty list of codecs has no flags: not the default (None)
 
 
+def test_a_renamed_flag_still_parses_under_its_old_name():
+    assert parse(["edge", "--first-layer-macs", "0"]) == EdgeSettings(layer0_budget_macs=0.0)
+    assert to_argv(EdgeSettings(layer0_budget_macs=0.0)) == ["--layer0-budget-macs", "0.0"]
+
+
 def test_the_engine_process_gets_the_frontends_settings():
-    from edgecore.edge.cli import _engine_client
+    from edgecore.edge.cli import _node_client
     settings = changed(EdgeSettings)
     settings = dataclasses.replace(settings, core=(), core_dns=(), secret_file=None, credential=None, authority=None,
                                    revocations=None)          # (files checked before the engine process starts)
-    client = _engine_client(settings, str(MODEL_DIR))
-    argv = [*client.argv, "--model", client.model_dir, "--engine-fd", "3"]      # as EngineClient.start runs it
+    client = _node_client(settings, str(MODEL_DIR))
+    argv = [*client.argv, "--model", client.model_dir, "--engine-fd", "3"]      # as NodeProcessClient.start runs it
     assert parse(argv) == dataclasses.replace(settings, model=str(MODEL_DIR))
 
 

@@ -88,7 +88,7 @@ layer and per channel, as the live path sends them: layer 0 computed at the edge
 0.969; pystd-llama (3 layers) q4e 0.131 / +0.02% / 0.00010 / 0.989, q3e 0.097 / +0.10% / 0.00017 /
 0.982, q2e 0.090 / +0.04% / 0.00026 / 0.979. So ≤ 0.25× within +0.3% and ≤ 0.15× within +1% at ≥ 97%
 agreement on both (pydoc: q3e; pystd: q2e). With every layer coded (rows NAME+layer0, the edge's
-`--first-layer-macs 0`): pydoc q3e 0.182 / 97.1%, pystd q2e 0.132 / 97.3%. What got pydoc there from
+`--layer0-budget-macs 0`): pydoc q3e 0.182 / 97.1%, pystd q2e 0.132 / 97.3%. What got pydoc there from
 0.199 / 97.4% (q3e before): compact parameters (one-byte log steps, a shared fine-span centre: −0.009 of
 bf16 at 256 tokens, KL unchanged at equal factors), no exact recent tokens in q3e (its 16 fine tokens
 instead: −0.009), factors 0.52/0.62 and layer 0 off the wire (−1/4 of the rest). Agreement tracks KL

@@ -17,12 +17,12 @@ Two entry points serve disaggregated serving:
     `take_pending`; a request they finish never decodes here), and `take_over(kv_until)` joins
     the batch with KV valid for [0, kv_until): the tokens after it (those decoded elsewhere, or
     all but the cached prefix after a failed transfer) are computed here as one prefill chunk.
-LoRA adapters (shared/lora.py): the engine's `LoraRegistry` (`lora`) loads and unloads them; a request names
+LoRA adapters (shared/models/lora.py): the engine's `LoraRegistry` (`lora`) loads and unloads them; a request names
 its adapter (`adapter=`), which scopes its prefix cache (`adapter_salt`) and gives its rows the adapter's slot.
 Disk KV tier (`CacheConfig.tier_dir`; shared/engine/tier_loads.py): a request whose prefix blocks after the
 pool's are on disk waits outside the scheduler while they are read back, then is queued with them cached;
 evicted cached blocks spill there; `close()` writes the blocks still cached and stops the tier.
-Only the engine thread calls these (through `AsyncEngine`, the in-thread `EngineHandle`, which
+Only the engine thread calls these (through `EngineThread`, the in-thread `EngineHandle`, which
 first has `compile_decode` run there); `stats()` builds the snapshot that thread publishes.
 """
 
@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from edgecore.shared.config import CacheConfig, EngineConfig, ModelConfig
+from edgecore.shared.models.config import CacheConfig, EngineConfig, ModelConfig
 from edgecore.shared.engine.grammar import Grammars
 from edgecore.shared.engine.handle import EngineStats
 from edgecore.shared.engine.model_runner import ModelRunner
@@ -45,16 +45,16 @@ from edgecore.shared.engine.scheduler import Scheduler
 from edgecore.shared.engine.tier_loads import open_tier
 from edgecore.shared.engine.sequence import Sequence, Status
 from edgecore.shared.errors import ConfigError, RequestError
-from edgecore.shared.fingerprint import model_fingerprint, with_quantize
-from edgecore.shared.gguf_tokenizer import gguf_has_tokenizer
+from edgecore.shared.models.fingerprint import model_fingerprint, with_quantize
+from edgecore.shared.text.gguf_tokenizer import gguf_has_tokenizer
 from edgecore.shared.kv.block_manager import BlockManager, NoFreeBlocks
 from edgecore.shared.kv.pool import KVPool
-from edgecore.shared.kv.transfer import KVSlice, StreamRoute, needed_from
-from edgecore.shared.lora import LoraRegistry, adapter_salt
-from edgecore.shared.metrics import Buckets
+from edgecore.shared.kv.transfer import KVSlice, DirectRoute, needed_from
+from edgecore.shared.models.lora import LoraRegistry, adapter_salt
+from edgecore.shared.node.metrics import Buckets
 from edgecore.shared.models.layers import weight_bytes
 from edgecore.shared.models.loader import load_model, resolve_dtype
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from edgecore.shared.models.llama import Attention, LlamaForCausalLM
@@ -69,7 +69,7 @@ class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, config: ModelConfig, tokenizer: Tokenizer | None = None,
                  cache_config: CacheConfig | None = None, engine_config: EngineConfig | None = None,
                  fingerprint: str | None = None):
-        """`fingerprint`: the model's (shared/fingerprint.py), which keys the disk KV tier (`from_dir` gives it)."""
+        """`fingerprint`: the model's (shared/models/fingerprint.py), which keys the disk KV tier (`from_dir` gives it)."""
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
@@ -309,11 +309,11 @@ class LLMEngine:
         """Free a parked (prefilled or reserved) request's KV."""
         self.abort(request_id)
 
-    def add_stream_route(self, stream_id: str, route: StreamRoute) -> None:
+    def add_direct_route(self, stream_id: str, route: DirectRoute) -> None:
         """A parallel core: have every rank stream its own KV of request `stream_id` (before it is added)."""
         self.runner.add_route(stream_id, route)
 
-    def drop_stream_route(self, stream_id: str) -> None:
+    def drop_direct_route(self, stream_id: str) -> None:
         self.runner.drop_route(stream_id)
 
     def pin_prefix(self, request_id: str) -> list[int]:

@@ -18,11 +18,11 @@ layer 0 computed here) → `activate` (KV from outside; with decode handover
 `reserve` → `push_token`* and `write_kv`* → `take_over`) and prefill-only
 requests → `read_kv` → `release` (KV handed out); `pin_prefix` /
 `commit_prefix` / `unpin` keep prefixes resident. Stream routes
-(`add_stream_route`, `drop_stream_route`) tell a parallel core's ranks where to
+(`add_direct_route`, `drop_direct_route`) tell a parallel core's ranks where to
 send their KV. Facts that never change (config, block size, layer 0's cost) are
 published once; `stats()` returns the snapshot the engine thread published after
 its last step or command: no caller reads engine state from another thread.
-`AsyncEngine` implements the handle in-thread; the edge's HTTP frontend reaches
+`EngineThread` implements the handle in-thread; the edge's HTTP frontend reaches
 its engine process through `EdgeService` (edge/service.py) instead, which is
 served over typed messages (edge/ipc.py).
 """
@@ -36,12 +36,12 @@ from collections.abc import AsyncIterator, Callable
 
 import msgspec
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import EngineDead
-from edgecore.shared.kv.transfer import KVSlice, StreamRoute
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.kv.transfer import KVSlice, DirectRoute
+from edgecore.shared.text.tokenizer import Tokenizer
 
 
 class EngineStats(msgspec.Struct, frozen=True):
@@ -59,7 +59,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     prefix_cache_hit_tokens: int = 0
     prefix_cache_query_tokens: int = 0
     preemptions: int = 0
-    iteration_tokens: tuple[int, ...] = ()   # tokens per step: count per bucket of shared/metrics.py (last: above)
+    iteration_tokens: tuple[int, ...] = ()   # tokens per step: count per bucket of shared/node/metrics.py (last: above)
     iteration_tokens_sum: int = 0
     prefix_caching: bool = True
     blocks_touched: int = 0     # blocks ever used: the KV pool's resident part on CPU (it maps memory lazily)
@@ -115,12 +115,12 @@ class EngineRequest:
     # Prefix-cache scope: cached blocks are reused only between requests with the same salt (mixed into the
     # first block's hash, shared/kv/block_manager.py); None: unsalted, shared by every request without one.
     cache_salt: str | None = None
-    # The tenant the request belongs to (shared/tenants.py; None: none) and its weight: the scheduler shares each
+    # The tenant the request belongs to (shared/node/tenants.py; None: none) and its weight: the scheduler shares each
     # step between tenants by weight, then between their groups (`Sequence.tenant`, `Sequence.weight`).
     tenant: str | None = None
-    adapter: str | None = None              # a loaded LoRA adapter's name (shared/lora.py); None: the base model
+    adapter: str | None = None              # a loaded LoRA adapter's name (shared/models/lora.py); None: the base model
     weight: float = 1.0
-    traceparent: str | None = None          # W3C trace context of the span it runs under (shared/tracing.py)
+    traceparent: str | None = None          # W3C trace context of the span it runs under (shared/node/tracing.py)
 
 
 Output = RequestOutput | EngineDead     # what a sink receives: an output, or the engine's failure (the last item)
@@ -172,7 +172,7 @@ class EngineHandle(Protocol):
     kv_bytes_per_token: int
     # Multiply-adds per token of computing layer 0's K/V locally (0: this engine cannot), and doing so for a
     # reserved request's uncached tokens instead of receiving them (shared/kv/transfer.py `EDGE_LAYERS`).
-    first_layer_macs: int
+    layer0_macs_per_token: int
 
     @property
     def alive(self) -> bool: ...
@@ -218,9 +218,9 @@ class EngineHandle(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
-    def add_stream_route(self, stream_id: str, route: StreamRoute) -> None: ...
+    def add_direct_route(self, stream_id: str, route: DirectRoute) -> None: ...
 
-    def drop_stream_route(self, stream_id: str) -> None: ...
+    def drop_direct_route(self, stream_id: str) -> None: ...
 
     # ---- resident prefixes ----------------------------------------------------------------------
     async def pin_prefix(self, request_id: str) -> list[int]: ...

@@ -29,7 +29,7 @@ Compiled decode (`compile_decode`, `edgecore edge --compile`): small pure decode
 run through `CompiledDecoder` (compiled_decode.py) on all threads, every other step as above; if a compiled
 step fails (one that would need a new graph), the runner drops it and serves eagerly from then on.
 
-LoRA adapters (shared/lora.py): the engine sets its `LoraRegistry` (`lora`); a step whose rows include an
+LoRA adapters (shared/models/lora.py): the engine sets its `LoraRegistry` (`lora`); a step whose rows include an
 adapter's runs through the module tree on all threads (`lora.begin` sets the rows' slots, the layers add their
 deltas); the fast decode paths (`FlatDecoder`, `CompiledDecoder`) bypass the modules, so they serve only steps
 of base rows. An edge's own layer 0 (`write_first_layer_kv`) applies the request's adapter too.
@@ -45,16 +45,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from edgecore.shared.config import FULL, LayerAttention
+from edgecore.shared.models.config import FULL, LayerAttention
 from edgecore.shared.engine import prompt_logprobs
 from edgecore.shared.engine.sampler import SampleResult, sample
 from edgecore.shared.engine.scheduler import ScheduledBatch
 from edgecore.shared.engine.sequence import Sequence
 from edgecore.shared.engine.step_threads import StepThreads
-from edgecore.shared.env import cpu_pack_enabled
+from edgecore.shared.node.env import cpu_pack_enabled
 from edgecore.shared.errors import first_line
 from edgecore.shared.kv.pool import KVPool
-from edgecore.shared.malloc import retain_freed_memory
+from edgecore.shared.node.malloc import retain_freed_memory
 from edgecore.shared.models.attention import AttentionMetadata, DecodeWindow, PrefillChunk
 from edgecore.shared.models.flat_decode import FlatDecoder
 from edgecore.shared.models.layers import calibrate_plain_rows, pack_for_cpu, quantized_numel, weight_bytes
@@ -63,8 +63,8 @@ if TYPE_CHECKING:
     from typing import TypeVar
 
     from edgecore.shared.engine.step_plan import PlanItem
-    from edgecore.shared.kv.transfer import StreamRoute
-    from edgecore.shared.lora import LoraRegistry
+    from edgecore.shared.kv.transfer import DirectRoute
+    from edgecore.shared.models.lora import LoraRegistry
     from edgecore.shared.models.compiled_decode import CompiledDecoder
     from edgecore.shared.models.llama import LlamaForCausalLM
 
@@ -103,7 +103,7 @@ def first_visible(form: LayerAttention, pos: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    lora: LoraRegistry | None = None   # the engine's LoRA adapters (shared/lora.py)
+    lora: LoraRegistry | None = None   # the engine's LoRA adapters (shared/models/lora.py)
     compiled: CompiledDecoder | None = None
     compile_pending = False        # `compile_decode` asked for and not done yet
     compiled_steps = 0             # steps the compiled step ran
@@ -121,9 +121,9 @@ class ModelRunner:
         # Multiply-adds per token of computing layer 0's K/V here (its attention's weights: the projections
         # run whole); 0 where this process does not hold layer 0.
         layer0 = cast(nn.Module, model.model.layers[0].self_attn) if model.model.layer_ids[0] == 0 else None
-        self.first_layer_macs = sum(p.numel() for p in layer0.parameters() if p.dim() == 2) if layer0 else 0
+        self.layer0_macs_per_token = sum(p.numel() for p in layer0.parameters() if p.dim() == 2) if layer0 else 0
         if layer0 is not None:      # quantized projections (quant.py) hold placeholders: count their weights
-            self.first_layer_macs += quantized_numel(layer0)
+            self.layer0_macs_per_token += quantized_numel(layer0)
         packed = self.device == "cpu" and cpu_pack_enabled()
         if self.device == "cpu":
             retain_freed_memory()      # activations reuse heap pages instead of faulting in new ones
@@ -258,7 +258,7 @@ class ModelRunner:
                     self.lora.end()
 
     # ---- ranks: a parallel runner (parallel_runner.py) overrides these; one process has none ----
-    def add_route(self, stream_id: str, route: StreamRoute) -> None:
+    def add_route(self, stream_id: str, route: DirectRoute) -> None:
         raise NotImplementedError("stream routes need a parallel core")
 
     def drop_route(self, stream_id: str) -> None:

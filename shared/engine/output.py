@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from edgecore.shared.engine.grammar import advance
 from edgecore.shared.engine.sequence import Sequence
-from edgecore.shared.tokenizer import IncrementalDetokenizer, Tokenizer
+from edgecore.shared.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass

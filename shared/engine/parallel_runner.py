@@ -35,9 +35,9 @@ from edgecore.shared.engine.sampler import sample
 from edgecore.shared.engine.step_plan import (READ_KV, STATS, STEP, STOP, ReadKVPayload, StepPayload, StepRoutes,
                                      decode_plan, encode_read_kv, encode_stats, encode_step, encode_stop)
 from edgecore.shared.kv.heads import kv_head_start  # noqa: F401  (the partition rule; core/ranks.py imports it here)
-from edgecore.shared.kv.transfer import StreamRoute
+from edgecore.shared.kv.transfer import DirectRoute
 from edgecore.shared.models.layers import weight_bytes
-from edgecore.shared.parallel import Layout
+from edgecore.shared.models.parallel import Layout
 
 if TYPE_CHECKING:
     from edgecore.shared.engine.model_runner import StepSeq
@@ -60,7 +60,7 @@ class StageRunner(ModelRunner):
         self.dtype = next(model.parameters()).dtype
         self.busy = 0.0            # seconds spent computing this rank's part of steps
         self.steps = 0
-        self.first_layer_macs = 0   # layer 0 of a parallel model spans ranks: its KV is never computed alone
+        self.layer0_macs_per_token = 0   # layer 0 of a parallel model spans ranks: its KV is never computed alone
 
     def execute(self, items: list[tuple[StepSeq, int]], on_layer: Callable[[int, list], None] | None = None
                 ) -> tuple[list[StepSeq], torch.Tensor | None]:
@@ -144,11 +144,11 @@ class ParallelModelRunner(StageRunner):
                  total_kv_heads: int) -> None:
         super().__init__(model, pool, sliding_window, layout, total_kv_heads)
         self._lock = threading.Lock()
-        self._routes: dict[str, StreamRoute] = {}   # stream id → route, until the ranks have it
+        self._routes: dict[str, DirectRoute] = {}   # stream id → route, until the ranks have it
         self._announced: set[str] = set()
         self._drops: list[str] = []
 
-    def add_route(self, stream_id: str, route: StreamRoute) -> None:
+    def add_route(self, stream_id: str, route: DirectRoute) -> None:
         """Have every rank stream its own KV of request `stream_id` (any thread; before the request is added)."""
         with self._lock:
             self._routes[stream_id] = route
@@ -237,17 +237,17 @@ class ParallelModelRunner(StageRunner):
         self._broadcast(encode_stop())
 
 
-class RankStreams(Protocol):
-    """What a worker rank's KV stream server (core/stream_server.py) offers the step loop."""
+class RankDirectServer(Protocol):
+    """What a worker rank's KV stream server (core/direct_server.py) offers the step loop."""
 
     def apply(self, routes: StepRoutes) -> None: ...
 
     def on_layer(self, layer: int, items: list[tuple[Sequence, int]]) -> None: ...
 
 
-def worker_loop(runner: StageRunner, streams: RankStreams | None = None) -> None:
+def worker_loop(runner: StageRunner, streams: RankDirectServer | None = None) -> None:
     """A non-driver rank: follow the driver's plans until STOP (or the driver disappears). `streams` (a
-    core.stream_server.StreamServer) sends this rank's KV of routed requests as each layer is computed."""
+    core.direct_server.DirectServer) sends this rank's KV of routed requests as each layer is computed."""
     while True:
         size = torch.empty(1, dtype=torch.long)
         dist.broadcast(size, 0)

@@ -8,7 +8,7 @@ tenants by weight (weighted fair shares), then the groups of each tenant equally
 Life cycle of a step:
 1. `schedule()` computes the shares of the per-step token budget among the
    sequences of the most urgent priority present (priority: lower first; a
-   tenant's band and its request's own priority, shared/tenants.py): each
+   tenant's band and its request's own priority, shared/node/tenants.py): each
    tenant's share is budget × weight / the weights of the tenants present,
    split equally between that tenant's groups. Running sequences come first,
    most urgent priority first, then oldest first: a decoding one gets its 1
@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from edgecore.shared.config import EngineConfig
+from edgecore.shared.models.config import EngineConfig
 from edgecore.shared.engine.sequence import Sequence, Status
 from edgecore.shared.kv.block_manager import BlockManager, NoFreeBlocks
 

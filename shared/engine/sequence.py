@@ -39,7 +39,7 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    # its LoRA adapter (shared/lora.py): the name, and the slot the model runner gathers its rows' weights by
+    # its LoRA adapter (shared/models/lora.py): the name, and the slot the model runner gathers its rows' weights by
     # (0: the base model); set by the engine at admission
     adapter: str | None = None
     lora_slot = 0
@@ -52,7 +52,7 @@ class Sequence:
         # batch's line, ...): declared at admission; a request given none is a group of its own
         self.group = request_id if group is None else group
         # the tenant the request belongs to ("" none) and its weight: the scheduler shares a step between the
-        # tenants present by weight first, then between each tenant's groups (shared/tenants.py)
+        # tenants present by weight first, then between each tenant's groups (shared/node/tenants.py)
         self.tenant = tenant or ""
         self.weight = weight
         self.token_ids = list(prompt_ids)

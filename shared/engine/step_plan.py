@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
-from edgecore.shared.kv.transfer import StreamRoute
+from edgecore.shared.kv.transfer import DirectRoute
 
 if TYPE_CHECKING:
     from edgecore.shared.engine.sequence import Sequence
@@ -54,7 +54,7 @@ class _Window:
 
 
 class StepRoutes(msgspec.Struct, omit_defaults=True):
-    new: dict[str, StreamRoute] = {}   # stream id → route (encoded as [request_id, session, codec, skip, total])
+    new: dict[str, DirectRoute] = {}   # stream id → route (encoded as [request_id, session, codec, skip, total])
     drop: list[str] = []
     ids: dict[int, str] = {}           # item index → stream id
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 
-from edgecore.shared.env import small_step_threads
+from edgecore.shared.node.env import small_step_threads
 
 Kind = tuple[int, bool]     # (tokens in the step, whether it is a pure decode step)
 

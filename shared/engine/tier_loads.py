@@ -13,7 +13,7 @@ Engine thread only. Life cycle of a request whose prefix the tier holds:
 3. `release_admitted()` after each schedule: a queued request that was admitted (or ended) drops its pins.
 4. `forget(request_id)` on abort: pins dropped; a request still loading ends here.
 A reservation (KV from a core, `LLMEngine.reserve`) first has its prefix read the same way (`prefetch`, awaited
-by `AsyncEngine.reserve`, not on the engine thread): the blocks are adopted and pinned without a sequence, the
+by `EngineThread.reserve`, not on the engine thread): the blocks are adopted and pinned without a sequence, the
 reservation takes them as its cached prefix (the core sends none of their KV) and drops the pins; pins nobody
 took are dropped after PREFETCH_HOLD_S.
 Spill: the block manager calls `spill` when it evicts a cached block; its K/V is copied out of the pool (the
@@ -39,7 +39,7 @@ from edgecore.shared.kv.tier import BlockShape, KVTier
 from edgecore.shared.kv.wire import DTYPE_NAMES, codec_rope
 
 if TYPE_CHECKING:
-    from edgecore.shared.config import CacheConfig, ModelConfig
+    from edgecore.shared.models.config import CacheConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 

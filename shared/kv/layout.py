@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.models.config import ModelConfig
 
 
 @dataclass(frozen=True)

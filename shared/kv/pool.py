@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from edgecore.shared.config import CacheConfig, ModelConfig
+from edgecore.shared.models.config import CacheConfig, ModelConfig
 from edgecore.shared.kv.layout import KVLayout
 
 

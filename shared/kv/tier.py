@@ -19,7 +19,7 @@ Life cycle:
 5. Close (`close`): the writer drains what is queued (bounded wait) and stops; the reader stops.
 
 Keys: a block's chained hash (shared/kv/block_manager.py: it covers every token of the prefix, the cache salt
-through the first block) extended with the model fingerprint (shared/fingerprint.py) and the salt once more:
+through the first block) extended with the model fingerprint (shared/models/fingerprint.py) and the salt once more:
 key = BLAKE2b-128("edgecore-kv-tier/1" ‖ fingerprint ‖ salt ‖ hash). Models and tenants sharing a directory
 never read each other's blocks; the salt itself is never written (a tenant salt may be a secret).
 

@@ -3,7 +3,7 @@
 Life cycle: a `KVSlice` is cut out of a paged pool (core: a computed layer
 range of a prefill-only request, or a gathered piece of a parallel core), travels
 to the connection's sender (encoded as a KVChunk), and on the edge is decoded
-into a new `KVSlice` that the engine writes into its own pool. A `StreamRoute`
+into a new `KVSlice` that the engine writes into its own pool. A `DirectRoute`
 is made by a parallel core's driver for a request whose edge holds a stream
 connection to every rank, travels once in a step plan, and tells each rank where
 its own layers and heads of that request go.
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 
 EDGE_LAYERS = 1     # leading layers an edge may compute itself: layer 0 only (layer 1 would need attention)
 
@@ -55,11 +55,11 @@ def needed_from(config: ModelConfig, position: int, edge_layers: int = 0) -> lis
             for layer in range(config.num_hidden_layers)]
 
 
-def layers_at_edge(first_layer_macs: int, tokens: int, budget: float, lossless: bool) -> int:
+def layers_at_edge(layer0_macs_per_token: int, tokens: int, budget: float, lossless: bool) -> int:
     """Leading layers an edge computes itself for a transfer of `tokens` tokens: layer 0 (`EDGE_LAYERS`) when the
     codec is lossy (a lossless transfer promises the core's own bits) and its cost — the engine's multiply-adds
     per token (0: it cannot) × tokens — is within `budget`; else none."""
-    return EDGE_LAYERS if not lossless and 0 < first_layer_macs * tokens <= budget else 0
+    return EDGE_LAYERS if not lossless and 0 < layer0_macs_per_token * tokens <= budget else 0
 
 
 def cut_slice(piece: KVSlice, starts: list[int]) -> list[KVSlice]:
@@ -80,7 +80,7 @@ def cut_slice(piece: KVSlice, starts: list[int]) -> list[KVSlice]:
     return out
 
 
-class StreamRoute(msgspec.Struct, array_like=True, frozen=True):
+class DirectRoute(msgspec.Struct, array_like=True, frozen=True):
     """Where a rank sends its own KV of one request: the edge's request id, the session id of the edge's
     connections, the codec, the token range [skip_tokens, total_tokens), and the leading layers the edge
     computes itself (none of their KV is sent)."""

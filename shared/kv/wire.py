@@ -23,7 +23,7 @@ from edgecore.shared.errors import ConfigError
 from edgecore.shared.models.rope import rope_inv_freq
 
 if TYPE_CHECKING:
-    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.models.config import ModelConfig
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 TORCH_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}

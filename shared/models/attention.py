@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from edgecore.shared.config import FULL, LayerAttention
+from edgecore.shared.models.config import FULL, LayerAttention
 
 
 @dataclass

@@ -53,7 +53,7 @@ import torch.fx.experimental._config as shape_config
 import torch.nn.functional as F
 from torch import nn
 
-from edgecore.shared.config import FULL
+from edgecore.shared.models.config import FULL
 from edgecore.shared.errors import first_line
 from edgecore.shared.models.attention import AttentionMetadata
 from edgecore.shared.models.flat_decode import FlatDecoder, rms_norm

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from edgecore.shared.models.fp8 import dequantized
 from edgecore.shared.models.llama import MLP
 from edgecore.shared.models.mixtral import MixtralForCausalLM

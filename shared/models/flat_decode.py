@@ -26,7 +26,7 @@ import torch
 from edgecore.shared.models.attention import AttentionMetadata, paged_attention
 from edgecore.shared.models.row_buckets import packed_linear
 from edgecore.shared.models.rope import apply_rope
-from edgecore.shared.parallel import tensor_parallel
+from edgecore.shared.models.parallel import tensor_parallel
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

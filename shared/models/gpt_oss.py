@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from edgecore.shared.models.llama import Attention, LlamaForCausalLM
 from edgecore.shared.models.moe import Activation, FusedExperts, topk_softmax
 from edgecore.shared.models.row_buckets import bounded_linear
-from edgecore.shared.parallel import tensor_parallel
+from edgecore.shared.models.parallel import tensor_parallel
 
 if TYPE_CHECKING:
     from edgecore.shared.models.layers import WeightSource

@@ -53,15 +53,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgecore.shared.kv.heads import kv_head_start
-from edgecore.shared.env import packed_from_rows
+from edgecore.shared.node.env import packed_from_rows
 from edgecore.shared.models.row_buckets import bounded_linear, packed_linear
-from edgecore.shared.parallel import all_gather_last_dim, all_reduce, tensor_parallel
+from edgecore.shared.models.parallel import all_gather_last_dim, all_reduce, tensor_parallel
 
 if TYPE_CHECKING:
     from typing import TypeAlias
 
     from edgecore.shared.models.quant import QuantWeight
-    from edgecore.shared.weights import WeightSlice
+    from edgecore.shared.models.weights import WeightSlice
 
     # What the weight loaders read: a tensor, or a checkpoint tensor not read yet (what `iter_weights` yields).
     WeightSource: TypeAlias = torch.Tensor | WeightSlice

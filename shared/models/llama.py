@@ -24,18 +24,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from edgecore.shared.models.activation import ACTIVATIONS
 from edgecore.shared.models.attention import AttentionMetadata, paged_attention
 from edgecore.shared.models.rope import apply_rope, rope_cos_sin
 from edgecore.shared.models.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                   RowParallelLinear, VocabParallelEmbedding)
-from edgecore.shared.parallel import tensor_parallel
+from edgecore.shared.models.parallel import tensor_parallel
 
 if TYPE_CHECKING:
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    from edgecore.shared.lora import LayerLora
+    from edgecore.shared.models.lora import LayerLora
     from edgecore.shared.models.layers import WeightSource
 
 ROPE_TABLE_START = 1 << 15      # positions of the first RoPE tables; they grow on demand
@@ -75,7 +75,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.sinks: torch.Tensor | None = None
 
-    lora: LayerLora | None = None       # LoRA adapters' stacks (shared/lora.py), installed with the first adapter
+    lora: LayerLora | None = None       # LoRA adapters' stacks (shared/models/lora.py), installed with the first adapter
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
         """`rope`: the (cos, sin) rows of this step's positions (what `rope_inputs` gave)."""

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from edgecore.shared.models.attention import AttentionMetadata, paged_attention
 from edgecore.shared.models.llama import MLP, Attention, LlamaForCausalLM
 from edgecore.shared.models.moe import FusedExperts, act_and_mul

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from edgecore.shared.errors import ConfigError, ModelLoadError
-from edgecore.shared.malloc import retain_freed_memory
+from edgecore.shared.node.malloc import retain_freed_memory
 from edgecore.shared.models.registry import ARCHITECTURES
-from edgecore.shared.weights import iter_weights
+from edgecore.shared.models.weights import iter_weights
 
 if TYPE_CHECKING:
     from edgecore.shared.models.layers import WeightSource
@@ -65,7 +65,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = "auto", 
                quantize: str | None = None) -> LlamaForCausalLM:
     """`model_dir` may name a `.gguf` file (quant_loader.py); `quantize` ("int8", "int4") quantizes the float
     projections once loaded (`--quantize`)."""
-    from edgecore.shared.gguf_file import is_gguf
+    from edgecore.shared.models.gguf_file import is_gguf
     if is_gguf(model_dir) or quantize:
         from edgecore.shared.models.quant_loader import load_gguf_model, quantize_model
         if is_gguf(model_dir):

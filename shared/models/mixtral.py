@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from edgecore.shared.models.llama import LlamaForCausalLM
 from edgecore.shared.models.moe import FusedExperts, act_and_mul, softmax_topk
 from edgecore.shared.models.row_buckets import bounded_linear

@@ -22,14 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from edgecore.shared.models.attention import AttentionMetadata
 from edgecore.shared.models.layers import ColumnParallelLinear, RowParallelLinear, _Matmul
 from edgecore.shared.models.llama import RMSNorm
 from edgecore.shared.models.mla_config import DeepseekConfig
 from edgecore.shared.models.rope import apply_rope_split, default_inv_freq, yarn
 from edgecore.shared.models.row_buckets import bounded_bmm, bounded_linear
-from edgecore.shared.parallel import tensor_parallel
+from edgecore.shared.models.parallel import tensor_parallel
 
 if TYPE_CHECKING:
     from edgecore.shared.models.layers import WeightSource

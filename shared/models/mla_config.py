@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from edgecore.shared.config import RopeParams
+from edgecore.shared.models.config import RopeParams
 from edgecore.shared.errors import ConfigError
 
 Pos = Annotated[int, msgspec.Meta(gt=0)]

@@ -30,7 +30,7 @@ from torch import nn
 
 from edgecore.shared.models.activation import ACTIVATIONS
 from edgecore.shared.models.row_buckets import bounded_linear
-from edgecore.shared.parallel import all_reduce, tensor_parallel
+from edgecore.shared.models.parallel import all_reduce, tensor_parallel
 
 if TYPE_CHECKING:
     from edgecore.shared.models.layers import WeightSource

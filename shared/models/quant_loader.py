@@ -28,12 +28,12 @@ import torch
 from torch import nn
 
 from edgecore.shared.errors import ConfigError, ModelLoadError
-from edgecore.shared.gguf_file import GGUFFile, GGUFTensor
+from edgecore.shared.models.gguf_file import GGUFFile, GGUFTensor
 from edgecore.shared.models.quant import QuantStack, QuantWeight, Scheme
-from edgecore.shared.parallel import tensor_parallel
+from edgecore.shared.models.parallel import tensor_parallel
 
 if TYPE_CHECKING:
-    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.models.config import ModelConfig
     from edgecore.shared.models.layers import WeightSource, _Matmul
     from edgecore.shared.models.llama import LlamaForCausalLM
 
@@ -63,7 +63,7 @@ def _projection(model: LlamaForCausalLM, hf: str) -> tuple[str, int] | None:
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype, device: str, layers: range | None = None,
                     config: ModelConfig | None = None) -> LlamaForCausalLM:
-    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.models.config import ModelConfig
     from edgecore.shared.models.loader import build_model
     if not str(device).startswith("cpu"):
         raise ConfigError(f"GGUF models run on CPU (their quantized kernels are torch's CPU ones), not '{device}'")

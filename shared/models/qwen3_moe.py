@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from edgecore.shared.models.llama import MLP
 from edgecore.shared.models.mixtral import MixtralForCausalLM, SparseMoE
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from edgecore.shared.config import ModelConfig, RopeParams, RopeScaling
+from edgecore.shared.models.config import ModelConfig, RopeParams, RopeScaling
 
 
 def _yarn(config: ModelConfig, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:

@@ -21,7 +21,7 @@ from edgecore.shared.openai.errors import ApiError
 from edgecore.shared.openai.http import TENANT, json_body, off_loop
 from edgecore.shared.openai.schemas import ChatMessage, TokenId, decode_body
 from edgecore.shared.openai.request import check_model, render_message
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.text.tokenizer import Tokenizer
 
 Card = Callable[[], dict]
 
@@ -55,7 +55,7 @@ class DetokenizeRequest(Struct, kw_only=True):
 
 
 def adapter_cards(card: dict, adapters: Iterable[str]) -> list[dict]:
-    """The model cards of LoRA adapters (shared/lora.py): vLLM's, with the base model as `parent`."""
+    """The model cards of LoRA adapters (shared/models/lora.py): vLLM's, with the base model as `parent`."""
     return [{**card, "id": name, "root": name, "parent": card["id"]} for name in sorted(adapters)]
 
 

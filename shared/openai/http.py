@@ -3,7 +3,7 @@
 `error_middleware(api_keys, max_body, on_error)` checks the bearer key on
 `/v1/` paths, `/stats`, `/tokenize` and `/detokenize` (the scheme case-insensitively; the key's SHA-256
 looked up among the configured keys' digests, `ApiKeys`; a key's tenant salt, if it has one, is left on the
-request under `KEY_SALT` for `effective_cache_salt`; with a tenants file, `shared/tenants.py`, the same digest
+request under `KEY_SALT` for `effective_cache_salt`; with a tenants file, `shared/node/tenants.py`, the same digest
 finds the key's tenant, left under `TENANT`, whose cache scope becomes the key's salt: a key that is neither a
 tenant's nor configured is a 401), refuses a declared Content-Length over the limit (413
 at once) and a Content-Encoding it cannot decode (415), and turns `ApiError`, oversized bodies
@@ -31,11 +31,11 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 
-from edgecore.shared.admin_key import ADMIN_PATHS
-from edgecore.shared.http_server import LIMITS_KEY
+from edgecore.shared.node.admin_key import ADMIN_PATHS
+from edgecore.shared.node.http_server import LIMITS_KEY
 from edgecore.shared.openai.request import ApiError
-from edgecore.shared.secrets import ApiKey
-from edgecore.shared.tenants import TenantRegistry, TenantState
+from edgecore.shared.node.secrets import ApiKey
+from edgecore.shared.node.tenants import TenantRegistry, TenantState
 
 log = logging.getLogger("edgecore.http")
 

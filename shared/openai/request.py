@@ -28,7 +28,7 @@ from edgecore.shared.openai.guided import guided_spec
 from edgecore.shared.openai.tools import ToolSet, render_tool_calls, tool_set
 from edgecore.shared.openai.schemas import (MAX_N, MAX_PROMPTS, ChatMessage, ChatRequest, CompletionRequest,
                                            SamplingFields, decode_body)
-from edgecore.shared.tokenizer import TextTooLong, Tokenizer
+from edgecore.shared.text.tokenizer import TextTooLong, Tokenizer
 
 __all__ = ["ApiError", "ParsedRequest", "check_model", "parse_chat", "parse_completion", "MAX_N"]
 

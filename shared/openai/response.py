@@ -18,8 +18,8 @@ from functools import lru_cache
 
 from edgecore.shared.engine.output import RequestOutput, TokenLogprob
 from edgecore.shared.openai.request import ParsedRequest
-from edgecore.shared.token_bytes import TokenBytes
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.text.token_bytes import TokenBytes
+from edgecore.shared.text.tokenizer import Tokenizer
 
 
 class TokenText:

@@ -19,7 +19,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from edgecore.shared.openai.errors import ApiError
-from edgecore.shared.secrets import MAX_CACHE_SALT
+from edgecore.shared.node.secrets import MAX_CACHE_SALT
 
 MAX_N = 16
 MAX_STOP = 4

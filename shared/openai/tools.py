@@ -57,9 +57,9 @@ class ToolSet:
             return split_json_calls(text, self.choice, self.parallel)
         return split_calls(text, self.parallel)
 
-    def stream(self) -> ToolStream:
+    def stream(self) -> ToolCallParser:
         """A streamed choice's splitter."""
-        return JsonToolStream(self) if self.json_calls else ToolStream(self.parallel)
+        return JsonToolCallParser(self) if self.json_calls else ToolCallParser(self.parallel)
 
     def preamble(self) -> str:
         """The default tool prompt for templates without a tool format: the functions' JSON schemas, one a line,
@@ -276,7 +276,7 @@ def split_json_calls(text: str, choice: str, parallel: bool = True) -> tuple[str
     return None, calls if parallel else calls[:1]
 
 
-class ToolStream:
+class ToolCallParser:
     """One streamed choice: content deltas pass through until text that may open a call; the rest is held
     and split into calls when the choice finishes."""
 
@@ -328,7 +328,7 @@ class ToolStream:
         return chunks
 
 
-class JsonToolStream(ToolStream):
+class JsonToolCallParser(ToolCallParser):
     """A streamed choice in the plain-JSON form: the whole text is the call(s), so all of it is held and split
     at the end (content only if it is not such JSON)."""
 

@@ -36,7 +36,7 @@ from edgecore.shared.pack.format import (BITS, FORMAT, MAGIC, MANIFEST, NUMPY, P
                                         sha256_file)
 
 if TYPE_CHECKING:
-    from edgecore.shared.weights import SliceIndex
+    from edgecore.shared.models.weights import SliceIndex
 
 _FP8 = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 

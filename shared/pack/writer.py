@@ -26,7 +26,7 @@ from edgecore.protocol.codecs.planes import split_top_byte
 from edgecore.shared.errors import ModelLoadError
 from edgecore.shared.pack.format import (BITS, CHUNK_VALUES, FORMAT, MAGIC, MANIFEST, MIN_PLANES_BYTES, PACK_FILE,
                                 VERSION, sha256_file)
-from edgecore.shared.weights import checkpoint_files
+from edgecore.shared.models.weights import checkpoint_files
 
 
 def read_header(path: Path) -> tuple[bytes, dict, int]:

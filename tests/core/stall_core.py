@@ -8,8 +8,8 @@ import sys
 
 from edgecore.core.server import CoreConfig, CoreServer
 from edgecore.protocol.transport import Timeouts
-from edgecore.shared.config import CacheConfig, EngineConfig
-from edgecore.shared.service import run_service, setup_logging
+from edgecore.shared.models.config import CacheConfig, EngineConfig
+from edgecore.shared.node.service import run_service, setup_logging
 from tests.conftest import MODEL_DIR
 
 
@@ -21,8 +21,8 @@ async def stall(port: int, secret: str, requests: int) -> None:
 
     from edgecore.protocol import messages as m
     from edgecore.protocol.transport import PeerError, connect
-    from edgecore.shared.config import ModelConfig
-    from edgecore.shared.fingerprint import model_fingerprint
+    from edgecore.shared.models.config import ModelConfig
+    from edgecore.shared.models.fingerprint import model_fingerprint
     fp = model_fingerprint(MODEL_DIR, ModelConfig.from_dir(MODEL_DIR))
     peer = await connect("127.0.0.1", port, secret=secret.encode(), fingerprint=fp, codecs=["raw"])
     print("ready", flush=True)

@@ -193,7 +193,7 @@ async def test_an_edge_mirror_agrees_with_the_core_cache_under_random_traffic(bl
     edge's mirror is the block manager's cache, and its `cached_tokens` is the core's own prefix match."""
     import random
 
-    from edgecore.shared.lora import scope_salt
+    from edgecore.shared.models.lora import scope_salt
     rng = random.Random(block_size)
     bm = BlockManager(num_blocks=24, block_size=block_size)
     edge = (FakePeer(), Outbox())

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from edgecore.core.kv_sender import LayerStreamer, queue_rest
+from edgecore.core.kv_sender import LayerSender, queue_rest
 from edgecore.core.outbox import Outbox
 from edgecore.core.transfer import KVSend, Transfer
 from edgecore.protocol import messages as m
@@ -99,7 +99,7 @@ class EngineReader:
 async def test_the_layer_hook_stops_copying_at_the_bound_and_the_rest_arrives_when_the_sender_drains():
     engine = make_engine()
     loop = asyncio.get_running_loop()
-    streamer = LayerStreamer(engine.pool, engine.model, loop)
+    streamer = LayerSender(engine.pool, engine.model, loop)
     prompt = torch.randint(2, 250, (300,), generator=torch.Generator().manual_seed(3)).tolist()
     layers = engine.config.num_hidden_layers
     per_layer = engine.pool.k[0][0].nbytes + engine.pool.v[0][0].nbytes

@@ -17,8 +17,8 @@ import pytest
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode
 from edgecore.protocol.transport import Peer, PeerError, connect
-from edgecore.shared.config import ModelConfig
-from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.models.config import ModelConfig
+from edgecore.shared.models.fingerprint import model_fingerprint
 from tests.conftest import MODEL_DIR
 from tests.e2e.procs import Node, start_core
 

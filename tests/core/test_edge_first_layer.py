@@ -1,13 +1,13 @@
-"""Layer 0 computed at the edge (`edge_layers` = 1), in one process: the core's `LayerStreamer` sends no layer-0
+"""Layer 0 computed at the edge (`edge_layers` = 1), in one process: the core's `LayerSender` sends no layer-0
 KV, the edge's `KVReceiver` completes without it, the edge computes it into a pool filled with NaN and decodes
 as a single node does (tests/e2e/test_core_streaming.py: the same over a socket, and the refusal of more)."""
 
 import pytest
 import torch
 
-from edgecore.core.kv_sender import LayerStreamer
+from edgecore.core.kv_sender import LayerSender
 from edgecore.core.transfer import Transfer
-from edgecore.edge.kv_receiver import KVReceiver
+from edgecore.protocol.kv_receiver import KVReceiver
 from edgecore.protocol import messages as m
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.kv.transfer import EDGE_LAYERS, needed_from
@@ -38,7 +38,7 @@ def test_core_sends_no_layer0_and_the_edge_decodes_like_one_node(name, codec, tm
     ids = torch.randint(2, 250, (43,), generator=torch.Generator().manual_seed(5)).tolist()
     ref = engine(path).generate([ids], GREEDY)[0]["token_ids"]
     core = engine(path)
-    streamer = LayerStreamer(core.pool, core.runner.model, loop=None, mode="hold")
+    streamer = LayerSender(core.pool, core.runner.model, loop=None, mode="hold")
     transfer = Transfer("s/c", "c", None, codec, len(ids), 0, EDGE_LAYERS)
     streamer.remote["c"] = transfer
     core.add_request("c", ids, SamplingParams(max_tokens=1, temperature=0), prefill_only=True)

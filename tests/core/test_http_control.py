@@ -16,7 +16,7 @@ from edgecore.core.contexts import Contexts, context_id
 from edgecore.core.http import ControlPort, check_control_port, start_control_port
 from edgecore.core.metrics import CoreMetrics
 from edgecore.shared.errors import ConfigError
-from edgecore.shared.http_server import ServerLimits
+from edgecore.shared.node.http_server import ServerLimits
 
 pytestmark = pytest.mark.timeout(60)
 KEY = "sk-core"

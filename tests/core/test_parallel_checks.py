@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from edgecore.shared.config import ModelConfig
-from edgecore.shared.parallel import check_parallel
+from edgecore.shared.models.config import ModelConfig
+from edgecore.shared.models.parallel import check_parallel
 from tests.conftest import MODEL_DIR
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,7 +39,7 @@ def test_cli_tp3_is_one_line_before_any_rank_starts(tmp_path):
 
 PROBE = textwrap.dedent("""
     import os, socket
-    from edgecore.shared.parallel import init_distributed, rendezvous_socket
+    from edgecore.shared.models.parallel import init_distributed, rendezvous_socket
     sock = rendezvous_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     init_distributed(0, 1, 1, 4, f"127.0.0.1:{port}", "gloo", listen=sock)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from edgecore.core.kv_sender import LayerStreamer
+from edgecore.core.kv_sender import LayerSender
 from edgecore.core.metrics import CoreMetrics
 from edgecore.core.prefill_service import PrefillService, Session
 from edgecore.core.transfer import KVSend, TransferState
@@ -37,7 +37,7 @@ class FakePeer:
 
 
 def service(handle: FakeHandle, parallel: bool = False, **limits) -> PrefillService:
-    streamer: LayerStreamer = SimpleNamespace(register=lambda t: None, forget=lambda i: None, mode="stream",
+    streamer: LayerSender = SimpleNamespace(register=lambda t: None, forget=lambda i: None, mode="stream",
                                               rope=None, step_scales=None)   # type: ignore[assignment]
     return PrefillService(handle, streamer, CoreMetrics(), encoder_pool=None, dtype_name="float32",
                           lease_seconds=30.0, parallel=parallel, **limits)
@@ -81,7 +81,7 @@ async def test_a_prefill_request_runs_prefill_only_and_queues_its_kv_then_prefil
 
     svc._release(session, "r1")                                              # the edge's Ack
     assert transfer.state is TransferState.RELEASED and not session.transfers
-    assert handle.called("abort") == [(internal,)] and handle.called("drop_stream_route") == [(internal,)]
+    assert handle.called("abort") == [(internal,)] and handle.called("drop_direct_route") == [(internal,)]
 
 
 async def test_an_engine_refusal_is_an_error_to_the_edge_and_nothing_is_kept():

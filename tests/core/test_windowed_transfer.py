@@ -1,4 +1,4 @@
-"""Sliding-window and chunked layers on the wire, in one process: the core's `LayerStreamer` cuts each
+"""Sliding-window and chunked layers on the wire, in one process: the core's `LayerSender` cuts each
 windowed layer to the window the edge's decode can still see; the slices travel through the codec
 (encode/decode), the edge's `KVReceiver` counts per-layer coverage, and the edge engine writes them into
 a pool filled with NaN (what uninitialised memory may hold) and decodes. The edge's output must equal a
@@ -12,12 +12,12 @@ alternate: full layers stay complete) and Llama 4 (chunked RoPE layers of 8, ful
 import pytest
 import torch
 
-from edgecore.core.kv_sender import LayerStreamer
+from edgecore.core.kv_sender import LayerSender
 from edgecore.core.transfer import Transfer
-from edgecore.edge.kv_receiver import KVReceiver, TransferFailed
+from edgecore.protocol.kv_receiver import KVReceiver, TransferFailed
 from edgecore.protocol import messages as m
 from edgecore.protocol.kv import decode_chunk, encode_chunk
-from edgecore.shared.config import FULL
+from edgecore.shared.models.config import FULL
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.kv.transfer import KVSlice, cut_slice, needed_from
 from edgecore.shared.kv.wire import DTYPE_NAMES, from_bits, to_bits
@@ -53,7 +53,7 @@ def engine(path):
 def prefill_at_core(core, ids: list[int], skip: int = 0) -> tuple[list[KVSlice], int]:
     """Prefill-only at the core with the streamer holding every slice it cuts; returns them and the first
     token."""
-    streamer = LayerStreamer(core.pool, core.runner.model, loop=None, mode="hold")
+    streamer = LayerSender(core.pool, core.runner.model, loop=None, mode="hold")
     transfer = Transfer("s/c", "c", None, "lossless", len(ids), skip)
     streamer.remote["c"] = transfer
     core.add_request("c", ids, SamplingParams(max_tokens=1, temperature=0), prefill_only=True)

@@ -126,7 +126,7 @@ def test_the_images_wheel_builds_from_the_build_context(tmp_path):
     for rel in (".venv/bin/python", "build/__editable__/x.py", "edgecore.egg-info/PKG-INFO", ".git/HEAD",
                 "core/__pycache__/http.cpython-311.pyc", "k8s/base/secrets/api-keys", "cluster.secret"):
         assert dockerignored(rel, patterns), rel        # never sent to the engine (size, secrets)
-    for rel in ("pyproject.toml", "README.md", "models/pydoc-llama/model.safetensors", "shared/secrets.py"):
+    for rel in ("pyproject.toml", "README.md", "models/pydoc-llama/model.safetensors", "shared/node/secrets.py"):
         assert not dockerignored(rel, patterns), rel
     tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                              capture_output=True, text=True, check=True, timeout=30).stdout.split()

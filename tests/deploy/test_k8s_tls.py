@@ -196,7 +196,7 @@ def test_docs_say_how_to_provide_the_certificates():
 def test_the_documented_certificate_verifies_as_the_manifests_name_it(tmp_path, tls_example):
     """The docs' openssl command (with a CA made here) gives core-east a certificate that a client trusting
     tls-ca.crt accepts under every name the manifests use for it (edges' --model-from, Prometheus)."""
-    from edgecore.shared.tls import ServerTLS
+    from edgecore.shared.node.tls import ServerTLS
     topo = tls_example[0]
     run = dict(cwd=tmp_path, capture_output=True, text=True, timeout=60)
     made = subprocess.run(["openssl", "req", "-x509", "-new", "-nodes", "-newkey", "ec", "-pkeyopt",
@@ -256,7 +256,7 @@ def test_ssl_cert_file_is_what_the_model_download_trusts(tmp_path):
     import sys
 
     from edgecore.deploy.certs import LocalCA
-    from edgecore.shared.tls import ServerTLS
+    from edgecore.shared.node.tls import ServerTLS
     ca = LocalCA.create(tmp_path / "ca")
     server_tls = ServerTLS(*ca.issue("core", ["localhost"], tmp_path))
     httpd = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)

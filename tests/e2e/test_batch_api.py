@@ -242,7 +242,7 @@ def test_context_ingestion_skips_prefill(core, tokenizer, heldout, secret_file):
 
     from edgecore.edge.core_client import CoreClient
     from edgecore.protocol import messages as m
-    from edgecore.shared.fingerprint import model_fingerprint
+    from edgecore.shared.models.fingerprint import model_fingerprint
     from tests.conftest import MODEL_DIR
 
     prompt = tokenizer.encode(text) + tokenizer.encode(" and then the question")

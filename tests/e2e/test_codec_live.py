@@ -1,8 +1,8 @@
 """Entropy-coded levels on the live path: the core encodes keys with the model's RoPE removed and steps
 from the model's bit allocation (as the rate–distortion curve measures them), so a disaggregated
 request's KV bytes are what the codec gives offline on the same KV, and its greedy output follows
-single-node generation. By default the edge computes layer 0's KV itself (`--first-layer-macs`), so
-layer 0 never travels; with `--first-layer-macs 0` every layer does."""
+single-node generation. By default the edge computes layer 0's KV itself (`--layer0-budget-macs`), so
+layer 0 never travels; with `--layer0-budget-macs 0` every layer does."""
 
 import pytest
 import torch
@@ -54,7 +54,7 @@ def test_q4e_live_bytes_match_offline_and_output_follows_single_node(secret_file
     core, port, _ = start_core(secret_file, "--dtype", "bf16")
     runs = {}
     try:
-        for name, flags in (("edge", ()), ("core", ("--first-layer-macs", "0"))):
+        for name, flags in (("edge", ()), ("core", ("--layer0-budget-macs", "0"))):
             edge, http = start_edge("--local-prefill-below", "0", "--codec", "q4e", "--dtype", "bf16", *flags,
                                     cores=[port], secret_file=secret_file)
             try:

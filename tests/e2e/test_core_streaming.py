@@ -10,8 +10,8 @@ from edgecore.protocol import messages as m
 from edgecore.protocol.codecs.equant import FLAG_LOG_STEPS, FLAG_SHARED_CENTRE, HEADER
 from edgecore.protocol.kv import decode_chunk
 from edgecore.protocol.state import KVData
-from edgecore.shared.config import EngineConfig, ModelConfig
-from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.models.config import EngineConfig, ModelConfig
+from edgecore.shared.models.fingerprint import model_fingerprint
 from edgecore.shared.kv.wire import codec_rope
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,7 +10,7 @@ import pytest
 
 from edgecore.edge import core_client
 from edgecore.edge.core_client import CoreClient, CoreRouter
-from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.models.fingerprint import model_fingerprint
 from tests.conftest import MODEL_DIR
 from tests.e2e.procs import start_core
 

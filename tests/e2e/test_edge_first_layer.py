@@ -5,7 +5,7 @@ missing) and the request is served by the fallback, with single-node output."""
 import pytest
 
 from edgecore.core.server import CoreConfig, CoreServer
-from edgecore.edge.engine import EdgeConfig, EdgeEngine
+from edgecore.edge.node import EdgeConfig, EdgeNode
 from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine
 
@@ -28,7 +28,7 @@ async def pair(model_dir, tmp_path):
     edges = []
 
     async def edge(**kw):
-        e = EdgeEngine(EdgeConfig(str(model_dir), cores=[("127.0.0.1", core.port)], secret=b"s", codecs=["q4e"],
+        e = EdgeNode(EdgeConfig(str(model_dir), cores=[("127.0.0.1", core.port)], secret=b"s", codecs=["q4e"],
                                   local_prefill_below=0, max_core_attempts=1, **kw), engine=make_engine())
         await e.start()
         edges.append(e)

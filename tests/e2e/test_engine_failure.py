@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 
 from edgecore.core.server import CoreConfig, CoreServer
-from edgecore.edge.engine import EdgeConfig, EdgeEngine
+from edgecore.edge.node import EdgeConfig, EdgeNode
 from edgecore.shared.engine.handle import EngineRequest
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import EngineDead
@@ -55,7 +55,7 @@ async def test_a_failed_engine_thread_stops_the_core_and_fails_its_health(model_
 
 
 async def test_a_failed_engine_thread_tells_the_edge_to_exit(model_dir):
-    edge = EdgeEngine(EdgeConfig(model_dir=str(model_dir)), engine=make_engine())
+    edge = EdgeNode(EdgeConfig(model_dir=str(model_dir)), engine=make_engine())
     deaths = []
     edge.on_death = lambda: deaths.append(True)
     await edge.start()

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from edgecore.core.server import CoreConfig, CoreServer
-from edgecore.edge.engine import EdgeConfig, EdgeEngine
+from edgecore.edge.node import EdgeConfig, EdgeNode
 from edgecore.protocol import messages as m
 from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine
@@ -53,7 +53,7 @@ async def _pair(root, tmp_path):
                                  dtype="fp32", loras=[("attn", str(root / "attn")), ("all", str(root / "all")),
                                                       ("same-name", str(root / "all"))]))
     await core.start()
-    edge = EdgeEngine(EdgeConfig(str(root / "base"), cores=[("127.0.0.1", core.port)], secret=b"s",
+    edge = EdgeNode(EdgeConfig(str(root / "base"), cores=[("127.0.0.1", core.port)], secret=b"s",
                                  local_prefill_below=0, max_core_attempts=1,
                                  loras=[("attn", str(root / "attn")), ("all", str(root / "all")),
                                         ("mlp", str(root / "mlp")), ("same-name", str(root / "attn"))]),
@@ -64,7 +64,7 @@ async def _pair(root, tmp_path):
     await core.stop()
 
 
-async def run(edge: EdgeEngine, rid: str, adapter: str | None) -> list[int]:
+async def run(edge: EdgeNode, rid: str, adapter: str | None) -> list[int]:
     tokens: list[int] = []
     async for out in edge.generate(rid, PROMPT, GREEDY, adapter=adapter):
         tokens += out.new_token_ids

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import MODEL_DIR, make_engine
 from tests.e2e.procs import get_json, metric, post_json, start_core, start_edge

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from edgecore.core.ranks import owns_kv
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine
 from tests.e2e.test_parallel import probe

@@ -10,7 +10,7 @@ import pytest
 from edgecore.core.server import CoreConfig, CoreServer
 from edgecore.edge.model_fetch import fetch_model
 from edgecore.shared.errors import ModelLoadError
-from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.models.fingerprint import model_fingerprint
 
 pytestmark = pytest.mark.timeout(120)
 

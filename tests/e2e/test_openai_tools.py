@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from edgecore.shared.engine.sampling_params import SamplingParams
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.text.tokenizer import Tokenizer
 from tests.conftest import make_engine
 from tests.e2e.procs import start_edge
 from tests.edge.tool_template import TIME, WEATHER, tools_model_dir

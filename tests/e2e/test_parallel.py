@@ -149,14 +149,14 @@ async def test_gathered_kv_of_a_model_windowed_everywhere_is_read_before_any_blo
     """A parallel core that gathers the KV after the prefill (here: --gather-kv) must not decode on for a
     handover when every layer is windowed: its decode steps release the blocks the edge still needs before
     they are read (the ranks crashed on them). It answers DecodeStop instead and stays healthy."""
-    from edgecore.edge.engine import EdgeConfig, EdgeEngine
+    from edgecore.edge.node import EdgeConfig, EdgeNode
     from edgecore.shared.engine.sampling_params import SamplingParams
     from tests.conftest import make_engine
     from tests.helpers import random_hf_checkpoint
     path, _ = random_hf_checkpoint(tmp_path / "mistral", "mistral", sliding_window=8, num_hidden_layers=3)
     core, port, core_http = start_core(secret_file, "--model", str(path), "--dtype", "fp32", "--tp", "2",
                                        "--gather-kv", ready_timeout=240)
-    edge = EdgeEngine(EdgeConfig(str(path), cores=[("127.0.0.1", port)], secret=open(secret_file, "rb").read().strip(),
+    edge = EdgeNode(EdgeConfig(str(path), cores=[("127.0.0.1", port)], secret=open(secret_file, "rb").read().strip(),
                                  local_prefill_below=0, max_core_attempts=1, handover_tokens=4, dtype="fp32"),
                       engine=make_engine(path))
     await edge.start()

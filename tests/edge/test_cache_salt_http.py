@@ -1,6 +1,6 @@
 """Prefix caches scoped by tenant, through the edge's OpenAI API: API keys from a key file with `salt=`
 entries and the body's `cache_salt` reach the engine across the frontend ↔ engine-process link (an
-`EngineServer` in this process over a socketpair, as in test_engine_process.py), and the cached prompt tokens
+`NodeProcessServer` in this process over a socketpair, as in test_node_process.py), and the cached prompt tokens
 the API reports (`usage.prompt_tokens_details.cached_tokens`) show which requests shared cached KV."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import socket
 import aiohttp
 import pytest
 
-from edgecore.edge.engine import EdgeConfig, EdgeEngine
-from edgecore.edge.engine_client import EngineClient
-from edgecore.edge.engine_process import EngineServer
+from edgecore.edge.node import EdgeConfig, EdgeNode
+from edgecore.edge.node_client import NodeProcessClient
+from edgecore.edge.node_process import NodeProcessServer
 from edgecore.edge.http import EdgeHTTP, start_http
-from edgecore.shared.secrets import read_api_keys
+from edgecore.shared.node.secrets import read_api_keys
 from tests.conftest import make_engine
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,11 +29,11 @@ PROMPT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\
 async def api(model_dir, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("sk-acme salt=acme\nsk-acme-2 salt=acme\nsk-beta salt=beta\nsk-open\nsk-open-2\n")
-    edge = EdgeEngine(EdgeConfig(model_dir=str(model_dir)), engine=make_engine(num_blocks=256))
+    edge = EdgeNode(EdgeConfig(model_dir=str(model_dir)), engine=make_engine(num_blocks=256))
     await edge.start()
     a, b = socket.socketpair()
-    server = asyncio.create_task(EngineServer(edge, a).run())
-    client = EngineClient(["edge"], str(model_dir))
+    server = asyncio.create_task(NodeProcessServer(edge, a).run())
+    client = NodeProcessClient(["edge"], str(model_dir))
     await client.connect(b)
     http = EdgeHTTP(client, "pydoc-llama", read_api_keys(str(keys)))
     runner, port = await start_http(http, "127.0.0.1", 0)

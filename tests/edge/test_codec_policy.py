@@ -72,7 +72,7 @@ def test_quality_budget_flag_reaches_the_choice(tmp_path):
     from types import SimpleNamespace
 
     from edgecore.edge.cli import codec_policy
-    from edgecore.edge.engine import EdgeConfig, EdgeEngine
+    from edgecore.edge.node import EdgeConfig, EdgeNode
     from edgecore.shared.errors import ConfigError
 
     assert codec_policy(edge_args()) == {"kv_quality_budget": 0.01, "kv_curve": None}
@@ -90,8 +90,8 @@ def test_quality_budget_flag_reaches_the_choice(tmp_path):
     def chosen(*argv):
         config = EdgeConfig(model_dir="unused", codecs=ALL, adaptive=True, ttft_target_ms=10_000,
                             **codec_policy(edge_args(*argv)))
-        handle = SimpleNamespace(first_layer_macs=98304, config=SimpleNamespace(num_hidden_layers=4))
-        return EdgeEngine._codec(SimpleNamespace(config=config, kv_bytes_per_token=16384, handle=handle), client, 1000)
+        handle = SimpleNamespace(layer0_macs_per_token=98304, config=SimpleNamespace(num_hidden_layers=4))
+        return EdgeNode._codec(SimpleNamespace(config=config, kv_bytes_per_token=16384, handle=handle), client, 1000)
 
     loose = chosen("--kv-quality-budget", "1")
     assert loose == min(ALL, key=lambda c: CURVE[c].ratio)

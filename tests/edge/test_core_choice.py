@@ -8,7 +8,7 @@ from edgecore.edge.core_cache import CoreCache
 from edgecore.edge.core_choice import CoreChoice
 from edgecore.edge.placement import PrefillModel
 from edgecore.shared.kv.block_manager import prefix_hashes
-from edgecore.shared.lora import scope_salt
+from edgecore.shared.models.lora import scope_salt
 
 
 @dataclass

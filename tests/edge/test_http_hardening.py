@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 
 from edgecore.edge.http import EdgeHTTP, start_http
-from edgecore.shared.http_server import ServerLimits
-from edgecore.shared.log_budget import limit_logger
+from edgecore.shared.node.http_server import ServerLimits
+from edgecore.shared.node.log_budget import limit_logger
 from tests.conftest import make_engine
 
 pytestmark = pytest.mark.timeout(60)
@@ -350,7 +350,7 @@ async def test_health_is_503_as_soon_as_the_engine_is_known_dead(server):
     edge = server["edge"]
     async with server["session"].get("/health") as r:
         assert r.status == 200 and (await r.json())["status"] == "ok"
-    edge.ready = False                  # what EngineClient reports the moment its engine process is gone
+    edge.ready = False                  # what NodeProcessClient reports the moment its engine process is gone
     try:
         async with server["session"].get("/health") as r:
             assert r.status == 503 and (await r.json())["status"] == "engine_dead"

@@ -15,7 +15,7 @@ from cryptography import x509
 
 from edgecore.deploy.certs import LocalCA
 from edgecore.edge.http import EdgeHTTP, start_http
-from edgecore.shared.tls import ServerTLS
+from edgecore.shared.node.tls import ServerTLS
 from tests.conftest import make_engine
 from tests.edge.test_http_hardening import EngineEdge
 

@@ -16,13 +16,13 @@ import sys
 import aiohttp
 import pytest
 
-from edgecore.edge.engine import EdgeConfig, EdgeEngine
-from edgecore.edge.engine_client import EngineClient
-from edgecore.edge.engine_process import EngineServer
+from edgecore.edge.node import EdgeConfig, EdgeNode
+from edgecore.edge.node_client import NodeProcessClient
+from edgecore.edge.node_process import NodeProcessServer
 from edgecore.edge.http import EdgeHTTP, start_http
-from edgecore.shared.admin_key import AdminKey
-from edgecore.shared.tenants import TenantRegistry
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.node.admin_key import AdminKey
+from edgecore.shared.node.tenants import TenantRegistry
+from edgecore.shared.text.tokenizer import Tokenizer
 from tests.conftest import make_engine
 from tests.shared import lora_checkpoints
 
@@ -56,11 +56,11 @@ async def _serve(root, tmp_path, admin: bool = True, tenants: bool = False):
     keys = tmp_path / "keys"
     keys.write_text(f"{USER}\n")
     engine = make_engine(root / "base", num_blocks=128)
-    edge = EdgeEngine(EdgeConfig(model_dir=str(root / "base"), loras=[("attn", str(root / "attn"))]), engine=engine)
+    edge = EdgeNode(EdgeConfig(model_dir=str(root / "base"), loras=[("attn", str(root / "attn"))]), engine=engine)
     await edge.start()
     a, b = socket.socketpair()
-    server = asyncio.create_task(EngineServer(edge, a).run())
-    client = EngineClient(["edge"], str(root / "base"))
+    server = asyncio.create_task(NodeProcessServer(edge, a).run())
+    client = NodeProcessClient(["edge"], str(root / "base"))
     await client.connect(b)
     registry = None
     if tenants:

@@ -1,4 +1,4 @@
-"""Placing a LoRA request (edge/engine.py, edge/core_client.py): a core that does not advertise the "lora"
+"""Placing a LoRA request (edge/node.py, edge/core_client.py): a core that does not advertise the "lora"
 capability (an older core, which drops PrefillRequest's unknown trailing adapter fields and would prefill with the
 base model) never gets a request with an adapter: the router skips it, `CoreClient.prefill` refuses it, and with
 no other core the edge prefills the request itself. Base-model requests still go to it. No sockets, no model."""
@@ -10,7 +10,7 @@ import pytest
 
 from edgecore.edge.core_choice import CoreChoice
 from edgecore.edge.core_client import CoreClient, CoreRouter
-from edgecore.edge.engine import EdgeConfig, EdgeEngine
+from edgecore.edge.node import EdgeConfig, EdgeNode
 from edgecore.edge.metrics import EdgeMetrics
 from edgecore.edge.placement import PrefillModel
 from edgecore.protocol import messages as m
@@ -44,9 +44,9 @@ def core(port: int, capabilities: list[str], rtt: float = 0.01) -> CoreClient:
     return client
 
 
-def edge(*cores: CoreClient) -> tuple[EdgeEngine, FakeHandle, list[str]]:
-    """An EdgeEngine around a scripted handle and these cores (`_remote` records the core instead of sending)."""
-    engine = object.__new__(EdgeEngine)
+def edge(*cores: CoreClient) -> tuple[EdgeNode, FakeHandle, list[str]]:
+    """An EdgeNode around a scripted handle and these cores (`_remote` records the core instead of sending)."""
+    engine = object.__new__(EdgeNode)
     handle = FakeHandle()
     engine.config = EdgeConfig(model_dir="unused", local_prefill_below=0)     # never local by prompt length
     engine.handle, engine.metrics = handle, EdgeMetrics()

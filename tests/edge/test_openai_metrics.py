@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from edgecore.edge.metrics import EdgeMetrics
 from edgecore.shared.engine.handle import EngineStats
 from edgecore.shared.errors import EngineDead
-from edgecore.shared.metrics import ITERATION_TOKEN_BUCKETS, Buckets
+from edgecore.shared.node.metrics import ITERATION_TOKEN_BUCKETS, Buckets
 from tests.edge.test_http_hardening import engine, post_raw, server  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.timeout(60)

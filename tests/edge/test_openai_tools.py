@@ -5,8 +5,8 @@ import json
 import pytest
 
 from edgecore.shared.openai.request import ApiError, parse_chat
-from edgecore.shared.openai.tools import ToolStream, split_calls
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.openai.tools import ToolCallParser, split_calls
+from edgecore.shared.text.tokenizer import Tokenizer
 from tests.edge.tool_template import TIME, WEATHER, tools_model_dir
 
 VOCAB, CTX = 2048, 1024
@@ -88,7 +88,7 @@ def test_split_calls():
 def test_parallel_tool_calls_false_keeps_the_first_call(tool_tokenizer):
     assert chat(tool_tokenizer, tools=[WEATHER]).tools.parallel
     assert not chat(tool_tokenizer, tools=[WEATHER], parallel_tool_calls=False).tools.parallel
-    stream = ToolStream(parallel=False)
+    stream = ToolCallParser(parallel=False)
     stream.push('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b"}</tool_call>')
     assert [c["function"]["name"] for c in stream.finish()[1]] == ["a"]
 
@@ -96,11 +96,11 @@ def test_parallel_tool_calls_false_keeps_the_first_call(tool_tokenizer):
 @pytest.mark.parametrize("cut", [1, 3, 7])
 def test_tool_stream_holds_back_only_what_may_open_a_call(cut):
     text = 'Sure <tool <tool_call>{"name": "a", "arguments": {"q": "<"}}</tool_call>'
-    stream, shown = ToolStream(), ""
+    stream, shown = ToolCallParser(), ""
     for k in range(0, len(text), cut):
         shown += stream.push(text[k:k + cut])
     tail, calls = stream.finish()
     assert (shown + tail) == "Sure <tool" or (shown + tail).strip() == "Sure <tool"
     assert [c["function"]["name"] for c in calls] == ["a"]
-    stream = ToolStream()
+    stream = ToolCallParser()
     assert stream.push("no calls <tool") == "no calls " and stream.finish() == ("<tool", [])

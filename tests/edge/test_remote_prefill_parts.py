@@ -13,7 +13,7 @@ import pytest
 
 from edgecore.edge.chunk_writer import ChunkWriter
 from edgecore.edge.handover_follower import HandoverFollower
-from edgecore.edge.kv_receiver import KVReceiver, TransferFailed
+from edgecore.protocol.kv_receiver import KVReceiver, TransferFailed
 from edgecore.edge.metrics import EdgeMetrics
 from edgecore.edge.prefill_plan import PrefillPlan, RemotePrefillSettings
 from edgecore.edge.transfer_metrics import TransferMetrics
@@ -38,7 +38,7 @@ def request(params: SamplingParams = PARAMS, group: str | None = "chat-3") -> En
 
 def plan(core_decode: int = 0, codec: str = "lossless", params: SamplingParams = PARAMS) -> PrefillPlan:
     return PrefillPlan.build(request(params), CACHED, codec, RemotePrefillSettings(5.0, core_decode),
-                             first_layer_macs=0, core_decodes=core_decode > 0, direct=False)
+                             layer0_macs_per_token=0, core_decodes=core_decode > 0, direct=False)
 
 
 def sample(metrics: EdgeMetrics, name: str, **labels: str) -> float:
@@ -47,8 +47,8 @@ def sample(metrics: EdgeMetrics, name: str, **labels: str) -> float:
 
 # ---- the plan -----------------------------------------------------------------------------------------------
 def test_the_plan_is_built_from_its_inputs_and_frozen():
-    settings = RemotePrefillSettings(2.5, core_decode=64, first_layer_budget=1e9)
-    p = PrefillPlan.build(request(), CACHED, "int8", settings, first_layer_macs=1000, core_decodes=True, direct=True)
+    settings = RemotePrefillSettings(2.5, core_decode=64, layer0_budget_macs=1e9)
+    p = PrefillPlan.build(request(), CACHED, "int8", settings, layer0_macs_per_token=1000, core_decodes=True, direct=True)
     assert (p.request_id, p.prompt_ids, p.codec, p.skip_tokens, p.group) == ("r1", PROMPT, "int8", CACHED, "chat-3")
     assert p.core_decode == PARAMS.max_tokens - 1          # bounded by the request's own tokens
     assert p.edge_layers == 1                              # lossy, within the budget: layer 0 computed here
@@ -64,8 +64,8 @@ def test_the_plan_is_built_from_its_inputs_and_frozen():
     ("int8", 1000, 1e9, False, 1, 0),          # a prefetch, or a core without decode handover: no core decode
 ])
 def test_edge_layers_and_core_decode_follow_the_rules(codec, macs, budget, core_decodes, layers, limit):
-    settings = RemotePrefillSettings(5.0, core_decode=64, first_layer_budget=budget)
-    p = PrefillPlan.build(request(), CACHED, codec, settings, first_layer_macs=macs, core_decodes=core_decodes,
+    settings = RemotePrefillSettings(5.0, core_decode=64, layer0_budget_macs=budget)
+    p = PrefillPlan.build(request(), CACHED, codec, settings, layer0_macs_per_token=macs, core_decodes=core_decodes,
                           direct=False)
     assert (p.edge_layers, p.core_decode) == (layers, limit)
 
@@ -77,7 +77,7 @@ def test_the_prefill_request_and_the_receiver_come_from_the_plan():
             sent.deadline_ms, sent.direct) == ("r1", PROMPT, ["int8"], CACHED, 4, "chat-3", 5000, False)
     assert sent.sampling == m.SamplingSpec(**PARAMS.spec_fields())
     alone = PrefillPlan.build(request(group=None), CACHED, "lossless", RemotePrefillSettings(5.0),
-                              first_layer_macs=0, core_decodes=False, direct=False)
+                              layer0_macs_per_token=0, core_decodes=False, direct=False)
     assert alone.group is None and alone.request().group == ""     # the request alone
     receiver = p.receiver(FakeHandle().config)
     assert (receiver.total_tokens, receiver.skip_tokens) == (len(PROMPT), CACHED)

@@ -19,8 +19,8 @@ import pytest
 from edgecore.edge.http import EdgeHTTP, start_http
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.errors import ConfigError
-from edgecore.shared.tenants import BAND_SPAN, TenantRegistry, Tenants, TokenBucket
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.node.tenants import BAND_SPAN, TenantRegistry, Tenants, TokenBucket
+from edgecore.shared.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = "pydoc-llama"

@@ -303,7 +303,7 @@ def test_fuzz_decoder_mutated(name, edits, cut, forge):
 
 def test_rotate_matches_the_model_rope():
     from edgecore.protocol.codecs.equant import rotate
-    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.models.config import ModelConfig
     from edgecore.shared.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
     from tests.conftest import MODEL_DIR
     from edgecore.shared.kv.wire import codec_rope

@@ -1,4 +1,4 @@
-"""PrefillRequest's trailing LoRA adapter and fingerprint (shared/lora.py): carried to the core; an older edge's
+"""PrefillRequest's trailing LoRA adapter and fingerprint (shared/models/lora.py): carried to the core; an older edge's
 request (without them) is the base model's. An older core would silently drop them (msgspec ignores unknown
 trailing fields) and prefill with the base model, so they stand behind the "lora" capability: a core advertises it
 in AuthOk and an edge sends an adapter only to a core that does (tests/edge/test_lora_placement.py)."""

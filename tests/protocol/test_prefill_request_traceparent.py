@@ -1,4 +1,4 @@
-"""PrefillRequest's trailing `traceparent` (shared/tracing.py): carried to the core when the edge traces, absent
+"""PrefillRequest's trailing `traceparent` (shared/node/tracing.py): carried to the core when the edge traces, absent
 as "" (one byte) when it does not, ignored by a core of an earlier release."""
 
 import msgspec

@@ -13,12 +13,12 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from edgecore.shared.engine.handle import (EngineHandle, EngineRequest, EngineStats, FirstToken, OutputQueue,
                                            OutputSink, read_outputs)
 from edgecore.shared.engine.output import RequestOutput
-from edgecore.shared.kv.transfer import KVSlice, StreamRoute
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.kv.transfer import KVSlice, DirectRoute
+from edgecore.shared.text.tokenizer import Tokenizer
 from tests.conftest import MODEL_DIR
 
 
@@ -39,7 +39,7 @@ class FakeHandle:
         self.max_model_len = self.config.max_position_embeddings
         self.block_size = block_size
         self.kv_bytes_per_token = self.config.kv_bytes_per_token(1)
-        self.first_layer_macs = 0
+        self.layer0_macs_per_token = 0
         self.cached = cached
         self.published = EngineStats(blocks_total=blocks_total)
         self.outputs: dict[str, list[RequestOutput]] = {}
@@ -145,11 +145,11 @@ class FakeHandle:
         self._record("release", request_id)
         self.sinks.pop(request_id, None)
 
-    def add_stream_route(self, stream_id: str, route: StreamRoute) -> None:
-        self._record("add_stream_route", stream_id, route)
+    def add_direct_route(self, stream_id: str, route: DirectRoute) -> None:
+        self._record("add_direct_route", stream_id, route)
 
-    def drop_stream_route(self, stream_id: str) -> None:
-        self._record("drop_stream_route", stream_id)
+    def drop_direct_route(self, stream_id: str) -> None:
+        self._record("drop_direct_route", stream_id)
 
     # ---- resident prefixes ----------------------------------------------------------------------
     async def pin_prefix(self, request_id: str) -> list[int]:

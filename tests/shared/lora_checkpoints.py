@@ -1,4 +1,4 @@
-"""A tiny random Llama checkpoint and PEFT LoRA adapters for it (tests of shared/lora.py, the edge and the core).
+"""A tiny random Llama checkpoint and PEFT LoRA adapters for it (tests of shared/models/lora.py, the edge and the core).
 
 `build(root)` saves the base model (transformers; the bundled model's tokenizer and vocabulary size) under root/base and three adapters made with peft's
 `LoraConfig` under root/<name>, each with non-zero random B (peft starts B at zero): `attn` (q/k/v/o, r=4),

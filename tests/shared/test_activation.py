@@ -5,7 +5,7 @@ import typing
 import pytest
 import torch
 
-from edgecore.shared.config import HiddenAct
+from edgecore.shared.models.config import HiddenAct
 from edgecore.shared.models.activation import ACTIVATIONS
 
 transformers_activations = pytest.importorskip("transformers.activations")

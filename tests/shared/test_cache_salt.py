@@ -12,14 +12,14 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from edgecore.protocol import messages as m
-from edgecore.shared.engine.async_engine import AsyncEngine
+from edgecore.shared.engine.engine_thread import EngineThread
 from edgecore.shared.engine.handle import EngineRequest, OutputSink
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import ConfigError
 from edgecore.shared.kv.block_manager import BlockManager, BlockTable, prefix_hashes
 from edgecore.shared.openai.http import KEY_SALT, ApiKeys, check_bearer, effective_cache_salt
 from edgecore.shared.openai.request import ApiError, parse_chat, parse_completion
-from edgecore.shared.secrets import MAX_CACHE_SALT, ApiKey, read_api_keys
+from edgecore.shared.node.secrets import MAX_CACHE_SALT, ApiKey, read_api_keys
 from tests.conftest import make_engine
 
 pytestmark = pytest.mark.timeout(120)
@@ -119,7 +119,7 @@ def test_pinned_contexts_are_unsalted(engine):
 
 
 async def test_async_engine_passes_the_salt_on_every_path():
-    aengine = AsyncEngine(make_engine(num_blocks=128))
+    aengine = EngineThread(make_engine(num_blocks=128))
     aengine.start()
     try:
         prompt = [10] + PROMPT

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from edgecore.shared.errors import ConfigError, ModelLoadError
 from edgecore.shared.models.loader import load_model
 
@@ -48,7 +48,7 @@ def test_unsupported_values_name_the_field(change, field):
 
 
 def test_dynamic_rope_is_served_up_to_the_trained_length_only(model_dir, tmp_path):
-    from edgecore.shared.config import EngineConfig
+    from edgecore.shared.models.config import EngineConfig
     from edgecore.shared.engine.engine import LLMEngine
     shutil.copytree(model_dir, tmp_path / "m")
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
@@ -134,7 +134,7 @@ def test_dtype_selection(model_dir):
 
 def test_fingerprint_is_stable_and_model_specific(tmp_path, model_dir):
     from tests.helpers import random_hf_checkpoint
-    from edgecore.shared.fingerprint import model_fingerprint
+    from edgecore.shared.models.fingerprint import model_fingerprint
     a = model_fingerprint(model_dir)
     assert a == model_fingerprint(model_dir) and len(a) == 64
     other, _ = random_hf_checkpoint(tmp_path, "llama")

@@ -126,7 +126,7 @@ def test_deepseek_v3_without_correction_bias_routes_with_zeros(tmp_path):
 
 
 def test_deepseek_v3_absent_routing_keys_take_transformers_defaults(tmp_path):
-    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.models.config import ModelConfig
     from edgecore.shared.errors import ConfigError
     path, _ = deepseek_checkpoint(tmp_path, "v3-qlora-yarn-grouped")
     raw = json.loads((path / "config.json").read_text())

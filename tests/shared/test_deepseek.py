@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import ConfigError
 from tests.conftest import make_engine

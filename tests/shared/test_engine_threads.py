@@ -7,15 +7,15 @@ from tests.conftest import ROOT
 
 PROBE = """
 import asyncio, torch
-from edgecore.shared.env import reserve_threads_for_engine
-from edgecore.shared.engine.async_engine import AsyncEngine
+from edgecore.shared.node.env import reserve_threads_for_engine
+from edgecore.shared.engine.engine_thread import EngineThread
 from tests.conftest import make_engine
 torch.set_num_threads(2)
 threads = reserve_threads_for_engine()
 main_after = torch.get_num_threads()
 engine = make_engine()
 async def run():
-    aengine = AsyncEngine(engine, threads=threads)
+    aengine = EngineThread(engine, threads=threads)
     aengine.start()
     seen = []
     engine.block_manager.match_prefix = lambda ids, salt=None: seen.append(torch.get_num_threads()) or []

@@ -51,7 +51,7 @@ def test_first_layer_kv_equals_the_prefills(tmp_path, name, make):
     prompt = [(7 * i + 3) % 200 + 2 for i in range(45)]
     whole = prefilled_kv(model_dir, prompt)
     edge = make_engine(model_dir)
-    assert edge.runner.first_layer_macs > 0
+    assert edge.runner.layer0_macs_per_token > 0
     edge.reserve("r", prompt, GREEDY)
     slots = edge.pool.slots(edge.requests["r"].seq.table.blocks, 0, len(prompt))
     others = [edge.pool.read(layer, slots) for layer in range(1, edge.config.num_hidden_layers)]

@@ -111,7 +111,7 @@ def test_int4_parts_of_uneven_sizes_merge_exactly(rows):
 
 
 def test_quantize_refuses_a_model_off_the_cpu():
-    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.models.config import ModelConfig
     from edgecore.shared.models.loader import build_model
     from edgecore.shared.models.quant_loader import quantize_model
     model = build_model(ModelConfig.from_dir(MODEL_DIR), torch.float32, "meta")
@@ -140,7 +140,7 @@ def next_logits_hf(hf, prompt: list[int]) -> torch.Tensor:
 
 
 def engine_for(path, quantize=None):
-    from edgecore.shared.config import CacheConfig, EngineConfig
+    from edgecore.shared.models.config import CacheConfig, EngineConfig
     from edgecore.shared.engine.engine import LLMEngine
     return LLMEngine.from_dir(path, "fp32", "cpu", CacheConfig(num_blocks=64),
                               EngineConfig(quantize=quantize))
@@ -163,7 +163,7 @@ def test_float_gguf_is_greedy_identical_to_transformers(models, tmp_path, arch, 
                 if p.dim() == 2 and "embed" not in name:
                     p.copy_(p.half().float())
     path = write_gguf(hf, tmp_path / f"{arch}-{kind}.gguf", kind, arch=arch)
-    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.models.config import ModelConfig
     config = ModelConfig.from_dir(path)
     assert (config.architecture, config.num_key_value_heads, config.head_dim) == (
         {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch], 2, 16)
@@ -181,7 +181,7 @@ def test_quantized_gguf_stays_packed_and_close(models, tmp_path, kind, scheme, a
     assert projections and all(m.quant is not None and m.quant.scheme == scheme and m.weight.numel() == 0
                                for m in projections)
     assert engine.runner.flat is None           # the float fast path does not take quantized weights
-    assert engine.runner.first_layer_macs == sum(p.numel() for p in hf.model.layers[0].self_attn.parameters()
+    assert engine.runner.layer0_macs_per_token == sum(p.numel() for p in hf.model.layers[0].self_attn.parameters()
                                                  if p.dim() == 2)      # what placement weighs layer 0 by
     floats = sum(p.numel() for n, p in hf.named_parameters() if p.dim() == 2 and "embed" not in n) * 4
     quantized = sum(m.quant.nbytes for m in projections)
@@ -198,7 +198,7 @@ def test_quantized_gguf_stays_packed_and_close(models, tmp_path, kind, scheme, a
 
 
 def test_fingerprint_tells_files_apart(models, tmp_path):
-    from edgecore.shared.fingerprint import model_fingerprint
+    from edgecore.shared.models.fingerprint import model_fingerprint
     a = write_gguf(models["llama"], tmp_path / "a.gguf", "Q8_0")
     b = write_gguf(models["llama"], tmp_path / "b.gguf", "Q4_0")
     assert model_fingerprint(a) == model_fingerprint(a) != model_fingerprint(b)
@@ -285,7 +285,7 @@ def bundled_gguf(path: Path, kind: str = "F32") -> Path:
     """The bundled pydoc-llama as a GGUF file with its tokenizer in the metadata (no tokenizer.json beside)."""
     import transformers
 
-    from edgecore.shared.gguf_tokenizer import tokenizer_metadata
+    from edgecore.shared.text.gguf_tokenizer import tokenizer_metadata
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32).eval()
     tok = tokenizer_metadata(MODEL_DIR / "tokenizer.json")
     tok["chat_template"] = json.loads((MODEL_DIR / "tokenizer_config.json").read_text())["chat_template"]
@@ -298,7 +298,7 @@ def bundled(tmp_path_factory):
 
 
 def test_tokenizer_from_gpt2_metadata_matches_tokenizer_json(bundled, tokenizer, heldout, caplog):
-    from edgecore.shared.tokenizer import Tokenizer
+    from edgecore.shared.text.tokenizer import Tokenizer
     with caplog.at_level("INFO", "edgecore.models"):
         ours = Tokenizer.from_dir(bundled)
     assert "tokenizer from the file's metadata" in caplog.text
@@ -315,7 +315,7 @@ def test_tokenizer_json_beside_the_file_is_preferred(tmp_path, caplog):
     import shutil
     path = write_gguf(hf_model("llama", vocab_size=2048), tmp_path / "m.gguf", "F32")
     shutil.copy(MODEL_DIR / "tokenizer.json", tmp_path / "tokenizer.json")
-    from edgecore.shared.tokenizer import Tokenizer
+    from edgecore.shared.text.tokenizer import Tokenizer
     with caplog.at_level("INFO", "edgecore.models"):
         tok = Tokenizer.from_dir(path)
     assert f"tokenizer from {tmp_path / 'tokenizer.json'}" in caplog.text and tok.vocab_size == 2048
@@ -323,7 +323,7 @@ def test_tokenizer_json_beside_the_file_is_preferred(tmp_path, caplog):
 
 def test_sentencepiece_metadata(tmp_path):
     """A "llama" (SentencePiece) vocabulary: merges by score, "▁" for spaces, byte fallback, BOS prepended."""
-    from edgecore.shared.tokenizer import Tokenizer
+    from edgecore.shared.text.tokenizer import Tokenizer
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + \
         ["▁", "h", "e", "l", "o", "▁h", "ll", "▁he", "llo", "▁hello", "w", "r", "d"]
     scores = [0.0] * 259 + [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0, -8.0, -9.0, -1.5, -10.0, -11.0, -12.0]
@@ -380,7 +380,7 @@ def test_unsupported_type_architecture_and_shapes(models, tmp_path):
         load(q5)
     arch = write_gguf(hf, tmp_path / "arch.gguf", "F32", arch="gpt2")
     with pytest.raises(ConfigError, match="general.architecture 'gpt2' is not supported"):
-        from edgecore.shared.config import ModelConfig
+        from edgecore.shared.models.config import ModelConfig
         ModelConfig.from_dir(arch)
     shaped = write_gguf(hf_model("llama", intermediate_size=96), tmp_path / "shape.gguf", "F32")
     data = bytearray(shaped.read_bytes())       # metadata says 128: patch the feed-forward length in place
@@ -411,19 +411,19 @@ def test_cli_error_is_one_line(good, tmp_path):
 async def test_http_completion_from_a_gguf_file(bundled):
     import aiohttp
 
-    from edgecore.edge.engine import EdgeConfig, EdgeEngine
-    from edgecore.edge.engine_client import EngineClient
-    from edgecore.edge.engine_process import EngineServer
+    from edgecore.edge.node import EdgeConfig, EdgeNode
+    from edgecore.edge.node_client import NodeProcessClient
+    from edgecore.edge.node_process import NodeProcessServer
     from edgecore.edge.http import EdgeHTTP, start_http
     from edgecore.shared.engine.sampling_params import SamplingParams
     engine = engine_for(bundled)
     prompt = "def parse_args("
     expected = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0]["text"]
-    edge = EdgeEngine(EdgeConfig(model_dir=str(bundled)), engine=engine)
+    edge = EdgeNode(EdgeConfig(model_dir=str(bundled)), engine=engine)
     await edge.start()
     a, b = socket.socketpair()
-    server = asyncio.create_task(EngineServer(edge, a).run())
-    client = EngineClient(["edge"], str(bundled))
+    server = asyncio.create_task(NodeProcessServer(edge, a).run())
+    client = NodeProcessClient(["edge"], str(bundled))
     await client.connect(b)
     runner, port = await start_http(EdgeHTTP(client, "pydoc-q8", []), "127.0.0.1", 0)
     try:

@@ -102,12 +102,12 @@ def test_a_token_id_outside_the_vocabulary_from_a_core_is_refused_and_changes_no
 
 
 def test_a_pushed_token_reaches_the_stream_with_the_reply_not_a_turn_later(tokenizer):
-    """AsyncEngine.push_token hands the token's output to the request's stream itself: a client sees a core's
+    """EngineThread.push_token hands the token's output to the request's stream itself: a client sees a core's
     token without waiting for the engine thread to come round again (here any step waits on a gate)."""
     import asyncio
     import threading
 
-    from edgecore.shared.engine.async_engine import AsyncEngine
+    from edgecore.shared.engine.engine_thread import EngineThread
     from edgecore.shared.engine.handle import EngineRequest, FirstToken, OutputSink
 
     async def main():
@@ -119,7 +119,7 @@ def test_a_pushed_token_reaches_the_stream_with_the_reply_not_a_turn_later(token
             gate.wait(10)
             return step(*a, **kw)
         eng.step = held_step
-        aengine = AsyncEngine(eng)
+        aengine = EngineThread(eng)
         aengine.start()
         try:
             queue = asyncio.Queue()

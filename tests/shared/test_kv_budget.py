@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgecore.shared.config import CacheConfig, ModelConfig
-from edgecore.shared.env import BUNDLED_MODEL
+from edgecore.shared.models.config import CacheConfig, ModelConfig
+from edgecore.shared.node.env import BUNDLED_MODEL
 from edgecore.shared.kv.budget import bytes_per_token, describe, kv_blocks, parse_size
 from edgecore.shared.kv.pool import KVPool
 

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from edgecore.shared.config import CacheConfig, ModelConfig
-from edgecore.shared.env import BUNDLED_MODEL
+from edgecore.shared.models.config import CacheConfig, ModelConfig
+from edgecore.shared.node.env import BUNDLED_MODEL
 from edgecore.shared.errors import ConfigError
 from edgecore.shared.kv.block_manager import BlockManager, BlockTable, NoFreeBlocks
 
@@ -113,7 +113,7 @@ def args(**kw) -> argparse.Namespace:
 
 
 def test_the_setting_becomes_resident_blocks():
-    from edgecore.shared.cli import kv_cache_config
+    from edgecore.shared.node.cli import kv_cache_config
     config = ModelConfig.from_dir(BUNDLED_MODEL)       # 2048 bytes per token in fp32: 32 KiB per block
     cache, line = kv_cache_config(args(), config, 4)
     assert cache == CacheConfig(num_blocks=2048) and cache.resident_blocks is None and "resident" not in line

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgecore.shared.config import CacheConfig, EngineConfig
+from edgecore.shared.models.config import CacheConfig, EngineConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.kv import tier as tier_mod
@@ -311,7 +311,7 @@ def test_the_tier_is_exported_as_metrics_only_where_there_is_one():
     from prometheus_client import CollectorRegistry, generate_latest
 
     from edgecore.shared.engine.handle import EngineStats
-    from edgecore.shared.metrics import EngineCollector
+    from edgecore.shared.node.metrics import EngineCollector
 
     def scrape(stats: EngineStats) -> str:
         registry = CollectorRegistry()
@@ -331,10 +331,10 @@ def test_the_tier_flags_become_the_cache_config_and_bad_values_are_one_line_erro
     from argparse import Namespace
 
     from edgecore.edge.settings import EdgeSettings
-    from edgecore.shared.cli import kv_cache_config, kv_cache_memory
-    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.node.cli import kv_cache_config, kv_cache_memory
+    from edgecore.shared.models.config import ModelConfig
     from edgecore.shared.errors import ConfigError
-    from edgecore.shared.settings import namespace
+    from edgecore.shared.node.settings import namespace
 
     config = ModelConfig.from_dir(MODEL_DIR)
     base = namespace(EdgeSettings())
@@ -377,11 +377,11 @@ def test_the_engine_steps_on_while_a_prefix_is_read_from_disk(tmp_path, baseline
 
 
 async def test_a_reservation_takes_the_tiers_blocks_as_its_cached_prefix(tmp_path):
-    from edgecore.shared.engine.async_engine import AsyncEngine
+    from edgecore.shared.engine.engine_thread import EngineThread
     from edgecore.shared.engine.handle import EngineRequest
 
     fill(tmp_path, prompts=range(1))
-    handle = AsyncEngine(engine(tmp_path))
+    handle = EngineThread(engine(tmp_path))
     handle.start()
     await handle.started()
     try:

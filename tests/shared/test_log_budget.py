@@ -2,7 +2,7 @@
 
 import logging
 
-from edgecore.shared.log_budget import LogBudget, limit_logger
+from edgecore.shared.node.log_budget import LogBudget, limit_logger
 
 
 class Clock:

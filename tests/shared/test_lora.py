@@ -1,4 +1,4 @@
-"""LoRA adapters in the engine (shared/lora.py): greedy float32 output equals transformers + peft, mixed-adapter
+"""LoRA adapters in the engine (shared/models/lora.py): greedy float32 output equals transformers + peft, mixed-adapter
 batches equal each request alone, prefix cache scoped by adapter, bad adapters refused whole."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import shutil
 import pytest
 import torch
 
-from edgecore.shared.engine.async_engine import AsyncEngine
+from edgecore.shared.engine.engine_thread import EngineThread
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.handle import EngineRequest
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import RequestError
-from edgecore.shared.lora import AdapterError, adapter_salt
+from edgecore.shared.models.lora import AdapterError, adapter_salt
 from tests.shared import lora_checkpoints
 
 PROMPTS = [[5, 17, 33, 2, 71, 8, 40], [9, 9, 12, 60, 3], list(range(10, 40))]
@@ -76,7 +76,7 @@ def test_mixed_batch_equals_each_alone(root, expected):
 def test_uneven_groups_both_paths(root, expected, monkeypatch, pad_limit):
     """Adapters with different row counts in one step (padded batched products, or one adapter at a time when
     padding would cost too much: PAD_LIMIT 0 forces that path) give each request's own tokens."""
-    import edgecore.shared.lora as lora
+    import edgecore.shared.models.lora as lora
     monkeypatch.setattr(lora, "PAD_LIMIT", pad_limit)
     engine = make_engine(root)
     requests = [("attn", 0), ("attn", 1), ("attn", 2), ("mlp", 0), (None, 1), ("all", 2), ("all", 0)]
@@ -154,7 +154,7 @@ async def test_loading_reads_the_files_off_the_engine_thread(root, tmp_path):
     slow.mkdir()
     shutil.copy(root / "attn" / "adapter_model.safetensors", slow)
     os.mkfifo(slow / "adapter_config.json")
-    aengine = AsyncEngine(LLMEngine.from_dir(root / "base", dtype="float32"))
+    aengine = EngineThread(LLMEngine.from_dir(root / "base", dtype="float32"))
     aengine.start()
     load = asyncio.ensure_future(aengine.load_adapter("slow", str(slow)))
     try:

@@ -11,10 +11,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import resource, torch
-from edgecore.shared.config import CacheConfig, EngineConfig
+from edgecore.shared.models.config import CacheConfig, EngineConfig
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
-from edgecore.shared.malloc import retain_freed_memory
+from edgecore.shared.node.malloc import retain_freed_memory
 engine = LLMEngine.from_dir("models/pydoc-llama", "fp32", "cpu", CacheConfig(num_blocks=1024),
                             EngineConfig(max_num_batched_tokens=2048))
 gen = torch.Generator().manual_seed(0)
@@ -54,7 +54,7 @@ def test_repeated_prefill_reuses_heap_pages():
 
 TRIM_PROBE = """
 import torch
-from edgecore.shared.malloc import retain_freed_memory, return_free_memory
+from edgecore.shared.node.malloc import retain_freed_memory, return_free_memory
 def rss_mib():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) // 1024

@@ -1,7 +1,7 @@
 """Pipeline micro-batches: every sequence once, order kept within a group, token counts balanced."""
 
 from edgecore.shared.engine.parallel_runner import StageRunner
-from edgecore.shared.parallel import Layout
+from edgecore.shared.models.parallel import Layout
 
 
 class _Seq:

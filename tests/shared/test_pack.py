@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import ModelLoadError
-from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.models.fingerprint import model_fingerprint
 from edgecore.shared.models.loader import load_model
 from edgecore.shared.pack import PackedCheckpoint, pack_model
 from tests.conftest import make_engine

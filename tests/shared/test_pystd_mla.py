@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from tests.conftest import make_engine
 from tests.helpers import stepwise_logits
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from edgecore.shared.config import ModelConfig
+from edgecore.shared.models.config import ModelConfig
 from edgecore.shared.models import llama
 from edgecore.shared.models.loader import build_model
 from edgecore.shared.models.rope import rope_cos_sin

@@ -1,6 +1,6 @@
 """Scheduler: continuous batching, chunked prefill budget, preemption (no tensors)."""
 
-from edgecore.shared.config import EngineConfig
+from edgecore.shared.models.config import EngineConfig
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.engine.scheduler import Scheduler
 from edgecore.shared.engine.sequence import Sequence, Status

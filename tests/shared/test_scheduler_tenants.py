@@ -6,12 +6,12 @@ from collections import Counter
 
 import pytest
 
-from edgecore.shared.config import EngineConfig
+from edgecore.shared.models.config import EngineConfig
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.engine.scheduler import Scheduler
 from edgecore.shared.engine.sequence import Sequence, Status
 from edgecore.shared.kv.block_manager import BlockManager
-from edgecore.shared.tenants import Tenant
+from edgecore.shared.node.tenants import Tenant
 
 _prompts = itertools.count()
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(60)
 
 NODE = """
 import asyncio, sys
-from edgecore.shared.service import run_service
+from edgecore.shared.node.service import run_service
 
 async def start():
     print("started", flush=True)

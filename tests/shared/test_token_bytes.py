@@ -6,8 +6,8 @@ from tokenizers import decoders, models, normalizers
 
 from edgecore.shared.openai.response import TokenText
 from edgecore.shared.engine.output import TokenLogprob
-from edgecore.shared.token_bytes import TokenBytes
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.text.token_bytes import TokenBytes
+from edgecore.shared.text.tokenizer import Tokenizer
 
 TEXTS = ["The for statement", "é😀 ünïcode — 日本語", "  two spaces\nand a newline"]
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from edgecore.shared.tokenizer import IncrementalDetokenizer
+from edgecore.shared.text.tokenizer import IncrementalDetokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,7 +45,7 @@ def test_incremental_detokenization_only_complete_utf8(tokenizer):
 
 
 def test_a_limit_refuses_a_certainly_longer_text_from_a_prefix_and_changes_nothing_else(model_dir):
-    from edgecore.shared.tokenizer import TextTooLong, Tokenizer
+    from edgecore.shared.text.tokenizer import TextTooLong, Tokenizer
     tok = Tokenizer.from_dir(model_dir)
     text = (model_dir / "heldout.txt").read_text()
     ids = tok.encode(text)

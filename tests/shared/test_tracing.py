@@ -1,4 +1,4 @@
-"""shared/tracing.py with the SDK's in-memory exporter: traceparent parsing, spans on explicit perf_counter times,
+"""shared/node/tracing.py with the SDK's in-memory exporter: traceparent parsing, spans on explicit perf_counter times,
 parents across a traceparent string, the node's resource, and nothing at all when traces are off."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from edgecore.shared import tracing
+from edgecore.shared.node import tracing
 from edgecore.shared.errors import ConfigError
 
 pytest.importorskip("opentelemetry.sdk")

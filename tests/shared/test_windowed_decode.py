@@ -5,7 +5,7 @@ still gives the reference tokens (a read of the whole block table, masked, would
 import pytest
 import torch
 
-from edgecore.shared.config import LayerAttention
+from edgecore.shared.models.config import LayerAttention
 from edgecore.shared.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine
 from tests.shared.moe_checkpoints import build

@@ -82,7 +82,7 @@ def run_service(start: Callable[[], Awaitable[asyncio.Future | None]], stop: Cal
     try:
         return asyncio.run(main())
     finally:
-        from edgecore.shared.tracing import shutdown
+        from edgecore.shared.node.tracing import shutdown
         shutdown()          # spans still buffered (--otlp-endpoint) leave before the process does
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.models.config import ModelConfig
 
 
 @dataclass

@@ -29,8 +29,8 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from edgecore.shared.log_budget import limit_logger
-from edgecore.shared.tls import ServerTLS
+from edgecore.shared.node.log_budget import limit_logger
+from edgecore.shared.node.tls import ServerTLS
 
 log = logging.getLogger("edgecore.http")
 

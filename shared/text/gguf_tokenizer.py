@@ -43,7 +43,7 @@ def gguf_has_tokenizer(path: str | Path) -> bool:
         return False
     if (Path(path).parent / "tokenizer.json").is_file():
         return True
-    from edgecore.shared.gguf_file import GGUFFile
+    from edgecore.shared.models.gguf_file import GGUFFile
     try:
         return bool(GGUFFile(path).meta.get("tokenizer.ggml.tokens"))
     except ModelLoadError:
@@ -51,9 +51,9 @@ def gguf_has_tokenizer(path: str | Path) -> bool:
 
 
 def tokenizer_for_gguf(path: str | Path) -> Any:
-    """A `Tokenizer` (shared/tokenizer.py) for the GGUF file at `path`."""
-    from edgecore.shared.gguf_file import GGUFFile
-    from edgecore.shared.tokenizer import Tokenizer
+    """A `Tokenizer` (shared/text/tokenizer.py) for the GGUF file at `path`."""
+    from edgecore.shared.models.gguf_file import GGUFFile
+    from edgecore.shared.text.tokenizer import Tokenizer
     path = Path(path)
     try:
         meta = GGUFFile(path).meta

@@ -1,7 +1,7 @@
 """The settings both node kinds take, written once: model, dtype, device, `--compile`, the KV cache's size and
 the HTTP server's limits.
 
-Life cycle: each function returns a fresh `setting` field (`shared/settings.py`) that `EdgeSettings` and
+Life cycle: each function returns a fresh `setting` field (`shared/node/settings.py`) that `EdgeSettings` and
 `CoreSettings` declare under the same name and type; from there they are flags, parsed values and rendered
 argv like every other setting of the node.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from edgecore.shared.http_server import ServerLimits
+from edgecore.shared.node.http_server import ServerLimits
 from edgecore.shared.kv.budget import DEFAULT_KV_CACHE_MEMORY
-from edgecore.shared.settings import setting
+from edgecore.shared.node.settings import setting
 
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 Quantize = Literal["int8", "int4"]

@@ -29,6 +29,7 @@ class Flag:
     """What a setting's field says about its flag (the rest comes from its name, type and default)."""
     help: str | None = None
     metavar: str | None = None
+    aliases: tuple[str, ...] = ()     # older flag names that still parse (rendered argv uses the field's own)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +43,10 @@ class _Spec:
     meta: Flag
 
 
-def setting(default: Any = dataclasses.MISSING, *, help: str | None = None, metavar: str | None = None) -> Any:
-    """A settings field: its default and the help and metavar its flag shows."""
-    return dataclasses.field(default=default, metadata={_KEY: Flag(help, metavar)})
+def setting(default: Any = dataclasses.MISSING, *, help: str | None = None, metavar: str | None = None,
+            aliases: tuple[str, ...] = ()) -> Any:
+    """A settings field: its default, the help and metavar its flag shows, and older names of its flag."""
+    return dataclasses.field(default=default, metadata={_KEY: Flag(help, metavar, aliases)})
 
 
 def _spec(field: dataclasses.Field, hint: Any) -> _Spec:
@@ -98,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
                 kwargs["metavar"] = s.meta.metavar
             if s.choices is not None:
                 kwargs["choices"] = list(s.choices)
-        parser.add_argument(s.flag, **kwargs)
+        parser.add_argument(s.flag, *s.meta.aliases, dest=s.name, **kwargs)
 
 
 def from_args(cls: type[T], namespace: argparse.Namespace) -> T:
@@ -129,5 +131,5 @@ def to_argv(settings: object) -> list[str]:
 
 
 def namespace(settings: object) -> argparse.Namespace:
-    """The settings as an argparse namespace, for helpers that read one (`shared/cli.py`, `shared/http_server.py`)."""
+    """The settings as an argparse namespace, for helpers that read one (`shared/node/cli.py`, `shared/node/http_server.py`)."""
     return argparse.Namespace(**{s.name: getattr(settings, s.name) for s in specs(type(settings))})

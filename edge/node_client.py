@@ -1,4 +1,4 @@
-"""The HTTP frontend's handle on the edge engine process (see edge/engine_process.py).
+"""The HTTP frontend's handle on the edge engine process (see edge/node_process.py).
 
 Life cycle: `start()` makes a socketpair, starts `edgecore edge <same flags>
 --engine-fd N` with the child end, and `connect()`s: waits for its `Hello`
@@ -11,7 +11,7 @@ process exits, every waiting request gets
 frontend down, so a supervisor restarts the pair). `stop()` closes the socket
 (the engine process then ends) and reaps the process.
 
-It implements `EdgeService` (edge/service.py), as the in-process `EdgeEngine`
+It implements `EdgeService` (edge/service.py), as the in-process `EdgeNode`
 does, so `EdgeHTTP` serves either.
 """
 
@@ -34,14 +34,14 @@ from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import EdgecoreError, EngineDead, RequestError
 from edgecore.shared.errors import AdapterError
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.text.tokenizer import Tokenizer
 
-log = logging.getLogger("edgecore.edge.engine_client")
+log = logging.getLogger("edgecore.edge.node_client")
 
 R = TypeVar("R", StatsReply, MetricsReply, ReadinessReply, PrefetchReply, AdapterReply)
 
 
-class EngineClient:
+class NodeProcessClient:
     def __init__(self, argv: list[str], model_dir: str):
         """argv: the `edgecore` arguments of this edge (from `edge` on); model_dir: the model to serve."""
         self.argv, self.model_dir = argv, model_dir
@@ -71,7 +71,7 @@ class EngineClient:
         await self.connect(parent)
 
     async def connect(self, sock: socket.socket) -> None:
-        """Talk to an engine process (or an `EngineServer` in this process, in tests) over `sock`; returns
+        """Talk to an engine process (or an `NodeProcessServer` in this process, in tests) over `sock`; returns
         once it said `Hello`."""
         reader, self._writer = await asyncio.open_connection(sock=sock)
         frames = FrameBuffer()

@@ -1,4 +1,4 @@
-"""The edge's engine process: an `EdgeEngine` served to the HTTP frontend over a socket.
+"""The edge's engine process: an `EdgeNode` served to the HTTP frontend over a socket.
 
 Why a process of its own: the engine thread drives the model from Python and
 takes the GIL back after every tensor op; an HTTP loop in the same process
@@ -6,11 +6,11 @@ that writes to dozens of sockets per step hands the GIL back and forth with
 it, and the engine ran 25-35% slower for it. Here the engine process's event
 loop does little per token (no HTTP, one socket write per step).
 
-Life cycle: `edgecore edge` (the frontend, edge/engine_client.py) starts this
+Life cycle: `edgecore edge` (the frontend, edge/node_client.py) starts this
 process with its own flags plus `--engine-fd`, the child end of a socketpair.
-The process loads the model, starts the `EdgeEngine` (engine thread, core
+The process loads the model, starts the `EdgeNode` (engine thread, core
 connections), sends `Hello`, then serves frames until the socket closes:
-`Generate` starts a task that places the request (`EdgeEngine.submit`); from
+`Generate` starts a task that places the request (`EdgeNode.submit`); from
 then on the engine's dispatch hands its outputs straight to this server (no
 task switch per token), and outputs produced in one event-loop turn leave in
 one `Outputs` frame. `Abort` cancels that task, or the request (which
@@ -28,7 +28,7 @@ import socket
 from functools import partial
 from typing import TYPE_CHECKING
 
-from edgecore.edge.engine import EdgeEngine
+from edgecore.edge.node import EdgeNode
 from edgecore.edge.ipc import (Abort, AdapterReply, Call, CountError, Failed, FrameBuffer, Generate, GetMetrics,
                                GetReadiness, GetStats, Hello, IpcError, LoadAdapter, Message, MetricsReply, Outputs,
                                PrefetchReply, ReadinessReply, Reply, Request, RequestFailed, StatsReply,
@@ -39,10 +39,10 @@ from edgecore.shared.errors import EngineDead, RequestError
 from edgecore.shared.errors import AdapterError
 
 if TYPE_CHECKING:
-    from edgecore.edge.engine_client import EngineClient
+    from edgecore.edge.node_client import NodeProcessClient
     from edgecore.edge.service import EdgeService
 
-log = logging.getLogger("edgecore.edge.engine_process")
+log = logging.getLogger("edgecore.edge.node_process")
 
 # The GIL switch interval of this process. The engine thread releases the GIL for every tensor op and
 # wants it back when the op ends; with Python's default (5 ms) it then waits for the whole of the event
@@ -53,7 +53,7 @@ SWITCH_INTERVAL_S = 50e-6
 
 
 
-async def answer(edge: EdgeEngine, msg: Request) -> Reply:
+async def answer(edge: EdgeNode, msg: Request) -> Reply:
     """The typed reply to one request of the frontend."""
     if isinstance(msg, GetStats):
         return StatsReply(msg.id, await edge.get_stats())
@@ -74,8 +74,8 @@ async def answer(edge: EdgeEngine, msg: Request) -> Reply:
     return PrefetchReply(msg.id, r["tokens"], r["cached_tokens"], r["source"])
 
 
-class EngineServer:
-    def __init__(self, edge: EdgeEngine, sock: socket.socket):
+class NodeProcessServer:
+    def __init__(self, edge: EdgeNode, sock: socket.socket):
         self.edge = edge
         self.sock = sock
         self.starting: dict[str, asyncio.Task] = {}   # being placed / prefilled (edge.submit not returned)
@@ -166,7 +166,7 @@ class EngineServer:
             self.writer.write(encode(msg))
 
 
-def _serves_edge_service(client: EngineClient) -> EdgeService:
-    """Never called: the type checker proves here that the frontend's `EngineClient` implements `EdgeService`,
-    the calls this process answers for the `EdgeEngine` it serves."""
+def _serves_edge_service(client: NodeProcessClient) -> EdgeService:
+    """Never called: the type checker proves here that the frontend's `NodeProcessClient` implements `EdgeService`,
+    the calls this process answers for the `EdgeNode` it serves."""
     return client

@@ -11,7 +11,7 @@ EDGECORE_SMALL_STEP_THREADS  one / all: threads of a small model's steps under 1
                     shared/engine/step_threads.py)
 EDGECORE_PACKED_FROM_ROWS  rows from which a small packed weight's oneDNN layout is used (else timed at
                     start-up, see shared/models/layers.py)
-EDGECORE_CPU_MALLOC 0 keeps glibc's default heap thresholds (else see shared/malloc.py)
+EDGECORE_CPU_MALLOC 0 keeps glibc's default heap thresholds (else see shared/node/malloc.py)
 EDGECORE_LINK_SEALED 0: the core-edge link's frames are authenticated but NOT encrypted (anyone on the wire reads
                     prompts, tokens and KV) — only to measure what encryption costs (bench/link_ttft.py)
 EDGECORE_KV_PACING  how a core writes KV on a version-3 link: bounded (default: buffers bounded, frames cut,

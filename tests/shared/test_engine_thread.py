@@ -1,11 +1,11 @@
-"""AsyncEngine: a request whose consumer leaves before its add ran is aborted, not left running; each kind of
+"""EngineThread: a request whose consumer leaves before its add ran is aborted, not left running; each kind of
 output sink (queue, callback, at finish) gets every output once, in order, and the engine's failure."""
 
 import asyncio
 
 import pytest
 
-from edgecore.shared.engine.async_engine import AsyncEngine
+from edgecore.shared.engine.engine_thread import EngineThread
 from edgecore.shared.engine.handle import EngineRequest, OutputSink, read_outputs
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import EngineDead
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(60)
 
 async def test_cancelled_while_the_add_is_queued_the_request_is_aborted_after_it():
     engine = make_engine()
-    aengine = AsyncEngine(engine)
+    aengine = EngineThread(engine)
     aengine.start()
     try:
         busy = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
@@ -50,7 +50,7 @@ async def test_cancelled_while_the_add_is_queued_the_request_is_aborted_after_it
 
 async def test_stats_are_a_snapshot_published_by_the_engine_thread():
     engine = make_engine()
-    aengine = AsyncEngine(engine)
+    aengine = EngineThread(engine)
     aengine.start()
     try:
         assert aengine.stats().blocks_used == 0
@@ -74,7 +74,7 @@ async def test_stats_are_a_snapshot_published_by_the_engine_thread():
 
 async def test_submit_if_uncached_below_admits_only_short_uncached_rests():
     engine = make_engine(block_size=16)
-    aengine = AsyncEngine(engine)
+    aengine = EngineThread(engine)
     aengine.start()
     try:
         params = SamplingParams(max_tokens=2, temperature=0)
@@ -96,7 +96,7 @@ async def test_submit_if_uncached_below_admits_only_short_uncached_rests():
 
 
 async def test_every_sink_kind_gets_the_same_outputs_in_order():
-    aengine = AsyncEngine(make_engine())
+    aengine = EngineThread(make_engine())
     aengine.start()
     try:
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -129,7 +129,7 @@ async def test_every_sink_kind_gets_the_same_outputs_in_order():
 
 async def test_an_engine_failure_reaches_every_sink_and_waiting_command():
     engine = make_engine()
-    aengine = AsyncEngine(engine)
+    aengine = EngineThread(engine)
     aengine.start()
     try:
         await aengine.started()
@@ -151,11 +151,11 @@ async def test_an_engine_failure_reaches_every_sink_and_waiting_command():
 
 
 async def test_the_heap_is_trimmed_once_after_work_when_the_engine_idles(monkeypatch):
-    from edgecore.shared.engine import async_engine
+    from edgecore.shared.engine import engine_thread
     trims = []
-    monkeypatch.setattr(async_engine, "IDLE_TRIM_S", 0.2)
-    monkeypatch.setattr(async_engine, "return_free_memory", lambda: trims.append(1))
-    aengine = AsyncEngine(make_engine())
+    monkeypatch.setattr(engine_thread, "IDLE_TRIM_S", 0.2)
+    monkeypatch.setattr(engine_thread, "return_free_memory", lambda: trims.append(1))
+    aengine = EngineThread(make_engine())
     aengine.start()
     try:
         await asyncio.sleep(0.5)

@@ -68,7 +68,7 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         if str(model_dir).endswith(".gguf"):     # the file's own tokenizer, or a tokenizer.json beside it
-            from edgecore.shared.gguf_tokenizer import tokenizer_for_gguf
+            from edgecore.shared.text.gguf_tokenizer import tokenizer_for_gguf
             return tokenizer_for_gguf(model_dir)
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"

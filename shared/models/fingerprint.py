@@ -20,8 +20,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from edgecore.shared.config import ModelConfig
-from edgecore.shared.weights import weight_index
+from edgecore.shared.models.config import ModelConfig
+from edgecore.shared.models.weights import weight_index
 
 
 def model_fingerprint(model_dir: str | Path, config: ModelConfig | None = None) -> str:
@@ -30,7 +30,7 @@ def model_fingerprint(model_dir: str | Path, config: ModelConfig | None = None) 
     h = hashlib.sha256()
     h.update(json.dumps(dataclasses.asdict(config), sort_keys=True, default=str).encode())
     if str(model_dir).endswith(".gguf"):      # a GGUF file: its tokenizer metadata, tensor names, types, shapes
-        from edgecore.shared.gguf_file import GGUFFile
+        from edgecore.shared.models.gguf_file import GGUFFile
         gguf = GGUFFile(model_dir)
         h.update(json.dumps({k: v for k, v in gguf.meta.items() if k.startswith("tokenizer.")}, sort_keys=True,
                             default=str).encode())

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from edgecore.edge.kv_receiver import KVReceiver, ReceiveState, TransferFailed
+from edgecore.protocol.kv_receiver import KVReceiver, ReceiveState, TransferFailed
 from edgecore.protocol import messages as m
 
 LAYERS, HEADS, TOTAL, SKIP = 3, 4, 40, 8

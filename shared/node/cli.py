@@ -6,10 +6,10 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from edgecore.shared.env import default_model, resolve_device
+from edgecore.shared.node.env import default_model, resolve_device
 
 if TYPE_CHECKING:
-    from edgecore.shared.config import CacheConfig, ModelConfig
+    from edgecore.shared.models.config import CacheConfig, ModelConfig
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -80,7 +80,7 @@ def kv_cache_config(args: argparse.Namespace, config: ModelConfig, value_bytes: 
     """The CacheConfig from --kv-blocks or --kv-cache-memory and --kv-resident-memory (a bound above the budget
     is the budget), and the start-up line that says what a deployment gets (for the log, once the node starts);
     a size that holds no block is a ConfigError."""
-    from edgecore.shared.config import CacheConfig
+    from edgecore.shared.models.config import CacheConfig
     from edgecore.shared.errors import ConfigError
     from edgecore.shared.kv.budget import describe, kv_blocks, parse_size
     block_size = CacheConfig.block_size
@@ -205,7 +205,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from edgecore.shared.engine.engine import LLMEngine
     from edgecore.shared.engine.sampling_params import SamplingParams
 
-    from edgecore.shared.config import EngineConfig
+    from edgecore.shared.models.config import EngineConfig
     from edgecore.shared.errors import ConfigError
     engine = LLMEngine.from_dir(args.model or default_model(), args.dtype, resolve_device(args.device),
                                 engine_config=EngineConfig(compile_decode=args.compile, quantize=args.quantize))

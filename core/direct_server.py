@@ -2,13 +2,13 @@
 
 Life cycle: a worker rank of a parallel core that holds distinct KV (each
 pipeline stage; each tensor slice whose KV heads are not a replica of another
-rank's) starts a `StreamServer` before it joins the step loop: a protocol
+rank's) starts a `DirectServer` before it joins the step loop: a protocol
 server on its own port, run by an event loop in a background thread. The driver
 advertises the ports in its Welcome; an edge connects to each with the session
 id of its main connection (Hello.session) and from then on asks for direct
 streaming (PrefillRequest.direct). For such a request the driver sends the
 route (request id, session, codec, token range) with the first step plan that
-computes it; `apply(routes)` registers it with this rank's `LayerStreamer`
+computes it; `apply(routes)` registers it with this rank's `LayerSender`
 (on the engine thread, which owns the streamer's table: `register`/`forget`,
 then `sync`), whose `on_layer` hook queues each layer's new K/V, as computed,
 in the session's `Outbox` (no bound here: a rank has no way to read skipped KV
@@ -26,14 +26,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from edgecore.core.kv_sender import LayerStreamer, send_queued
+from edgecore.core.kv_sender import LayerSender, send_queued
 from edgecore.core.outbox import Outbox
 from edgecore.core.prefill_service import bound_write_path
 from edgecore.core.transfer import Transfer
 from edgecore.protocol import messages as m
 from edgecore.protocol.errors import ErrorCode
 from edgecore.protocol.transport import Peer, PeerError, serve
-from edgecore.shared.env import link_sealed
+from edgecore.shared.node.env import link_sealed
 
 if TYPE_CHECKING:
     from edgecore.shared.engine.sequence import Sequence
@@ -49,7 +49,7 @@ class _Session:
     outbox: Outbox
 
 
-class StreamServer:
+class DirectServer:
     def __init__(self, pool: KVPool, model: Any, host: str, secret: bytes, fingerprint: str, codecs: list[str],
                  dtype_name: str, head_start: int, name: str) -> None:
         self.host, self.secret, self.fingerprint, self.codecs = host, secret, fingerprint, codecs
@@ -57,7 +57,7 @@ class StreamServer:
         self.sessions: dict[str, _Session] = {}
         self.encoder_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edgecore-encode")
         self.loop = asyncio.new_event_loop()
-        self.streamer = LayerStreamer(pool, model, self.loop, "stream", head_start, forget_when_sent=True)
+        self.streamer = LayerSender(pool, model, self.loop, "stream", head_start, forget_when_sent=True)
         self.port = 0
         self._server: asyncio.Server | None = None
         self._thread = threading.Thread(target=self.loop.run_forever, name="edgecore-streams", daemon=True)

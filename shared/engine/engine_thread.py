@@ -42,8 +42,8 @@ from edgecore.shared.engine.handle import (EngineHandle, EngineRequest, EngineSt
                                            OutputSink, read_outputs)
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.errors import EngineDead
-from edgecore.shared.kv.transfer import KVSlice, StreamRoute
-from edgecore.shared.malloc import return_free_memory
+from edgecore.shared.kv.transfer import KVSlice, DirectRoute
+from edgecore.shared.node.malloc import return_free_memory
 
 log = logging.getLogger("edgecore.engine")
 IDLE_TRIM_S = 1.0      # idle seconds after work before the heap's free pages are returned
@@ -62,7 +62,7 @@ class Command:
     refuse: Callable[[BaseException], None] | None = None
 
 
-class AsyncEngine:
+class EngineThread:
     def __init__(self, engine: LLMEngine, on_layer: LayerHook | None = None, threads: int | None = None):
         """threads: intra-op threads of the engine thread (see shared.env.reserve_threads_for_engine)."""
         self.engine = engine
@@ -86,7 +86,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.block_size = engine.block_manager.block_size
         self.kv_bytes_per_token = engine.kv_bytes_per_token
-        self.first_layer_macs: int = engine.runner.first_layer_macs
+        self.layer0_macs_per_token: int = engine.runner.layer0_macs_per_token
         self._stats: EngineStats = engine.stats()
 
     # ---- lifecycle --------------------------------------------------------
@@ -94,7 +94,7 @@ class AsyncEngine:
     def loop(self) -> asyncio.AbstractEventLoop:
         """The event loop `start` was called on."""
         if self._loop is None:
-            raise RuntimeError("AsyncEngine.start() has not been called")
+            raise RuntimeError("EngineThread.start() has not been called")
         return self._loop
 
     def start(self) -> None:
@@ -107,7 +107,7 @@ class AsyncEngine:
         """Wait until the engine thread is ready to step (its decode step compiled, if asked for); a node
         calls this before it serves. Raises EngineDead if the thread failed first."""
         if self._started is None:
-            raise RuntimeError("AsyncEngine.start() has not been called")
+            raise RuntimeError("EngineThread.start() has not been called")
         await asyncio.shield(self._started)
         if self.error is not None:
             raise EngineDead(f"engine failed while starting: {self.error}")
@@ -176,7 +176,7 @@ class AsyncEngine:
 
     async def cached_prefix(self, prompt_ids: list[int], cache_salt: str | None = None,
                             adapter: str | None = None) -> int:
-        """(`adapter`: measured under a LoRA adapter's scope, shared/lora.py; beyond EngineHandle's form.)"""
+        """(`adapter`: measured under a LoRA adapter's scope, shared/models/lora.py; beyond EngineHandle's form.)"""
         return await self._call(lambda e: e.cached_prefix(prompt_ids, cache_salt, adapter))
 
     async def cache_changes(self) -> dict[int, bool]:
@@ -184,7 +184,7 @@ class AsyncEngine:
         gives every hash cached now (`BlockManager.take_journal`; beyond EngineHandle's form: a core's digest)."""
         return await self._call(lambda e: e.block_manager.take_journal())
 
-    # ---- LoRA adapters (shared/lora.py; not part of EngineHandle: the nodes that serve them ask) ----------
+    # ---- LoRA adapters (shared/models/lora.py; not part of EngineHandle: the nodes that serve them ask) ----------
     async def load_adapter(self, name: str, path: str) -> str:
         """Load a PEFT adapter; its fingerprint. Raises AdapterError (nothing loaded). Its files are read, hashed
         and checked on a worker thread (a slow disk or a FIFO blocks no step); only the slot and the stacks
@@ -254,11 +254,11 @@ class AsyncEngine:
             e.release(request_id)
         self._post(release)
 
-    def add_stream_route(self, stream_id: str, route: StreamRoute) -> None:
-        self._post(lambda e: e.add_stream_route(stream_id, route))
+    def add_direct_route(self, stream_id: str, route: DirectRoute) -> None:
+        self._post(lambda e: e.add_direct_route(stream_id, route))
 
-    def drop_stream_route(self, stream_id: str) -> None:
-        self._post(lambda e: e.drop_stream_route(stream_id))
+    def drop_direct_route(self, stream_id: str) -> None:
+        self._post(lambda e: e.drop_direct_route(stream_id))
 
     # ---- resident prefixes ----------------------------------------------------------
     async def pin_prefix(self, request_id: str) -> list[int]:
@@ -444,6 +444,6 @@ def _run_all(replies: list[Reply]) -> None:
         reply()
 
 
-def _satisfies_handle(engine: AsyncEngine) -> EngineHandle:
-    """Never called: the type checker proves here that `AsyncEngine` implements `EngineHandle`."""
+def _satisfies_handle(engine: EngineThread) -> EngineHandle:
+    """Never called: the type checker proves here that `EngineThread` implements `EngineHandle`."""
     return engine

@@ -1,6 +1,6 @@
 """The edge's frontend ↔ engine process link: frames, streams, aborts, calls, errors, a dead engine.
 
-The engine side runs in this process (an `EngineServer` on one end of a socketpair); the real
+The engine side runs in this process (an `NodeProcessServer` on one end of a socketpair); the real
 two-process edge is exercised by the end-to-end tests.
 """
 
@@ -10,9 +10,9 @@ import socket
 
 import pytest
 
-from edgecore.edge.engine import EdgeConfig, EdgeEngine
-from edgecore.edge.engine_client import EngineClient
-from edgecore.edge.engine_process import EngineServer
+from edgecore.edge.node import EdgeConfig, EdgeNode
+from edgecore.edge.node_client import NodeProcessClient
+from edgecore.edge.node_process import NodeProcessServer
 from edgecore.edge.ipc import (MAX_FRAME, Abort, CountError, FrameBuffer, Generate, GetStats, IpcError, Outputs, Prefetch,
                                PrefetchReply, RequestFailed, StatsReply, encode)
 from edgecore.shared.engine.output import RequestOutput, TokenLogprob
@@ -51,11 +51,11 @@ def test_frames_survive_any_split_and_bad_frames_are_refused():
 
 @pytest.fixture
 async def link(model_dir):
-    edge = EdgeEngine(EdgeConfig(model_dir=str(model_dir)), engine=make_engine())
+    edge = EdgeNode(EdgeConfig(model_dir=str(model_dir)), engine=make_engine())
     await edge.start()
     a, b = socket.socketpair()
-    server = asyncio.create_task(EngineServer(edge, a).run())
-    client = EngineClient(["edge"], str(model_dir))
+    server = asyncio.create_task(NodeProcessServer(edge, a).run())
+    client = NodeProcessClient(["edge"], str(model_dir))
     deaths = []
     client.on_death = lambda: deaths.append(client.dead)
     await client.connect(b)
@@ -139,8 +139,8 @@ async def test_prefetched_contexts_keep_within_their_share_of_the_pool(model_dir
     """Every context a client prefetches is pinned until it falls out of `PINNED_SHARE` of the pool (least
     recently prefetched first): a stream of new contexts cannot fill the pool for good, and prefetching the
     same context again takes no second pin."""
-    from edgecore.edge.engine import PINNED_SHARE
-    edge = EdgeEngine(EdgeConfig(model_dir=str(model_dir)), engine=make_engine(num_blocks=64))
+    from edgecore.edge.node import PINNED_SHARE
+    edge = EdgeNode(EdgeConfig(model_dir=str(model_dir)), engine=make_engine(num_blocks=64))
     await edge.start()
     try:
         limit = int(64 * PINNED_SHARE)                       # 16 blocks: each 100-token context pins 6

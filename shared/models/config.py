@@ -172,9 +172,9 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        if str(model_dir).endswith(".gguf"):     # a GGUF file: its metadata as config.json (shared/gguf_file.py)
+        if str(model_dir).endswith(".gguf"):     # a GGUF file: its metadata as config.json (shared/models/gguf_file.py)
             from edgecore.shared.errors import ModelLoadError
-            from edgecore.shared.gguf_file import GGUFFile
+            from edgecore.shared.models.gguf_file import GGUFFile
             try:
                 return cls.from_dict(GGUFFile(model_dir).hf_config(), source=str(model_dir))
             except ModelLoadError as exc:

@@ -5,7 +5,7 @@ Life cycle: a node's start-up (`--lora NAME=DIR`, in the HTTP process too, which
 (`check_config`: the fields this server honours, rank against `--max-lora-rank`) and its
 `adapter_model.safetensors` header read (`check_files`: tensor names, target modules, layers, A/B pairs,
 shapes against the model's projections), so a bad flag stops the start with one line before an engine loads
-the model. The engine then loads the same files with shared/lora.py `read_adapter`, which runs `check_files`
+the model. The engine then loads the same files with shared/models/lora.py `read_adapter`, which runs `check_files`
 first and reads the tensors only after it has passed.
 """
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from edgecore.shared.errors import AdapterError, ConfigError
 
 if TYPE_CHECKING:
-    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.models.config import ModelConfig
 
 MAX_LORA_RANK = 64          # default of --max-lora-rank
 # Our fused projection → the checkpoint projections it holds, in output order.

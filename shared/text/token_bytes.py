@@ -13,7 +13,7 @@ import json
 import re
 from functools import lru_cache
 
-from edgecore.shared.tokenizer import Tokenizer
+from edgecore.shared.text.tokenizer import Tokenizer
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

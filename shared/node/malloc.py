@@ -25,7 +25,7 @@ import ctypes
 import ctypes.util
 import sys
 
-from edgecore.shared.env import cpu_malloc_tuning_enabled
+from edgecore.shared.node.env import cpu_malloc_tuning_enabled
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3

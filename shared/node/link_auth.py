@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from edgecore.protocol.credentials import NodeIdentity, Trust, load_node_credentials
 from edgecore.shared.errors import ConfigError
-from edgecore.shared.secrets import read_secret
+from edgecore.shared.node.secrets import read_secret
 
 
 def link_auth(secret_file: str | None, credential: str | None, authority: str | None, revocations: str | None,

@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from edgecore.core.ranks import owns_kv
-from edgecore.core.stream_server import StreamServer
+from edgecore.core.direct_server import DirectServer
 from edgecore.protocol import messages as m
 from edgecore.protocol.kv import decode_chunk
 from edgecore.protocol.state import KVData
 from edgecore.protocol.transport import PeerError, connect
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.engine.step_plan import StepRoutes
-from edgecore.shared.fingerprint import model_fingerprint
-from edgecore.shared.kv.transfer import StreamRoute
+from edgecore.shared.models.fingerprint import model_fingerprint
+from edgecore.shared.kv.transfer import DirectRoute
 from edgecore.shared.kv.wire import from_bits
 from tests.conftest import MODEL_DIR, make_engine
 
@@ -25,7 +25,7 @@ SECRET = b"stream-secret"
 def served():
     engine = make_engine()
     fp = model_fingerprint(MODEL_DIR, engine.config)
-    server = StreamServer(engine.pool, engine.model, "127.0.0.1", SECRET, fp, ["raw", "lossless"], "float32",
+    server = DirectServer(engine.pool, engine.model, "127.0.0.1", SECRET, fp, ["raw", "lossless"], "float32",
                           head_start=1, name="rank1")
     server.start()
     yield engine, server, fp
@@ -42,7 +42,7 @@ async def test_routed_request_streams_each_layer_with_this_ranks_offsets(served)
                 break
             await asyncio.sleep(0.01)
         prompt = list(range(5, 45))
-        server.apply(StepRoutes(new={"s1/a": StreamRoute("a", "edge-1", "lossless", 8, len(prompt))}))
+        server.apply(StepRoutes(new={"s1/a": DirectRoute("a", "edge-1", "lossless", 8, len(prompt))}))
         engine.add_request("s1/a", prompt, SamplingParams(max_tokens=1), prefill_only=True)
         engine.step(on_layer=server.on_layer)
         layers = engine.config.num_hidden_layers
@@ -57,7 +57,7 @@ async def test_routed_request_streams_each_layer_with_this_ranks_offsets(served)
             assert torch.equal(from_bits(k, c.dtype)[0], ref_k) and torch.equal(from_bits(v, c.dtype)[0], ref_v)
         assert server.streamer.remote == {}    # forgotten once its last tokens left
         # A dropped route is cancelled before it sends anything.
-        server.apply(StepRoutes(new={"s1/b": StreamRoute("b", "edge-1", "raw", 0, 4)}))
+        server.apply(StepRoutes(new={"s1/b": DirectRoute("b", "edge-1", "raw", 0, 4)}))
         server.apply(StepRoutes(drop=["s1/b"]))
         assert server.streamer.remote == {}
         # The stream connection carries KV only.
@@ -95,7 +95,7 @@ async def test_edge_client_attaches_to_stream_ports_and_reattaches(served):
                         codecs=["raw"])
     try:
         await client.connect()
-        assert client.direct and len(client.streams) == 1
+        assert client.direct and len(client.direct_peers) == 1
         session = client.peer.conn.session
         for _ in range(100):
             if session in server.sessions:
@@ -109,7 +109,7 @@ async def test_edge_client_attaches_to_stream_ports_and_reattaches(served):
                 break
             await asyncio.sleep(0.01)
         assert not client.direct               # requests would now come gathered from rank 0
-        await client.connect_streams()
+        await client.connect_direct()
         assert client.direct
     finally:
         await client.close()

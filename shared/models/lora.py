@@ -5,7 +5,7 @@ Life cycle: every engine holds a `LoraRegistry` (`LLMEngine.lora`), empty until 
 layer's attention and MLP (`Attention.lora`, `MLP.lora` in shared/models/llama.py, None without adapters).
 `read_adapter` checks an adapter against the base model completely before anything changes (config fields,
 tensor names, target modules, shapes, rank against `max_rank`: an `AdapterError` naming the first problem;
-nothing is half-loaded; shared/lora_files.py checks the files, without torch, for a node's start-up flags),
+nothing is half-loaded; shared/models/lora_files.py checks the files, without torch, for a node's start-up flags),
 folds the scaling (`lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`) into B and gives the
 adapter a slot. Per layer and projection the registry stacks every slot's A and B, stored input-major as the
 products read them: A^T [slots, in, R] and B^T [slots, R, out] (slot 0: zeros, the base model; R the largest
@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from edgecore.shared.errors import AdapterError, RequestError
-from edgecore.shared.lora_files import FUSED, MAX_LORA_RANK, check_files, model_shapes
+from edgecore.shared.models.lora_files import FUSED, MAX_LORA_RANK, check_files, model_shapes
 
 if TYPE_CHECKING:
-    from edgecore.shared.config import ModelConfig
+    from edgecore.shared.models.config import ModelConfig
     from edgecore.shared.models.llama import LlamaForCausalLM
 
 PAD_LIMIT = 2.0             # batched products while adapters × largest group ≤ this × adapter rows (else per group)
@@ -89,7 +89,7 @@ def _plain_modules(model: LlamaForCausalLM) -> tuple[bool, bool]:
 
 def read_adapter(name: str, path: str | Path, model: LlamaForCausalLM, max_rank: int = MAX_LORA_RANK) -> Adapter:
     """A checked adapter in the model's dtype and device, or an AdapterError naming the first problem."""
-    from edgecore.shared.parallel import tensor_parallel
+    from edgecore.shared.models.parallel import tensor_parallel
     if tensor_parallel().size > 1:
         raise AdapterError("LoRA adapters need a node on one tensor-parallel rank (--tp 1)")
     param = next(model.parameters())
@@ -100,7 +100,7 @@ def check_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: in
                   plain: tuple[bool, bool] = (True, True), dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu") -> Adapter:
     """`read_adapter` against a model's config alone (`plain`: whether its attention and MLP are the plain
-    Llama-family ones): shared/lora_files.py `check_files`, then the tensors read."""
+    Llama-family ones): shared/models/lora_files.py `check_files`, then the tensors read."""
     from safetensors import SafetensorError, safe_open
     files = check_files(name, path, config, max_rank, plain)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}

@@ -14,7 +14,7 @@ engine process does to forward them without a task switch per token):
    (its uncached suffix behind its own prefill queue) competes too. The choice
    and its predictions go to the log (logger edgecore.placement) and metrics.
 2. Remote (`RemotePrefill`, edge/remote_prefill.py, around the sans-IO
-   `KVReceiver`, edge/kv_receiver.py): reserve blocks for the prompt (the
+   `KVReceiver`, protocol/kv_receiver.py): reserve blocks for the prompt (the
    locally cached prefix is announced as `skip_tokens`), send a PrefillRequest
    with the codec chosen (fixed or adaptive), write arriving KV into the paged
    cache while later layers are still in flight, then `activate` with the
@@ -59,19 +59,19 @@ from prometheus_client import generate_latest
 from edgecore.protocol.credentials import NodeIdentity, Trust
 from edgecore.protocol.messages import LORA_ADAPTERS
 from edgecore.protocol.transport import Timeouts
-from edgecore.shared.config import CacheConfig, EngineConfig
-from edgecore.shared.engine.async_engine import AsyncEngine
+from edgecore.shared.models.config import CacheConfig, EngineConfig
+from edgecore.shared.engine.engine_thread import EngineThread
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.handle import Emit, EngineRequest, Output, OutputQueue, OutputSink, read_outputs
 from edgecore.shared.engine.output import RequestOutput
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.errors import EngineDead
-from edgecore.shared.fingerprint import model_fingerprint
+from edgecore.shared.models.fingerprint import model_fingerprint
 from edgecore.shared.kv.block_manager import NoFreeBlocks
 from edgecore.shared.kv.transfer import layers_at_edge
 from edgecore.shared.kv.wire import codec_rope
-from edgecore.shared.lora import scope_salt
-from edgecore.shared.lora_files import MAX_LORA_RANK
+from edgecore.shared.models.lora import scope_salt
+from edgecore.shared.models.lora_files import MAX_LORA_RANK
 
 log = logging.getLogger("edgecore.edge")
 placement_log = logging.getLogger("edgecore.placement")     # one line per request prefilled at a core
@@ -99,7 +99,7 @@ class EdgeConfig:
     transfer_timeout: float = 30.0
     max_core_attempts: int = 2
     handover_tokens: int = 64          # tokens after the first a core may decode while the KV travels; 0: off
-    first_layer_macs: float = 1e9     # lossy transfers: most multiply-adds spent computing layer 0's KV here
+    layer0_budget_macs: float = 1e9     # lossy transfers: most multiply-adds spent computing layer 0's KV here
                                       # instead of receiving it (0: always receive; shared/kv/transfer.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -112,7 +112,7 @@ class EdgeConfig:
     max_lora_rank: int = MAX_LORA_RANK
 
 
-class EdgeEngine:
+class EdgeNode:
     def __init__(self, config: EdgeConfig, engine: LLMEngine | None = None):
         self.config = config
         engine = engine or LLMEngine.from_dir(config.model_dir, config.dtype, config.device,
@@ -120,8 +120,8 @@ class EdgeEngine:
         engine.lora.max_rank = config.max_lora_rank
         for name, path in config.loras:         # before the engine thread runs (AdapterError: no start)
             engine.lora.load(name, path)
-        self.adapters = engine.lora.fingerprints()     # LoRA adapters served (shared/lora.py)
-        self.handle = AsyncEngine(engine, threads=config.engine_threads)   # all this node knows of the engine
+        self.adapters = engine.lora.fingerprints()     # LoRA adapters served (shared/models/lora.py)
+        self.handle = EngineThread(engine, threads=config.engine_threads)   # all this node knows of the engine
         self.on_death: Callable[[], None] | None = None   # the engine thread failed (the CLI exits: a supervisor
         self.handle.on_failure = lambda exc: self.on_death and self.on_death()   # restarts the node)
         self.tokenizer = self.handle.tokenizer
@@ -213,7 +213,7 @@ class EdgeEngine:
             return allowed[0]
         target = self.config.ttft_target_ms / 1000 if self.config.ttft_target_ms else None
         curve = self.config.kv_curve or CURVE
-        if not layers_at_edge(self.handle.first_layer_macs, num_tokens, self.config.first_layer_macs, False):
+        if not layers_at_edge(self.handle.layer0_macs_per_token, num_tokens, self.config.layer0_budget_macs, False):
             curve = with_layer0(curve, self.handle.config.num_hidden_layers)     # layer 0 travels
         return choose_codec(allowed, num_tokens * self.kv_bytes_per_token, client.bandwidth, target,
                             self.config.kv_quality_budget, curve)
@@ -408,7 +408,7 @@ class EdgeEngine:
         """Prefill at `client` and receive the KV; with a `sink`, the request then decodes here, its outputs
         going to `sink` (None: a prefetch, never activated)."""
         settings = RemotePrefillSettings(self.config.transfer_timeout, self.config.handover_tokens, self.codec_rope,
-                                         self.config.first_layer_macs)
+                                         self.config.layer0_budget_macs)
         prefill = RemotePrefill(self.handle, client, request, settings=settings, pool=self.decoder_pool,
                                 metrics=TransferMetrics(self.metrics, self.handover_counts, trace),
                                 adapter_fingerprint=self.adapters.get(request.adapter or "", ""))
@@ -419,7 +419,7 @@ class EdgeEngine:
             prefill.follow.add_done_callback(lambda t: self._follows.pop(rid, None) if
                                              self._follows.get(rid) is t else None)
 
-    # ---- EdgeService (edge/service.py; across the process boundary: edge/engine_client.py) ------------
+    # ---- EdgeService (edge/service.py; across the process boundary: edge/node_client.py) ------------
     async def load_adapter(self, name: str, path: str) -> str:
         """Load a LoRA adapter into the engine (AdapterError: nothing loaded); its fingerprint."""
         fingerprint = await self.handle.load_adapter(name, path)
@@ -475,7 +475,7 @@ class EdgeEngine:
                               "crossover_tokens": {c.address: pm.crossover(c.address, c.rtt)
                                                    for c in self.router.clients}},
             "cores": [{"address": c.address, "healthy": c.healthy, "rtt_ms": round(c.rtt * 1e3, 2),
-                       "load": c.load, "stream_connections": len(c.streams),
+                       "load": c.load, "stream_connections": len(c.direct_peers),
                        "bandwidth_MBps": _megabytes_per_s(c.bandwidth),
                        "last_transfer_MBps": _megabytes_per_s(c.last_bandwidth),
                        "prefix_digest": {"blocks": len(c.cache.hashes), "block_size": c.cache.block_size,
