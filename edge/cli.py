@@ -202,7 +202,7 @@ def _edge_engine(settings: EdgeSettings, model_dir: str, codecs: list[str], loca
     from edgecore.edge.node import EdgeConfig, EdgeNode
     from edgecore.protocol.transport import tls_context
     from edgecore.shared.node.cli import kv_cache_config
-    from edgecore.shared.models.config import EngineConfig, ModelConfig
+    from edgecore.shared.models.config import EngineConfig, ModelConfig, SpeculativeConfig
     from edgecore.shared.node.env import reserve_threads_for_engine, resolve_device
     from edgecore.shared.models.lora_files import lora_specs
     from edgecore.shared.models.loader import resolve_dtype
@@ -224,7 +224,8 @@ def _edge_engine(settings: EdgeSettings, model_dir: str, codecs: list[str], loca
                         adaptive=settings.adaptive, ttft_target_ms=settings.ttft_target_ms,
                         **codec_policy(settings), local_prefill_below=local_below, cache=cache,
                         core_routing=settings.core_routing,
-                        engine=EngineConfig(compile_decode=settings.compile, quantize=settings.quantize),
+                        engine=EngineConfig(compile_decode=settings.compile, quantize=settings.quantize,
+                                            speculative=SpeculativeConfig.parse(settings.speculative_config)),
                         transfer_timeout=settings.transfer_timeout, handover_tokens=max(0, settings.handover_max_tokens),
                         layer0_budget_macs=max(0.0, settings.layer0_budget_macs),
                         name=settings.name, ssl=ssl, engine_threads=engine_threads,

@@ -38,12 +38,16 @@ import torch
 from edgecore.shared.models.config import CacheConfig, EngineConfig, ModelConfig
 from edgecore.shared.engine.grammar import Grammars
 from edgecore.shared.engine.handle import EngineStats
+from edgecore.shared.engine.kv_handout import KVHandout
 from edgecore.shared.engine.model_runner import ModelRunner
 from edgecore.shared.engine.output import OutputState, RequestOutput
+from edgecore.shared.engine.request_checks import check_request
+from edgecore.shared.engine.sampler import SampleResult
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.engine.scheduler import Scheduler
 from edgecore.shared.engine.tier_loads import open_tier
 from edgecore.shared.engine.sequence import Sequence, Status
+from edgecore.shared.engine.speculative import Speculator
 from edgecore.shared.errors import ConfigError, RequestError
 from edgecore.shared.models.fingerprint import model_fingerprint, with_quantize
 from edgecore.shared.text.gguf_tokenizer import gguf_has_tokenizer
@@ -65,7 +69,7 @@ TIER_WAIT_S = 0.005       # an idle step waits this long at most for a disk tier
 LayerHook = Callable[[int, list[tuple[Sequence, int]]], None]
 
 
-class LLMEngine:
+class LLMEngine(KVHandout):
     def __init__(self, model: LlamaForCausalLM, config: ModelConfig, tokenizer: Tokenizer | None = None,
                  cache_config: CacheConfig | None = None, engine_config: EngineConfig | None = None,
                  fingerprint: str | None = None):
@@ -92,6 +96,8 @@ class LLMEngine:
         self.tier = open_tier(self.cache_config, config, self.pool, self.block_manager,
                               None if fingerprint is None else with_quantize(fingerprint, self.engine_config.quantize))
         self.runner = ModelRunner(model, self.pool, config.sliding_window, self.engine_config.compile_decode)
+        spec = self.engine_config.speculative     # drafts verified per step (speculative.py)
+        self.speculator = None if spec is None else Speculator(spec, self.block_manager, self.max_model_len)
         self.releases_kv = config.releases_kv      # (blocks released in `step`)
         self.requests: dict[str, OutputState] = {}
         self.eos_ids = config.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and
@@ -128,22 +134,8 @@ class LLMEngine:
                 raise RequestError("this engine has no tokenizer; pass token ids", param="prompt")
             prompt = self.tokenizer.encode(prompt)
         ids = list(prompt)
-        vocab = self.config.vocab_size
-        if not ids or any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise RequestError(f"the prompt must be token ids in [0, {vocab})" + ("" if ids else ": it is empty"),
-                               param="prompt")
-        if params.logit_bias and max(params.logit_bias) >= vocab:     # (keys are checked ≥ 0 by validate)
-            raise RequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
-        need = len(ids) + (1 if prefill_only else params.max_tokens)
-        if need > self.max_model_len:
-            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the request "
-                               f"needs {len(ids)} prompt tokens + {need - len(ids)} completion tokens",
-                               param="max_tokens" if len(ids) < self.max_model_len else "prompt",
-                               code="context_length_exceeded")
-        capacity = self.cache_config.num_blocks * self.cache_config.block_size
-        if need > capacity:
-            raise RequestError(f"the request needs {need} tokens of KV cache but the cache holds {capacity}",
-                               param="prompt", code="context_length_exceeded")
+        check_request(ids, params, prefill_only, self.config.vocab_size, self.max_model_len,
+                      self.cache_config.num_blocks * self.cache_config.block_size)
         lora = self.lora.resolve(adapter)
         seq = Sequence(request_id, ids, params, prefill_only, priority, group, adapter_salt(cache_salt, lora), tenant,
                        weight)
@@ -233,7 +225,8 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         self.lora.collect_pending()         # requests finished by activate / push_token since the last step
         self._settle_tier()
-        batch = self.scheduler.schedule()
+        spec = self.speculator        # (with drafts: speculative.py)
+        batch = self.scheduler.schedule() if spec is None else spec.schedule(self.scheduler)
         if self.tier is not None:
             self.tier.release_admitted()
             if not batch and not outputs:           # nothing to run but disk reads: wait briefly for one
@@ -242,6 +235,8 @@ class LLMEngine:
             return outputs
         samplers, result = self.runner.run(batch, on_layer)
         self.iteration_tokens.observe(sum(n for _, n in batch.items))
+        if spec is not None:
+            spec.settle(batch.items)
         self.scheduler.complete(batch)
         for seq, _ in batch.items if self.releases_kv else ():    # KV no layer attends to any more
             if not seq.prefill_only and seq.num_computed_tokens >= seq.num_prompt_tokens:
@@ -249,19 +244,31 @@ class LLMEngine:
         if result is None:              # nothing sampled this step (prefill chunks only)
             return outputs
         for i, seq in enumerate(samplers):
-            state = self.requests[seq.request_id]
-            lp = result.logprobs[i] if result.logprobs is not None and seq.params.logprobs is not None else None
-            top = result.top[i] if result.top is not None else None
-            out = state.push(result.token_ids[i], lp, top)
-            if seq.prefill_only:   # stop rules apply where decoding happens, not here
-                out.finished, out.finish_reason = True, "prefill"
-            if out.finished:
-                self.scheduler.finish(seq, out.finish_reason, keep_blocks=seq.prefill_only)
-                if not seq.prefill_only:
-                    del self.requests[seq.request_id]
-            outputs.append(out)
+            self._emit(seq, result, i, outputs)
         self.lora.collect_pending()         # an unloaded adapter's slot, once its last request finished
         return outputs
+
+    def _emit(self, seq: Sequence, result: SampleResult, i: int, outputs: list[RequestOutput]) -> None:
+        """Push sampler `i`'s token (a drafted sequence's accepted drafts, then one) through its output rules."""
+        state = self.requests[seq.request_id]
+        lp = result.logprobs[i] if result.logprobs is not None and seq.params.logprobs is not None else None
+        top = result.top[i] if result.top is not None else None
+        tokens = result.drafted.get(i) or [result.token_ids[i]]
+        pushed = 0
+        for token in tokens:
+            out = state.push(token, lp, top)
+            pushed += 1
+            if seq.prefill_only:   # stop rules apply where decoding happens, not here
+                out.finished, out.finish_reason = True, "prefill"
+            outputs.append(out)
+            if out.finished:
+                break
+        if i in result.drafted and self.speculator is not None:
+            self.speculator.commit(seq, min(pushed, len(tokens) - 1), out.finished)
+        if out.finished:
+            self.scheduler.finish(seq, out.finish_reason, keep_blocks=seq.prefill_only)
+            if not seq.prefill_only:
+                del self.requests[seq.request_id]
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[dict]:
@@ -283,59 +290,13 @@ class LLMEngine:
                     r["finish_reason"] = out.finish_reason
         return [results[rid] for rid in ids]
 
-    # ---- (a) prefill only: hand out KV ------------------------------------
-    def kv_slots(self, request_id: str, start: int = 0, end: int | None = None) -> torch.Tensor:
-        seq = self.requests[request_id].seq
-        end = seq.num_computed_tokens if end is None else end
-        return self.pool.slots(seq.table.blocks, start, end)
-
-    def read_kv(self, request_id: str, layer: int, start: int = 0, end: int | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [tokens, kv_heads, head_dim] of one layer for a request's computed tokens."""
-        return self.pool.read(layer, self.kv_slots(request_id, start, end))
-
-    def read_kv_slices(self, request_id: str, start: int, end: int) -> list[KVSlice]:
-        """Every layer and KV head of tokens [start, end) of a request, as slices (a parallel runner gathers
-        them from its ranks, one slice per distinct piece)."""
-        blocks = self.requests[request_id].seq.table.blocks
-        gather = getattr(self.runner, "read_kv", None)
-        if gather is not None:
-            return [KVSlice(layer0, start, end, head0, k, v) for layer0, head0, k, v in gather(blocks, start, end)]
-        slots = self.pool.slots(blocks, start, end)
-        ks, vs = zip(*(self.pool.read(layer, slots) for layer in range(len(self.pool.k))))
-        return [KVSlice(0, start, end, 0, torch.stack(ks), torch.stack(vs))]
-
-    def release(self, request_id: str) -> None:
-        """Free a parked (prefilled or reserved) request's KV."""
-        self.abort(request_id)
-
+    # ---- (a) prefill only: KV handed out (KVHandout, kv_handout.py) ---------
     def add_direct_route(self, stream_id: str, route: DirectRoute) -> None:
         """A parallel core: have every rank stream its own KV of request `stream_id` (before it is added)."""
         self.runner.add_route(stream_id, route)
 
     def drop_direct_route(self, stream_id: str) -> None:
         self.runner.drop_route(stream_id)
-
-    def pin_prefix(self, request_id: str) -> list[int]:
-        """Keep a parked request's full, cached blocks resident after it is released (contexts; they are
-        cached under the request's salt, so only requests with that salt reuse them: contexts are unsalted)."""
-        seq = self.requests[request_id].seq
-        full = seq.table.blocks[:seq.table.num_hashed]
-        self.block_manager.pin(full)
-        return list(full)
-
-    def commit_prefix(self, request_id: str) -> list[int]:
-        """A parked request whose KV is complete (computed here or written from outside): register its
-        full blocks in the prefix cache, pin them, and release the request. Returns the pinned blocks."""
-        seq = self.requests[request_id].seq
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.block_manager.register_full_blocks(seq.table, seq.token_ids, seq.num_prompt_tokens)
-        blocks = self.pin_prefix(request_id)
-        self.release(request_id)
-        return blocks
-
-    def unpin(self, block_ids: list[int]) -> None:
-        self.block_manager.release_blocks(block_ids)
 
     # ---- (b) KV from outside: decode it -----------------------------------
     def reserve(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -491,6 +452,7 @@ class LLMEngine:
             weights_bytes=self.weights_bytes,
             compiled_steps=self.runner.compiled_steps,
             **(self.tier.stats() if self.tier is not None else {}),
+            **(self.speculator.stats() if self.speculator is not None else {}),
         )
 
     def close(self) -> None:

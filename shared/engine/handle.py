@@ -66,6 +66,12 @@ class EngineStats(msgspec.Struct, frozen=True):
     kv_block_bytes: int = 0     # bytes of one block (all layers, K and V)
     weights_bytes: int = 0
     compiled_steps: int = 0     # decode steps run by the compiled step (`--compile`); 0 without it
+    # speculative decoding (shared/engine/speculative.py; all 0 without it): steps a sequence drafted in, tokens
+    # drafted, drafts accepted (acceptance rate: accepted / drafted)
+    speculative: bool = False
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # the disk KV tier (shared/kv/tier.py; all 0 without one): cumulative blocks, bytes and seconds, its state
     tier_hit_blocks: int = 0          # blocks read back (verified) instead of recomputed
     tier_miss_blocks: int = 0         # blocks after the pool's prefix looked up and not found (or bad)

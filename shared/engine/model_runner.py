@@ -50,6 +50,7 @@ from edgecore.shared.engine import prompt_logprobs
 from edgecore.shared.engine.sampler import SampleResult, sample
 from edgecore.shared.engine.scheduler import ScheduledBatch
 from edgecore.shared.engine.sequence import Sequence
+from edgecore.shared.engine.speculative import verify
 from edgecore.shared.engine.step_threads import StepThreads
 from edgecore.shared.node.env import cpu_pack_enabled
 from edgecore.shared.errors import first_line
@@ -331,5 +332,17 @@ class ModelRunner:
         rows, samplers = sampling_rows(ordered)
         if not samplers:
             return [], None
-        logits = logits_of(rows)
-        return samplers, sample(logits if logits.shape[0] == len(rows) else logits[rows], samplers)
+        drafted = [(i, len(s.draft)) for i, s in enumerate(samplers) if isinstance(s, Sequence) and s.draft]
+        if not drafted:
+            logits = logits_of(rows)
+            return samplers, sample(logits if logits.shape[0] == len(rows) else logits[rows], samplers)
+        wanted = sorted(rows + [r for i, k in drafted for r in range(rows[i] - k, rows[i])])  # the drafts' too
+        logits = logits_of(wanted)      # (in row order: all rows may come back whole)
+        logits = logits if logits.shape[0] == len(wanted) else logits[wanted]
+        at = {row: j for j, row in enumerate(wanted)}
+        result = sample(logits[[at[r] for r in rows]], samplers)
+        for i, k in drafted:        # rows of the last known token and the drafts, in position order
+            seq = samplers[i]
+            assert isinstance(seq, Sequence)
+            result.drafted[i] = verify(logits[[at[r] for r in range(rows[i] - k, rows[i] + 1)]], seq.draft, seq)
+        return samplers, result

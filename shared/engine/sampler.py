@@ -16,12 +16,13 @@ argmax: the fast path checks only per-row flags.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from edgecore.shared.engine.grammar import apply_masks
 from edgecore.shared.engine.logits_processors import adjust
+from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.engine.sequence import Sequence
 
 
@@ -30,6 +31,8 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float] | None            # chosen tokens' logprobs (None if no row asked)
     top: list[list[tuple[int, float]]] | None  # per row: top-N (token, logprob)
+    # sequences that drafted (speculative.py): row → the tokens it emits this step (accepted drafts, then one)
+    drafted: dict[int, list[int]] = field(default_factory=dict)
 
 
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -46,8 +49,38 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
 def _draw(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
     """Random tokens for the sampling `rows` of `logits` (already penalized)."""
     vocab = logits.shape[-1]
-    sub = logits[rows]
-    params = [seqs[i].params for i in rows]
+    probs = _probs(logits[rows], [seqs[i].params for i in rows])
+    noise = torch.empty_like(probs)
+    unseeded = [j for j, i in enumerate(rows) if seqs[i].params.seed is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), vocab, device=probs.device).exponential_()
+    for j, i in enumerate(rows):
+        seed = seqs[i].params.seed
+        if seed is not None:
+            gen = torch.Generator(device=probs.device).manual_seed(position_seed(seed, seqs[i].num_output_tokens))
+            noise[j].exponential_(generator=gen)
+    return (probs / noise).argmax(-1)
+
+
+def draw_rows(logits: torch.Tensor, params: SamplingParams, first_position: int) -> torch.Tensor:
+    """One request's tokens drawn from consecutive rows as `sample` would draw each (row r at output position
+    `first_position + r`): speculative decoding's verification (speculative.py)."""
+    probs = _probs(logits, [params] * logits.shape[0])
+    noise = torch.empty_like(probs)
+    seed = params.seed
+    if seed is None:
+        noise.exponential_()
+    else:
+        for r in range(logits.shape[0]):
+            gen = torch.Generator(device=probs.device).manual_seed(position_seed(seed, first_position + r))
+            noise[r].exponential_(generator=gen)
+    return (probs / noise).argmax(-1)
+
+
+def _probs(sub: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's probabilities after temperature, top-k, top-p, then min-p (min-p's dropped mass not
+    renormalized)."""
+    vocab = sub.shape[-1]
     temp = torch.tensor([p.temperature for p in params], dtype=sub.dtype, device=sub.device)
     sub = sub / temp.unsqueeze(1)
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=sub.device)
@@ -59,16 +92,7 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.
     if any(min_p):      # drop tokens below min_p × the row's top probability
         floor = torch.tensor(min_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
         probs = probs.masked_fill(probs < floor * probs.amax(-1, keepdim=True), 0.0)
-    noise = torch.empty_like(probs)
-    unseeded = [j for j, i in enumerate(rows) if seqs[i].params.seed is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), vocab, device=sub.device).exponential_()
-    for j, i in enumerate(rows):
-        seed = seqs[i].params.seed
-        if seed is not None:
-            gen = torch.Generator(device=sub.device).manual_seed(position_seed(seed, seqs[i].num_output_tokens))
-            noise[j].exponential_(generator=gen)
-    return (probs / noise).argmax(-1)
+    return probs
 
 
 def position_seed(seed: int, position: int) -> int:

@@ -114,7 +114,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             need = seq.num_tokens - seq.num_computed_tokens
-            if need <= 1:
+            if need <= 1 + len(seq.draft):      # a decode, with its draft if it has one (speculative.py)
                 n = min(need, budget)
             else:
                 share = shares.of(seq) if seq.priority == shares.urgent else 0

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from llguidance import LLMatcher
 
     from edgecore.shared.engine.output import TokenLogprob
+    from edgecore.shared.engine.speculative import DraftStats
 
 _arrival = itertools.count()
 
@@ -43,6 +44,10 @@ class Sequence:
     # (0: the base model); set by the engine at admission
     adapter: str | None = None
     lora_slot = 0
+    # speculative decoding (speculative.py): the draft appended to `token_ids` for the step being planned (empty
+    # outside one), and the sequence's drafting record (None: it never drafted)
+    draft: list[int] = []
+    draft_stats: DraftStats | None = None
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  prefill_only: bool = False, priority: int = 0, group: str | None = None,

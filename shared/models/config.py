@@ -382,6 +382,45 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup (shared/engine/speculative.py), as vLLM's `--speculative-config`
+    names it: up to `num_speculative_tokens` drafted per step from the latest earlier occurrence of the last
+    `prompt_lookup_max` .. `prompt_lookup_min` tokens; a sequence whose acceptance rate falls under
+    `min_acceptance` pauses drafting."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    min_acceptance: float = 0.2
+
+    @classmethod
+    def parse(cls, text: str | None) -> SpeculativeConfig | None:
+        """`--speculative-config JSON` (vLLM's flag and keys; unset fields take the defaults above), checked."""
+        if not text:
+            return None
+        try:
+            fields = msgspec.json.decode(text, type=dict[str, Any])
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"--speculative-config: not a JSON object ({exc})") from None
+        unknown = set(fields) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"--speculative-config: unknown keys {sorted(unknown)} (known: "
+                              f"{sorted(cls.__dataclass_fields__)})")
+        spec = cls(**fields)
+        if spec.method != "ngram":
+            raise ConfigError(f"--speculative-config: method {spec.method!r} is not supported (only 'ngram', prompt "
+                              "lookup; a draft model is not built yet)")
+        ints = (spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in ints) \
+                or spec.prompt_lookup_min > spec.prompt_lookup_max:
+            raise ConfigError("--speculative-config: num_speculative_tokens, prompt_lookup_min and prompt_lookup_max "
+                              "are integers >= 1, with prompt_lookup_min <= prompt_lookup_max")
+        if not isinstance(spec.min_acceptance, (int, float)) or not 0 <= spec.min_acceptance <= 1:
+            raise ConfigError("--speculative-config: min_acceptance is a number in [0, 1]")
+        return spec
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Scheduler limits: tokens per step (chunked prefill budget) and sequences per step; whether small decode
     steps run compiled."""
@@ -390,3 +429,4 @@ class EngineConfig:
     max_model_len: int | None = None
     compile_decode: bool = False        # small pure decode steps through torch.compile (compiled_decode.py)
     quantize: str | None = None         # "int8" / "int4": float projections quantized at load (quant_loader.py)
+    speculative: SpeculativeConfig | None = None    # drafts verified per step (shared/engine/speculative.py)

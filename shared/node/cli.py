@@ -21,6 +21,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=None, choices=["int8", "int4"],
                    help="quantize the float weights at load, weight-only (CPU): int8 per output row, int4 per 32 "
                         "inputs (default: keep the checkpoint's weights)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding by prompt lookup, as vLLM's flag: e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4}' (default: off)")
 
 
 def add_compile_arg(p: argparse.ArgumentParser) -> None:
@@ -205,10 +208,11 @@ def run_generate(args: argparse.Namespace) -> int:
     from edgecore.shared.engine.engine import LLMEngine
     from edgecore.shared.engine.sampling_params import SamplingParams
 
-    from edgecore.shared.models.config import EngineConfig
+    from edgecore.shared.models.config import EngineConfig, SpeculativeConfig
     from edgecore.shared.errors import ConfigError
     engine = LLMEngine.from_dir(args.model or default_model(), args.dtype, resolve_device(args.device),
-                                engine_config=EngineConfig(compile_decode=args.compile, quantize=args.quantize))
+                                engine_config=EngineConfig(compile_decode=args.compile, quantize=args.quantize,
+                                                           speculative=SpeculativeConfig.parse(args.speculative_config)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     prompt = args.prompt

@@ -127,7 +127,17 @@ class EngineCollector:
         info = GaugeMetricFamily("edgecore:cache_config_info", "KV cache configuration (value 1; the labels)",
                                  labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "model_name"])
         info.add_metric([str(self.block_size), str(s.blocks_total), str(s.prefix_caching).lower(), self.model], 1)
-        return [preempt, queries, hits, steps, info, *(tier_families(s, m) if s.tier_capacity_bytes else ())]
+        spec = []
+        for name, value, doc in () if not s.speculative else (("drafts", s.spec_drafts, "Verification steps of sequences that drafted"),
+                                 ("draft_tokens", s.spec_draft_tokens, "Tokens drafted (prompt lookup)"),
+                                 ("accepted_tokens", s.spec_accepted_tokens, "Drafted tokens accepted (acceptance "
+                                  "rate: rate of this / rate of draft_tokens)")):
+            family = CounterMetricFamily(f"edgecore:spec_decode_num_{name}", "Speculative decoding: " + doc,
+                                         labels=["model_name"])
+            family.add_metric(m, value)
+            spec.append(family)
+        return [preempt, queries, hits, steps, info, *spec,
+                *(tier_families(s, m) if s.tier_capacity_bytes else ())]
 
 
 # The disk KV tier's series (shared/kv/tier.py): (name, EngineStats field, help), counters then gauges.

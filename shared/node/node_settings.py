@@ -42,6 +42,14 @@ def compile_decode() -> Any:
                                "first time, cached after; needs a C++ compiler)")
 
 
+def speculative_config() -> Any:
+    """speculative_config: str | None"""
+    return setting(None, metavar="JSON", help="speculative decoding by prompt lookup, as vLLM's flag: e.g. "
+                   "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+                   "\"prompt_lookup_min\": 2}' (greedy and seeded output unchanged; requests with logprobs, "
+                   "penalties, biases or a grammar decode plainly; default: off)")
+
+
 def quantize() -> Any:
     """quantize: Quantize | None"""
     return setting(None, help="quantize the float weights at load, weight-only (CPU): int8 with a scale per "

@@ -1,0 +1,184 @@
+"""Speculative decoding by prompt lookup: n-gram drafts, verified in one step of the model.
+
+Life cycle: an engine whose `EngineConfig.speculative` is set holds one `Speculator`; each step it
+1. `propose`s, before scheduling: a running sequence in decode (its last token not yet computed) whose sampling
+   allows drafting (no logprobs, penalties, biases or grammar) and whose drafting is on gets up to k tokens: those
+   that followed the latest earlier occurrence of its last n tokens (n from `prompt_lookup_max` down to
+   `prompt_lookup_min`; prompt and output alike). They are appended to its token ids and kept in `seq.draft`, so
+   the scheduler gives the sequence 1 + k tokens, a chunk that computes the last token and the drafts' KV;
+2. `fit`s the drafts to the step, after scheduling: a sequence left out of it (or preempted) loses its draft, one
+   given fewer tokens keeps what the step computes;
+3. the runner returns the logits of each drafted sequence's 1 + k rows and `verify` (tensors) accepts drafts left
+   to right while each equals the token plain decoding draws at its position (the argmax; or the sampler's
+   draw, seeded by position): the rejection rule for a draft that is one token, so every token is distributed
+   as the model's p, and greedy and seeded requests emit exactly what plain decoding would;
+4. `settle`s, before the scheduler counts the step: the drafts leave the token ids and the step counts one
+   computed token for the sequence, as a plain decode. The engine pushes the accepted tokens and the next one
+   through the output rules one by one (a stop ends the run), then `commit` counts the accepted drafts' KV as
+   computed and enters the blocks they filled into the prefix cache. A rejected draft's KV stays in its slot until
+   that position is computed again; it is never cached (only computed positions' blocks are).
+
+Drafting switches itself off for a sequence whose drafts are rarely accepted: after `PROBE_TOKENS` drafted
+tokens with an acceptance rate under `min_acceptance`, it stops for `PAUSE_TOKENS` output tokens, then tries
+again. A draft never makes the scheduler preempt anything: it is proposed only while the pool has free blocks for
+it. No tensors here except in `verify`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from edgecore.shared.engine.sampler import draw_rows
+from edgecore.shared.engine.scheduler import ScheduledBatch, Scheduler
+from edgecore.shared.engine.sequence import Sequence, Status
+from edgecore.shared.kv.block_manager import BlockManager
+from edgecore.shared.models.config import SpeculativeConfig
+
+PROBE_TOKENS = 32       # drafted tokens before a sequence's acceptance rate is judged
+PAUSE_TOKENS = 128      # output tokens a sequence then decodes without drafts before it tries again
+
+
+@dataclass
+class DraftStats:
+    """One sequence's drafting since it was last judged, and the output length before which it does not draft."""
+    drafted: int = 0
+    accepted: int = 0
+    paused_until: int = 0
+
+
+def lookup(tokens: np.ndarray, k: int, n_max: int, n_min: int) -> list[int]:
+    """Up to `k` tokens that followed the latest earlier occurrence of the last n tokens of `tokens`, for the
+    longest n in [n_min, n_max] that occurs."""
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:size - 1], n)   # ends before the last token
+        hits = np.flatnonzero((windows == tokens[size - n:]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start:start + k].tolist()
+    return []
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, block_manager: BlockManager, max_model_len: int):
+        self.config = config
+        self.bm = block_manager
+        self.max_model_len = max_model_len
+        self.drafts = 0              # counters, exported as metrics (EngineStats)
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+        self._settled: dict[int, int] = {}     # id(sequence) → its draft's length, from `settle` to `commit`
+
+    @staticmethod
+    def allows(seq: Sequence) -> bool:
+        p = seq.params
+        return (not seq.prefill_only and seq.grammar is None and p.logprobs is None and not p.adjusts_logits
+                and p.prompt_logprobs is None)
+
+    def stats(self) -> dict[str, Any]:
+        """The counters, as `EngineStats` fields."""
+        return {"speculative": True, "spec_drafts": self.drafts, "spec_draft_tokens": self.draft_tokens,
+                "spec_accepted_tokens": self.accepted_tokens}
+
+    def schedule(self, scheduler: Scheduler) -> ScheduledBatch:
+        """The scheduler's next step, with drafts proposed before it and fitted to it."""
+        self.propose(scheduler.running)
+        batch = scheduler.schedule()
+        self.fit(batch.items, batch.preempted, scheduler.running)
+        return batch
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Append a draft to each running decode sequence that may draft and has one."""
+        cfg = self.config
+        room = self.bm.num_free
+        for seq in running:
+            if seq.status is not Status.RUNNING or seq.num_computed_tokens != seq.num_tokens - 1:
+                continue
+            stats = seq.draft_stats
+            if stats is None:
+                if not self.allows(seq):
+                    continue
+                stats = seq.draft_stats = DraftStats()
+            if seq.num_output_tokens < stats.paused_until:
+                continue
+            k = min(cfg.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens - 1)
+            if k <= 0:
+                continue
+            draft = lookup(np.asarray(seq.token_ids), k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+            need = self.bm.blocks_needed(seq.table, seq.num_tokens + len(draft))
+            if not draft or need > room:
+                continue
+            room -= need
+            seq.draft = draft
+            seq.token_ids.extend(draft)
+
+    @staticmethod
+    def _drop(seq: Sequence, keep: int) -> None:
+        del seq.token_ids[len(seq.token_ids) - len(seq.draft) + keep:]
+        seq.draft = seq.draft[:keep]
+
+    def fit(self, batch_items: list[tuple[Sequence, int]], preempted: list[Sequence], running: list[Sequence]
+            ) -> None:
+        """Cut each draft to what this step computes of it."""
+        given = {id(seq): n for seq, n in batch_items}
+        for seq in (*running, *preempted):
+            if seq.draft:
+                self._drop(seq, max(0, given.get(id(seq), 0) - 1) if seq.status is Status.RUNNING else 0)
+
+    def settle(self, batch_items: list[tuple[Sequence, int]]) -> None:
+        """Take the drafts back off the token ids; the step counts one computed token for each drafted sequence
+        (its accepted drafts are counted by `commit`)."""
+        for j, (seq, _) in enumerate(batch_items):
+            if seq.draft:
+                self.drafts += 1
+                self.draft_tokens += len(seq.draft)
+                self._settled[id(seq)] = len(seq.draft)
+                del seq.token_ids[len(seq.token_ids) - len(seq.draft):]
+                seq.draft = []
+                batch_items[j] = (seq, 1)
+
+    def commit(self, seq: Sequence, accepted: int, finished: bool) -> None:
+        """`accepted` of the sequence's drafts were pushed (then its own token, unless a stop came first): their KV
+        counts as computed and their full blocks are cached (before a `finished` sequence frees them); judge the
+        sequence's drafting."""
+        drafted = self._settled.pop(id(seq), accepted)
+        self.accepted_tokens += accepted
+        seq.num_computed_tokens += accepted
+        if finished:        # as plain decoding would have it: every token's KV but the last one's
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        self.bm.register_full_blocks(seq.table, seq.token_ids, seq.num_computed_tokens)
+        stats = seq.draft_stats
+        if stats is None:
+            return
+        stats.drafted += drafted
+        stats.accepted += accepted
+        if stats.drafted >= PROBE_TOKENS:
+            if stats.accepted < self.config.min_acceptance * stats.drafted:
+                stats.paused_until = seq.num_output_tokens + PAUSE_TOKENS
+            stats.drafted = stats.accepted = 0
+
+
+def verify(logits: torch.Tensor, draft: list[int], seq: Sequence) -> list[int]:
+    """The tokens a drafted sequence emits this step: the accepted drafts, then one token of the model's own.
+    `logits`: the rows of the sequence's last known token and its drafts ([1 + len(draft), vocab]).
+
+    Each row draws the token plain decoding would draw at its position (greedy: the argmax; sampled: the
+    sampler's exponential race, a seeded request's noise from its position's generator); drafts are accepted
+    while they equal those tokens, and the first token that differs (or the one after the last draft) follows.
+    For a draft that is a single token (a point mass q), this is the rejection rule: d is accepted with
+    probability p(d), and otherwise the token drawn is distributed as p without d, renormalized. Each emitted
+    token is distributed as the model's p, and a seeded request emits exactly what plain decoding would."""
+    if seq.params.greedy:
+        drawn = logits.argmax(-1).tolist()
+    else:
+        base = seq.num_output_tokens - len(draft)      # output position of the first row's token
+        drawn = draw_rows(logits, seq.params, base).tolist()
+    m = 0
+    while m < len(draft) and draft[m] == drawn[m]:
+        m += 1
+    return draft[:m] + [drawn[m]]
