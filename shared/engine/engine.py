@@ -28,6 +28,7 @@ first has `compile_decode` run there); `stats()` builds the snapshot that thread
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -233,9 +234,11 @@ class LLMEngine(KVHandout):
                 self.tier.wait(TIER_WAIT_S)
         if not batch:
             return outputs
+        start = time.perf_counter()
         samplers, result = self.runner.run(batch, on_layer)
         self.iteration_tokens.observe(sum(n for _, n in batch.items))
         if spec is not None:
+            spec.observe(batch.items, time.perf_counter() - start)
             spec.settle(batch.items)
         self.scheduler.complete(batch)
         for seq, _ in batch.items if self.releases_kv else ():    # KV no layer attends to any more

@@ -5,8 +5,9 @@ their layouts' crossover timed (`layers.calibrate_plain_rows`; weights are final
 None unless every layer is the base `Attention` + `MLP` of llama.py, on one rank, with every projection
 holding both the oneDNN-packed weight and the input-major copy that few-row matmuls read (small float32
 weights), switching between them at one row count. Otherwise each step with no prefill chunk (a pure
-decode step: batch-1 serving is one, and every step of a steady batch) runs `forward` instead of the
-model's, with the same operators in the same order (the layout `_Matmul.matmul` picks for that many rows,
+decode step: batch-1 serving is one, and every step of a steady batch), and each step of at most
+`SMALL_STEP` tokens with chunks (a decode with speculative drafts, a short prompt), runs `forward` instead of
+the model's, with the same operators in the same order (the layout `_Matmul.matmul` picks for that many rows,
 `paged_attention`, RMSNorm's float32 form, RoPE, the activation), so the hidden states are the model's bit
 for bit (tests/shared/test_flat_decode.py).
 
@@ -27,6 +28,8 @@ from edgecore.shared.models.attention import AttentionMetadata, paged_attention
 from edgecore.shared.models.row_buckets import packed_linear
 from edgecore.shared.models.rope import apply_rope
 from edgecore.shared.models.parallel import tensor_parallel
+
+SMALL_STEP = 64         # tokens: steps with prefill chunks up to this size run here too
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -88,6 +91,8 @@ class FlatDecoder:
         if type(model).forward is not LlamaForCausalLM.forward or \
                 len(model.model.layer_ids) != model.config.num_hidden_layers:
             return None             # a family with its own step, or a pipeline stage
+        if getattr(model.model.embed_tokens, "quant_rows", None) is not None:
+            return None             # an embedding kept in GGUF blocks: its rows are decoded per lookup
         thresholds = set()
         for layer in model.model.layers:
             if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or \
@@ -105,8 +110,9 @@ class FlatDecoder:
         return cls(model, thresholds.pop())
 
     def takes(self, meta: AttentionMetadata, rows: int) -> bool:
-        """A pure decode step."""
-        return not meta.prefills and meta.num_decode == rows
+        """A pure decode step, or a small step with chunks (speculative drafts, short prompts): at most
+        `SMALL_STEP` tokens, where the interpreter's work around the module tree still shows."""
+        return (not meta.prefills and meta.num_decode == rows) or rows <= SMALL_STEP
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = input_ids.shape[0]

@@ -129,7 +129,7 @@ def test_drafting_pauses_for_a_sequence_whose_drafts_are_rejected(monkeypatch):
     engine.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=120))
     stats = engine.stats()
     assert stats.spec_accepted_tokens < stats.spec_draft_tokens // 4
-    assert PROBE_TOKENS <= stats.spec_draft_tokens <= PROBE_TOKENS + SPEC.num_speculative_tokens
+    assert PROBE_TOKENS <= stats.spec_draft_tokens <= 2 * (PROBE_TOKENS + SPEC.num_speculative_tokens)
 
 
 def test_requests_whose_sampling_needs_each_token_do_not_draft():

@@ -84,4 +84,5 @@ def test_the_engine_times_its_small_steps(timed, model_dir):
     finally:
         torch.set_num_threads(before)
     assert set(engine.runner.step_threads.choices()) == {(1, True)}   # 13 one-row decode steps: 10 timed
-    assert seen[:10] == [1, 2] * 5 and len(set(seen[10:])) == 1       # alternated, then one setting
+    assert seen[0] == 2                     # the 35-token prompt (flat too: a small step), on all threads
+    assert seen[1:11] == [1, 2] * 5 and len(set(seen[11:])) == 1      # alternated, then one setting
