@@ -25,6 +25,7 @@ class EdgeSettings:
     compile: bool = common.compile_decode()
     quantize: Quantize | None = common.quantize()
     speculative_config: str | None = common.speculative_config()
+    draft_model: str | None = common.draft_model()
     core: tuple[str, ...] = setting((), metavar="HOST:PORT",
                                     help="a core's protocol address (repeatable); none: prefill locally")
     core_dns: tuple[str, ...] = setting((), metavar="NAME:PORT", help="a DNS name whose addresses are cores (e.g. "

@@ -49,6 +49,7 @@ from edgecore.shared.engine.scheduler import Scheduler
 from edgecore.shared.engine.tier_loads import open_tier
 from edgecore.shared.engine.sequence import Sequence, Status
 from edgecore.shared.engine.speculative import Speculator
+from edgecore.shared.engine.draft_model import DraftModel
 from edgecore.shared.errors import ConfigError, RequestError
 from edgecore.shared.models.fingerprint import model_fingerprint, with_quantize
 from edgecore.shared.text.gguf_tokenizer import gguf_has_tokenizer
@@ -98,7 +99,9 @@ class LLMEngine(KVHandout):
                               None if fingerprint is None else with_quantize(fingerprint, self.engine_config.quantize))
         self.runner = ModelRunner(model, self.pool, config.sliding_window, self.engine_config.compile_decode)
         spec = self.engine_config.speculative     # drafts verified per step (speculative.py)
-        self.speculator = None if spec is None else Speculator(spec, self.block_manager, self.max_model_len)
+        drafter = None if spec is None or spec.method != "draft_model" or spec.model is None else \
+            DraftModel(spec.model, config, self.cache_config, self.dtype, self.device)
+        self.speculator = None if spec is None else Speculator(spec, self.block_manager, self.max_model_len, drafter)
         self.releases_kv = config.releases_kv      # (blocks released in `step`)
         self.requests: dict[str, OutputState] = {}
         self.eos_ids = config.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and

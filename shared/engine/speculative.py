@@ -30,7 +30,7 @@ it. No tensors here except in `verify`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -38,8 +38,11 @@ import torch
 from edgecore.shared.engine.sampler import draw_rows
 from edgecore.shared.engine.scheduler import ScheduledBatch, Scheduler
 from edgecore.shared.engine.sequence import Sequence, Status
-from edgecore.shared.kv.block_manager import BlockManager
+from edgecore.shared.kv.block_manager import BlockManager, NoFreeBlocks
 from edgecore.shared.models.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from edgecore.shared.engine.draft_model import DraftModel
 
 PROBE_TOKENS = 16       # drafted tokens before a sequence's acceptance rate is judged
 PAUSE_TOKENS = 64       # output tokens a sequence then decodes without drafts before it tries again (doubling)
@@ -51,6 +54,7 @@ class DraftStats:
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
+    draft_kv: int = 0       # a draft model's: positions whose draft KV matches the sequence's tokens
     paused_until: int = 0
     misses: int = 0         # probes in a row that did not pay
 
@@ -69,14 +73,17 @@ def lookup(tokens: np.ndarray, k: int, n_max: int, n_min: int) -> list[int]:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, block_manager: BlockManager, max_model_len: int,
+                 drafter: DraftModel | None = None):
         self.config = config
+        self.drafter = drafter      # None: prompt lookup
         self.bm = block_manager
         self.max_model_len = max_model_len
         self.drafts = 0              # counters, exported as metrics (EngineStats)
         self.draft_tokens = 0
         self.accepted_tokens = 0
-        self._settled: dict[int, int] = {}     # id(sequence) → its draft's length, from `settle` to `commit`
+        # id(sequence) → its draft's length and its token count without it, from `settle` to `commit`
+        self._settled: dict[int, tuple[int, int]] = {}
         # (sequences in the step, rounded up to a power of 2; with drafts) → mean seconds of such steps (EMA)
         self.step_seconds: dict[tuple[int, bool], float] = {}
         self.bucket = 1         # the latest step's sequence count, as in `step_seconds`
@@ -103,6 +110,7 @@ class Speculator:
         """Append a draft to each running decode sequence that may draft and has one."""
         cfg = self.config
         room = self.bm.num_free
+        wanted: list[tuple[Sequence, int]] = []     # for the draft model: sequences and their k
         for seq in running:
             if seq.status is not Status.RUNNING or seq.num_computed_tokens != seq.num_tokens - 1:
                 continue
@@ -117,18 +125,40 @@ class Speculator:
                     self.max_model_len - seq.num_tokens - 1)
             if k <= 0:
                 continue
+            if self.drafter is not None:     # its KV needs the blocks before it drafts: grow now (never preempts)
+                try:
+                    self.bm.grow(seq.table, seq.num_tokens + k)
+                except NoFreeBlocks:
+                    continue
+                wanted.append((seq, k))
+                continue
             draft = lookup(np.asarray(seq.token_ids), k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
             need = self.bm.blocks_needed(seq.table, seq.num_tokens + len(draft))
             if not draft or need > room:
                 continue
             room -= need
-            seq.draft = draft
-            seq.token_ids.extend(draft)
+            self._append(seq, draft)
+        if wanted:
+            seqs = [seq for seq, _ in wanted]
+            kv = [cast(DraftStats, seq.draft_stats).draft_kv for seq in seqs]
+            assert self.drafter is not None
+            drafts, kv = self.drafter.propose(seqs, [k for _, k in wanted], kv)
+            for seq, draft, valid in zip(seqs, drafts, kv):
+                cast(DraftStats, seq.draft_stats).draft_kv = valid
+                self._append(seq, draft)
+
+    @staticmethod
+    def _append(seq: Sequence, draft: list[int]) -> None:
+        seq.draft = draft
+        seq.token_ids.extend(draft)
 
     @staticmethod
     def _drop(seq: Sequence, keep: int) -> None:
-        del seq.token_ids[len(seq.token_ids) - len(seq.draft) + keep:]
+        base = len(seq.token_ids) - len(seq.draft)
+        del seq.token_ids[base + keep:]
         seq.draft = seq.draft[:keep]
+        if seq.draft_stats is not None:     # the draft model's KV of dropped drafts no longer matches the tokens
+            seq.draft_stats.draft_kv = min(seq.draft_stats.draft_kv, base + keep)
 
     def fit(self, batch_items: list[tuple[Sequence, int]], preempted: list[Sequence], running: list[Sequence]
             ) -> None:
@@ -137,6 +167,9 @@ class Speculator:
         for seq in (*running, *preempted):
             if seq.draft:
                 self._drop(seq, max(0, given.get(id(seq), 0) - 1) if seq.status is Status.RUNNING else 0)
+        for seq in preempted:           # its blocks are gone, the draft model's KV with them
+            if seq.draft_stats is not None:
+                seq.draft_stats.draft_kv = 0
 
     def settle(self, batch_items: list[tuple[Sequence, int]]) -> None:
         """Take the drafts back off the token ids; the step counts one computed token for each drafted sequence
@@ -145,7 +178,7 @@ class Speculator:
             if seq.draft:
                 self.drafts += 1
                 self.draft_tokens += len(seq.draft)
-                self._settled[id(seq)] = len(seq.draft)
+                self._settled[id(seq)] = (len(seq.draft), len(seq.token_ids) - len(seq.draft))
                 del seq.token_ids[len(seq.token_ids) - len(seq.draft):]
                 seq.draft = []
                 batch_items[j] = (seq, 1)
@@ -154,7 +187,7 @@ class Speculator:
         """`accepted` of the sequence's drafts were pushed (then its own token, unless a stop came first): their KV
         counts as computed and their full blocks are cached (before a `finished` sequence frees them); judge the
         sequence's drafting."""
-        drafted = self._settled.pop(id(seq), accepted)
+        drafted, base = self._settled.pop(id(seq), (accepted, seq.num_tokens))
         self.accepted_tokens += accepted
         seq.num_computed_tokens += accepted
         if finished:        # as plain decoding would have it: every token's KV but the last one's
@@ -166,6 +199,7 @@ class Speculator:
         stats.drafted += drafted
         stats.accepted += accepted
         stats.steps += 1
+        stats.draft_kv = min(stats.draft_kv, base + accepted)     # the draft model's KV of accepted drafts only
         if stats.drafted >= PROBE_TOKENS:
             if self.pays(stats):
                 stats.misses = 0

@@ -383,19 +383,28 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding by prompt lookup (shared/engine/speculative.py), as vLLM's `--speculative-config`
-    names it: up to `num_speculative_tokens` drafted per step from the latest earlier occurrence of the last
-    `prompt_lookup_max` .. `prompt_lookup_min` tokens; a sequence whose acceptance rate falls under
-    `min_acceptance` pauses drafting."""
+    """Speculative decoding (shared/engine/speculative.py), as vLLM's `--speculative-config` names it: up to
+    `num_speculative_tokens` drafted per step, by prompt lookup (`ngram`: from the latest earlier occurrence of
+    the last `prompt_lookup_max` .. `prompt_lookup_min` tokens) or by a small model (`draft_model`: the model
+    directory `model`, shared/engine/draft_model.py); a sequence whose drafts do not pay pauses drafting
+    (`min_acceptance`: the acceptance rate that decides before step costs are measured)."""
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     min_acceptance: float = 0.2
+    model: str | None = None
 
     @classmethod
-    def parse(cls, text: str | None) -> SpeculativeConfig | None:
-        """`--speculative-config JSON` (vLLM's flag and keys; unset fields take the defaults above), checked."""
+    def parse(cls, text: str | None, draft_model: str | None = None) -> SpeculativeConfig | None:
+        """`--speculative-config JSON` (vLLM's flag and keys; unset fields take the defaults above) and
+        `--draft-model DIR` (the same as method draft_model with that model), checked."""
+        if draft_model:
+            if text:
+                fields = msgspec.json.decode(text, type=dict[str, Any]) if text.strip().startswith("{") else {}
+                text = msgspec.json.encode({**fields, "method": "draft_model", "model": draft_model}).decode()
+            else:
+                text = msgspec.json.encode({"method": "draft_model", "model": draft_model}).decode()
         if not text:
             return None
         try:
@@ -407,9 +416,12 @@ class SpeculativeConfig:
             raise ConfigError(f"--speculative-config: unknown keys {sorted(unknown)} (known: "
                               f"{sorted(cls.__dataclass_fields__)})")
         spec = cls(**fields)
-        if spec.method != "ngram":
-            raise ConfigError(f"--speculative-config: method {spec.method!r} is not supported (only 'ngram', prompt "
-                              "lookup; a draft model is not built yet)")
+        if spec.method not in ("ngram", "draft_model"):
+            raise ConfigError(f"--speculative-config: method {spec.method!r} is not supported ('ngram', prompt "
+                              "lookup, or 'draft_model' with `model`)")
+        if spec.method == "draft_model" and not (isinstance(spec.model, str) and spec.model):
+            raise ConfigError("--speculative-config: method 'draft_model' needs `model`, the draft model's "
+                              "directory (or give --draft-model DIR)")
         ints = (spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in ints) \
                 or spec.prompt_lookup_min > spec.prompt_lookup_max:

@@ -24,6 +24,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding by prompt lookup, as vLLM's flag: e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4}' (default: off)")
+    p.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="speculative decoding with this small model drafting (same tokenizer as --model)")
 
 
 def add_compile_arg(p: argparse.ArgumentParser) -> None:
@@ -212,7 +214,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from edgecore.shared.errors import ConfigError
     engine = LLMEngine.from_dir(args.model or default_model(), args.dtype, resolve_device(args.device),
                                 engine_config=EngineConfig(compile_decode=args.compile, quantize=args.quantize,
-                                                           speculative=SpeculativeConfig.parse(args.speculative_config)))
+                                                           speculative=SpeculativeConfig.parse(args.speculative_config,
+                                                                                               args.draft_model)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     prompt = args.prompt

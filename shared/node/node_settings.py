@@ -46,8 +46,16 @@ def speculative_config() -> Any:
     """speculative_config: str | None"""
     return setting(None, metavar="JSON", help="speculative decoding by prompt lookup, as vLLM's flag: e.g. "
                    "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
-                   "\"prompt_lookup_min\": 2}' (greedy and seeded output unchanged; requests with logprobs, "
+                   "\"prompt_lookup_min\": 2}', or a draft model: '{\"method\": \"draft_model\", \"model\": DIR}' "
+                   "(greedy and seeded output unchanged; requests with logprobs, "
                    "penalties, biases or a grammar decode plainly; default: off)")
+
+
+def draft_model() -> Any:
+    """draft_model: str | None"""
+    return setting(None, metavar="DIR", help="speculative decoding with this small model drafting (same tokenizer "
+                   "as --model; the same as --speculative-config with method draft_model; it computes its own KV of "
+                   "each prompt, none crosses a link; default: none)")
 
 
 def quantize() -> Any:

@@ -1,0 +1,96 @@
+"""`DraftModel`: a small model of the same vocabulary that drafts tokens for speculative decoding.
+
+Life cycle: an engine whose speculative config names a draft model (`--draft-model DIR`, or
+`--speculative-config '{"method": "draft_model", "model": DIR}'`) loads it next to the target, with a KV pool
+of its own with as many blocks as the target's, addressed by the target's block tables (one allocator, one set
+of tables: the target's `BlockManager` grows a drafting sequence's table before the draft model writes, so no
+block is ever the draft's alone). Each step the `Speculator` hands it the sequences that draft; `propose`
+brings each one's draft KV up to its last known token (a chunk from where the draft model stopped: at first the
+whole prompt, computed here whatever the prompt's KV history, so no draft KV ever crosses a link), then runs
+k - 1 more single-token steps, all sequences batched, and returns each one's k greedy drafts (a point mass each:
+`speculative.verify` keeps the target's distribution) with how far its draft KV now goes. The `Speculator` keeps
+that count per sequence (`DraftStats.draft_kv`): after verification, only the accepted positions stay valid (the
+rest is overwritten when computed again); a preempted or new sequence starts from 0.
+
+Limits (said at start-up): the target's vocabulary and the draft's must match; targets that release KV blocks
+no layer attends to (every layer windowed) are refused, since the draft may still need those positions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from edgecore.shared.engine.model_runner import ModelRunner, sampling_rows
+from edgecore.shared.engine.sequence import Sequence
+from edgecore.shared.engine.step_plan import PlanItem
+from edgecore.shared.errors import ConfigError
+from edgecore.shared.kv.pool import KVPool
+from edgecore.shared.models.config import CacheConfig, ModelConfig
+from edgecore.shared.models.loader import load_model
+
+if TYPE_CHECKING:
+    from edgecore.shared.models.llama import Attention
+
+CATCH_UP_CHUNK = 2048       # tokens per draft-model chunk when it catches up with a long prompt
+
+
+class DraftModel:
+    def __init__(self, model_dir: str | Path, target: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
+                 device: str):
+        config = ModelConfig.from_dir(model_dir)
+        if config.vocab_size != target.vocab_size:
+            raise ConfigError(f"draft model {model_dir}: vocabulary of {config.vocab_size} tokens, the target's is "
+                              f"{target.vocab_size}; a draft model must share the target's tokenizer")
+        if target.releases_kv:
+            raise ConfigError("a draft model needs the target's KV blocks kept: this target releases the blocks "
+                              "its windowed layers no longer attend to (use prompt lookup instead)")
+        self.config = config
+        self.model = load_model(model_dir, dtype, device, config=config)
+        layers = self.model.model.layers
+        heads = cast("Attention", layers[0].self_attn).num_kv_heads
+        self.pool = KVPool(config, cache, dtype, device, num_kv_heads=heads, num_layers=len(layers))
+        self.runner = ModelRunner(self.model, self.pool, config.sliding_window, False)
+        self.steps = 0                           # forward passes (a metric of what drafting costs)
+
+    def propose(self, seqs: list[Sequence], ks: list[int], computed: list[int]) -> tuple[list[list[int]], list[int]]:
+        """Up to `ks[i]` greedy drafts for each sequence (their tables already cover them), whose draft KV is
+        valid for its first `computed[i]` positions; the drafts, and how many positions are valid after."""
+        tokens = [list(s.token_ids) for s in seqs]
+        done = list(computed)
+        drafts: list[list[int]] = [[] for _ in seqs]
+        active = list(range(len(seqs)))
+        while active:
+            items = []
+            for i in active:
+                n = min(len(tokens[i]) - done[i], CATCH_UP_CHUNK)
+                items.append(PlanItem(done[i], n, done[i] + n, tokens[i][done[i]:done[i] + n], seqs[i].table.blocks,
+                                      str(i)))
+            picks = self._step(items)
+            still = []
+            for i, item in zip(active, items):
+                done[i] = item.num_tokens
+                if done[i] < len(tokens[i]):          # still catching up with a long prompt
+                    still.append(i)
+                    continue
+                drafts[i].append(picks[item.request_id])
+                tokens[i].append(drafts[i][-1])
+                if len(drafts[i]) < ks[i]:
+                    still.append(i)
+            active = still
+        return drafts, done
+
+    @torch.inference_mode()
+    def _step(self, items: list[PlanItem]) -> dict[str, int]:
+        """One forward pass of the draft model; each item's greedy next token (items that reach their end)."""
+        self.steps += 1
+        ordered, ids, positions, meta = self.runner.prepare([(item, item.num_tokens - item.num_computed_tokens)
+                                                             for item in items])
+        flat = self.runner.flat
+        hidden = (flat.forward(ids, positions, meta) if flat is not None and flat.takes(meta, ids.shape[0])
+                  else self.model(ids, positions, meta))
+        rows, samplers = sampling_rows(ordered)
+        best = self.model.compute_logits(hidden[rows]).argmax(-1).tolist()
+        return {s.request_id: t for s, t in zip(samplers, best)}
