@@ -18,6 +18,7 @@ no layer attends to (every layer windowed) are refused, since the draft may stil
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -34,7 +35,9 @@ from edgecore.shared.models.loader import load_model
 if TYPE_CHECKING:
     from edgecore.shared.models.llama import Attention
 
-CATCH_UP_CHUNK = 2048       # tokens per draft-model chunk when it catches up with a long prompt
+log = logging.getLogger("edgecore.draft_model")
+
+CATCH_UP_PER_STEP = 512     # tokens of prompts the draft model catches up with per step, all sequences together
 
 
 class DraftModel:
@@ -53,33 +56,39 @@ class DraftModel:
         heads = cast("Attention", layers[0].self_attn).num_kv_heads
         self.pool = KVPool(config, cache, dtype, device, num_kv_heads=heads, num_layers=len(layers))
         self.runner = ModelRunner(self.model, self.pool, config.sliding_window, False)
+        log.info("draft model %s: %d layers, its KV pool %.1f MiB beside the target's (%d blocks; on CPU mapped as "
+                 "used)", model_dir, len(layers), self.pool.block_bytes * cache.num_blocks / 2**20, cache.num_blocks)
         self.steps = 0                           # forward passes (a metric of what drafting costs)
 
     def propose(self, seqs: list[Sequence], ks: list[int], computed: list[int]) -> tuple[list[list[int]], list[int]]:
         """Up to `ks[i]` greedy drafts for each sequence (their tables already cover them), whose draft KV is
-        valid for its first `computed[i]` positions; the drafts, and how many positions are valid after."""
+        valid for its first `computed[i]` positions; the drafts, and how many positions are valid after. A
+        sequence further behind than the step's catch-up allowance (`CATCH_UP_PER_STEP`) only catches up."""
         tokens = [list(s.token_ids) for s in seqs]
         done = list(computed)
         drafts: list[list[int]] = [[] for _ in seqs]
-        active = list(range(len(seqs)))
-        while active:
-            items = []
-            for i in active:
-                n = min(len(tokens[i]) - done[i], CATCH_UP_CHUNK)
-                items.append(PlanItem(done[i], n, done[i] + n, tokens[i][done[i]:done[i] + n], seqs[i].table.blocks,
-                                      str(i)))
-            picks = self._step(items)
-            still = []
-            for i, item in zip(active, items):
-                done[i] = item.num_tokens
-                if done[i] < len(tokens[i]):          # still catching up with a long prompt
-                    still.append(i)
+        allowance = CATCH_UP_PER_STEP
+        chunk = {}
+        for i in range(len(seqs)):
+            n = len(tokens[i]) - done[i]
+            if n > 1:
+                n = min(n, allowance)
+                allowance -= n
+            if n > 0:
+                chunk[i] = n
+        while chunk:
+            picks = self._step([PlanItem(done[i], n, done[i] + n, tokens[i][done[i]:done[i] + n], seqs[i].table.blocks,
+                                         str(i)) for i, n in chunk.items()])
+            still = {}
+            for i, n in chunk.items():
+                done[i] += n
+                if done[i] < len(tokens[i]):        # still behind: it drafts in a later step
                     continue
-                drafts[i].append(picks[item.request_id])
+                drafts[i].append(picks[str(i)])
                 tokens[i].append(drafts[i][-1])
                 if len(drafts[i]) < ks[i]:
-                    still.append(i)
-            active = still
+                    still[i] = 1
+            chunk = still
         return drafts, done
 
     @torch.inference_mode()

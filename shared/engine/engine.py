@@ -101,7 +101,8 @@ class LLMEngine(KVHandout):
         spec = self.engine_config.speculative     # drafts verified per step (speculative.py)
         drafter = None if spec is None or spec.method != "draft_model" or spec.model is None else \
             DraftModel(spec.model, config, self.cache_config, self.dtype, self.device)
-        self.speculator = None if spec is None else Speculator(spec, self.block_manager, self.max_model_len, drafter)
+        self.speculator = None if spec is None else Speculator(spec, self.block_manager, self.max_model_len, drafter,
+                                                               self.engine_config.max_num_batched_tokens)
         self.releases_kv = config.releases_kv      # (blocks released in `step`)
         self.requests: dict[str, OutputState] = {}
         self.eos_ids = config.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and
@@ -230,6 +231,7 @@ class LLMEngine(KVHandout):
         self.lora.collect_pending()         # requests finished by activate / push_token since the last step
         self._settle_tier()
         spec = self.speculator        # (with drafts: speculative.py)
+        start = time.perf_counter()     # (a step's cost, drafting included, judges whether drafts pay)
         batch = self.scheduler.schedule() if spec is None else spec.schedule(self.scheduler)
         if self.tier is not None:
             self.tier.release_admitted()
@@ -237,7 +239,6 @@ class LLMEngine(KVHandout):
                 self.tier.wait(TIER_WAIT_S)
         if not batch:
             return outputs
-        start = time.perf_counter()
         samplers, result = self.runner.run(batch, on_layer)
         self.iteration_tokens.observe(sum(n for _, n in batch.items))
         if spec is not None:

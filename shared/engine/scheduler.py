@@ -114,8 +114,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             need = seq.num_tokens - seq.num_computed_tokens
-            if need <= 1 + len(seq.draft):      # a decode, with its draft if it has one (speculative.py)
-                n = min(need, budget)
+            if need <= 1 + len(seq.draft):      # a decode (its draft, if any, gets leftover room: `_drafts`)
+                n = min(need - len(seq.draft), budget)
             else:
                 share = shares.of(seq) if seq.priority == shares.urgent else 0
                 n = min(need, budget, share - used[_key(seq)])
@@ -133,7 +133,21 @@ class Scheduler:
             return batch
         budget = self._admit(batch, budget, shares, used)
         self._fill(batch, budget, waiting_for_share, shares, used)
+        self._drafts(batch)
         return batch
+
+    def _drafts(self, batch: ScheduledBatch) -> None:
+        """Speculative drafts (speculative.py) get what the step leaves: its budget left after every decode,
+        prefill and admission, and blocks the pool has free (never a preemption)."""
+        budget = self.config.max_num_batched_tokens - batch.num_tokens
+        for k, (seq, n) in enumerate(batch.items):
+            if budget <= 0:
+                return
+            extra = min(len(seq.draft), budget) if n == 1 else 0
+            if extra and self.bm.blocks_needed(seq.table, seq.num_computed_tokens + 1 + extra) <= len(self.bm.free):
+                self.bm.grow(seq.table, seq.num_computed_tokens + 1 + extra)
+                batch.items[k] = (seq, 1 + extra)
+                budget -= extra
 
     def shares(self, budget: int) -> Shares:
         """This step's shares of `budget`: among the sequences of the most urgent priority, tenants by weight,
@@ -209,7 +223,8 @@ class Scheduler:
         for (tenant, _), n in used.items():
             spent[tenant] += n
         room = {t: share - spent[t] for t, share in shares.tenants.items()}
-        candidates: list[tuple[int | None, Sequence]] = [(k, seq) for k, (seq, _) in enumerate(batch.items)]
+        candidates: list[tuple[int | None, Sequence]] = [(k, seq) for k, (seq, _) in enumerate(batch.items)
+                                                          if not seq.draft]     # (drafts: `_drafts`)
         candidates += [(None, s) for s in waiting_for_share]
         for own in (True, False):
             for c, (k, seq) in enumerate(candidates):

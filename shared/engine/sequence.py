@@ -44,10 +44,6 @@ class Sequence:
     # (0: the base model); set by the engine at admission
     adapter: str | None = None
     lora_slot = 0
-    # speculative decoding (speculative.py): the draft appended to `token_ids` for the step being planned (empty
-    # outside one), and the sequence's drafting record (None: it never drafted)
-    draft: list[int] = []
-    draft_stats: DraftStats | None = None
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  prefill_only: bool = False, priority: int = 0, group: str | None = None,
@@ -77,6 +73,10 @@ class Sequence:
         # per prompt position, when asked for (prompt_logprobs.py)
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.grammar: LLMatcher | None = None  # the request's grammar matcher (grammar.py), when it has a `guided` spec
+        # speculative decoding (speculative.py): the draft appended to `token_ids` for the step being planned (empty
+        # outside one), and the sequence's drafting record (None: it never drafted)
+        self.draft: list[int] = []
+        self.draft_stats: DraftStats | None = None
 
     @property
     def num_tokens(self) -> int:

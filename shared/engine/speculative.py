@@ -23,8 +23,11 @@ tokens per verification step (1 + accepted drafts per step) are compared with wh
 against one without, measured on this engine's own steps of as many sequences (`observe`; a step of 5 tokens
 cost 1.9x a decode step at batch 1 on the bundled model on CPU); until both kinds were measured, an acceptance
 rate under `min_acceptance` decides. A sequence that does not pay stops for `PAUSE_TOKENS` output tokens, twice
-as long after each further probe that does not pay, then tries again. A draft never makes the scheduler preempt anything: it is proposed only while the pool has free blocks for
-it. No tensors here except in `verify`.
+as long after each further probe that does not pay, then tries again; while most recent judgments (all
+sequences) say drafting does not pay, a new sequence starts paused, so a workload that does not repeat itself
+costs one probe now and then rather than one per request. Drafts never make the scheduler preempt: they get what the step leaves of its budget and free blocks
+(`Scheduler._drafts`); a draft model, which writes its KV before scheduling, takes free blocks beyond a reserve
+for the step's decodes and prefills. No tensors here except in `verify`.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import torch
 from edgecore.shared.engine.sampler import draw_rows
 from edgecore.shared.engine.scheduler import ScheduledBatch, Scheduler
 from edgecore.shared.engine.sequence import Sequence, Status
-from edgecore.shared.kv.block_manager import BlockManager, NoFreeBlocks
+from edgecore.shared.kv.block_manager import BlockManager
 from edgecore.shared.models.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -74,8 +77,10 @@ def lookup(tokens: np.ndarray, k: int, n_max: int, n_min: int) -> list[int]:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, block_manager: BlockManager, max_model_len: int,
-                 drafter: DraftModel | None = None):
+                 drafter: DraftModel | None = None, budget: int = 2048):
+        """`budget`: the engine's tokens per step."""
         self.config = config
+        self.budget = budget
         self.drafter = drafter      # None: prompt lookup
         self.bm = block_manager
         self.max_model_len = max_model_len
@@ -87,6 +92,7 @@ class Speculator:
         # (sequences in the step, rounded up to a power of 2; with drafts) → mean seconds of such steps (EMA)
         self.step_seconds: dict[tuple[int, bool], float] = {}
         self.bucket = 1         # the latest step's sequence count, as in `step_seconds`
+        self.paying = 1.0       # recent judgments that drafting paid (moving average over all sequences)
 
     @staticmethod
     def allows(seq: Sequence) -> bool:
@@ -109,7 +115,11 @@ class Speculator:
     def propose(self, running: list[Sequence]) -> None:
         """Append a draft to each running decode sequence that may draft and has one."""
         cfg = self.config
-        room = self.bm.num_free
+        room = len(self.bm.free)
+        # the draft model writes its KV before the scheduler runs: it takes only free blocks beyond what the running
+        # sequences could need this step (a decode's token, a prefill's chunk), so the scheduler never preempts
+        spare = len(self.bm.free) - sum(self.bm.blocks_needed(s.table, min(s.num_tokens, s.num_computed_tokens +
+                                                                             self.budget)) for s in running)
         wanted: list[tuple[Sequence, int]] = []     # for the draft model: sequences and their k
         for seq in running:
             if seq.status is not Status.RUNNING or seq.num_computed_tokens != seq.num_tokens - 1:
@@ -119,17 +129,20 @@ class Speculator:
                 if not self.allows(seq):
                     continue
                 stats = seq.draft_stats = DraftStats()
+                if self.paying < 0.5:       # drafting has not paid lately: start paused, probe later
+                    stats.paused_until = seq.num_output_tokens + PAUSE_TOKENS
             if seq.num_output_tokens < stats.paused_until:
                 continue
             k = min(cfg.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1)
             if k <= 0:
                 continue
-            if self.drafter is not None:     # its KV needs the blocks before it drafts: grow now (never preempts)
-                try:
-                    self.bm.grow(seq.table, seq.num_tokens + k)
-                except NoFreeBlocks:
+            if self.drafter is not None:     # its KV needs the blocks before it drafts: grow now
+                need = self.bm.blocks_needed(seq.table, seq.num_tokens + k)
+                if need > spare:
                     continue
+                spare -= need
+                self.bm.grow(seq.table, seq.num_tokens + k)
                 wanted.append((seq, k))
                 continue
             draft = lookup(np.asarray(seq.token_ids), k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
@@ -201,7 +214,9 @@ class Speculator:
         stats.steps += 1
         stats.draft_kv = min(stats.draft_kv, base + accepted)     # the draft model's KV of accepted drafts only
         if stats.drafted >= PROBE_TOKENS:
-            if self.pays(stats):
+            paid = self.pays(stats)
+            self.paying = 0.8 * self.paying + 0.2 * paid
+            if paid:
                 stats.misses = 0
             else:
                 stats.paused_until = seq.num_output_tokens + (PAUSE_TOKENS << min(stats.misses, 10))

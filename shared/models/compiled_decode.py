@@ -268,8 +268,9 @@ class CompiledDecoder:
         return flat[:rows], flat[rows:2 * rows], meta
 
     def takes(self, meta: AttentionMetadata, rows: int) -> bool:
-        if not (self.flat.takes(meta, rows) and rows <= MAX_ROWS and meta.on_layer is None):
-            return False
+        if meta.prefills or meta.num_decode != rows or not (self.flat.takes(meta, rows) and rows <= MAX_ROWS
+                                                             and meta.on_layer is None):
+            return False            # a pure decode step only (the flat decoder also takes small steps with chunks)
         assert meta.decode_blocks is not None       # a pure decode step has its block table
         return meta.decode_blocks.shape[1] * meta.block_size <= MAX_CONTEXT and \
             torch.get_num_threads() == self.threads       # (no windows: `supports` took full attention only)

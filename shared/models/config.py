@@ -399,18 +399,14 @@ class SpeculativeConfig:
     def parse(cls, text: str | None, draft_model: str | None = None) -> SpeculativeConfig | None:
         """`--speculative-config JSON` (vLLM's flag and keys; unset fields take the defaults above) and
         `--draft-model DIR` (the same as method draft_model with that model), checked."""
-        if draft_model:
-            if text:
-                fields = msgspec.json.decode(text, type=dict[str, Any]) if text.strip().startswith("{") else {}
-                text = msgspec.json.encode({**fields, "method": "draft_model", "model": draft_model}).decode()
-            else:
-                text = msgspec.json.encode({"method": "draft_model", "model": draft_model}).decode()
-        if not text:
+        if not text and not draft_model:
             return None
         try:
-            fields = msgspec.json.decode(text, type=dict[str, Any])
+            fields = msgspec.json.decode(text or "{}", type=dict[str, Any])
         except msgspec.DecodeError as exc:
             raise ConfigError(f"--speculative-config: not a JSON object ({exc})") from None
+        if draft_model:
+            fields.update(method="draft_model", model=draft_model)
         unknown = set(fields) - set(cls.__dataclass_fields__)
         if unknown:
             raise ConfigError(f"--speculative-config: unknown keys {sorted(unknown)} (known: "

@@ -129,7 +129,7 @@ class EngineCollector:
         info.add_metric([str(self.block_size), str(s.blocks_total), str(s.prefix_caching).lower(), self.model], 1)
         spec = []
         for name, value, doc in () if not s.speculative else (("drafts", s.spec_drafts, "Verification steps of sequences that drafted"),
-                                 ("draft_tokens", s.spec_draft_tokens, "Tokens drafted (prompt lookup)"),
+                                 ("draft_tokens", s.spec_draft_tokens, "Tokens drafted"),
                                  ("accepted_tokens", s.spec_accepted_tokens, "Drafted tokens accepted (acceptance "
                                   "rate: rate of this / rate of draft_tokens)")):
             family = CounterMetricFamily(f"edgecore:spec_decode_num_{name}", "Speculative decoding: " + doc,

@@ -149,6 +149,11 @@ def test_steps_it_does_not_serve_run_eagerly(bundled):
         assert not runner.compiled.takes(meta, ids.shape[0])                  # more rows than MAX_ROWS
         _, ids, _, meta = runner.prepare([(seqs[0], 1)], on_layer=lambda layer: None)
         assert not runner.compiled.takes(meta, ids.shape[0])                  # a core's layer hook
+        seqs[1].num_computed_tokens = 15
+        for items in ([(seqs[1], 5)], [(seqs[0], 1), (seqs[1], 5)]):       # small chunks (drafts, short prompts):
+            _, ids, _, meta = runner.prepare(items)                          # the flat decoder's, never compiled
+            assert runner.flat.takes(meta, ids.shape[0]) and not runner.compiled.takes(meta, ids.shape[0])
+        seqs[1].num_computed_tokens = 19
         _, ids, _, meta = runner.prepare([(seqs[0], 1)])
         before = torch.get_num_threads()
         torch.set_num_threads(before + 1)

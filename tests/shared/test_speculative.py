@@ -249,8 +249,9 @@ def test_a_draft_model_emits_what_plain_decoding_emits(plain, draft_dir, mode, d
             assert stats.spec_accepted_tokens >= 0.9 * stats.spec_draft_tokens
 
 
-def test_a_draft_model_under_preemption(draft_dir):
-    engine = make_engine(block_size=4, num_blocks=56, speculative=draft_spec(draft_dir))
+def test_a_draft_model_under_preemption():
+    from tests.conftest import MODEL_DIR
+    engine = make_engine(block_size=4, num_blocks=56, speculative=draft_spec(MODEL_DIR))
     ref = make_engine(block_size=4, num_blocks=56)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     assert tokens(engine.generate(PROMPTS, params)) == tokens(ref.generate(PROMPTS, params))
