@@ -12,6 +12,10 @@ compressed part, and plane "rope", the rotary key part) and writes `kv_quality_m
 row `CODEC` is what the wire does (the rope plane one step finer: `protocol/kv.py` `plane_codecs`);
 `CODEC:uniform` codes both planes alike, `CODEC:latent` / `CODEC:rope` only one of them (the other exact):
 which is how that per-part precision was chosen.
+
+Rows `pool:int8` and `pool:fp8` measure the edge's quantized KV pool (`--kv-cache-dtype`) instead: every
+token's K/V, the prompt's and the continuation's, stored in one byte with a scale per token and head (a codec
+changes only the prompt's KV, once, as it crosses the link).
 """
 
 from __future__ import annotations
@@ -122,6 +126,12 @@ def main():
     for key, codec in runs.items():     # every codec and level (keys with RoPE in: see kv_rd.py)
         rows[key] = quality_row(engine, prompts, greedy, windows, exact_g, ppl, base_ppl, args.prompt_len, codec)
         rows[key]["target"] = None if mla else TARGETS.get(key)
+        progress(f"{key}: {rows[key]}")
+    for kind in () if mla else ("int8", "fp8"):     # the edge's quantized KV pool (--kv-cache-dtype): every
+        pooled = LLMEngine.from_dir(model, "bf16", "cpu", CacheConfig(num_blocks=2048, kv_dtype=kind))   # token's KV
+        key = f"pool:{kind}"
+        rows[key] = quality_row(pooled, prompts, greedy, windows, exact_g, ppl, base_ppl, args.prompt_len, None)
+        rows[key]["target"] = None
         progress(f"{key}: {rows[key]}")
     emit("kv_quality_mla" if mla else "kv_quality", "int8_agreement", rows["int8"]["agreement"],
          model=model.name, base_ppl=round(base_ppl, 4), codecs=rows, prompts=len(prompts),

@@ -84,6 +84,10 @@ class EdgeSettings:
     max_body_mb: float = setting(8.0, help="request body limit")
     kv_cache_memory: str = common.kv_cache_memory()
     kv_blocks: int | None = common.kv_blocks()
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = setting(
+        "auto", help="the KV pool's values: 'auto' the model's dtype; 'int8' or 'fp8' (e4m3) one byte each with a "
+        "scale per token and head, about twice the tokens per GiB of a bf16 pool (four times float32); "
+        "attention reads them dequantized; not for MLA models, and --compile then serves eagerly")
     kv_resident_memory: str | None = common.kv_resident_memory()
     kv_tier_dir: str | None = common.kv_tier_dir()
     kv_tier_size: str = common.kv_tier_size()

@@ -96,7 +96,8 @@ class LLMEngine(KVHandout):
         self.scheduler = Scheduler(self.block_manager, self.engine_config)
         # The disk KV tier (tier_loads.py): cached blocks spill there, prefixes load back; keyed by --quantize too.
         self.tier = open_tier(self.cache_config, config, self.pool, self.block_manager,
-                              None if fingerprint is None else with_quantize(fingerprint, self.engine_config.quantize))
+                              None if fingerprint is None else with_quantize(fingerprint, self.engine_config.quantize,
+                                                                             self.cache_config.kv_dtype))
         self.runner = ModelRunner(model, self.pool, config.sliding_window, self.engine_config.compile_decode)
         spec = self.engine_config.speculative     # drafts verified per step (speculative.py)
         drafter = None if spec is None or spec.method != "draft_model" or spec.model is None else \
@@ -110,7 +111,7 @@ class LLMEngine(KVHandout):
         self._pending: list[RequestOutput] = []
         self.grammars: Grammars | None = None     # built on the first request with a grammar
         self.iteration_tokens = Buckets()          # tokens computed per step (a metric)
-        self.kv_bytes_per_token = config.kv_bytes_per_token(self.pool.k[0].element_size())
+        self.kv_bytes_per_token = self.pool.bytes // max(1, self.pool.num_slots)
         self.weights_bytes = weight_bytes(model)
         # LoRA adapters (`lora.load`, `lora.unload`): the slots of live requests' adapters stay until they finish
         self.lora = self.runner.lora = LoraRegistry(model, lambda: {s.seq.lora_slot for s in self.requests.values()},

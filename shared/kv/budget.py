@@ -34,7 +34,7 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def bytes_per_token(config: ModelConfig, value_bytes: int, tp: int = 1) -> int:
+def bytes_per_token(config: ModelConfig, value_bytes: float, tp: int = 1) -> int:
     """KV bytes one token takes in one process: all layers, this rank's share of the KV heads (MLA's latent is
     not split across ranks)."""
     total = config.kv_bytes_per_token(value_bytes)
@@ -43,7 +43,7 @@ def bytes_per_token(config: ModelConfig, value_bytes: int, tp: int = 1) -> int:
     return total // min(tp, config.num_key_value_heads)
 
 
-def kv_blocks(config: ModelConfig, value_bytes: int, block_size: int, memory: int, tp: int = 1) -> int:
+def kv_blocks(config: ModelConfig, value_bytes: float, block_size: int, memory: int, tp: int = 1) -> int:
     """Blocks of `block_size` tokens that fit in `memory` bytes; ValueError when not even one does."""
     per_block = block_size * bytes_per_token(config, value_bytes, tp)
     blocks = memory // per_block
@@ -53,7 +53,7 @@ def kv_blocks(config: ModelConfig, value_bytes: int, block_size: int, memory: in
     return blocks
 
 
-def describe(config: ModelConfig, value_bytes: int, block_size: int, num_blocks: int, tp: int = 1,
+def describe(config: ModelConfig, value_bytes: float, block_size: int, num_blocks: int, tp: int = 1,
              resident_blocks: int | None = None) -> str:
     per_token = bytes_per_token(config, value_bytes, tp)
     tokens = num_blocks * block_size
@@ -61,7 +61,7 @@ def describe(config: ModelConfig, value_bytes: int, block_size: int, num_blocks:
         f"; resident bound {resident_blocks} blocks = {_human(resident_blocks * block_size * per_token)} "
         "(cached prefixes are evicted before new pages are touched)")
     return (f"KV cache: {num_blocks} blocks of {block_size} tokens = {tokens:,} tokens, "
-            f"{_human(tokens * per_token)} ({per_token:,} bytes per token at {value_bytes} bytes per value"
+            f"{_human(tokens * per_token)} ({per_token:,} bytes per token at {value_bytes:.3g} bytes per value"
             f"{f', this rank of {tp}' if tp > 1 else ''}){bound}")
 
 

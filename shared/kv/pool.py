@@ -8,6 +8,10 @@ for per-head layouts one K and one V tensor per layer, shaped
 `read`/`write` move one sequence's K/V for a range of layers and tokens in and
 out (used by the KV sender and receiver of disaggregated serving).
 
+With `CacheConfig.kv_dtype` ("int8", "fp8") each layer's K and V is a `QuantCache` (shared/kv/quant_cache.py):
+a byte per value and a scale per token and head, `read`/`write` still in the model's dtype (MLA's latent
+layout is not quantized).
+
 Memory: on CPU each tensor is an anonymous memory map, zero-filled by the kernel page by page on first
 touch, so the pool's resident size grows with the blocks actually used rather than its capacity
 (`--kv-cache-memory` is a ceiling). Zeros matter: attention reads whole blocks, and a masked NaN from
@@ -23,7 +27,9 @@ import sys
 import torch
 
 from edgecore.shared.models.config import CacheConfig, ModelConfig
+from edgecore.shared.errors import ConfigError
 from edgecore.shared.kv.layout import KVLayout
+from edgecore.shared.kv.quant_cache import Cache, QuantCache, gather
 
 
 class KVPool:
@@ -33,7 +39,17 @@ class KVPool:
         self.num_slots = cache.num_blocks * cache.block_size
         self.layout = layout = KVLayout.of(config, num_kv_heads)
         layers = num_layers if num_layers is not None else config.num_hidden_layers
-        if layout.latent:
+        self.kv_dtype = cache.kv_dtype      # "int8" / "fp8": a byte per value and a scale per token and head
+        self.k: list = []
+        self.v: list = []
+        if self.kv_dtype is not None:
+            if layout.latent:
+                raise ConfigError(f"--kv-cache-dtype {self.kv_dtype}: not for MLA's latent KV cache")
+            self.k = [QuantCache(self.num_slots, layout.heads, layout.k_dim, self.kv_dtype, dtype,
+                                 lambda s, d: _zeros(s, d, device)) for _ in range(layers)]
+            self.v = [QuantCache(self.num_slots, layout.heads, layout.v_dim, self.kv_dtype, dtype,
+                                 lambda s, d: _zeros(s, d, device)) for _ in range(layers)]
+        elif layout.latent:
             shape = (self.num_slots, 1, layout.k_dim + layout.v_dim)
             self.latent = [_zeros(shape, dtype, device) for _ in range(layers)]
             self.k = [t[..., :layout.k_dim] for t in self.latent]
@@ -46,7 +62,7 @@ class KVPool:
         self.block_bytes = self.bytes // cache.num_blocks if cache.num_blocks else 0
 
     @property
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def layers(self) -> list[tuple[Cache, Cache | None]]:
         """What attention reads per layer: (K, V) caches, or (the whole latent cache, None) for MLA."""
         if self.layout.latent:
             return [(t, None) for t in self.latent]
@@ -59,8 +75,9 @@ class KVPool:
         return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [tokens, kv_heads, head_dim] at these slots (a copy); latent, rope [tokens, 1, width] for MLA."""
-        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+        """K, V [tokens, kv_heads, head_dim] at these slots (a copy; a quantized pool's in the model's dtype);
+        latent, rope [tokens, 1, width] for MLA."""
+        return gather(self.k[layer], slots), gather(self.v[layer], slots)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_start: int = 0) -> None:
         """Write K, V [tokens, heads, head_dim]; a slice of the KV heads starting at `head_start` is allowed
@@ -68,7 +85,12 @@ class KVPool:
         if k.shape[-1] != self.k[layer].shape[-1] or v.shape[-1] != self.v[layer].shape[-1]:
             raise ValueError(f"KV planes of width {k.shape[-1]}, {v.shape[-1]} do not fit this pool's "
                              f"{self.k[layer].shape[-1]}, {self.v[layer].shape[-1]}")
-        if head_start == 0 and k.shape[1] == self.k[layer].shape[1]:
+        if self.kv_dtype is not None:
+            whole = head_start == 0 and k.shape[1] == self.k[layer].shape[1]
+            heads = None if whole else slice(head_start, head_start + k.shape[1])
+            self.k[layer].write(slots, k, heads)
+            self.v[layer].write(slots, v, heads)
+        elif head_start == 0 and k.shape[1] == self.k[layer].shape[1]:
             self.k[layer].index_copy_(0, slots, k.to(self.dtype))
             self.v[layer].index_copy_(0, slots, v.to(self.dtype))
         else:
@@ -78,13 +100,16 @@ class KVPool:
 
     def clear(self, layer: int, slots: torch.Tensor) -> None:
         """Zero K and V of one layer at these slots (positions that were never written)."""
-        self.k[layer].index_fill_(0, slots, 0)
-        self.v[layer].index_fill_(0, slots, 0)
+        for t in (self.k[layer], self.v[layer]):
+            if isinstance(t, QuantCache):
+                t.zero(slots)
+            else:
+                t.index_fill_(0, slots, 0)
 
     @property
     def bytes(self) -> int:
         tensors = self.latent if self.layout.latent else self.k + self.v
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.nbytes if isinstance(t, QuantCache) else t.numel() * t.element_size() for t in tensors)
 
 
 # No swap reserved for the whole capacity up front (Python < 3.12 lacks the constant; Linux's value).

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from edgecore.shared.models.config import FULL, LayerAttention
+from edgecore.shared.kv.quant_cache import Cache, gather, gather_blocks, span, write
 
 
 @dataclass
@@ -62,7 +63,7 @@ class AttentionMetadata:
     decode_span: int | None = None      # one decode row whose blocks are consecutive: its first cache slot
     decode_windows: dict[LayerAttention, DecodeWindow] = field(default_factory=dict)   # windowed forms
     prefills: list[PrefillChunk] = field(default_factory=list)
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)  # per layer [slots, H, D] (MLA: latent, None)
+    kv_caches: list[tuple[Cache, Cache | None]] = field(default_factory=list)  # per layer [slots, H, D] (MLA: latent, None)
     on_layer: Callable[[int], None] | None = None
 
 
@@ -103,8 +104,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     [Hq] learned sink logits. Returns [T, Hq, D]."""
     k_cache, v_cache = meta.kv_caches[layer]
     assert v_cache is not None          # only MLA's latent caches have none
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    write(k_cache, meta.slot_mapping, k)
+    write(v_cache, meta.slot_mapping, v)
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     groups = hq // hkv
     b = meta.num_decode
@@ -124,14 +125,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
             (window.blocks, window.length, window.mask)
         if window is None and meta.decode_span is not None:     # one row, consecutive blocks: views, no copy
             start = meta.decode_span
-            kd = k_cache[start:start + length].unsqueeze(0).transpose(1, 2)
-            vd = v_cache[start:start + length].unsqueeze(0).transpose(1, 2)
+            kd = span(k_cache, start, length).unsqueeze(0).transpose(1, 2)
+            vd = span(v_cache, start, length).unsqueeze(0).transpose(1, 2)
         else:
             assert blocks is not None       # decode rows come with their block table
             bs, flat = meta.block_size, blocks.view(-1)
             width = blocks.shape[1] * bs
-            kd = k_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, width, hkv, d)[:, :length].transpose(1, 2)
-            vd = v_cache.view(-1, bs, hkv, d).index_select(0, flat).view(b, width, hkv, d)[:, :length].transpose(1, 2)
+            kd = gather_blocks(k_cache, flat, bs).view(b, width, hkv, d)[:, :length].transpose(1, 2)
+            vd = gather_blocks(v_cache, flat, bs).view(b, width, hkv, d)[:, :length].transpose(1, 2)
         if sinks is None:
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
         else:
@@ -150,8 +151,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         if chunk.slots is None:
             kp, vp = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)
         else:
-            kp = k_cache.index_select(0, chunk.slots).transpose(0, 1)
-            vp = v_cache.index_select(0, chunk.slots).transpose(0, 1)
+            kp = gather(k_cache, chunk.slots).transpose(0, 1)
+            vp = gather(v_cache, chunk.slots).transpose(0, 1)
         kp, vp = repeat_kv(kp, groups), repeat_kv(vp, groups)
         # 4-D ([1, H, n, D]): with 3-D inputs SDPA takes its unfused math path on CPU, 2-2.5x slower.
         mask = chunk.masks.get(form, chunk.mask)

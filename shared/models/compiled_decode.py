@@ -219,6 +219,10 @@ class CompiledDecoder:
         one thread: best for a few rows, but a 32-row step ran 1.1-1.2x slower than with hints of 16 x 8, which
         in turn made 8-row steps 1.1x slower and noisier (more OpenMP barriers per step). Hence two modules
         compiled from different dummies, split at WIDE_FROM rows."""
+        if any(not isinstance(k, torch.Tensor) for k, _ in caches):
+            log.warning("--compile: the compiled step reads a float KV cache, not --kv-cache-dtype's; serving "
+                        "eagerly")
+            return None
         if not cls.supports(flat):
             log.warning("--compile: this model's decode step has no compiled form (a plain float32 Llama-family "
                         "model with full attention on one rank is needed); serving eagerly")

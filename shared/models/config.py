@@ -14,6 +14,7 @@ the scheduler.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
@@ -150,11 +151,12 @@ class ModelConfig:
     torch_dtype: str = "float32"
     mla: Any = None    # MLA models (DeepSeek): their `DeepseekConfig` (shared/models/mla_config.py)
 
-    def kv_bytes_per_token(self, value_bytes: int = 2) -> int:
-        """Bytes of K and V (of the latent, for MLA) per token over all layers, at `value_bytes` per value."""
+    def kv_bytes_per_token(self, value_bytes: float = 2) -> int:
+        """Bytes of K and V (of the latent, for MLA) per token over all layers, at `value_bytes` per value (a
+        quantized pool's: one byte plus its share of a scale)."""
         if self.mla is not None:
-            return self.num_hidden_layers * self.mla.latent_dim * value_bytes
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * value_bytes
+            return math.ceil(self.num_hidden_layers * self.mla.latent_dim * value_bytes)
+        return math.ceil(2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * value_bytes)
 
     def attention_of(self, layer: int) -> LayerAttention:
         return self.layer_attention[layer] if self.layer_attention else FULL
@@ -379,6 +381,7 @@ class CacheConfig:
     tier_dir: str | None = None         # the disk KV tier (shared/kv/tier.py): its directory, None: no tier
     tier_bytes: int = 0                 # its size bound
     tier_codec: str = "lossless"        # the wire codec its blocks are stored with
+    kv_dtype: str | None = None         # "int8" / "fp8": a quantized pool (shared/kv/quant_cache.py); None: the model's
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,8 @@ def model_fingerprint(model_dir: str | Path, config: ModelConfig | None = None) 
     return h.hexdigest()
 
 
-def with_quantize(fingerprint: str, quantize: str | None) -> str:
-    """A fingerprint that also tells `--quantize` modes apart (the disk KV tier's); unchanged without one."""
-    return fingerprint if not quantize else f"{fingerprint}+quantize={quantize}"
+def with_quantize(fingerprint: str, quantize: str | None, kv_dtype: str | None = None) -> str:
+    """A fingerprint that also tells `--quantize` and `--kv-cache-dtype` modes apart (the disk KV tier's: its
+    blocks hold the KV those modes computed); unchanged without them."""
+    out = fingerprint if not quantize else f"{fingerprint}+quantize={quantize}"
+    return out if not kv_dtype else f"{out}+kv={kv_dtype}"

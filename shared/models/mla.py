@@ -124,7 +124,9 @@ class MLAttention(nn.Module):
         c = self.kv_a_layernorm(kv[:, :mla.kv_lora_rank])
         k_pe = apply_rope_split(kv[:, mla.kv_lora_rank:], cos[:, 0], sin[:, 0], mla.rope_interleave)
         latent = torch.cat((c, k_pe), dim=-1)                                   # [T, latent_dim]
-        cache = meta.kv_caches[self.layer][0].view(-1, mla.latent_dim)        # [slots, latent_dim]
+        whole = meta.kv_caches[self.layer][0]
+        assert isinstance(whole, torch.Tensor)                                  # (no quantized latent pool)
+        cache = whole.view(-1, mla.latent_dim)                                  # [slots, latent_dim]
         cache.index_copy_(0, meta.slot_mapping, latent.to(cache.dtype))
         out = x.new_empty(t, heads, mla.v_head_dim) if meta.prefills or meta.num_decode == t else \
             x.new_zeros(t, heads, mla.v_head_dim)       # a write-only step (an edge's own layer-0 KV)

@@ -24,6 +24,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding by prompt lookup, as vLLM's flag: e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4}' (default: off)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                   help="the KV pool's values: the model's dtype (auto), or one byte each with a scale per token "
+                        "and head")
     p.add_argument("--draft-model", default=None, metavar="DIR",
                    help="speculative decoding with this small model drafting (same tokenizer as --model)")
 
@@ -80,15 +83,22 @@ def kv_tier(args: argparse.Namespace) -> tuple[str | None, int, str]:
     return directory, size, codec
 
 
-def kv_cache_config(args: argparse.Namespace, config: ModelConfig, value_bytes: int,
+def kv_cache_config(args: argparse.Namespace, config: ModelConfig, value_bytes: float,
                     tp: int = 1) -> tuple[CacheConfig, str]:
     """The CacheConfig from --kv-blocks or --kv-cache-memory and --kv-resident-memory (a bound above the budget
-    is the budget), and the start-up line that says what a deployment gets (for the log, once the node starts);
-    a size that holds no block is a ConfigError."""
+    is the budget) and --kv-cache-dtype, and the start-up line that says what a deployment gets (for the log,
+    once the node starts); a size that holds no block is a ConfigError."""
     from edgecore.shared.models.config import CacheConfig
     from edgecore.shared.errors import ConfigError
     from edgecore.shared.kv.budget import describe, kv_blocks, parse_size
     block_size = CacheConfig.block_size
+    kv_dtype = getattr(args, "kv_cache_dtype", "auto")
+    kv_dtype = None if kv_dtype == "auto" else kv_dtype
+    if kv_dtype is not None:
+        if config.mla is not None:
+            raise ConfigError(f"--kv-cache-dtype {kv_dtype}: not for MLA models (their latent KV cache stays in the "
+                              "model's dtype)")
+        value_bytes = 1 + 2 / config.head_dim         # a byte per value, a float16 scale per token and head
     memory = kv_cache_memory(args)
     if memory is None:
         blocks = args.kv_blocks
@@ -106,7 +116,7 @@ def kv_cache_config(args: argparse.Namespace, config: ModelConfig, value_bytes: 
             raise ConfigError(f"--kv-resident-memory: {exc}") from None
     tier_dir, tier_bytes, tier_codec = kv_tier(args)
     return (CacheConfig(num_blocks=blocks, resident_blocks=resident, tier_dir=tier_dir, tier_bytes=tier_bytes,
-                        tier_codec=tier_codec),
+                        tier_codec=tier_codec, kv_dtype=kv_dtype),
             describe(config, value_bytes, block_size, blocks, tp, resident))
 
 
@@ -210,9 +220,11 @@ def run_generate(args: argparse.Namespace) -> int:
     from edgecore.shared.engine.engine import LLMEngine
     from edgecore.shared.engine.sampling_params import SamplingParams
 
-    from edgecore.shared.models.config import EngineConfig, SpeculativeConfig
+    from edgecore.shared.models.config import CacheConfig, EngineConfig, SpeculativeConfig
     from edgecore.shared.errors import ConfigError
+    kv_dtype = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     engine = LLMEngine.from_dir(args.model or default_model(), args.dtype, resolve_device(args.device),
+                                cache_config=CacheConfig(kv_dtype=kv_dtype),
                                 engine_config=EngineConfig(compile_decode=args.compile, quantize=args.quantize,
                                                            speculative=SpeculativeConfig.parse(args.speculative_config,
                                                                                                args.draft_model)))

@@ -405,3 +405,22 @@ def test_a_quantized_engine_never_reads_blocks_of_the_float_weights(tmp_path):
     assert run(eng, prompt(0), rid="q")[1] == 0
     assert eng.stats().tier_hit_blocks == 0 and eng.stats().tier_miss_blocks > 0
     eng.close()
+
+
+def test_a_quantized_kv_pool_spills_and_reads_back_under_its_own_key(tmp_path):
+    """--kv-cache-dtype int8: blocks spill dequantized (a wire codec codes them as any KV), come back into the
+    quantized pool as the same bytes, and are never read by a float pool (its KV differs)."""
+    def int8_engine():
+        cache = CacheConfig(num_blocks=BLOCKS, tier_dir=str(tmp_path), tier_bytes=CAPACITY, kv_dtype="int8")
+        return LLMEngine.from_dir(MODEL_DIR, "fp32", "cpu", cache, EngineConfig())
+    ref = LLMEngine.from_dir(MODEL_DIR, "fp32", "cpu", CacheConfig(num_blocks=256, kv_dtype="int8"), EngineConfig())
+    want = run(ref, prompt(0), rid="ref")[0]
+    eng = int8_engine()
+    for i in range(4):
+        run(eng, prompt(i), rid=f"f{i}")
+    eng.close()
+    eng = int8_engine()
+    tokens, cached = run(eng, prompt(0))
+    assert cached == 80 and eng.stats().tier_hit_blocks == 5 and tokens == want
+    eng.close()
+    assert run(engine(tmp_path), prompt(0), rid="float")[1] == 0
