@@ -4,9 +4,11 @@ Life cycle: an engine whose speculative config names a draft model (`--draft-mod
 `--speculative-config '{"method": "draft_model", "model": DIR}'`) loads it next to the target, with a KV pool
 of its own with as many blocks as the target's, addressed by the target's block tables (one allocator, one set
 of tables: the target's `BlockManager` grows a drafting sequence's table before the draft model writes, so no
-block is ever the draft's alone). Each step the `Speculator` hands it the sequences that draft; `propose`
-brings each one's draft KV up to its last known token (a chunk from where the draft model stopped: at first the
-whole prompt, computed here whatever the prompt's KV history, so no draft KV ever crosses a link), then runs
+block is ever the draft's alone). A request whose KV comes from a core (`reserve`, then KV pieces written) has
+its prompt's draft KV computed meanwhile by `catch_up` (bounded per call), so no draft KV crosses a link and
+little is left to do when it starts decoding. Each step the `Speculator` hands it the sequences that draft;
+`propose` brings each one's draft KV up to its last known token (a chunk from where the draft model stopped,
+within a per-step allowance), then runs
 k - 1 more single-token steps, all sequences batched, and returns each one's k greedy drafts (a point mass each:
 `speculative.verify` keeps the target's distribution) with how far its draft KV now goes. The `Speculator` keeps
 that count per sequence (`DraftStats.draft_kv`): after verification, only the accepted positions stay valid (the
@@ -90,6 +92,15 @@ class DraftModel:
                     still[i] = 1
             chunk = still
         return drafts, done
+
+    def catch_up(self, seq: Sequence, done: int) -> int:
+        """The draft KV of up to `CATCH_UP_PER_STEP` more of the sequence's known tokens (its table covers
+        them); how many positions are valid after."""
+        n = min(seq.num_tokens - done, CATCH_UP_PER_STEP)
+        if n <= 0:
+            return done
+        self._step([PlanItem(done, n, done + n, seq.token_ids[done:done + n], seq.table.blocks, seq.request_id)])
+        return done + n
 
     @torch.inference_mode()
     def _step(self, items: list[PlanItem]) -> dict[str, int]:

@@ -329,6 +329,8 @@ class LLMEngine(KVHandout):
                 self.tier.forget(request_id, prefetch_only=True)
         seq.num_cached_tokens = cached
         seq.status = Status.AWAITING_KV
+        if self.speculator is not None:     # a draft model computes its own KV of the prompt while ours arrives
+            self.speculator.warm(seq)
         return seq, cached
 
     def write_kv(self, request_id: str, piece: KVSlice) -> None:
@@ -337,6 +339,8 @@ class LLMEngine(KVHandout):
         slots = self.pool.slots(seq.table.blocks, piece.token_start, piece.token_end)
         for i in range(piece.num_layers):
             self.pool.write(piece.layer + i, slots, piece.k[i], piece.v[i], piece.head_start)
+        if self.speculator is not None:
+            self.speculator.warm(seq)
 
     def write_first_layer_kv(self, request_id: str) -> None:
         """Compute layer 0's K/V of a reserved request's uncached prompt tokens here, instead of receiving them

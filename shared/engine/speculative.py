@@ -124,14 +124,8 @@ class Speculator:
         for seq in running:
             if seq.status is not Status.RUNNING or seq.num_computed_tokens != seq.num_tokens - 1:
                 continue
-            stats = seq.draft_stats
-            if stats is None:
-                if not self.allows(seq):
-                    continue
-                stats = seq.draft_stats = DraftStats()
-                if self.paying < 0.5:       # drafting has not paid lately: start paused, probe later
-                    stats.paused_until = seq.num_output_tokens + PAUSE_TOKENS
-            if seq.num_output_tokens < stats.paused_until:
+            stats = self._stats(seq)
+            if stats is None or seq.num_output_tokens < stats.paused_until:
                 continue
             k = min(cfg.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1)
@@ -159,6 +153,21 @@ class Speculator:
             for seq, draft, valid in zip(seqs, drafts, kv):
                 cast(DraftStats, seq.draft_stats).draft_kv = valid
                 self._append(seq, draft)
+
+    def _stats(self, seq: Sequence) -> DraftStats | None:
+        """The sequence's drafting record, made at its first use; None: it may not draft."""
+        if seq.draft_stats is None and self.allows(seq):
+            seq.draft_stats = DraftStats()
+            if self.paying < 0.5:       # drafting has not paid lately: start paused, probe later
+                seq.draft_stats.paused_until = seq.num_output_tokens + PAUSE_TOKENS
+        return seq.draft_stats
+
+    def warm(self, seq: Sequence) -> None:
+        """A sequence whose KV is still arriving from a core: the draft model computes its own KV of the prompt
+        meanwhile, at most `CATCH_UP_PER_STEP` tokens a call (a reservation, then each KV piece written)."""
+        stats = self._stats(seq) if self.drafter is not None else None
+        if stats is not None and self.drafter is not None:
+            stats.draft_kv = self.drafter.catch_up(seq, stats.draft_kv)
 
     @staticmethod
     def _append(seq: Sequence, draft: list[int]) -> None:

@@ -269,6 +269,7 @@ def test_a_draft_model_computes_its_own_prompt_kv_after_a_handover(plain, draft_
     engine.reserve("h", prompt, params)
     for piece in prefill_kv(prompt, params):
         engine.write_kv("h", piece)
+    assert engine.get("h").draft_stats.draft_kv == len(prompt)      # computed while the KV arrived
     engine.push_token("h", plain["greedy"][1][0])
     engine.take_over("h", len(prompt))
     outs = []
