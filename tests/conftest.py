@@ -54,7 +54,7 @@ def make_engine(model_dir=MODEL_DIR, **kw):
     from edgecore.shared.models.config import CacheConfig, EngineConfig
     from edgecore.shared.engine.engine import LLMEngine
     cache = CacheConfig(block_size=kw.pop("block_size", 16), num_blocks=kw.pop("num_blocks", 1024),
-                        enable_prefix_caching=kw.pop("prefix_caching", True))
+                        enable_prefix_caching=kw.pop("prefix_caching", True), kv_dtype=kw.pop("kv_dtype", None))
     eng = EngineConfig(max_num_batched_tokens=kw.pop("budget", 2048), max_num_seqs=kw.pop("max_seqs", 128),
                        compile_decode=kw.pop("compile_decode", False), speculative=kw.pop("speculative", None))
     return LLMEngine.from_dir(model_dir, kw.pop("dtype", "fp32"), "cpu", cache, eng)
