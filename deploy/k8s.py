@@ -35,7 +35,7 @@ from edgecore.deploy.k8s_workloads import (API_KEYS_KEY, APP, AUTHORITY_KEY, CLU
                                            REVOCATIONS_KEY, TLS_CA_KEY, TLS_CERT_KEY, TLS_KEY_KEY, core_manifests,
                                            credential_secret, edge_manifests, model_volume_claim, needs_model_volume,
                                            revocations_secret, tls_ca_secret, tls_secret)
-from edgecore.deploy.topology import CoreNode, EdgeNode, Topology
+from edgecore.deploy.topology import TopologyCore, TopologyEdge, Topology
 from edgecore.deploy.yaml_out import dump
 
 KUSTOMIZE = "kustomize.config.k8s.io/v1beta1"
@@ -71,7 +71,7 @@ def base_kustomization(topo: Topology) -> dict:
 
 def region_kustomization(topo: Topology, region: str, resources: list[str]) -> dict:
     """The region's overlay: base, its objects, and one Secret per node from secrets/NODE.cred."""
-    everyone: tuple[CoreNode | EdgeNode, ...] = (*topo.cores, *topo.edges)
+    everyone: tuple[TopologyCore | TopologyEdge, ...] = (*topo.cores, *topo.edges)
     nodes = [n for n in everyone if n.region == region]
     out: dict[str, object] = {"apiVersion": KUSTOMIZE, "kind": "Kustomization", "namespace": topo.kube.namespace,
                               "resources": ["../../base", *resources]}

@@ -14,13 +14,13 @@ node's Service as the certificate's server name (Prometheus scrapes pod addresse
 from __future__ import annotations
 
 from edgecore.deploy.k8s_workloads import APP, TLS_CA_KEY, edge_name, tls_ca_secret, tls_names
-from edgecore.deploy.topology import CoreNode, EdgeNode, Topology
+from edgecore.deploy.topology import TopologyCore, TopologyEdge, Topology
 
 QUEUE_METRIC = "edgecore:num_requests_waiting"
 ADAPTER_METRIC = "edgecore_num_requests_waiting"     # the name prometheus-adapter serves it under (docs/deploy.md)
 
 
-def service_monitor(topo: Topology, region: str, node: CoreNode | EdgeNode | None = None) -> dict:
+def service_monitor(topo: Topology, region: str, node: TopologyCore | TopologyEdge | None = None) -> dict:
     """The region's Services (`node`: that node's Service only, scraped over HTTPS)."""
     endpoint: dict = {"port": "http", "path": "/metrics", "interval": "15s"}
     match = {"app.kubernetes.io/name": APP, "edgecore.dev/region": region}
@@ -39,12 +39,12 @@ def service_monitor(topo: Topology, region: str, node: CoreNode | EdgeNode | Non
                      "endpoints": [endpoint]}}
 
 
-def queue_query(topo: Topology, edge: EdgeNode) -> str:
+def queue_query(topo: Topology, edge: TopologyEdge) -> str:
     """Waiting requests summed over the edge's pods (the Service's scrape target labels)."""
     return f'sum({QUEUE_METRIC}{{namespace="{topo.kube.namespace}",service="{edge_name(edge)}"}})'
 
 
-def autoscaler(topo: Topology, edge: EdgeNode) -> dict:
+def autoscaler(topo: Topology, edge: TopologyEdge) -> dict:
     name, target = edge_name(edge), topo.kube.autoscaling.queue_target
     meta = {"name": name, "labels": {"app.kubernetes.io/name": APP, "edgecore.dev/node": edge.name}}
     if topo.kube.autoscaling.mode == "keda":
@@ -70,7 +70,7 @@ def replica_patch() -> dict:
 
 
 def monitoring_manifests(topo: Topology, region: str) -> list[dict]:
-    everyone: tuple[CoreNode | EdgeNode, ...] = (*topo.cores, *topo.edges)
+    everyone: tuple[TopologyCore | TopologyEdge, ...] = (*topo.cores, *topo.edges)
     nodes = [n for n in everyone if n.region == region]
     monitors = [service_monitor(topo, region, n) for n in nodes] if topo.kube.tls and nodes \
         else [service_monitor(topo, region)]

@@ -4,8 +4,8 @@ is a LeaderWorkerSet instead of a StatefulSet: per replica a group of one pod pe
 the core (rank 0, `--external-workers`, the Service and PDB select it alone), each worker `edgecore
 core-worker` (`_leader_worker_set`).
 
-Life cycle: pure functions from the topology (`Topology`, `CoreNode`,
-`EdgeNode`) to manifest dicts; `k8s.render` writes them into the region's
+Life cycle: pure functions from the topology (`Topology`, `TopologyCore`,
+`TopologyEdge`) to manifest dicts; `k8s.render` writes them into the region's
 overlay. Pods run as the image's non-root user and mount three Secrets read-only: the shared one
 (`api-keys`, `authority.pub`, and `cluster-secret` only when the topology names a cluster secret), their
 own node's credential (`edgecore-credential-NODE`, key `credential`; no other node's) and the revocation
@@ -34,7 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from edgecore.deploy.node_settings import core_settings, edge_settings, node_argv
-from edgecore.deploy.topology import CoreNode, EdgeNode, Resources, Topology, kube_name
+from edgecore.deploy.topology import TopologyCore, TopologyEdge, Resources, Topology, kube_name
 
 APP = "edgecore"
 MODEL_MOUNT = "/models"
@@ -76,11 +76,11 @@ def selector(component: str, node: str) -> dict:
 PULL_POLICY = "IfNotPresent"
 
 
-def core_name(core: CoreNode) -> str:
+def core_name(core: TopologyCore) -> str:
     return kube_name("core", core.name)
 
 
-def edge_name(edge: EdgeNode) -> str:
+def edge_name(edge: TopologyEdge) -> str:
     return kube_name("edge", edge.name)
 
 
@@ -146,7 +146,7 @@ def shared_secret_keys(topo: Topology) -> tuple[str, ...]:
     return (API_KEYS_KEY, AUTHORITY_KEY, *((CLUSTER_SECRET_KEY,) if topo.secret_file else ()))
 
 
-def credential_secret(node: CoreNode | EdgeNode) -> str:
+def credential_secret(node: TopologyCore | TopologyEdge) -> str:
     """The Secret holding one node's credential (node names are unique across the topology)."""
     return f"edgecore-credential-{node.name}"
 
@@ -155,7 +155,7 @@ def revocations_secret(topo: Topology) -> str:
     return f"{topo.secret_name}-revocations"
 
 
-def tls_secret(node: CoreNode | EdgeNode) -> str:
+def tls_secret(node: TopologyCore | TopologyEdge) -> str:
     """`[kubernetes] tls`: the kubernetes.io/tls Secret of one node (`tls.crt`, `tls.key`)."""
     return f"edgecore-tls-{node.name}"
 
@@ -165,11 +165,11 @@ def tls_ca_secret(topo: Topology) -> str:
     return f"{topo.secret_name}-tls-ca"
 
 
-def tls_names(topo: Topology, node: CoreNode | EdgeNode) -> list[str]:
+def tls_names(topo: Topology, node: TopologyCore | TopologyEdge) -> list[str]:
     """DNS names a node's certificate must hold: its Service's (as Prometheus scrapes it: the last), and
     for a core the address edges use (`core_dns`)."""
-    name = core_name(node) if isinstance(node, CoreNode) else edge_name(node)
-    extra = [core_address(topo, node)] if isinstance(node, CoreNode) else []
+    name = core_name(node) if isinstance(node, TopologyCore) else edge_name(node)
+    extra = [core_address(topo, node)] if isinstance(node, TopologyCore) else []
     return list(dict.fromkeys([name, *extra, f"{name}.{topo.kube.namespace}.svc"]))
 
 
@@ -182,7 +182,7 @@ def _cluster_secret(topo: Topology) -> str | None:
     return f"{SECRET_MOUNT}/{CLUSTER_SECRET_KEY}" if topo.secret_file else None
 
 
-def _secret_mounts(topo: Topology, node: CoreNode | EdgeNode) -> tuple[list[dict], list[dict]]:
+def _secret_mounts(topo: Topology, node: TopologyCore | TopologyEdge) -> tuple[list[dict], list[dict]]:
     """A node's Secrets: (its volume mounts, its volumes)."""
     mounts = [{"name": volume, "mountPath": path, "readOnly": True}
               for volume, path in (("secrets", SECRET_MOUNT), ("credential", CREDENTIAL_MOUNT),
@@ -240,7 +240,7 @@ def _disruption_budget(name: str, lab: dict, sel: dict, replicas: int) -> dict:
             "spec": {**spec, "selector": {"matchLabels": sel}}}
 
 
-def core_manifests(topo: Topology, core: CoreNode) -> list[dict]:
+def core_manifests(topo: Topology, core: TopologyCore) -> list[dict]:
     name = core_name(core)
     lab, sel = labels("core", core.name, core.region), selector("core", core.name)
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": lab},
@@ -289,7 +289,7 @@ def core_manifests(topo: Topology, core: CoreNode) -> list[dict]:
     return [service, statefulset, _disruption_budget(name, lab, sel, core.replicas)]
 
 
-def _leader_worker_set(topo: Topology, core: CoreNode, leader: dict, volumes: list[dict], data: dict) -> dict:
+def _leader_worker_set(topo: Topology, core: TopologyCore, leader: dict, volumes: list[dict], data: dict) -> dict:
     """A parallel core as LeaderWorkerSet groups, one per replica: the leader pod runs rank 0 (the core, with
     --external-workers: its protocol, control and rendezvous ports), each worker pod one more rank (`edgecore
     core-worker`, its rank from LWS_WORKER_INDEX, the leader from LWS_LEADER_ADDRESS, both set by the
@@ -330,12 +330,12 @@ def _leader_worker_set(topo: Topology, core: CoreNode, leader: dict, volumes: li
                          "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": data}]}}}
 
 
-def core_address(topo: Topology, core: CoreNode) -> str:
+def core_address(topo: Topology, core: TopologyCore) -> str:
     """How an edge names a core's headless Service (`kubernetes.core_dns`, e.g. a multi-cluster domain)."""
     return topo.kube.core_dns.format(service=core_name(core), namespace=topo.kube.namespace)
 
 
-def edge_manifests(topo: Topology, edge: EdgeNode) -> list[dict]:
+def edge_manifests(topo: Topology, edge: TopologyEdge) -> list[dict]:
     name = edge_name(edge)
     lab, sel = labels("edge", edge.name, edge.region), selector("edge", edge.name)
     mounts, volumes = _secret_mounts(topo, edge)

@@ -45,7 +45,7 @@ from typing import IO, TYPE_CHECKING, TextIO
 
 from edgecore.deploy.certs import LocalCA
 from edgecore.deploy.node_settings import core_settings, edge_settings, node_argv
-from edgecore.deploy.topology import CoreNode, EdgeNode, Topology
+from edgecore.deploy.topology import TopologyCore, TopologyEdge, Topology
 from edgecore.protocol.credentials import Authority, NodeIdentity
 from edgecore.shared.errors import EdgecoreError
 from edgecore.shared.node.node_settings import DRAIN_TIMEOUT
@@ -177,10 +177,10 @@ class Launcher:
                       f"authority-key {base64.b64encode(authority.private.private_bytes_raw()).decode()}\n")
         (folder / "authority.pub").write_text(f"authority {base64.b64encode(authority.public).decode()}\n")
         issued = []
-        nodes: tuple[CoreNode | EdgeNode, ...] = (*self.topology.cores, *self.topology.edges)
+        nodes: tuple[TopologyCore | TopologyEdge, ...] = (*self.topology.cores, *self.topology.edges)
         for node in nodes:
             key = Ed25519PrivateKey.generate()
-            role = "core" if isinstance(node, CoreNode) else "edge"
+            role = "core" if isinstance(node, TopologyCore) else "edge"
             identity = NodeIdentity(authority.issue(node.name, role, node.region, key, CREDENTIAL_DAYS), key)
             self._private(folder / f"{node.name}.cred", identity.dumps())
             c = identity.credential
@@ -220,9 +220,9 @@ class Launcher:
     def _check_ports(self) -> None:
         """Nodes share this host (or, with --emulate-wan, their region's namespace): one port each."""
         used: dict[tuple[str, int], str] = {}
-        nodes: tuple[CoreNode | EdgeNode, ...] = (*self.topology.cores, *self.topology.edges)
+        nodes: tuple[TopologyCore | TopologyEdge, ...] = (*self.topology.cores, *self.topology.edges)
         for node in nodes:
-            ports = (node.port, node.http_port) if isinstance(node, CoreNode) else (node.port,)
+            ports = (node.port, node.http_port) if isinstance(node, TopologyCore) else (node.port,)
             for port in ports:
                 key = (node.region if self.emulate_wan else "", port)
                 if key in used:

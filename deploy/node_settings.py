@@ -9,18 +9,18 @@ renders the result with `shared/settings.to_argv`, the one renderer, as `edgecor
 from __future__ import annotations
 
 from edgecore.core.settings import CoreSettings
-from edgecore.deploy.topology import CoreNode, EdgeNode, Topology
+from edgecore.deploy.topology import TopologyCore, TopologyEdge, Topology
 from edgecore.edge.settings import EdgeSettings
 from edgecore.shared.node.settings import to_argv
 
 
-def core_settings(core: CoreNode) -> CoreSettings:
+def core_settings(core: TopologyCore) -> CoreSettings:
     """A core's own keys: name, device, parallel layout, drain timeout, traces."""
     return CoreSettings(name=core.name, device=core.device, tp=core.tp, pp=core.pp, drain_timeout=core.drain_timeout,
                         otlp_endpoint=core.otlp_endpoint)
 
 
-def edge_settings(topo: Topology, edge: EdgeNode) -> EdgeSettings:
+def edge_settings(topo: Topology, edge: TopologyEdge) -> EdgeSettings:
     """An edge's own keys (name, codecs, transfer timeout, compile, drain timeout, traces) and the topology's model
     name."""
     return EdgeSettings(name=edge.name, served_model_name=topo.model_name, codec=edge.codecs,

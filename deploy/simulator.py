@@ -38,7 +38,7 @@ from typing import cast
 
 from edgecore.deploy.profile import Profile
 from edgecore.deploy.sim_node import Job, LinkState, Node
-from edgecore.deploy.topology import CoreNode, EdgeNode, Topology, TopologyError
+from edgecore.deploy.topology import TopologyCore, TopologyEdge, Topology, TopologyError
 from edgecore.deploy.trace import Trace
 from edgecore.edge.codec_policy import CURVE, DEFAULT_QUALITY_BUDGET, CurvePoint, choose_codec, transfer_estimate
 from edgecore.edge.placement import PrefillModel
@@ -446,7 +446,7 @@ class Simulator:
             self.place(job)
 
 
-def _replica(spec: CoreNode | EdgeNode, r: int) -> str:
+def _replica(spec: TopologyCore | TopologyEdge, r: int) -> str:
     return spec.name if r == 0 else f"{spec.name}#{r}"
 
 

@@ -89,7 +89,7 @@ class EdgeSpec(_Spec, frozen=True):
     resources: Resources = msgspec.field(default_factory=lambda: Resources(memory="4Gi"))
 
 
-class CoreNode(CoreSpec, frozen=True, kw_only=True):
+class TopologyCore(CoreSpec, frozen=True, kw_only=True):
     name: Name
     region: Name
 
@@ -101,7 +101,7 @@ class CoreNode(CoreSpec, frozen=True, kw_only=True):
         return self.tp * self.pp if self.device == "cuda" else 0
 
 
-class EdgeNode(EdgeSpec, frozen=True, kw_only=True):
+class TopologyEdge(EdgeSpec, frozen=True, kw_only=True):
     name: Name
     region: Name
 
@@ -213,8 +213,8 @@ class Topology:
     secret_name: str
     api_keys_file: str | None
     regions: tuple[str, ...]
-    cores: tuple[CoreNode, ...]
-    edges: tuple[EdgeNode, ...]
+    cores: tuple[TopologyCore, ...]
+    edges: tuple[TopologyEdge, ...]
     links: tuple[Link, ...] = ()
     cuda_image: str = "edgecore:latest-cuda"
     kube: Kubernetes = field(default_factory=Kubernetes)
@@ -226,9 +226,9 @@ class Topology:
                 return link
         return None
 
-    def cores_for(self, region: str) -> list[CoreNode]:
+    def cores_for(self, region: str) -> list[TopologyCore]:
         """Cores an edge in `region` may use, nearest (by configured delay) first."""
-        def delay(core: CoreNode) -> float:
+        def delay(core: TopologyCore) -> float:
             if core.region == region:
                 return 0.0
             link = self.link(region, core.region)
@@ -280,8 +280,8 @@ def load_topology(path: str | Path) -> Topology:
 
 
 def _build(path: Path, spec: TopologyFile, fail: Callable[[tuple[str | int, ...], str], NoReturn]) -> Topology:
-    cores: list[CoreNode] = []
-    edges: list[EdgeNode] = []
+    cores: list[TopologyCore] = []
+    edges: list[TopologyEdge] = []
     seen: set[str] = set()
     kube_names: dict[str, str] = {}
     for region in spec.regions:
@@ -306,9 +306,9 @@ def _build(path: Path, spec: TopologyFile, fail: Callable[[tuple[str | int, ...]
                 fields = {**msgspec.structs.asdict(node), "name": name, "region": region}
                 if isinstance(node, EdgeSpec):
                     fields["max_replicas"] = max(node.replicas, node.max_replicas)
-                    edges.append(EdgeNode(**fields))
+                    edges.append(TopologyEdge(**fields))
                 else:
-                    cores.append(CoreNode(**fields))
+                    cores.append(TopologyCore(**fields))
     if not cores and not edges:
         fail(("regions",), "defines no nodes (add [[regions.NAME.cores]] or [[regions.NAME.edges]])")
     for i, link in enumerate(spec.links):
@@ -352,4 +352,4 @@ def _model_path(topology: Path, given: str | None) -> str:
 def default_topology(model: str) -> Topology:
     """`edgecore up` with no file: one core and one edge, one region."""
     return Topology("(default)", model, Path(model).name, "edgecore:latest", None, "edgecore-secrets", None,
-                    ("local",), (CoreNode(name="core", region="local"),), (EdgeNode(name="edge", region="local"),))
+                    ("local",), (TopologyCore(name="core", region="local"),), (TopologyEdge(name="edge", region="local"),))

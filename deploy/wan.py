@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from edgecore.deploy.topology import CoreNode, Topology
+from edgecore.deploy.topology import TopologyCore, Topology
 from edgecore.shared.errors import ConfigError
 
 PREFIX = "ec-"
@@ -72,7 +72,7 @@ class WanEmulation:
                 return f"ecl{l}b", f"ecl{l}a", l
         raise KeyError((a, b))
 
-    def core_address(self, edge_region: str, core: CoreNode) -> tuple[str, int]:
+    def core_address(self, edge_region: str, core: TopologyCore) -> tuple[str, int]:
         if core.region == edge_region:
             return "127.0.0.1", core.port
         return "127.0.0.1", self.relays[(edge_region, core.name)]
