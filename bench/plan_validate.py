@@ -174,7 +174,9 @@ def run(name: str, args: argparse.Namespace, profile_path: Path, work: Path) -> 
     cut = trace.duration / 2
     profile = load_profile(profile_path)
     failures = (("core-b", cut),) if name == "failure" else ()
-    predicted = report(Simulator(topo, profile, options=Options(failures=failures)).run(trace), regions)
+    # the fleet runs on this machine: its nodes share its cores (the profile was measured on them, alone)
+    predicted = report(Simulator(topo, profile, options=Options(failures=failures, shared_cpus=os.cpu_count()))
+                       .run(trace), regions)
     proc, urls = start(topo_path, name == "wan", work / f"{name}.log")
     try:
         edge_urls = {r: next(urls[e.name] for e in topo.edges if e.region == r) for r in regions}

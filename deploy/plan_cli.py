@@ -50,6 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--adaptive", action="store_true",
                    help="edges choose codecs adaptively (edge/codec_policy.py) instead of their first")
     q.add_argument("--ttft-target-ms", type=float, default=None, help="the adaptive codec choice's TTFT target")
+    q.add_argument("--shared-cpus", type=int, default=None, metavar="N",
+                   help="every node runs on one machine of N cores, as `edgecore up` runs a topology: nodes busy "
+                        "at once share them (default: each node on its own machine, as profiled)")
     q.add_argument("--search", action="store_true",
                    help="find the cheapest replica counts meeting every region's SLO ([plan] in the topology)")
     q.add_argument("--slo-ttft-ms", type=float, default=None, help="--search: TTFT SLO for every region")
@@ -142,6 +145,8 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--local-prefill-below {below!r}: a token count or 'auto'")
     if args.handover_tokens < 0:
         raise ConfigError("--handover-tokens must be ≥ 0")
+    if args.shared_cpus is not None and args.shared_cpus < 1:
+        raise ConfigError("--shared-cpus must be ≥ 1")
     profile = load_profile(args.profile)
     core_profile = load_profile(args.profile_core) if args.profile_core else None
     for prof, which in ((profile, args.profile), (core_profile, args.profile_core)):
@@ -150,7 +155,8 @@ def run_plan(args: argparse.Namespace) -> int:
     trace = read_trace(args.trace, regions)
     options = Options(local_prefill_below=None if below == "auto" else int(below),
                       handover_tokens=args.handover_tokens, adaptive=args.adaptive,
-                      ttft_target_ms=args.ttft_target_ms, failures=_failures(topology.plan.failures, args.fail))
+                      ttft_target_ms=args.ttft_target_ms, failures=_failures(topology.plan.failures, args.fail),
+                      shared_cpus=args.shared_cpus)
     t = time.perf_counter()
     frontier = None
     if args.search:

@@ -56,7 +56,7 @@ class Node:
     __slots__ = ("name", "base", "kind", "region", "cost", "alive", "budget", "max_seqs", "kv_cap", "steps", "last",
                  "step_time", "pref_rate", "running", "nrun", "ctx_base", "prefill", "queued", "waiting", "kv_used",
                  "version", "busy", "queue_area", "queue_peak", "served", "sessions", "session_tokens", "jobs",
-                 "enqueued", "dequeued", "codecs", "inflight", "hold")
+                 "enqueued", "dequeued", "codecs", "inflight", "hold", "slow", "threads")
 
     def __init__(self, name: str, base: str, kind: str, region: str, profile: Profile, codecs: tuple[str, ...] = ()):
         self.name, self.base, self.kind, self.region = name, base, kind, region
@@ -88,6 +88,13 @@ class Node:
         self.codecs = codecs
         self.inflight: dict[str, int] = {}     # an edge's requests in flight per core (the router's load)
         self.hold = False            # inside its own event: re-planned once at the end
+        self.slow = 1.0              # its steps' stretch while nodes sharing its machine's cores are busy too
+        self.threads = max(1, int(profile.machine.get("torch_threads") or 1))   # cores one step keeps busy
+
+    @property
+    def working(self) -> bool:
+        """Whether it has steps to run (decodes or prefills)."""
+        return self.alive and bool(self.nrun or self.prefill)
 
     def queue_len(self) -> int:
         return len(self.prefill) + len(self.waiting)
@@ -142,7 +149,7 @@ class Node:
         if self.prefill:
             self.pref_rate = max(1.0, min(self.budget - rows, self.queued))
             start = self.prefill[0][2]
-        step = max(self.cost.step(rows, self.ctx_base + rows * self.steps, self.pref_rate, start), 1e-9)
+        step = max(self.cost.step(rows, self.ctx_base + rows * self.steps, self.pref_rate, start) * self.slow, 1e-9)
         self.step_time = step
         when = math.inf
         if self.prefill:

@@ -55,6 +55,10 @@ class Options:
     max_core_attempts: int = 2
     failures: tuple[tuple[str, float], ...] = ()      # (node name, seconds)
     replicas: dict[str, int] = field(default_factory=dict)   # node name → replicas (default: the topology's)
+    # every node on one machine of this many cores, as `edgecore up` runs a topology (None: each node on its own
+    # machine, as profiled): while k nodes have steps to run, each step takes max(1, k x threads / cores) times
+    # the profile's time (threads: the profile's torch threads)
+    shared_cpus: int | None = None
 
 
 @dataclass
@@ -110,6 +114,7 @@ class Simulator:
         self.events: list[tuple[float, int, int, object, int]] = []
         self.seq = itertools.count()
         self.now = 0.0
+        self.working: set[Node] = set()      # with `shared_cpus`: the nodes that have steps to run
 
     def _curve(self, profile: Profile) -> dict[str, CurvePoint]:
         """The codec policy's curve with this machine's ratio and speeds (quality as bench/kv_rd.py measured)."""
@@ -201,9 +206,28 @@ class Simulator:
     def replan(self, node: Node) -> None:
         if node.hold:
             return
+        if self.opt.shared_cpus and node.working != (node in self.working):
+            self._share(node)
         when = node.plan()
         if when is not None:
             self.push(self.now + when, NODE, node, node.version)
+
+    def _share(self, node: Node) -> None:
+        """`node` starts or stops having work on a shared machine: every working node's steps stretch or shrink
+        with the cores' demand from now on (each runs at its old pace until now, then is re-planned)."""
+        assert self.opt.shared_cpus
+        (self.working.add if node.working else self.working.discard)(node)
+        demand = sum(n.threads for n in self.working)
+        slow = max(1.0, demand / self.opt.shared_cpus)
+        for other in self.working:
+            if other.slow != slow:
+                other.advance(self.now)
+                other.slow = slow
+                if other is not node:
+                    when = other.plan()
+                    if when is not None:
+                        self.push(self.now + when, NODE, other, other.version)
+        node.slow = slow
 
     def node_event(self, node: Node) -> None:
         node.advance(self.now)

@@ -304,3 +304,24 @@ def test_topology_plan_table(tmp_path):
         topo(tmp_path, TWO_REGIONS + '[[plan.failures]]\nnode = "core-z"\nat_s = 1\n')
     with pytest.raises(Exception, match="plan.edge_cost"):
         topo(tmp_path, TWO_REGIONS.replace("edge_cost = 1.0", "edge_cost = -1"))
+
+
+def test_nodes_on_one_machine_share_its_cores(tmp_path):
+    """`--shared-cpus`: while two nodes of 2 threads each have work on a 2-core machine, each step takes twice
+    its time: the second prompt, arriving half-way through the first's prefill, stretches the rest of it."""
+    import dataclasses
+    t = topo(tmp_path, ONE_REGION.replace('name = "edge"', 'name = "edge"\nreplicas = 2'))
+    profile = dataclasses.replace(PROFILE, machine={"torch_threads": 2})
+    alone = COST.step(0, 0, 500, 0)
+    trace = Trace((Request(1.0, "here", 500, 1), Request(1.0 + alone / 2, "here", 500, 1)))
+    local = 10 ** 6
+
+    def ttfts(cpus):
+        jobs = Simulator(t, profile, options=Options(local_prefill_below=local, shared_cpus=cpus)).run(trace).jobs
+        assert {j.where for j in jobs} == {"local"} and len({j.edge.name for j in jobs}) == 2
+        return [j.ttft - j.req.t for j in jobs]
+    assert ttfts(None) == pytest.approx([alone, alone])         # each node on its own machine
+    assert ttfts(4) == pytest.approx([alone, alone])            # cores enough for both
+    # (a re-planned step restarts with the rest of the prompt: a few % over the 1.5x of a divisible prefill)
+    assert ttfts(2) == pytest.approx([1.5 * alone, 1.5 * alone], rel=0.05)
+    assert min(ttfts(2)) > 1.45 * alone
