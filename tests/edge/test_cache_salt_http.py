@@ -5,19 +5,13 @@ the API reports (`usage.prompt_tokens_details.cached_tokens`) show which request
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
 
-import aiohttp
 import pytest
 
-from edgecore.edge.node import EdgeConfig, EdgeNode
-from edgecore.edge.node_client import NodeProcessClient
-from edgecore.edge.node_process import NodeProcessServer
-from edgecore.edge.http import EdgeHTTP, start_http
 from edgecore.shared.node.secrets import read_api_keys
 from tests.conftest import make_engine
+from tests.edge.edge_api import edge_api
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,20 +23,8 @@ PROMPT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\
 async def api(model_dir, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("sk-acme salt=acme\nsk-acme-2 salt=acme\nsk-beta salt=beta\nsk-open\nsk-open-2\n")
-    edge = EdgeNode(EdgeConfig(model_dir=str(model_dir)), engine=make_engine(num_blocks=256))
-    await edge.start()
-    a, b = socket.socketpair()
-    server = asyncio.create_task(NodeProcessServer(edge, a).run())
-    client = NodeProcessClient(["edge"], str(model_dir))
-    await client.connect(b)
-    http = EdgeHTTP(client, "pydoc-llama", read_api_keys(str(keys)))
-    runner, port = await start_http(http, "127.0.0.1", 0)
-    async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=aiohttp.ClientTimeout(total=60)) as s:
-        yield s
-    await runner.cleanup()
-    await client.stop()
-    await asyncio.wait_for(asyncio.gather(server, return_exceptions=True), 10)
-    await edge.stop()
+    async with edge_api(model_dir, make_engine(num_blocks=256), api_keys=read_api_keys(str(keys))) as session:
+        yield session
 
 
 async def cached(session, key: str, salt: str | None = None, prompt: str = PROMPT, chat: bool = False,

@@ -4,20 +4,14 @@ and /metrics counts the drafted and accepted tokens."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
 
-import aiohttp
 import pytest
 
-from edgecore.edge.http import EdgeHTTP, start_http
-from edgecore.edge.node import EdgeConfig, EdgeNode
-from edgecore.edge.node_client import NodeProcessClient
-from edgecore.edge.node_process import NodeProcessServer
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.models.config import SpeculativeConfig
 from tests.conftest import make_engine
+from tests.edge.edge_api import edge_api
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,19 +22,8 @@ PROMPT = ("def area(width, height):\n    return width * height\n\n\ndef area(wid
 @pytest.fixture
 async def api(model_dir):
     spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1)
-    edge = EdgeNode(EdgeConfig(model_dir=str(model_dir)), engine=make_engine(num_blocks=256, speculative=spec))
-    await edge.start()
-    a, b = socket.socketpair()
-    server = asyncio.create_task(NodeProcessServer(edge, a).run())
-    client = NodeProcessClient(["edge"], str(model_dir))
-    await client.connect(b)
-    runner, port = await start_http(EdgeHTTP(client, "pydoc-llama", []), "127.0.0.1", 0)
-    async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=aiohttp.ClientTimeout(total=60)) as s:
-        yield s
-    await runner.cleanup()
-    await client.stop()
-    await asyncio.wait_for(asyncio.gather(server, return_exceptions=True), 10)
-    await edge.stop()
+    async with edge_api(model_dir, make_engine(num_blocks=256, speculative=spec)) as session:
+        yield session
 
 
 async def complete(session, stream: bool, **body) -> list[str]:

@@ -5,9 +5,7 @@ file's metadata, bad files as one-line errors, and an HTTP request served from a
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -409,36 +407,18 @@ def test_cli_error_is_one_line(good, tmp_path):
 
 @pytest.mark.slow
 async def test_http_completion_from_a_gguf_file(bundled):
-    import aiohttp
-
-    from edgecore.edge.node import EdgeConfig, EdgeNode
-    from edgecore.edge.node_client import NodeProcessClient
-    from edgecore.edge.node_process import NodeProcessServer
-    from edgecore.edge.http import EdgeHTTP, start_http
     from edgecore.shared.engine.sampling_params import SamplingParams
+    from tests.edge.edge_api import edge_api
     engine = engine_for(bundled)
     prompt = "def parse_args("
     expected = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0]["text"]
-    edge = EdgeNode(EdgeConfig(model_dir=str(bundled)), engine=engine)
-    await edge.start()
-    a, b = socket.socketpair()
-    server = asyncio.create_task(NodeProcessServer(edge, a).run())
-    client = NodeProcessClient(["edge"], str(bundled))
-    await client.connect(b)
-    runner, port = await start_http(EdgeHTTP(client, "pydoc-q8", []), "127.0.0.1", 0)
-    try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=aiohttp.ClientTimeout(total=60)) as s:
-            async with s.post("/v1/completions", json={"model": "pydoc-q8", "prompt": prompt, "max_tokens": 8,
-                                                       "temperature": 0}) as resp:
-                assert resp.status == 200, await resp.text()
-                body = await resp.json()
-            async with s.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                            "max_tokens": 4}) as resp:
-                assert resp.status == 200, await resp.text()
-                assert (await resp.json())["usage"]["completion_tokens"] == 4
-    finally:
-        await runner.cleanup()
-        await client.stop()
-        await asyncio.wait_for(asyncio.gather(server, return_exceptions=True), 10)
-        await edge.stop()
+    async with edge_api(bundled, engine, model_name="pydoc-q8") as s:
+        async with s.post("/v1/completions", json={"model": "pydoc-q8", "prompt": prompt, "max_tokens": 8,
+                                                   "temperature": 0}) as resp:
+            assert resp.status == 200, await resp.text()
+            body = await resp.json()
+        async with s.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 4}) as resp:
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["usage"]["completion_tokens"] == 4
     assert body["choices"][0]["text"] == expected and body["usage"]["completion_tokens"] == 8
