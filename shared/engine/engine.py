@@ -262,17 +262,17 @@ class LLMEngine(KVHandout):
         lp = result.logprobs[i] if result.logprobs is not None and seq.params.logprobs is not None else None
         top = result.top[i] if result.top is not None else None
         tokens = result.drafted.get(i) or [result.token_ids[i]]
-        pushed = 0
+        pushed: list[RequestOutput] = []
         for token in tokens:
             out = state.push(token, lp, top)
-            pushed += 1
             if seq.prefill_only:   # stop rules apply where decoding happens, not here
                 out.finished, out.finish_reason = True, "prefill"
-            outputs.append(out)
+            pushed.append(out)
             if out.finished:
                 break
+        outputs.append(RequestOutput.joined(pushed))
         if i in result.drafted and self.speculator is not None:
-            self.speculator.commit(seq, min(pushed, len(tokens) - 1), out.finished)
+            self.speculator.commit(seq, min(len(pushed), len(tokens) - 1), out.finished)
         if out.finished:
             self.scheduler.finish(seq, out.finish_reason, keep_blocks=seq.prefill_only)
             if not seq.prefill_only:

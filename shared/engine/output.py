@@ -39,6 +39,19 @@ class RequestOutput:
     num_output_tokens: int
     prompt_logprobs: list[TokenLogprob | None] | None = None   # first output only, when asked for
 
+    @staticmethod
+    def joined(outs: list[RequestOutput]) -> RequestOutput:
+        """Consecutive outputs of one request as one (the tokens a speculative step accepted: one output per
+        step, as for any step, so streams and inter-token metrics see steps, not drafts)."""
+        if len(outs) == 1:
+            return outs[0]
+        first, last = outs[0], outs[-1]
+        lps = [lp for o in outs for lp in o.logprobs or ()] if any(o.logprobs for o in outs) else None
+        return RequestOutput(first.request_id, [t for o in outs for t in o.new_token_ids],
+                             "".join(o.new_text for o in outs), last.finished, last.finish_reason, lps,
+                             last.num_prompt_tokens, last.num_cached_tokens, last.num_output_tokens,
+                             first.prompt_logprobs)
+
 
 class OutputState:
     def __init__(self, seq: Sequence, tokenizer: Tokenizer | None, eos_ids: tuple[int, ...],

@@ -297,3 +297,16 @@ def test_a_draft_model_must_share_the_vocabulary(draft_dir, tmp_path):
         method="draft_model", model="d", num_speculative_tokens=2)
     with pytest.raises(ConfigError, match="needs `model`"):
         SpeculativeConfig.parse('{"method": "draft_model"}')
+
+
+def test_a_step_that_accepts_drafts_gives_one_output_of_several_tokens(plain, oracle):
+    engine = make_engine(block_size=4, speculative=SPEC)
+    oracle(engine, "greedy", 10**9)
+    engine.add_request("one", PROMPTS[1], SamplingParams(temperature=0, max_tokens=40))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [t for o in outs for t in o.new_token_ids] == plain["greedy"][1]
+    assert max(len(o.new_token_ids) for o in outs) == SPEC.num_speculative_tokens + 1 and len(outs) < 15
+    assert "".join(o.new_text for o in outs) == engine.tokenizer.decode(plain["greedy"][1])
+    assert [o.num_output_tokens for o in outs] == sorted({o.num_output_tokens for o in outs})
