@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from edgecore.deploy.fleet_run import start_fleet, stop_fleet
 from edgecore.deploy.plan import edge_regions, measured_report, report
 from edgecore.deploy.profile import load_profile, measure, save
 from edgecore.deploy.replay import replay
@@ -91,38 +91,10 @@ bandwidth_mbit = 20
 }
 
 
-def start(topology: Path, emulate_wan: bool, log: Path) -> tuple[subprocess.Popen, dict[str, str]]:
-    cmd = [sys.executable, "-m", "edgecore", "up", "--topology", str(topology), "--shared-secret"]
-    cmd += ["--emulate-wan"] if emulate_wan else []
-    out = log.open("w")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True)
-    urls: dict[str, str] = {}
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        out.write(line)
-        m = re.match(r"\s+([a-z0-9-]+): (https?://\S+)/v1$", line)
-        if m:
-            urls[m.group(1)] = m.group(2)
-        if line.startswith("Ctrl-C stops everything"):
-            threading.Thread(target=lambda: [out.write(x) for x in proc.stdout or ()], daemon=True).start()
-            return proc, urls
-    raise SystemExit(f"edgecore up exited ({proc.wait()}); see {log}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGCONT)      # (paused by kill_core)
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def kill_core(launcher: subprocess.Popen, name: str) -> None:
     """SIGKILL the core process named `name` (a child of the launcher): a crash, not a drain. `edgecore up`
     stops the whole topology when a node exits, so the launcher is paused first (SIGSTOP) and resumed by
-    `stop` once the replay is over: the other nodes run on as they would after a core's crash in a fleet."""
+    `stop_fleet` once the replay is over: the other nodes run on as they would after a core's crash in a fleet."""
     children = _descendants(launcher.pid)
     launcher.send_signal(signal.SIGSTOP)
     for pid, cmd in children:
@@ -177,7 +149,7 @@ def run(name: str, args: argparse.Namespace, profile_path: Path, work: Path) -> 
     # the fleet runs on this machine: its nodes share its cores (the profile was measured on them, alone)
     predicted = report(Simulator(topo, profile, options=Options(failures=failures, shared_cpus=os.cpu_count()))
                        .run(trace), regions)
-    proc, urls = start(topo_path, name == "wan", work / f"{name}.log")
+    proc, urls = start_fleet(topo_path, name == "wan", work / f"{name}.log")
     try:
         edge_urls = {r: next(urls[e.name] for e in topo.edges if e.region == r) for r in regions}
         vocab = json.loads((MODEL / "config.json").read_text())["vocab_size"]
@@ -187,7 +159,7 @@ def run(name: str, args: argparse.Namespace, profile_path: Path, work: Path) -> 
         records = asyncio.run(replay(trace, edge_urls, topo.model_name, vocab, timeout=600))
         measured = measured_report(records, regions, time.perf_counter() - t)
     finally:
-        stop(proc)
+        stop_fleet(proc)
     rows = []
     for region in regions:
         p, m = predicted["regions"][region], measured["regions"][region]
@@ -204,7 +176,7 @@ def run(name: str, args: argparse.Namespace, profile_path: Path, work: Path) -> 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", default=None, help="profile JSON (default: measure one now, --quick)")
+    ap.add_argument("--profile", default=None, help="profile JSON (default: measure one now, --quick --serving)")
     ap.add_argument("--scenarios", nargs="+", default=["one", "failure"], choices=list(SCENARIOS),
                     help="scenarios to run (wan needs --emulate-wan: root, network namespaces)")
     ap.add_argument("--requests", type=int, default=60, help="requests per scenario")
@@ -218,7 +190,8 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="plan-validate-"))
     profile_path = Path(args.profile) if args.profile else work / "profile.json"
     if not args.profile:
-        save(measure(str(MODEL), quick=True), profile_path)
+        from edgecore.deploy.serving_probe import measure_serving
+        save(measure_serving(measure(str(MODEL), quick=True), str(MODEL), args.port + 10), profile_path)
     rows = [row for name in args.scenarios for row in run(name, args, profile_path, work)]
     within = [r for r in rows if all(r[f"{m}_p50_error"] is not None and abs(r[f"{m}_p50_error"]) <= 0.10
                                      for m in ("ttft_ms", "tpot_ms"))]

@@ -28,6 +28,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timings per point (the fastest/median is kept)")
     p.add_argument("--quick", action="store_true", help="fewer points (seconds, for tests and smoke runs)")
     p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--serving", action="store_true",
+                   help="also measure the serving path's latency beyond the engine (HTTP, the node hops, the "
+                        "protocol): a core and an edge started with `edgecore up` on loopback ports, 12 requests "
+                        "one at a time; the simulator adds it to each request (about half a minute)")
+    p.add_argument("--serving-port", type=int, default=7650, help="--serving: first of the 3 ports it uses")
     p.set_defaults(func=run_profile)
 
     q = sub.add_parser("plan", help="simulate a fleet (topology + trace + profile) or write a synthetic trace",
@@ -100,6 +105,12 @@ def run_profile(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     profile = measure(model, args.device, args.dtype, args.codecs, max(1, args.repeats), args.quick,
                       log=lambda m: print(m, file=sys.stderr))
+    if args.serving:
+        from edgecore.deploy.serving_probe import measure_serving
+        print("serving path: a core and an edge, 12 requests one at a time", file=sys.stderr)
+        profile = measure_serving(profile, model, args.serving_port)
+        print(f"serving path: {profile.serving_ttft_s * 1e3:.1f} ms before the first token, "
+              f"{profile.serving_tpot_s * 1e3:.2f} ms per later token", file=sys.stderr)
     save(profile, args.out)
     print(f"wrote {args.out} ({time.perf_counter() - t:.0f} s): step = {profile.cost.base_s * 1e3:.3f} ms + "
           f"{profile.cost.per_row_s * 1e6:.2f} µs/row + {profile.cost.per_prefill_token_s * 1e6:.2f} µs/prefill "

@@ -79,6 +79,10 @@ class Profile:
     edgecore_version: str = ""
     measurements: dict[str, Any] = field(default_factory=dict)   # the raw timings the fit came from
     format: str = FORMAT
+    # the serving path beyond the engine (deploy/serving_probe.py, `--serving`; 0: not measured): seconds before
+    # a request's first token, and per later token
+    serving_ttft_s: float = 0.0
+    serving_tpot_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,7 +110,9 @@ def load_profile(path: str | Path) -> Profile:
                        int(data["layers"]), int(data["max_num_batched_tokens"]), int(data["max_num_seqs"]),
                        int(data["kv_capacity_tokens"]), model=dict(data.get("model", {})),
                        machine=dict(data.get("machine", {})), edgecore_version=str(data.get("edgecore_version")),
-                       measurements=dict(data.get("measurements", {})))
+                       measurements=dict(data.get("measurements", {})),
+                       serving_ttft_s=float(data.get("serving_ttft_s", 0.0)),
+                       serving_tpot_s=float(data.get("serving_tpot_s", 0.0)))
     except (KeyError, TypeError, ValueError) as exc:
         raise ProfileError(f"profile {path}: missing or bad field ({exc!r})") from None
 

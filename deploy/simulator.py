@@ -24,7 +24,9 @@ returns one delay later; with decode handover the core decodes (up to `handover_
 complete at the edge, which then decodes the rest. A node removed at time t (`failures`) fails what it
 holds: the edge retries another core (at most `max_core_attempts`) or prefills locally, as it does; an
 edge's own requests fail (counted, never lost). Prefix caches: per node, the context of each session's
-last request (LRU within the KV capacity); a request's `prefix_tokens` reuse it in whole blocks.
+last request (LRU within the KV capacity); a request's `prefix_tokens` reuse it in whole blocks. A profile's
+serving terms (`edgecore profile --serving`: what a client sees beyond the engines' work) are added to each
+served request's first token and to each later token.
 """
 
 from __future__ import annotations
@@ -407,8 +409,10 @@ class Simulator:
     def finish(self, job: Job) -> None:
         if job.done >= 0:
             return
-        job.done = self.now
         job.tokens = job.req.output_tokens
+        # what the client sees beyond the engines' work: the serving path (the profile's `--serving` terms)
+        job.ttft += self.profile.serving_ttft_s
+        job.done = self.now + self.profile.serving_ttft_s + self.profile.serving_tpot_s * max(0, job.tokens - 1)
         edge = job.edge
         if edge is not None:
             edge.jobs.discard(job)

@@ -325,3 +325,20 @@ def test_nodes_on_one_machine_share_its_cores(tmp_path):
     # (a re-planned step restarts with the rest of the prompt: a few % over the 1.5x of a divisible prefill)
     assert ttfts(2) == pytest.approx([1.5 * alone, 1.5 * alone], rel=0.05)
     assert min(ttfts(2)) > 1.45 * alone
+
+
+def test_the_serving_terms_of_a_profile_reach_every_request(tmp_path):
+    """`edgecore profile --serving` measures the serving path beyond the engine; the simulator adds it to each
+    request's first token and to each later token."""
+    import dataclasses
+    t = topo(tmp_path, ONE_REGION)
+    trace = Trace((Request(1.0, "here", 500, 20),))
+    options = Options(local_prefill_below=10 ** 6)
+    base = Simulator(t, PROFILE, options=options).run(trace).jobs[0]
+    served = Simulator(t, dataclasses.replace(PROFILE, serving_ttft_s=0.025, serving_tpot_s=0.001),
+                       options=options).run(trace).jobs[0]
+    assert served.ttft - base.ttft == pytest.approx(0.025)
+    assert (served.done - served.ttft) - (base.done - base.ttft) == pytest.approx(19 * 0.001)
+    path = tmp_path / "p.json"
+    save(dataclasses.replace(PROFILE, serving_ttft_s=0.025, serving_tpot_s=0.001), path)
+    assert load_profile(path).serving_ttft_s == 0.025 and load_profile(path).serving_tpot_s == 0.001
