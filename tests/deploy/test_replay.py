@@ -91,3 +91,6 @@ def test_plan_validate_ci_sized(tmp_path):
     for row in out["rows"]:
         assert row["requests"] == 6 and row["failed"] == 0        # a core killed mid-run loses nothing
         assert row["ttft_ms_p50_measured"] > 0 and row["ttft_ms_p50_predicted"] > 0
+    serving = json.loads(Path(out["profile"]).read_text())       # measured with --serving's probe, real nodes
+    assert serving["serving_ttft_s"] >= 0 and serving["serving_tpot_s"] >= 0
+    assert serving["measurements"]["serving"]["ttft_ms_measured"]["p50"] > 0
