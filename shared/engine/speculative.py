@@ -115,7 +115,6 @@ class Speculator:
     def propose(self, running: list[Sequence]) -> None:
         """Append a draft to each running decode sequence that may draft and has one."""
         cfg = self.config
-        room = len(self.bm.free)
         # the draft model writes its KV before the scheduler runs: it takes only free blocks beyond what the running
         # sequences could need this step (a decode's token, a prefill's chunk), so the scheduler never preempts
         spare = len(self.bm.free) - sum(self.bm.blocks_needed(s.table, min(s.num_tokens, s.num_computed_tokens +
@@ -140,11 +139,8 @@ class Speculator:
                 wanted.append((seq, k))
                 continue
             draft = lookup(np.asarray(seq.token_ids), k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
-            need = self.bm.blocks_needed(seq.table, seq.num_tokens + len(draft))
-            if not draft or need > room:
-                continue
-            room -= need
-            self._append(seq, draft)
+            if draft:               # (the scheduler gives it the step's leftover budget and free blocks, or cuts it)
+                self._append(seq, draft)
         if wanted:
             seqs = [seq for seq, _ in wanted]
             kv = [cast(DraftStats, seq.draft_stats).draft_kv for seq in seqs]

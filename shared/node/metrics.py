@@ -127,19 +127,18 @@ class EngineCollector:
         info = GaugeMetricFamily("edgecore:cache_config_info", "KV cache configuration (value 1; the labels)",
                                  labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "model_name"])
         info.add_metric([str(self.block_size), str(s.blocks_total), str(s.prefix_caching).lower(), self.model], 1)
-        spec = []
-        for name, value, doc in () if not s.speculative else (("drafts", s.spec_drafts, "Verification steps of sequences that drafted"),
-                                 ("draft_tokens", s.spec_draft_tokens, "Tokens drafted"),
-                                 ("accepted_tokens", s.spec_accepted_tokens, "Drafted tokens accepted (acceptance "
-                                  "rate: rate of this / rate of draft_tokens)")):
-            family = CounterMetricFamily(f"edgecore:spec_decode_num_{name}", "Speculative decoding: " + doc,
-                                         labels=["model_name"])
-            family.add_metric(m, value)
-            spec.append(family)
-        return [preempt, queries, hits, steps, info, *spec,
-                *(tier_families(s, m) if s.tier_capacity_bytes else ())]
+        return [preempt, queries, hits, steps, info,
+                *(stats_families(s, m, "spec_decode_num_", _SPEC_COUNTERS, ()) if s.speculative else ()),
+                *(stats_families(s, m, "kv_tier_", _TIER_COUNTERS, _TIER_GAUGES) if s.tier_capacity_bytes else ())]
 
 
+# Speculative decoding's series (shared/engine/speculative.py), as the tier's below.
+_SPEC_COUNTERS = (
+    ("drafts", "spec_drafts", "Speculative decoding: verification steps of sequences that drafted"),
+    ("draft_tokens", "spec_draft_tokens", "Speculative decoding: tokens drafted"),
+    ("accepted_tokens", "spec_accepted_tokens", "Speculative decoding: drafted tokens accepted (acceptance rate: "
+                                                "rate of this / rate of draft_tokens)"),
+)
 # The disk KV tier's series (shared/kv/tier.py): (name, EngineStats field, help), counters then gauges.
 _TIER_COUNTERS = (
     ("hit_blocks", "tier_hit_blocks", "KV blocks read back from the disk tier instead of recomputed"),
@@ -163,12 +162,12 @@ _TIER_GAUGES = (
 )
 
 
-def tier_families(s: EngineStats, labels: list[str]) -> list[Metric]:
-    """The disk KV tier's metric families from a stats snapshot (only for an engine with a tier)."""
+def stats_families(s: EngineStats, labels: list[str], prefix: str, counters: tuple, gauges: tuple) -> list[Metric]:
+    """Metric families `edgecore:PREFIX+name` from a stats snapshot's fields, per table (name, field, help)."""
     out: list[Metric] = []
-    for kind, table in ((CounterMetricFamily, _TIER_COUNTERS), (GaugeMetricFamily, _TIER_GAUGES)):
+    for kind, table in ((CounterMetricFamily, counters), (GaugeMetricFamily, gauges)):
         for name, field, doc in table:
-            family = kind(f"edgecore:kv_tier_{name}", doc, labels=["model_name"])
+            family = kind(f"edgecore:{prefix}{name}", doc, labels=["model_name"])
             family.add_metric(labels, float(getattr(s, field)))
             out.append(family)
     return out
