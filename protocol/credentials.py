@@ -170,7 +170,8 @@ class Trust:
         if not _valid(authority, signature, body):
             raise _refuse(f"{who} does not carry its authority's signature")
         if cred.role != role:
-            raise _refuse(f"{who} is for the {cred.role} role, but its peer here must be a {role}")
+            article = "an" if role == "edge" else "a"
+            raise _refuse(f"{who} is for the {cred.role} role, but its peer here must be {article} {role}")
         now = self.clock()
         if now + self.skew < cred.not_before:
             raise _refuse(f"{who} is not valid yet (from {_when(cred.not_before)}; clock skew between the nodes?)")

@@ -25,10 +25,13 @@ DRAIN_VERSION = 4                      # first version with Draining (a core ann
 # drops them, as unknown trailing fields, and would prefill with the base model): an edge sends a request with an
 # adapter only to a core that says so. "prefix-digest" (not in CAPABILITIES: a client asks for it, `connect`'s
 # `capabilities`): an edge reads CacheDigest (what the core's prefix cache holds and its queue); a core sends it only to
-# an edge that says so.
+# an edge that says so. "block-pull" (not in CAPABILITIES: an edge that serves its peers lists it in its AuthOk,
+# `serve`'s `capabilities`): the server answers BlockPull with the KV of the prefix-cache blocks it holds; a client
+# sends BlockPull only to a server that lists it.
 COMPACT_KV_PARAMS = "kv-compact-params"
 LORA_ADAPTERS = "lora"
 PREFIX_DIGEST = "prefix-digest"
+BLOCK_PULL = "block-pull"
 CAPABILITIES = (COMPACT_KV_PARAMS, LORA_ADAPTERS)
 DIGEST_MAX_HASHES = 4096               # block hashes in one CacheDigest (32 KiB: its msgpack header stays small)
 
@@ -202,6 +205,22 @@ class CacheDigest(_Msg, tag=18, frozen=True):
     queued_tokens: int = 0             # prompt tokens waiting or prefilling at the core, every edge's
 
 
+# Capability "block-pull": an edge asks a peer edge for the KV of prompt-prefix blocks its pool holds (the hashes its
+# CacheDigests announced), in prefix order. The server answers with one KVChunk per block it still holds (all layers
+# and heads, `token_start` 0: each chunk is one block, in the order asked), stopping at the first it does not, then
+# BlockPullDone with the count. Nothing is computed for a pull: it is a copy of cached KV.
+class BlockPull(_Msg, tag=19, frozen=True):
+    request_id: str
+    block_size: int                    # tokens per block (the server's must match)
+    hashes: bytes                      # chained block hashes, 8 bytes little-endian each, at most DIGEST_MAX_HASHES
+    codec: str = "lossless"            # the wire codec of the KVChunks
+
+
+class BlockPullDone(_Msg, tag=20, frozen=True):
+    request_id: str
+    blocks: int                        # KVChunks sent: the leading blocks asked for that the server held
+
+
 class Ping(_Msg, tag=11, frozen=True):
     nonce: int
 
@@ -212,7 +231,7 @@ class Pong(_Msg, tag=12, frozen=True):
 
 
 Message = (Hello | Welcome | Auth | AuthOk | PrefillRequest | KVChunk | PrefillDone | Ack | Cancel | Error
-           | Ping | Pong | Reject | Token | Handover | DecodeStop | Draining | CacheDigest)
+           | Ping | Pong | Reject | Token | Handover | DecodeStop | Draining | CacheDigest | BlockPull | BlockPullDone)
 HANDOVER_MESSAGES = (Token, Handover, DecodeStop)     # only on a connection that agreed version 3
 DRAIN_MESSAGES = (Draining,)                          # only on a connection that agreed version 4
 MESSAGE_TYPES: dict[int, type] = {cls.__struct_config__.tag: cls for cls in typing.get_args(Message)}

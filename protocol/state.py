@@ -11,6 +11,8 @@ sends and receives are checked against the one table below (`TRANSITIONS`):
            so a version-2 peer keeps the old mode (the KV first, then the edge decodes).
            Version 4 only (`drain`): the server also Draining (it is stopping gracefully); an older peer is
            never sent it. Capability "prefix-digest" (the client's Auth lists it): the server also CacheDigest.
+           Capability "block-pull" (the server's AuthOk lists it: an edge serving its peers): the client
+           also BlockPull, the server BlockPullDone.
     any state --Error without request (either side)--> CLOSED;  before READY any Error closes.
     any exception inside the machine (sending or receiving) --> ERROR: further use raises,
            except `error_frame`, which tells the peer why and moves to CLOSED.
@@ -34,7 +36,6 @@ never copied). Protocol errors raise `LocalProtocolError` (sending) or `RemotePr
 
 from __future__ import annotations
 
-import enum
 import os
 import time
 from collections import OrderedDict
@@ -52,39 +53,12 @@ from edgecore.protocol.framing import (FIXED_SIZE, HANDSHAKE_LIMITS, KEY_PHASE, 
                                       Limits, RawFrame, pack_fixed)
 from edgecore.protocol.framing import VERSION as FRAME_VERSION
 from edgecore.protocol.mac import HandshakeMac, IncrementalVerify, Keys, SessionMac, transcript_hash
+from edgecore.protocol.transitions import TRANSITIONS, C, Role, S, State, next_state
 
-__all__ = ["Connection", "Role", "State", "NEED_DATA", "KVData", "BadFrame", "FrameRejected", "TRANSITIONS"]
-
-
-class Role(enum.Enum):
-    CLIENT = "client"
-    SERVER = "server"
+__all__ = ["Connection", "Role", "State", "NEED_DATA", "KVData", "BadFrame", "FrameRejected", "TRANSITIONS",
+           "next_state"]
 
 
-class State(enum.Enum):
-    START = "START"
-    HELLO = "HELLO"
-    WELCOME = "WELCOME"
-    AUTH = "AUTH"
-    READY = "READY"
-    CLOSED = "CLOSED"
-    ERROR = "ERROR"
-
-
-C, S = Role.CLIENT, Role.SERVER
-READY_FROM = {
-    C: (m.PrefillRequest, m.Ack, m.Cancel, m.Ping, m.Pong, m.Error, m.Reject, m.Handover),
-    S: (m.KVChunk, m.PrefillDone, m.Ping, m.Pong, m.Error, m.Reject, m.Token, m.DecodeStop, m.Draining,
-        m.CacheDigest),
-}
-# (role that sends, state, message type) → next state. Sending and receiving both use it.
-TRANSITIONS: dict[tuple[Role, State, type], State] = {
-    (C, State.START, m.Hello): State.HELLO,
-    (S, State.HELLO, m.Welcome): State.WELCOME,
-    (C, State.WELCOME, m.Auth): State.AUTH,
-    (S, State.AUTH, m.AuthOk): State.READY,
-    **{(role, State.READY, cls): State.READY for role, types in READY_FROM.items() for cls in types},
-}
 NO_SECRET = b"edgecore: no cluster secret, node credentials only"   # the PSK input when there is no secret
 SENT_WINDOW = 4096          # sent frames remembered (seq → message) for Reject recovery
 _lenient = msgspec.msgpack.Decoder()
@@ -93,38 +67,26 @@ _Ts = TypeVarTuple("_Ts")
 Event = m.Message | KVData | BadFrame | FrameRejected      # what `next_event` returns besides NEED_DATA
 
 
-def next_state(sender: Role, state: State, msg: m.Message, version: int | None = m.PROTOCOL_VERSION) -> State | None:
-    """The state after `sender` sends `msg` in `state` on a connection of `version`; None when forbidden."""
-    if state in (State.CLOSED, State.ERROR):
-        return None
-    if (version or 0) < m.HANDOVER_VERSION and (isinstance(msg, m.HANDOVER_MESSAGES) or
-                                                (isinstance(msg, m.PrefillRequest) and msg.core_decode)):
-        return None
-    if (version or 0) < m.DRAIN_VERSION and isinstance(msg, m.DRAIN_MESSAGES):
-        return None
-    if isinstance(msg, m.Error) and (not msg.request_id or state is not State.READY):
-        return State.CLOSED
-    return TRANSITIONS.get((sender, state, type(msg)))
-
-
 class Connection:
     def __init__(self, role: Role, secret: bytes, model_fingerprint: str, codecs: list[str],
                  limits: Limits | None = None, name: str = "", layout: dict[str, int] | None = None,
                  capabilities: list[str] | None = None, session: str = "", streams: list[int] | None = None,
                  sealed: bool = True, rekey: Rekey = Rekey(), clock: Callable[[], float] = time.monotonic,
                  identity: NodeIdentity | None = None, trust: Trust | None = None,
-                 versions: tuple[int, ...] | None = None):
+                 versions: tuple[int, ...] | None = None, server_role: str = "core"):
         """`sealed`: encrypt every frame after the handshake (cipher.py) and refuse a peer that cannot; False
         keeps the authenticated-only frames of earlier releases (benchmarks compare against it). `rekey`: when
         this side updates its sending key; `clock` times it. `identity` / `trust`: this node's credential and
         what it checks the peer's against (credentials.py); with them the cluster secret is optional.
         `versions`: the protocol versions this side offers or accepts (default `SUPPORTED_VERSIONS`; tests and
-        benches speak an earlier release's set)."""
+        benches speak an earlier release's set). `server_role`: the credential role the server must present ("edge"
+        for an edge's connection to a peer edge that serves it KV)."""
         if not secret and identity is None:
             raise ValueError("a cluster secret or a node credential is required")
         if identity is not None and trust is None:
             raise ValueError("a node with a credential needs the authorities it trusts to check its peers")
         self.role, self.peer_role = role, (S if role is C else C)
+        self.server_role = server_role
         self.fingerprint = model_fingerprint
         self.codecs = list(codecs)
         self.name = name
@@ -199,6 +161,11 @@ class Connection:
 
     # ---- state -------------------------------------------------------------------
     @property
+    def _pull_side(self) -> list[str]:
+        """The server's capabilities (block pulls go to a server that lists block-pull)."""
+        return self.capabilities if self.role is S else self.peer_capabilities
+
+    @property
     def handover(self) -> bool:
         """True once both sides agreed a version with decode handover (Token, Handover, DecodeStop)."""
         return (self.version or 0) >= m.HANDOVER_VERSION
@@ -246,6 +213,8 @@ class Connection:
         nxt = next_state(self.role, self.state, msg, self.version)
         if isinstance(msg, m.CacheDigest) and m.PREFIX_DIGEST not in self.peer_capabilities:
             raise LocalProtocolError("a peer that does not list prefix-digest is never sent a CacheDigest")
+        if isinstance(msg, (m.BlockPull, m.BlockPullDone)) and m.BLOCK_PULL not in self._pull_side:
+            raise LocalProtocolError("block pulls go only to a server that lists block-pull")
         if nxt is None:
             raise LocalProtocolError(f"{self.role.value} cannot send {type(msg).__name__} in state {self.state.value}"
                                      f"{self._version_note(msg)}")
@@ -384,6 +353,8 @@ class Connection:
         nxt = next_state(self.peer_role, self.state, msg, self.version)
         if isinstance(msg, m.CacheDigest) and m.PREFIX_DIGEST not in self.capabilities:
             raise RemoteProtocolError("CacheDigest to a side that does not list prefix-digest")
+        if isinstance(msg, (m.BlockPull, m.BlockPullDone)) and m.BLOCK_PULL not in self._pull_side:
+            raise RemoteProtocolError(f"{cls.__name__} on a connection whose server does not list block-pull")
         if nxt is None:
             raise RemoteProtocolError(f"unexpected {type(msg).__name__} from peer in state {self.state.value}"
                                       f"{self._version_note(msg)}")
@@ -448,7 +419,7 @@ class Connection:
             self._start_session(bytes(frame.header))
         elif isinstance(msg, (m.Auth, m.AuthOk)):
             if self._trust is not None:       # who the peer is, before anything it says is used
-                label, role = (CLIENT_LABEL, "edge") if isinstance(msg, m.Auth) else (SERVER_LABEL, "core")
+                label, role = (CLIENT_LABEL, "edge") if isinstance(msg, m.Auth) else (SERVER_LABEL, self.server_role)
                 self.peer_credential = self._trust.verify(msg.credential, msg.proof, label, self._th, role)
             if msg.model_fingerprint != self.fingerprint:     # the peer is authenticated: names may be shown
                 raise RemoteProtocolError(

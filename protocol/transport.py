@@ -362,15 +362,16 @@ async def connect(host: str, port: int, *, secret: bytes, fingerprint: str, code
                   timeouts: Timeouts = Timeouts(), ssl: ssl_module.SSLContext | None = None,
                   name: str = "edge", limits: Limits | None = None, session: str = "", sealed: bool = True,
                   rekey: Rekey = Rekey(), identity: NodeIdentity | None = None, trust: Trust | None = None,
-                  versions: tuple[int, ...] | None = None, capabilities: tuple[str, ...] | None = None) -> Peer:
+                  versions: tuple[int, ...] | None = None, capabilities: tuple[str, ...] | None = None,
+                  server_role: str = "core") -> Peer:
     """`sealed`: encrypt the link (the default; False only to measure against authenticated-only frames);
     `rekey`: when this side updates its sending key; `identity` / `trust`: this node's credential and the
     authorities and revocations it checks the core's against (credentials.py); `versions`: the protocol
     versions offered (default: all this release speaks); `capabilities`: what the Auth lists (default
-    messages.CAPABILITIES)."""
+    messages.CAPABILITIES); `server_role`: the role the server's credential must have ("edge": a peer edge)."""
     conn = Connection(Role.CLIENT, secret, fingerprint, codecs, limits, name, session=session, sealed=sealed,
                       rekey=rekey, identity=identity, trust=trust, versions=versions,
-                      capabilities=None if capabilities is None else list(capabilities))
+                      capabilities=None if capabilities is None else list(capabilities), server_role=server_role)
     loop = asyncio.get_running_loop()
     try:
         _, stream = await asyncio.wait_for(loop.create_connection(lambda: _Stream(conn), host, port, ssl=ssl),
@@ -401,7 +402,8 @@ async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0, sec
                 name: str = "core", layout: dict[str, int] | None = None, limits: Limits | None = None,
                 load_fn: Callable[[], int] | None = None, streams: list[int] | None = None, sealed: bool = True,
                 rekey: Rekey = Rekey(), identity: NodeIdentity | None = None, trust: Trust | None = None,
-                versions: tuple[int, ...] | None = None) -> asyncio.base_events.Server:
+                versions: tuple[int, ...] | None = None, capabilities: tuple[str, ...] | None = None
+                ) -> asyncio.base_events.Server:
     async def on_connect(stream: _Stream) -> None:
         peer = Peer(stream.conn, stream, timeouts, load_fn)
         try:
@@ -436,7 +438,7 @@ async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0, sec
     def factory() -> _Stream:
         stream = _Stream(Connection(Role.SERVER, secret, fingerprint, codecs, limits, name, layout,
                                     streams=streams, sealed=sealed, rekey=rekey, identity=identity, trust=trust,
-                                    versions=versions))
+                                    versions=versions, capabilities=None if capabilities is None else list(capabilities)))
 
         def started(s: _Stream) -> None:
             task = loop.create_task(on_connect(s))

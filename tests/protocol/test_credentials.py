@@ -99,6 +99,25 @@ def test_the_edge_refuses_a_core_with_an_edge_credential():
     assert "must be a core" in refusal(client, server)
 
 
+def test_a_peer_edge_link_wants_an_edge_credential_on_both_sides_and_refuses_a_core():
+    """An edge pulling cached KV from a peer edge (server_role "edge"): the peer's edge credential is accepted, a
+    core's is refused; the serving edge checks the client's edge credential as a core does."""
+    auth = Authority.generate()
+    for server_id, ok in ((identity(auth, "edge-2", "edge"), True), (identity(auth, "core-1", "core"), False)):
+        client = Connection(Role.CLIENT, b"", FP, CODECS, name="edge-1", identity=identity(auth, "edge-1", "edge"),
+                            trust=trusting(auth), server_role="edge")
+        server = Connection(Role.SERVER, b"", FP, CODECS, name="edge-2", identity=server_id, trust=trusting(auth),
+                            capabilities=[*m.CAPABILITIES, m.BLOCK_PULL])
+        if not ok:
+            assert "must be an edge" in refusal(client, server)
+            continue
+        handshake(client, server)
+        assert client.peer_credential.role == server.peer_credential.role == "edge"
+        pull = m.BlockPull("p1", 16, b"\1" * 16)
+        assert deliver(client.send_bytes(pull), server) == [pull]
+        assert deliver(server.send_bytes(m.BlockPullDone("p1", 0)), client) == [m.BlockPullDone("p1", 0)]
+
+
 def test_an_authority_rollover_accepts_both_during_the_overlap_then_only_the_new(tmp_path):
     old, new = Authority.generate(), Authority.generate()
     (tmp_path / "trusted").write_text(f"authority {base64.b64encode(old.public).decode()}\n"

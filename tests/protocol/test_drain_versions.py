@@ -34,7 +34,8 @@ def test_current_peers_agree_version_4_and_exchange_draining():
 def test_draining_takes_a_new_tag_and_the_previous_messages_keep_theirs():
     tags = {cls.__name__: tag for tag, cls in m.MESSAGE_TYPES.items()}
     assert tags.pop("Draining") == 17
-    assert tags.pop("CacheDigest") == 18          # later: a capability's, not a version's
+    assert tags.pop("CacheDigest") == 18          # later: capabilities', not a version's
+    assert tags.pop("BlockPull") == 19 and tags.pop("BlockPullDone") == 20
     assert sorted(tags.values()) == list(range(1, 17))
 
 
