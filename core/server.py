@@ -5,7 +5,7 @@ ranks, core/ranks.py) and keeps only an `EngineHandle` to it; `start()` starts
 the engine thread, the `LayerSender` (its per-layer hook), the
 `PrefillService` (core/prefill_service.py: edges' sessions and their KV
 transfers) behind the protocol server, the prefix digests those edges route by
-(core/cache_digest.py), the batch subsystem (store, contexts,
+(shared/node/cache_digest.py), the batch subsystem (store, contexts,
 runner, API routes) and the control port (core/http.py). Each of them receives
 the handle, not the node. A rank that dies, or an engine thread that fails, marks
 the node failed (`mark_failed`: it stops serving, edges fail over, /health turns
@@ -28,7 +28,7 @@ from pathlib import Path
 from ssl import SSLContext
 from typing import TYPE_CHECKING
 
-from edgecore.core.cache_digest import CacheDigests
+from edgecore.shared.node.cache_digest import CacheDigests
 from edgecore.core.kv_sender import LayerSender
 from edgecore.core.metrics import CoreMetrics
 from edgecore.core.prefill_service import MAX_INFLIGHT, OUTBOX_BYTES, PrefillService

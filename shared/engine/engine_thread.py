@@ -37,7 +37,11 @@ from functools import partial
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import torch
+
+from edgecore.shared.engine import block_share
 from edgecore.shared.engine.engine import LayerHook, LLMEngine
+from edgecore.shared.engine.tier_loads import pool_shape
 from edgecore.shared.engine.handle import (EngineHandle, EngineRequest, EngineStats, FirstToken, OutputQueue,
                                            OutputSink, read_outputs)
 from edgecore.shared.engine.output import RequestOutput
@@ -86,6 +90,7 @@ class EngineThread:
         self.max_model_len = engine.max_model_len
         self.block_size = engine.block_manager.block_size
         self.kv_bytes_per_token = engine.kv_bytes_per_token
+        self.block_shape = None if engine.pool.layout.latent else pool_shape(engine.pool)   # (blocks pulled by peers)
         self.layer0_macs_per_token: int = engine.runner.layer0_macs_per_token
         self._stats: EngineStats = engine.stats()
 
@@ -183,6 +188,15 @@ class EngineThread:
         """The prefix cache's block hashes gained (True) and lost (False) since the previous call; the first call
         gives every hash cached now (`BlockManager.take_journal`; beyond EngineHandle's form: a core's digest)."""
         return await self._call(lambda e: e.block_manager.take_journal())
+
+    async def pool_blocks(self, hashes: list[int], max_bytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the leading cached blocks under `hashes` (shared/engine/block_share.py; a peer edge pulls them)."""
+        return await self._call(lambda e: block_share.pool_blocks(e, hashes, max_bytes))
+
+    async def adopt_blocks(self, hashes: list[int], salt: str | None,
+                           blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Cache blocks pulled from a peer under their hashes; how many now are (shared/engine/block_share.py)."""
+        return await self._call(lambda e: block_share.adopt_blocks(e, hashes, salt, blocks))
 
     # ---- LoRA adapters (shared/models/lora.py; not part of EngineHandle: the nodes that serve them ask) ----------
     async def load_adapter(self, name: str, path: str) -> str:

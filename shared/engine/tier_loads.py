@@ -57,10 +57,15 @@ def open_tier(cache: CacheConfig, config: ModelConfig, pool: KVPool, block_manag
     if fingerprint is None:
         log.warning("KV tier %s: off (this engine was built without the model's fingerprint)", cache.tier_dir)
         return None
-    shape = BlockShape(len(pool.k), pool.block_size, pool.k[0].shape[1], pool.k[0].shape[2], pool.v[0].shape[2],
-                       DTYPE_NAMES[pool.dtype])
-    tier = KVTier(cache.tier_dir, cache.tier_bytes, fingerprint, shape, cache.tier_codec, codec_rope(config))
+    tier = KVTier(cache.tier_dir, cache.tier_bytes, fingerprint, pool_shape(pool), cache.tier_codec,
+                  codec_rope(config))
     return TierLoads(tier, block_manager, pool)
+
+
+def pool_shape(pool: KVPool) -> BlockShape:
+    """What one block of this pool looks like (on the wire and on disk)."""
+    return BlockShape(len(pool.k), pool.block_size, pool.k[0].shape[1], pool.k[0].shape[2], pool.v[0].shape[2],
+                      DTYPE_NAMES[pool.dtype])
 
 
 def _on_host(t: torch.Tensor) -> torch.Tensor:

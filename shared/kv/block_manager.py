@@ -41,7 +41,7 @@ their table entries become -1 (the runner reads them as block 0, masked out).
 Disk tier (shared/kv/tier.py): `on_evict` is told of each cached block evicted (before its pages are reused) so
 its KV can be spilled; `adopt` registers a block whose KV is read back from there as cached.
 
-Journal (a core's prefix digest for its edges, core/cache_digest.py): once `take_journal` has been called, every
+Journal (a core's prefix digest for its edges, shared/node/cache_digest.py): once `take_journal` has been called, every
 hash entered into or dropped from the cache is noted with its latest state, and the next call hands the notes over.
 
 Partly filled blocks: a sequence whose KV came from a core may lack the KV of windowed layers before

@@ -120,6 +120,24 @@ class BadTierFile(Exception):
     """A tier file that is not the block asked for (corrupted, truncated, foreign)."""
 
 
+def decode_block(data: KVData, shape: BlockShape, rope: tuple[float, ...] | None, same_dtype: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One whole block's K/V from its wire chunk (a tier file's, or a peer edge's, edge/peer_pull.py), checked
+    against this engine's block geometry (and, `same_dtype`, its dtype: a tier file; a peer's block is cast where
+    it is written). Raises BadTierFile."""
+    s, c = shape, data.chunk
+    if ((c.layer_end - c.layer_start, c.token_end - c.token_start, c.head_end - c.head_start, c.head_dim)
+            != (s.layers, s.tokens, s.heads, s.k_dim)) or (same_dtype and c.dtype != s.dtype):
+        raise BadTierFile("block geometry differs from this engine's")
+    try:
+        k, v = decode_chunk(data, rope)
+    except Exception as exc:        # a codec's own error (CodecError, ValueError...): the payload is bad
+        raise BadTierFile(f"payload does not decode: {exc}") from None
+    if v.shape != (s.layers, s.tokens, s.heads, s.v_dim):
+        raise BadTierFile(f"V plane of shape {v.shape}")
+    return from_bits(k, c.dtype), from_bits(v, c.dtype)
+
+
 @dataclass(frozen=True)
 class _Spill:
     key: bytes
@@ -275,18 +293,7 @@ class KVTier:
             raise BadTierFile(f"bad header: {exc}") from None
         if header.key != key or header.block_hash != block_hash:
             raise BadTierFile("another block's file (foreign model, salt or hash)")
-        s, c = self.shape, header.chunk
-        if ((c.layer_end - c.layer_start, c.token_end - c.token_start, c.head_end - c.head_start, c.head_dim, c.dtype)
-                != (s.layers, s.tokens, s.heads, s.k_dim, s.dtype)):
-            raise BadTierFile("block geometry differs from this engine's")
-        payload = body[start + hlen:]
-        try:
-            k, v = decode_chunk(KVData(c, payload), self.rope)
-        except Exception as exc:        # a codec's own error (CodecError, ValueError...): the payload is bad
-            raise BadTierFile(f"payload does not decode: {exc}") from None
-        if v.shape != (s.layers, s.tokens, s.heads, s.v_dim):
-            raise BadTierFile(f"V plane of shape {v.shape}")
-        return from_bits(k, s.dtype), from_bits(v, s.dtype)
+        return decode_block(KVData(header.chunk, body[start + hlen:]), self.shape, self.rope)
 
     # ---- writer thread -------------------------------------------------------------------------------------
     def _write_loop(self) -> None:

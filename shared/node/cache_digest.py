@@ -1,6 +1,10 @@
-"""What this core's prefix cache holds, told to its edges (CacheDigest, capability "prefix-digest").
+"""What this node's prefix cache holds, told to the edges connected to it (CacheDigest, capability "prefix-digest").
 
-Life cycle: `CacheDigests` starts with the core's server and runs until it stops. Every `interval` seconds it
+Used by a core (core/server.py: its edges route prefills by it) and by an edge that serves its peers KV
+(edge/peer_server.py: they pull cached blocks by it). Each session's frames go through its outbox, anything with
+`put(message, urgent=True)` and `holds_urgent(message)` (core/outbox.py `Outbox`, edge/peer_server.py).
+
+Life cycle: `CacheDigests` starts with the node's server and runs until it stops. Every `interval` seconds it
 takes the block hashes the engine's prefix cache gained and lost since its previous look (`changes`: the block
 manager's journal, handed over on the engine thread; never a scan of the pool) and applies them to `mirror`, its
 copy of the whole set. Then each edge session that listed "prefix-digest" is sent what changed for it, with the
@@ -20,10 +24,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from edgecore.core.outbox import Outbox
 from edgecore.protocol import messages as m
 from edgecore.protocol.transport import Peer
 from edgecore.shared.errors import EngineDead
@@ -49,6 +53,13 @@ def frames(block_size: int, stored: list[int], evicted: list[int], reset: bool, 
         out.append(m.CacheDigest(block_size, _pack(take_s), _pack(take_e), reset and not out, queued))
         if not stored and not evicted:
             return out
+
+
+class Outbox(Protocol):
+    """What a session's sender offers the digests: urgent messages queued ahead of bulk KV."""
+    def put(self, item: m.CacheDigest, *, urgent: bool = ...) -> None: ...
+
+    def holds_urgent(self, item: m.CacheDigest) -> bool: ...
 
 
 @dataclass(eq=False)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from edgecore.core.cache_digest import CacheDigests, frames
+from edgecore.shared.node.cache_digest import CacheDigests, frames
 from edgecore.core.outbox import Outbox
 from edgecore.edge.core_cache import CoreCache, PromptHashes
 from edgecore.protocol import messages as m
