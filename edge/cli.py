@@ -138,12 +138,17 @@ def _link_auth(settings: EdgeSettings, needed: bool) -> tuple[bytes | None, Node
     return link_auth(settings.secret_file, settings.credential, settings.authority, settings.revocations, needed)
 
 
+def _linked(settings: EdgeSettings) -> bool:
+    """The edge talks to other nodes (cores, peer edges): a secret or a credential is needed."""
+    return bool(settings.core or settings.core_dns or settings.peer or settings.peer_listen)
+
+
 def _node_client(settings: EdgeSettings, model_dir: str) -> NodeProcessClient:
     """The frontend's handle on an engine process yet to start; a bad model or flag fails here, in one line."""
     from edgecore.edge.node_client import NodeProcessClient
     from edgecore.shared.models.config import ModelConfig
     ModelConfig.from_dir(model_dir)
-    _link_auth(settings, bool(settings.core or settings.core_dns))
+    _link_auth(settings, _linked(settings))
     return NodeProcessClient(["edge", *to_argv(settings)], model_dir)        # the same settings, parsed again there
 
 
@@ -217,9 +222,10 @@ def _edge_engine(settings: EdgeSettings, model_dir: str, codecs: list[str], loca
     core_dns = [parse_hostport(c) for c in settings.core_dns]
     ssl = (tls_context(False, settings.link_tls_cert, settings.link_tls_key, settings.link_tls_ca)
            if settings.link_tls_ca else None)
-    secret, identity, trust = _link_auth(settings, bool(cores or core_dns))
+    secret, identity, trust = _link_auth(settings, _linked(settings))
     config = EdgeConfig(model_dir=model_dir, cores=cores, core_dns=core_dns, secret=secret, identity=identity,
-                        trust=trust,
+                        trust=trust, peers=[parse_hostport(p) for p in settings.peer],
+                        peer_listen=parse_hostport(settings.peer_listen) if settings.peer_listen else None,
                         dtype=settings.dtype, device=device, codecs=codecs,
                         adaptive=settings.adaptive, ttft_target_ms=settings.ttft_target_ms,
                         **codec_policy(settings), local_prefill_below=local_below, cache=cache,

@@ -1,7 +1,7 @@
 """What one core's prefix cache holds, and its queue, as its CacheDigests say (capability "prefix-digest").
 
 Life cycle: a `CoreCache` is made empty for each connection to a core (edge/core_client.py) and `apply`s each
-CacheDigest that arrives on it (core/cache_digest.py sends them); a frame with `reset` forgets everything
+CacheDigest that arrives on it (shared/node/cache_digest.py sends them); a frame with `reset` forgets everything
 announced before it. For a prompt, `cached_tokens` is how many leading tokens that core would not compute again:
 the whole blocks of the chained hash (shared/kv/block_manager.py `prefix_hashes`, under the request's salt)
 announced as held, never the last token, as the core's own prefix cache counts them. `queue` is the prompt

@@ -14,7 +14,9 @@ requests in flight finish; if the connection is still open `DRAIN_GRACE` seconds
 after the drain timeout it announced, it is failed here (its requests fail over
 as for a dead core). A new connection (the restarted core) starts undrained. The main connection asks for the
 core's prefix digests (capability "prefix-digest"): `cache` (edge/core_cache.py) holds what the core said its
-prefix cache holds and its queue, fresh for each connection.
+prefix cache holds and its queue, fresh for each connection. The same client connects to a peer edge that serves
+cached KV (edge/peer_pull.py: `server_role` "edge", `pull` sends its BlockPull and routes the answers as a
+prefill's).
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ DRAIN_GRACE = 5.0            # seconds past a draining core's announced timeout 
 class CoreClient:
     def __init__(self, host: str, port: int, *, secret: bytes, fingerprint: str, codecs: list[str],
                  timeouts: Timeouts = Timeouts(), ssl: SSLContext | None = None, name: str = "edge",
-                 identity: NodeIdentity | None = None, trust: Trust | None = None):
-        """`identity` / `trust`: this edge's credential and the authorities it checks cores' against."""
-        self.host, self.port = host, port
+                 identity: NodeIdentity | None = None, trust: Trust | None = None, server_role: str = "core"):
+        """`identity` / `trust`: this edge's credential and the authorities it checks cores' against;
+        `server_role`: the role the server's credential must have ("edge" for a peer edge)."""
+        self.host, self.port, self.server_role = host, port, server_role
         self.identity, self.trust = identity, trust
         self.sealed = link_sealed()              # (EDGECORE_LINK_SEALED=0 only to measure what encryption costs)
         self.secret, self.fingerprint, self.codecs = secret, fingerprint, codecs
@@ -111,7 +114,8 @@ class CoreClient:
                 self.peer = await connect(self.host, self.port, secret=self.secret, fingerprint=self.fingerprint,
                                           codecs=self.codecs, timeouts=self.timeouts, ssl=self.ssl, name=self.name,
                                           session=os.urandom(16).hex(), identity=self.identity, trust=self.trust,
-                                          sealed=self.sealed, capabilities=(*m.CAPABILITIES, m.PREFIX_DIGEST))
+                                          sealed=self.sealed, capabilities=(*m.CAPABILITIES, m.PREFIX_DIGEST),
+                                          server_role=self.server_role)
             except PeerError as exc:
                 self.last_error = str(exc)
                 raise
@@ -199,6 +203,16 @@ class CoreClient:
                                                           "not answering" if self.connected else "not connected"))
         if request.adapter and not self.supports(m.LORA_ADAPTERS):   # it would drop the adapter: base weights
             raise PeerError(f"core {self.address} does not serve LoRA adapters")
+        return await self._ask(request)
+
+    async def pull(self, request: m.BlockPull) -> asyncio.Queue:
+        """Ask a peer edge for cached blocks: the queue receives their KVData, then BlockPullDone (or an Error,
+        a PeerError)."""
+        if not self.healthy or not self.supports(m.BLOCK_PULL):
+            raise PeerError(f"peer {self.address} does not serve cached KV now")
+        return await self._ask(request)
+
+    async def _ask(self, request: m.PrefillRequest | m.BlockPull) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
         self.inflight[request.request_id] = queue
         assert self.peer is not None            # healthy

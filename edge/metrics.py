@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 LATENCY = (.005, .01, .02, .04, .06, .08, .1, .25, .5, .75, 1, 2.5, 5, 7.5, 10, 20, 40)
 TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 HANDOVER_OUTCOMES = ("taken_over", "finished_on_core", "refused", "core_failed")
+PULL_OUTCOMES = ("pulled", "partial", "failed", "slower")     # edge/peer_pull.py
 RATIO = (.125, .25, .5, .67, .8, .9, 1.1, 1.25, 1.5, 2, 4, 8)
 TPOT = (.001, .0025, .005, .01, .02, .04, .06, .08, .1, .15, .2, .3, .4, .5, .75, 1, 2.5)
 
@@ -89,7 +90,22 @@ class EdgeMetrics:
                                                 "(its first included) before the edge took over", buckets=TOKENS)
         self.handover_tokens = m.counter("edgecore:handover_tokens_received", "Tokens after the first received "
                                          "from cores decoding for this edge and sent to clients")
+        self._peers(m)
         r.register(EngineCollector(model_name, stats, block_size))
+
+    def _peers(self, m: ModelMetrics) -> None:
+        """KV pulled from peer edges (edge/peer_pull.py) and served to them (edge/peer_server.py)."""
+        self.peer_pulls = m.counter("edgecore:peer_pulls", "Prompts whose cached prefix a peer edge held beyond this "
+                                    "edge's, by outcome: pulled, partial (fewer blocks than announced), failed "
+                                    "(nothing usable: computed instead), slower (predicted slower than computing)",
+                                    "outcome")
+        for outcome in PULL_OUTCOMES:
+            self.peer_pulls.labels(outcome)
+        self.peer_pull_tokens = m.counter("edgecore:peer_pull_tokens", "Prompt tokens whose KV was pulled from peer "
+                                          "edges into this edge's prefix cache")
+        self.peer_pull_bytes = m.counter("edgecore:peer_pull_bytes", "Encoded KV bytes received from peer edges")
+        self.peer_served_blocks = m.counter("edgecore:peer_served_blocks", "Cached KV blocks this edge sent to peer "
+                                            "edges that pulled them")
 
 
 class TenantMetrics:

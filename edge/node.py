@@ -40,15 +40,17 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from ssl import SSLContext
 from collections.abc import AsyncIterator, Callable
 
-from edgecore.edge.codec_policy import CURVE, DEFAULT_QUALITY_BUDGET, choose_codec, with_layer0
+from edgecore.edge.codec_policy import CURVE, choose_codec, with_layer0
+from edgecore.edge.config import EdgeConfig
 from edgecore.edge.core_choice import CoreChoice, Prediction
 from edgecore.edge.core_client import CoreClient, CoreRouter
 from edgecore.edge.metrics import EdgeMetrics
+from edgecore.edge.peer_pull import PeerPull
+from edgecore.edge.peer_server import PeerServer
 from edgecore.edge.placement import PrefillModel
 from edgecore.edge.progress import Progress
 from edgecore.edge.prefill_plan import RemotePrefillSettings
@@ -56,10 +58,7 @@ from edgecore.edge.remote_prefill import RemotePrefill, RemotePrefillFailed
 from edgecore.edge.request_trace import RequestTrace
 from edgecore.edge.transfer_metrics import TransferMetrics
 from prometheus_client import generate_latest
-from edgecore.protocol.credentials import NodeIdentity, Trust
 from edgecore.protocol.messages import LORA_ADAPTERS
-from edgecore.protocol.transport import Timeouts
-from edgecore.shared.models.config import CacheConfig, EngineConfig
 from edgecore.shared.engine.engine_thread import EngineThread
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.handle import Emit, EngineRequest, Output, OutputQueue, OutputSink, read_outputs
@@ -71,45 +70,11 @@ from edgecore.shared.kv.block_manager import NoFreeBlocks
 from edgecore.shared.kv.transfer import layers_at_edge
 from edgecore.shared.kv.wire import codec_rope
 from edgecore.shared.models.lora import scope_salt
-from edgecore.shared.models.lora_files import MAX_LORA_RANK
 
 log = logging.getLogger("edgecore.edge")
 placement_log = logging.getLogger("edgecore.placement")     # one line per request prefilled at a core
 
 PINNED_SHARE = 0.25     # of the KV pool that prefetched contexts may keep pinned
-
-
-@dataclass
-class EdgeConfig:
-    model_dir: str
-    cores: list[tuple[str, int]] = field(default_factory=list)
-    core_dns: list[tuple[str, int]] = field(default_factory=list)   # names resolved to cores (headless Service)
-    secret: bytes | None = None
-    identity: NodeIdentity | None = None      # this edge's credential and whom it trusts (per-node credentials)
-    trust: Trust | None = None
-    dtype: str = "auto"
-    device: str = "cpu"
-    codecs: list[str] = field(default_factory=lambda: ["lossless"])   # allowed; lossy only if listed
-    adaptive: bool = False
-    ttft_target_ms: float | None = None
-    kv_quality_budget: float = DEFAULT_QUALITY_BUDGET   # adaptive: max perplexity increase (edge/codec_policy.py)
-    kv_curve: dict | None = None                        # adaptive: the model's curve (None: the bundled model's)
-    local_prefill_below: int | None = 32   # None: measured crossover (fixed 32 until measured)
-    core_routing: str = "predicted"        # "rtt": cores ranked by round trip and load, their digests unread
-    transfer_timeout: float = 30.0
-    max_core_attempts: int = 2
-    handover_tokens: int = 64          # tokens after the first a core may decode while the KV travels; 0: off
-    layer0_budget_macs: float = 1e9     # lossy transfers: most multiply-adds spent computing layer 0's KV here
-                                      # instead of receiving it (0: always receive; shared/kv/transfer.py)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    engine_threads: int | None = None   # intra-op threads of the engine thread (None: leave as they are)
-    timeouts: Timeouts = field(default_factory=Timeouts)
-    name: str = "edge"
-    ssl: SSLContext | None = None
-    served_model_name: str = ""       # the `model_name` label of the metrics (default: the directory's name)
-    loras: list[tuple[str, str]] = field(default_factory=list)     # LoRA adapters loaded at start: (name, dir)
-    max_lora_rank: int = MAX_LORA_RANK
 
 
 class EdgeNode:
@@ -127,15 +92,15 @@ class EdgeNode:
         self.tokenizer = self.handle.tokenizer
         self.metrics = EdgeMetrics(config.served_model_name or Path(config.model_dir).name, self.handle.stats,
                                    self.handle.block_size)
-        remote = bool(config.cores or config.core_dns)
+        remote = bool(config.cores or config.core_dns or config.peers or config.peer_listen)
         self.fingerprint = model_fingerprint(config.model_dir, self.handle.config) if remote else ""
         wire_codecs = sorted(set(config.codecs) | {"lossless", "raw"})
 
-        def client(host: str, port: int) -> CoreClient:
-            assert config.secret is not None or config.identity is not None, "cores need a secret or credential"
+        def client(host: str, port: int, server_role: str = "core") -> CoreClient:
+            assert config.secret is not None or config.identity is not None, "links need a secret or credential"
             return CoreClient(host, port, secret=config.secret or b"", fingerprint=self.fingerprint,
                               codecs=wire_codecs, timeouts=config.timeouts, ssl=config.ssl, name=config.name,
-                              identity=config.identity, trust=config.trust)
+                              identity=config.identity, trust=config.trust, server_role=server_role)
         self.router = CoreRouter([client(h, p) for h, p in config.cores], dns=config.core_dns, make_client=client)
         self.decoder_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edgecore-decode")
         self.codec_rope = codec_rope(self.handle.config)     # what a core's encoder gives the codecs too
@@ -143,6 +108,12 @@ class EdgeNode:
         self.active = 0
         self.pinned: list[list[int]] = []      # prefetched contexts' blocks, least recently prefetched first
         self.prefill_model = PrefillModel(config.local_prefill_below or 32)
+        self.peer_pull = PeerPull([client(h, p, "edge") for h, p in config.peers], self.handle, self.prefill_model,
+                                  self.metrics, self.decoder_pool, self.codec_rope, config.transfer_timeout)
+        self.peer_server = None if config.peer_listen is None else PeerServer(
+            self.handle, self.metrics, self.decoder_pool, fingerprint=self.fingerprint, codecs=wire_codecs,
+            rope=self.codec_rope, secret=config.secret or b"", identity=config.identity, trust=config.trust,
+            timeouts=config.timeouts, name=config.name)
         self.prompt_tokens_mean: float | None = None   # recent prompts' length (EWMA), for the predicted TTFT
         self.metrics.predicted_ttft.set_function(lambda: self.predicted_ttft() or 0.0)   # read at scrape time
         self._started: dict[str, Progress] = {}   # requests begun with `submit`, until they finish
@@ -155,9 +126,16 @@ class EdgeNode:
         await self.handle.started()
         if self.router.clients or self.router.dns:
             await self.router.start()
+        if self.peer_server is not None:
+            assert self.config.peer_listen is not None
+            await self.peer_server.start(*self.config.peer_listen)
+        await self.peer_pull.start()
 
     async def stop(self) -> None:
         await self.router.stop()
+        await self.peer_pull.stop()
+        if self.peer_server is not None:
+            await self.peer_server.stop()
         self.handle.stop()
         self.decoder_pool.shutdown(wait=False)
 
@@ -297,7 +275,9 @@ class EdgeNode:
         n, mean = len(_ids(request)), self.prompt_tokens_mean
         self.prompt_tokens_mean = n if mean is None else 0.9 * mean + 0.1 * n
         progress.queued = self.handle.stats().prefill_tokens_left     # ahead of it here (a core's: `_chosen`)
-        where, reason, admitted, choice = await self._placement(request, sink)
+        pulled = await self.peer_pull.pulled(request, self._choice)     # a peer edge's cached prefix, now here
+        where, reason, admitted, choice = (("local", "peer_pull", False, None) if pulled
+                                           else await self._placement(request, sink))
         progress.placed_at = time.perf_counter()
         self.metrics.queue_time.observe(progress.placed_at - progress.arrived)
         trace = progress.trace
@@ -481,6 +461,10 @@ class EdgeNode:
                        "prefix_digest": {"blocks": len(c.cache.hashes), "block_size": c.cache.block_size,
                                          "queued_tokens": c.cache.queue} if c.cache.known else None,
                        "error": c.last_error} for c in self.router.clients],
+            "peers": [{"address": c.address, "healthy": c.healthy, "rtt_ms": round(c.rtt * 1e3, 2),
+                       "announced_blocks": len(c.cache.hashes), "bandwidth_MBps": _megabytes_per_s(c.bandwidth)}
+                      for c in self.peer_pull.router.clients],
+            "peer_sessions": len(self.peer_server.sessions) if self.peer_server is not None else None,
         })
         return stats
 

@@ -30,6 +30,11 @@ class EdgeSettings:
                                     help="a core's protocol address (repeatable); none: prefill locally")
     core_dns: tuple[str, ...] = setting((), metavar="NAME:PORT", help="a DNS name whose addresses are cores (e.g. "
                                         "a headless Service), re-resolved periodically")
+    peer: tuple[str, ...] = setting((), metavar="HOST:PORT", help="a peer edge's --peer-listen address (repeatable): "
+                                    "a prompt whose cached prefix it holds pulls that KV from it when predicted "
+                                    "faster than computing it")
+    peer_listen: str | None = setting(None, metavar="HOST:PORT", help="serve this edge's cached KV to peer edges "
+                                      "here (same authentication as the link to cores; default: not served)")
     listen: str = setting("127.0.0.1:8000", metavar="HOST:PORT", help="HTTP address")
     api_key_file: str | None = setting(None, help="API keys, one per line (or EDGECORE_API_KEYS)")
     tenants: str | None = setting(None, metavar="FILE", help="tenants (TOML, shared/node/tenants.py): each tenant's API "

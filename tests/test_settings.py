@@ -110,7 +110,8 @@ def test_a_renamed_flag_still_parses_under_its_old_name():
 def test_the_engine_process_gets_the_frontends_settings():
     from edgecore.edge.cli import _node_client
     settings = changed(EdgeSettings)
-    settings = dataclasses.replace(settings, core=(), core_dns=(), secret_file=None, credential=None, authority=None,
+    settings = dataclasses.replace(settings, core=(), core_dns=(), peer=(), peer_listen=None, secret_file=None,
+                                   credential=None, authority=None,
                                    revocations=None)          # (files checked before the engine process starts)
     client = _node_client(settings, str(MODEL_DIR))
     argv = [*client.argv, "--model", client.model_dir, "--engine-fd", "3"]      # as NodeProcessClient.start runs it

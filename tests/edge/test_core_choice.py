@@ -3,7 +3,7 @@ the prompt tokens its prefix cache lacks), and the edge's own prediction against
 
 from dataclasses import dataclass, field
 
-from edgecore.core.cache_digest import frames
+from edgecore.shared.node.cache_digest import frames
 from edgecore.edge.core_cache import CoreCache
 from edgecore.edge.core_choice import CoreChoice
 from edgecore.edge.placement import PrefillModel

@@ -10,6 +10,7 @@ import pytest
 
 from edgecore.edge.core_choice import CoreChoice
 from edgecore.edge.core_client import CoreClient, CoreRouter
+from edgecore.edge.peer_pull import PeerPull
 from edgecore.edge.node import EdgeConfig, EdgeNode
 from edgecore.edge.metrics import EdgeMetrics
 from edgecore.edge.placement import PrefillModel
@@ -53,6 +54,7 @@ def edge(*cores: CoreClient) -> tuple[EdgeNode, FakeHandle, list[str]]:
     engine.router = CoreRouter(list(cores))
     engine.prefill_model, engine.prompt_tokens_mean = PrefillModel(32), None
     engine.adapters = {"sql": "0123456789abcdef"}
+    engine.peer_pull = PeerPull([], handle, engine.prefill_model, engine.metrics, None, None, 1.0)   # no peers
     remote: list[str] = []
 
     async def fake_remote(client: CoreClient, request: EngineRequest, sink: OutputSink | None, trace=None) -> None:
