@@ -12,8 +12,9 @@ fleet:
   a_rtt          today's routing before this round: cores ranked by round trip and load, no disk tier
   b_tier         the same with a disk KV tier at each edge (`--kv-tier-dir`)
   c_tier_prefix  the tier + prefix-aware routing (`--core-routing predicted`, `--local-prefill-below auto`:
-                 the edge's own prediction competes); peer pull (#38 §3) is not built, so a moved session's
-                 prefix comes from the core that holds it
+                 the edge's own prediction competes) + peer pull: the edges serve each other cached KV
+                 (`peer_port` in the topology, over a west-east link as far as the far cores), so a moved
+                 session's prefix may come from the edge it left
 
 Per configuration: TTFT p50/p99, prompt tokens computed per request (prompt - cached), KV bytes received by
 the edges over the links, the share of reusable prompt tokens (those already sent earlier in the run, by
@@ -57,6 +58,7 @@ CONFIGS = {
     "c_tier_prefix": ["--core-routing", "predicted", "--local-prefill-below", "auto", "--kv-tier-dir", "{tier}",
                       "--kv-tier-size", TIER_SIZE],
 }
+PEER_PULL = {"c_tier_prefix"}         # configurations whose edges serve each other cached KV
 
 
 @dataclass
@@ -167,7 +169,8 @@ def scrape(url: str) -> dict[str, float]:
     """An edge's counters that the bench compares before and after (its /metrics and /stats)."""
     base = url.rsplit("/v1", 1)[0]
     text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
-    names = ("edgecore:kv_bytes_received_total", "edgecore:remote_prefills_total", "edgecore:local_prefills_total")
+    names = ("edgecore:kv_bytes_received_total", "edgecore:remote_prefills_total", "edgecore:local_prefills_total",
+             "edgecore:peer_pull_bytes_total", "edgecore:peer_pull_tokens_total")
     out: dict[str, float] = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
         for name in names:
@@ -191,10 +194,10 @@ def pct(values: list[float], q: float) -> float | None:
 def run_config(name: str, flags: list[str], args: argparse.Namespace, sessions: list[Session], tok: Tokenizer,
                work: Path) -> dict:
     ports = {n: 19300 + i for i, n in enumerate(("core-a", "core-a-http", "core-b", "core-b-http", "edge-west",
-                                                 "edge-east"))}
+                                                 "edge-east", "edge-west-peer", "edge-east-peer"))}
     path = work / name / "topology.toml"
     path.parent.mkdir(parents=True)
-    path.write_text(topology_text(args.model, ports, near_ms=10.0, far_ms=40.0))
+    path.write_text(topology_text(args.model, ports, near_ms=10.0, far_ms=40.0, peers=name in PEER_PULL))
     topo = load_topology(path)
     extra = {e: [f.format(tier=work / name / f"tier-{e}") for f in flags] + ["--kv-blocks", str(args.edge_blocks)]
              for e in ("edge-west", "edge-east")}
@@ -257,7 +260,10 @@ def summarize(name: str, turns: list[Turn], moved: dict[str, float], took: float
         "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
         "prefill_tokens_per_request": round(sum(t.prompt_tokens - t.cached for t in ok) / max(1, len(ok)), 1),
         "prompt_tokens_per_request": round(sum(t.prompt_tokens for t in ok) / max(1, len(ok)), 1),
-        "kv_bytes_received": int(moved["edgecore:kv_bytes_received_total"]),
+        "kv_bytes_received": int(moved["edgecore:kv_bytes_received_total"]),     # from cores
+        "peer_pull_bytes": int(moved["edgecore:peer_pull_bytes_total"]),          # from the other edge
+        "peer_pull_tokens": int(moved["edgecore:peer_pull_tokens_total"]),
+        "link_kv_bytes": int(moved["edgecore:kv_bytes_received_total"] + moved["edgecore:peer_pull_bytes_total"]),
         "remote_prefills": int(moved["edgecore:remote_prefills_total"]),
         "local_prefills": int(moved["edgecore:local_prefills_total"]),
         "reusable_tokens": reusable, "cached_tokens": cached,
@@ -324,9 +330,9 @@ def main() -> None:
                      f"{r['after_restart']}")
     a, c = results.get("a_rtt"), results.get("c_tier_prefix")
     ratios = {}
-    if a and c and c["ttft_p50_s"] and c["kv_bytes_received"]:
+    if a and c and c["ttft_p50_s"] and c["link_kv_bytes"]:
         ratios = {"ttft_p50_a_over_c": round(a["ttft_p50_s"] / c["ttft_p50_s"], 2),
-                  "kv_bytes_a_over_c": round(a["kv_bytes_received"] / max(1, c["kv_bytes_received"]), 2)}
+                  "kv_bytes_a_over_c": round(a["link_kv_bytes"] / max(1, c["link_kv_bytes"]), 2)}
     plotted = plot(results, RESULTS / f"{args.name}.png")
     emit(args.name, "ttft_p50_a_over_c", ratios.get("ttft_p50_a_over_c"), **ratios, sessions=args.sessions,
          seed=args.seed, edge_blocks=args.edge_blocks, core_blocks=args.core_blocks, plot=plotted,

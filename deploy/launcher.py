@@ -222,8 +222,10 @@ class Launcher:
         used: dict[tuple[str, int], str] = {}
         nodes: tuple[TopologyCore | TopologyEdge, ...] = (*self.topology.cores, *self.topology.edges)
         for node in nodes:
-            ports = (node.port, node.http_port) if isinstance(node, TopologyCore) else (node.port,)
+            ports = (node.port, node.http_port) if isinstance(node, TopologyCore) else (node.port, node.peer_port)
             for port in ports:
+                if port is None:
+                    continue
                 key = (node.region if self.emulate_wan else "", port)
                 if key in used:
                     raise EdgecoreError(f"port {port} is used by both {used[key]} and {node.name}, which would "
@@ -267,8 +269,12 @@ class Launcher:
             for core in topo.cores_for(edge.region):
                 target = self.wan.core_address(edge.region, core) if self.wan else addr[core.name]
                 cores.append(f"{target[0]}:{target[1]}")
+            peers = [self.wan.peer_address(edge.region, p) if self.wan else ("127.0.0.1", p.peer_port)
+                     for p in topo.peers_for(edge)]
+            serve = f"{'0.0.0.0' if self.wan else host}:{edge.peer_port}" if edge.peer_port is not None else None
             edge_args = replace(edge_settings(topo, edge), model=topo.model, listen=f"{host}:{edge.port}",
-                                core=tuple(cores), secret_file=auth.secret_file if cores else None,
+                                core=tuple(cores), peer=tuple(f"{h}:{p}" for h, p in peers), peer_listen=serve,
+                                secret_file=auth.secret_file if cores or peers or serve else None,
                                 credential=auth.credential(edge.name), authority=auth.authority,
                                 revocations=auth.revocations, api_key_file=topo.api_keys_file)
             cert, key = self._certificate(edge.name, host)

@@ -42,9 +42,12 @@ FLAT = 0.05             # "flat": within 5%
 CALIBRATE_CLIENTS = 8
 
 
-def topology_text(model: str, ports: dict[str, int], near_ms: float = 10.0, far_ms: float = 30.0) -> str:
+def topology_text(model: str, ports: dict[str, int], near_ms: float = 10.0, far_ms: float = 30.0,
+                  peers: bool = False) -> str:
     """The soak's topology: cores core-a (dc1) and core-b (dc2), edges edge-west and edge-east; west is near
-    dc1 and far from dc2, east the other way round."""
+    dc1 and far from dc2, east the other way round. `peers`: the edges serve each other cached KV (ports
+    `edge-west-peer`, `edge-east-peer`) over a west-east link as far as the far cores."""
+    serve = {e: f"peer_port = {ports[e + '-peer']}\n" if peers else "" for e in ("edge-west", "edge-east")}
     links = "".join(f"""
 [[links]]
 from = "{edge}"
@@ -53,6 +56,14 @@ delay_ms = {near_ms if near else far_ms}
 bandwidth_mbit = {LINK_MBIT}
 """ for edge, dc, near in (("west", "dc1", True), ("west", "dc2", False), ("east", "dc1", False),
                            ("east", "dc2", True)))
+    if peers:
+        links += f"""
+[[links]]
+from = "west"
+to = "east"
+delay_ms = {far_ms}
+bandwidth_mbit = {LINK_MBIT}
+"""
     return f"""[model]
 path = "{model}"
 [[regions.dc1.cores]]
@@ -69,11 +80,11 @@ drain_timeout = 20.0
 name = "edge-west"
 port = {ports['edge-west']}
 drain_timeout = 20.0
-[[regions.east.edges]]
+{serve['edge-west']}[[regions.east.edges]]
 name = "edge-east"
 port = {ports['edge-east']}
 drain_timeout = 20.0
-{links}"""
+{serve['edge-east']}{links}"""
 
 
 def soak_prompts(model: str, count: int = 40) -> list[list[int]]:

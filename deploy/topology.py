@@ -86,6 +86,8 @@ class EdgeSpec(_Spec, frozen=True):
     compile: bool = False           # `edgecore edge --compile`: the decode step through torch.compile
     drain_timeout: Annotated[float, Meta(ge=0, le=86400)] = 30.0     # `--drain-timeout`: SIGTERM lets streams finish
     otlp_endpoint: OtlpUrl | None = None     # `--otlp-endpoint`: OpenTelemetry traces to this collector
+    peer_port: Port | None = None   # `--peer-listen`: serve cached KV here to the edges of this and linked regions,
+                                    # which pull from it (`--peer`); `edgecore up` only (not rendered for Kubernetes)
     resources: Resources = msgspec.field(default_factory=lambda: Resources(memory="4Gi"))
 
 
@@ -234,6 +236,15 @@ class Topology:
             link = self.link(region, core.region)
             return link.delay_ms if link else float("inf")
         return sorted((c for c in self.cores if delay(c) != float("inf")), key=delay)
+
+    def peers_for(self, edge: TopologyEdge) -> list[TopologyEdge]:
+        """The other edges serving cached KV (`peer_port`) that `edge` may pull from: in its region or a linked one,
+        nearest first."""
+        def delay(peer: TopologyEdge) -> float:
+            link = self.link(edge.region, peer.region)
+            return 0.0 if peer.region == edge.region else link.delay_ms if link else float("inf")
+        return sorted((p for p in self.edges if p is not edge and p.peer_port is not None and delay(p) != float("inf")),
+                      key=delay)
 
     @property
     def bundled_model(self) -> bool:

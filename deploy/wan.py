@@ -10,7 +10,8 @@ Life cycle: `setup()` first removes leftovers of an earlier run (namespaces
   and an nftables rule dropping `loss_pct` of the packets leaving either end;
 - per (edge region, linked core) a delay/jitter relay (`edgecore wan-relay`)
   inside the edge's namespace, listening on 127.0.0.1 and forwarding over the
-  link (this kernel has no netem, so delay and jitter are added in userspace).
+  link (this kernel has no netem, so delay and jitter are added in userspace);
+  the same per (edge region, peer edge of a linked region serving cached KV).
 `teardown()` stops the relays and deletes the namespaces (and with them every
 interface and rule). `cut(a, b)` takes a link down (`up=True` back up); `set_bandwidth(a, b, mbit)`
 changes its cap (faults of `bench/soak.py`).
@@ -24,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from edgecore.deploy.topology import TopologyCore, Topology
+from edgecore.deploy.topology import TopologyCore, TopologyEdge, Topology
 from edgecore.shared.errors import ConfigError
 
 PREFIX = "ec-"
@@ -116,6 +117,27 @@ class WanEmulation:
                 port = 17000 + 100 * self.index[edge.region] + len(self.relays)
                 self._relay(edge.region, port, f"{core_ip}:{core.port}", route.delay_ms, route.jitter_ms)
                 self.relays[(edge.region, core.name)] = port
+            for peer in self.topo.peers_for(edge):
+                if peer.region != edge.region and (edge.region, peer.name) not in self.relays:
+                    assert peer.peer_port is not None                 # peers_for lists serving edges only
+                    self._relay_to(edge.region, peer.region, peer.name, peer.peer_port)
+
+    def _relay_to(self, region: str, far: str, name: str, target_port: int) -> None:
+        """A relay in `region` to node `name` of the linked region `far`, listening on `target_port` there."""
+        route = self.topo.link(region, far)
+        assert route is not None
+        _, _, l = self.link_ifaces(region, far)
+        ip = f"10.214.{l}.1" if self.topo.links[l].a == far else f"10.214.{l}.2"
+        port = 17000 + 100 * self.index[region] + len(self.relays)
+        self._relay(region, port, f"{ip}:{target_port}", route.delay_ms, route.jitter_ms)
+        self.relays[(region, name)] = port
+
+    def peer_address(self, edge_region: str, peer: TopologyEdge) -> tuple[str, int]:
+        """Where an edge of `edge_region` reaches a peer edge's `peer_port` (its relay, or the region's loopback)."""
+        assert peer.peer_port is not None
+        if peer.region == edge_region:
+            return "127.0.0.1", peer.peer_port
+        return "127.0.0.1", self.relays[(edge_region, peer.name)]
 
     @staticmethod
     def _tbf(ns: str, iface: str, mbit: float) -> None:

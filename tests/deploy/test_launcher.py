@@ -165,3 +165,31 @@ def test_up_has_a_shared_secret_switch():
     assert args.shared_secret and not build_parser().parse_args(["up"]).shared_secret
     up = build_parser()._subparsers._group_actions[0].choices["up"].format_help()
     assert "shared-secret mode, for a quick local run" in " ".join(up.split())
+
+
+def test_edges_with_a_peer_port_serve_each_other_cached_kv(tmp_path, monkeypatch):
+    """`peer_port`: the edge serves cached KV there (`--peer-listen`); the edges of its own and linked regions pull
+    from it (`--peer`), an edge of an unlinked region does not; the ports are checked like the others."""
+    import pytest
+
+    from edgecore.shared.errors import EdgecoreError
+    text = ('[[regions.dc.cores]]\nname = "core-dc"\n'
+            '[[regions.west.edges]]\nname = "edge-west"\npeer_port = 7300\n'
+            '[[regions.west.edges]]\nname = "edge-west-2"\nport = 8002\n'
+            '[[regions.east.edges]]\nname = "edge-east"\nport = 8001\npeer_port = 7301\n'
+            '[[regions.lone.edges]]\nname = "edge-lone"\nport = 8003\n'
+            '[[links]]\nfrom = "west"\nto = "dc"\ndelay_ms = 5\n'
+            '[[links]]\nfrom = "west"\nto = "east"\ndelay_ms = 20\n')
+    launcher, spawned, _ = started(tmp_path, monkeypatch, text)
+    try:
+        west, west2 = spawned["west/edge-west"], spawned["west/edge-west-2"]
+        east, lone = spawned["east/edge-east"], spawned["lone/edge-lone"]
+        assert (west.peer_listen, west.peer) == ("127.0.0.1:7300", ["127.0.0.1:7301"])
+        assert (west2.peer_listen, west2.peer) == (None, ["127.0.0.1:7300", "127.0.0.1:7301"])   # nearest first
+        assert (east.peer_listen, east.peer) == ("127.0.0.1:7301", ["127.0.0.1:7300"])
+        assert (lone.peer_listen, lone.peer) == (None, [])
+        assert east.credential and lone.credential
+    finally:
+        launcher.tmp.cleanup()
+    with pytest.raises(EdgecoreError, match="port 8003 is used by both edge-east and edge-lone"):
+        started(tmp_path, monkeypatch, text.replace("peer_port = 7301", "peer_port = 8003"))
