@@ -176,6 +176,10 @@ def scrape(url: str) -> dict[str, float]:
         for name in names:
             if line.startswith(name):
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        if line.startswith("edgecore:peer_pulls_total{"):          # by outcome: pulled, partial, failed, slower
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            key = f"peer_pulls_{outcome}"
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     stats = json.loads(urllib.request.urlopen(f"{base}/stats", timeout=10).read())
     for key in ("prefix_cache_hit_tokens", "tier_hit_blocks", "tier_read_bytes", "tier_read_seconds"):
         out[key] = float(stats.get(key, 0) or 0)
@@ -264,6 +268,7 @@ def summarize(name: str, turns: list[Turn], moved: dict[str, float], took: float
         "peer_pull_bytes": int(moved["edgecore:peer_pull_bytes_total"]),          # from the other edge
         "peer_pull_tokens": int(moved["edgecore:peer_pull_tokens_total"]),
         "link_kv_bytes": int(moved["edgecore:kv_bytes_received_total"] + moved["edgecore:peer_pull_bytes_total"]),
+        "peer_pulls": {k.removeprefix("peer_pulls_"): int(v) for k, v in moved.items() if k.startswith("peer_pulls_")},
         "remote_prefills": int(moved["edgecore:remote_prefills_total"]),
         "local_prefills": int(moved["edgecore:local_prefills_total"]),
         "reusable_tokens": reusable, "cached_tokens": cached,

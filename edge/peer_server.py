@@ -11,7 +11,8 @@ edge checks that this one does too (protocol/state.py `server_role`). Each conne
    KVChunk with the asked codec on the encoder threads, sends them in order (each send waits for the socket,
    so a slow or stalled puller holds one window at most and is dropped after the idle timeout), then
    BlockPullDone with the count. Nothing is computed: a block evicted meanwhile ends the run.
-3. Cancel stops that pull; a closed connection stops all of its pulls.
+3. Cancel stops that pull; a closed connection stops all of its pulls. A PrefillRequest (an edge whose --core
+   names this port) is answered with an Error for that request: it fails over as from a core that refused it.
 Bounds: at most MAX_PULLS pulls in flight per connection (one more is answered Error OVERLOADED); a BlockPull
 with another block size, more than DIGEST_MAX_HASHES hashes or a codec not negotiated is answered with an Error
 naming it, and the connection goes on. Blocks of an MLA pool are not served (the capability is not listed).
@@ -34,7 +35,6 @@ from edgecore.protocol import messages as m
 from edgecore.protocol.credentials import NodeIdentity, Trust
 from edgecore.protocol.errors import ErrorCode
 from edgecore.protocol.kv import encode_chunk
-from edgecore.protocol.state import KVData
 from edgecore.protocol.transport import Peer, PeerError, Timeouts, serve
 from edgecore.shared.engine.engine_thread import EngineThread
 from edgecore.shared.kv.wire import to_bits
@@ -122,8 +122,9 @@ class PeerServer:
                     task = session.pulls.pop(msg.request_id, None)
                     if task is not None:
                         task.cancel()
-                elif not isinstance(msg, (m.Ping, m.Pong, m.Error, KVData)):
-                    log.info("peer %s sent %s, which an edge does not serve", peer.peername, type(msg).__name__)
+                elif isinstance(msg, m.PrefillRequest):       # (an edge's --core pointed here)
+                    await peer.send(m.Error(int(ErrorCode.BAD_REQUEST), "this is an edge serving cached KV to its "
+                                            "peers: it prefills nothing for them", msg.request_id))
         finally:
             self.sessions.remove(session)
             writer.cancel()

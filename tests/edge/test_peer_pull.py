@@ -118,3 +118,23 @@ def test_block_pulls_go_only_to_a_server_that_lists_the_capability():
     conn.peer_capabilities = list(m.CAPABILITIES)               # a core: no "block-pull"
     with pytest.raises(LocalProtocolError):
         conn._send(m.BlockPull("r", 16, b"\0" * 8))
+
+
+async def test_a_prefill_request_to_a_peer_port_is_refused_for_that_request(pair):
+    """An edge whose --core names a peer port by mistake: its request gets an Error (it fails over), the connection
+    stays up, and a bad BlockPull is refused the same way."""
+    from edgecore.protocol.transport import connect
+    a, _ = pair
+    peer = await connect("127.0.0.1", a.peer_server.port, secret=SECRET, fingerprint=a.fingerprint,
+                         codecs=["lossless"])
+    try:
+        await peer.send(m.PrefillRequest("r1", [1, 2, 3]))
+        reply = await peer.recv(timeout=10)
+        assert isinstance(reply, m.Error) and reply.request_id == "r1" and "prefills nothing" in reply.message
+        await peer.send(m.BlockPull("p1", 8, b"\0" * 8))             # another block size
+        reply = await peer.recv(timeout=10)
+        while isinstance(reply, m.CacheDigest):
+            reply = await peer.recv(timeout=10)
+        assert isinstance(reply, m.Error) and reply.request_id == "p1" and "block size 8" in reply.message
+    finally:
+        await peer.close()
