@@ -32,22 +32,26 @@ SUFFIX = 16
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
-def synthetic_config() -> ModelConfig:
-    return ModelConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 4096, "hidden_size": 768, "intermediate_size": 2048,
-        "num_hidden_layers": 6, "num_attention_heads": 12, "num_key_value_heads": 4,
-        "max_position_embeddings": 4096, "tie_word_embeddings": False})
+SYNTHETIC = {"architectures": ["LlamaForCausalLM"], "vocab_size": 4096, "hidden_size": 768, "intermediate_size": 2048,
+             "num_hidden_layers": 6, "num_attention_heads": 12, "num_key_value_heads": 4,
+             "max_position_embeddings": 4096, "tie_word_embeddings": False}     # (bench/peer_pull.py uses it too)
 
 
-def make_engine(kind: str, cache: CacheConfig) -> LLMEngine:
-    if kind == "bundled":
-        return LLMEngine.from_dir(ROOT / "models" / "pydoc-llama", "fp32", "cpu", cache, EngineConfig())
-    config = synthetic_config()
+def synthetic_model() -> tuple[torch.nn.Module, ModelConfig]:
+    """The random-weight Llama of realistic proportions (seed 0: the same weights each call), float32 on CPU."""
+    config = ModelConfig.from_dict(SYNTHETIC)
     torch.manual_seed(0)
     model = build_model(config, torch.float32, "cpu")
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
+    return model, config
+
+
+def make_engine(kind: str, cache: CacheConfig) -> LLMEngine:
+    if kind == "bundled":
+        return LLMEngine.from_dir(ROOT / "models" / "pydoc-llama", "fp32", "cpu", cache, EngineConfig())
+    model, config = synthetic_model()
     return LLMEngine(model, config, None, cache, EngineConfig(), fingerprint="bench-synthetic-llama")
 
 

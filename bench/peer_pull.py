@@ -2,7 +2,7 @@
 edge holds. `bench/peer_pull.py [--prefix 2048] [--prompts 4]`.
 
 One process, three in-process edges of one random-weight Llama of realistic proportions (bench/kv_tier.py's
-`synthetic_config`; the bundled model with `--model bundled`), one torch thread: edge A serves its cached KV to
+`synthetic_model`; the bundled model with `--model bundled`), one torch thread: edge A serves its cached KV to
 peers (`--peer-listen`), edge B pulls from it (`--peer`), edge C has no peer. For each prompt, A prefills
 prefix + suffix (and so caches the prefix); once B has A's digest, B and C each serve prefix + a new suffix, in
 alternating order: B pulls the prefix (loopback link, lossless) and prefills the suffix, C computes everything.
@@ -24,14 +24,13 @@ from pathlib import Path
 import torch
 
 from common import ROOT, emit, progress
-from kv_tier import synthetic_config
+from kv_tier import SYNTHETIC, synthetic_model
 
 from edgecore.edge.core_cache import PromptHashes
 from edgecore.edge.node import EdgeConfig, EdgeNode
 from edgecore.shared.engine.engine import LLMEngine
 from edgecore.shared.engine.sampling_params import SamplingParams
 from edgecore.shared.models.config import CacheConfig, EngineConfig
-from edgecore.shared.models.loader import build_model
 
 SECRET = b"bench-peer-pull-secret-0123456789"
 SUFFIX = 16
@@ -44,18 +43,10 @@ def engine(kind: str, cache: CacheConfig) -> tuple[LLMEngine, str]:
     if kind == "bundled":
         model_dir = str(ROOT / "models" / "pydoc-llama")
         return LLMEngine.from_dir(model_dir, "fp32", "cpu", cache, EngineConfig()), model_dir
-    config = synthetic_config()
-    torch.manual_seed(0)
-    model = build_model(config, torch.float32, "cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
+    model, config = synthetic_model()
     model_dir = Path(tempfile.gettempdir()) / "edgecore-bench-peer-pull-model"
     model_dir.mkdir(exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 4096, "hidden_size": 768, "intermediate_size": 2048,
-        "num_hidden_layers": 6, "num_attention_heads": 12, "num_key_value_heads": 4,
-        "max_position_embeddings": 4096, "tie_word_embeddings": False}))
+    (model_dir / "config.json").write_text(json.dumps(SYNTHETIC))
     from safetensors.torch import save_file      # a header for the fingerprint (the weights are the engine's)
     save_file({"synthetic": torch.zeros(1)}, str(model_dir / "model.safetensors"))
     return LLMEngine(model, config, None, cache, EngineConfig()), str(model_dir)
