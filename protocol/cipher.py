@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -207,11 +208,28 @@ class InPlaceOpen:
             aad = min(len(data), FIXED_SIZE - start)
             self._dec.authenticate_additional_data(bytes(data[:aad]))
             data = data[aad:]
-        if len(data):
-            self._dec.update_into(data, data)
+        n = len(data)
+        if n:
+            # cryptography refuses overlapping input and output (since 51): decrypt into a scratch buffer, then
+            # copy the plaintext back where the ciphertext lay (a memcpy, far cheaper than the AES itself).
+            scratch = _scratch(n + 15)
+            self._dec.update_into(data, scratch)
+            data[:] = scratch[:n]
 
     def verify(self, tag: bytes | memoryview) -> bool:
         return tag_ok(self._dec, tag)
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(n: int) -> memoryview:
+    """A reusable output buffer of at least n bytes, one per thread (each event loop decrypts on its own thread; a
+    buffer is only borrowed for the span of one `update_into` call)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _SCRATCH.buf = memoryview(bytearray(max(n, 2 * len(buf) if buf is not None else n)))
+    return buf[:n]
 
 
 def tag_ok(dec: AEADDecryptionContext, tag: bytes | memoryview) -> bool:
