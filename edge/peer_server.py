@@ -63,12 +63,13 @@ class _DigestBox:
         return any(i is item for i in self.items)
 
     async def run(self) -> None:
-        while True:
-            await self.ready.wait()
-            self.ready.clear()
-            while self.items:
-                await self.peer.send(self.items[0])
-                self.items.popleft()
+        with contextlib.suppress(PeerError):          # (the connection is gone: its reader ends the session)
+            while True:
+                await self.ready.wait()
+                self.ready.clear()
+                while self.items:
+                    await self.peer.send(self.items[0])
+                    self.items.popleft()
 
 
 @dataclass(eq=False)
