@@ -5,7 +5,9 @@ each, opens the target and pumps both directions through a `Link`: every read
 is stamped with the time its last bit would leave a link of `bandwidth_bps`
 (serialization, FIFO) plus the propagation delay (± uniform jitter, never
 reordering), and is written when that time comes. The bytes not yet serialized
-(a router's queue) are at most `buffer_bytes`: beyond it the reader stops
+(a router's queue) are at most `buffer_bytes`, counting what the relay's own
+kernel holds unread (a capped link's socket gets a small receive buffer,
+`kernel_share`, and the relay's queue the rest): beyond it the reader stops
 reading, so TCP back-pressure reaches the sender; bytes being propagated take no
 queue space (a link's bandwidth-delay product is not limited by its buffer). Packet loss is
 not emulated here (nftables does that under `--emulate-wan`).
@@ -73,9 +75,17 @@ class _Queue:
         self._room.set()
 
 
+def kernel_share(spec: LinkSpec) -> int:
+    """The receive buffer asked of a capped link's socket (SO_RCVBUF): a sixteenth of the link's buffer, 4 KiB to
+    256 KiB. Linux doubles what is asked and holds up to about that much unread (measured: 64 KiB asked, 125 KB
+    held), so the relay's own queue gets `buffer_bytes` less twice this: together they are the router's queue."""
+    return min(256 * 1024, max(4096, spec.buffer_bytes // 16))
+
+
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Link) -> None:
     queue: asyncio.Queue = asyncio.Queue()
-    held = _Queue(link.spec.buffer_bytes)
+    capped = link.spec.bandwidth_mbit is not None
+    held = _Queue(link.spec.buffer_bytes - 2 * kernel_share(link.spec) if capped else link.spec.buffer_bytes)
     loop = asyncio.get_running_loop()
 
     async def feed() -> None:
@@ -114,12 +124,41 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link
 
 
 def _cap_receive_buffer(writer: asyncio.StreamWriter, spec: LinkSpec) -> None:
-    """A capped link's bytes wait in its own `buffer_bytes`, not in an autotuned kernel receive buffer in front
-    of it (which would let a sender put megabytes "on the link" ahead of their time)."""
+    """A capped link's bytes wait in its `buffer_bytes`, not in an autotuned kernel receive buffer in front of it
+    (which would let a sender put megabytes "on the link" ahead of their time): the socket's share is small."""
     sock = writer.get_extra_info("socket")
     if spec.bandwidth_mbit and sock is not None:
         with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, spec.buffer_bytes)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, kernel_share(spec))
+
+
+WAN_MSS = 1448     # a WAN path's TCP segment (1500-byte MTU less IP and TCP headers with timestamps)
+
+
+def _wan_segments(sock: socket.socket, spec: LinkSpec) -> None:
+    """A capped link's sockets take WAN-sized segments: with loopback's 64 KiB segments a receive window of a few
+    KiB is less than one segment, and the sender waits for persist timers (the link stalls for seconds)."""
+    if spec.bandwidth_mbit:
+        with contextlib.suppress(OSError, AttributeError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, WAN_MSS)
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, kernel_share(spec))
+
+
+async def _open(target: tuple[str, int], spec: LinkSpec) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the target whose receive side feeds the link `spec` (segment size and receive buffer set
+    before the handshake, which fixes the window's scale)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(*target, type=socket.SOCK_STREAM)
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    _wan_segments(sock, spec)
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, addr)
+    except BaseException:
+        sock.close()
+        raise
+    return await asyncio.open_connection(sock=sock)
 
 
 class WanRelay:
@@ -135,12 +174,11 @@ class WanRelay:
                 writer.close()
                 return
             try:
-                up_reader, up_writer = await asyncio.open_connection(*target)
+                up_reader, up_writer = await _open(target, self.reverse)     # its reads feed the target → client link
             except OSError:
                 writer.close()
                 return
             _cap_receive_buffer(writer, self.spec)           # feeds the client → target link
-            _cap_receive_buffer(up_writer, self.reverse)     # feeds the target → client link
             task = asyncio.current_task()
             assert task is not None                          # a connection callback runs in its own task
             self.connections.add(task)
@@ -153,7 +191,11 @@ class WanRelay:
             finally:
                 self.connections.discard(task)
 
-        self.server = await asyncio.start_server(on_conn, *listen)
+        lsock = socket.socket(socket.AF_INET6 if ":" in listen[0] else socket.AF_INET)
+        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        _wan_segments(lsock, self.spec)
+        lsock.bind(listen)
+        self.server = await asyncio.start_server(on_conn, sock=lsock)
         return self.server.sockets[0].getsockname()[1]
 
     def cut_link(self) -> None:
