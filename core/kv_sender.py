@@ -53,6 +53,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from edgecore.core.outbox import Outbox, pieces
+from edgecore.core.pacer import Pacer
 from edgecore.core.transfer import KVSend, Outgoing, Transfer, TransferState
 from edgecore.protocol.events import KVData
 from edgecore.protocol.kv import SMALL_CHUNK_BYTES, encode_chunk
@@ -193,109 +194,6 @@ class Source(Protocol):
     async def get(self) -> Outgoing: ...
 
 
-# ---- pacing: KV leaves at the link's rate, so nothing queues in front of a latency-critical frame ------------
-PIECE_SECONDS = 0.004             # a paced KV frame lasts about this long on the link
-# Frames are cut only as small as the link needs (each chunk carries its own codec parameters, so smaller frames
-# cost bytes): 4 ms of a fast link is a large frame; before a measurement, the size handover pieces always had.
-PIECE_MIN, PIECE_MAX = 16 * 1024, 1024 * 1024
-UNPACED_PIECE = 128 * 1024        # before the link's rate is known
-GAIN = 0.95                       # KV is paced at this share of the measured link rate
-SAMPLE_SECONDS = 0.1              # a rate sample: this long with bytes waiting to be sent all along,
-SAMPLE_BYTES = 128 * 1024         # and at least this much out (a relay or router takes bytes in bursts)
-STARTUP_DRAIN_MAX = 0.25          # the longest pause for the queue a burst's unpaced start filled
-IDLE_RESTART = 1.0                # KV idle this long: the next burst measures the link again
-REDRAIN_SECONDS = 0.05            # the link turned out slower than paced: pause this long for its queue
-
-
-class Pacer:
-    """One KV-carrying connection's pacing (docs/wire-format.md §5a, "Latency-critical frames").
-
-    KV frames are written only while this side's unsent bytes (the transport's buffer and the kernel's
-    not-sent backlog, `Peer.unsent`) are below two frames. The link's rate is measured where it shows: over a
-    span of `SAMPLE_SECONDS` in which bytes waited to be sent at every look (the path's queue was full, so
-    what left this host is what the link carried). Until a burst of KV has a measurement it goes unpaced
-    (bounded only), filling the path's queue; from the first one on, the pacer runs a model of the link's
-    serialization clock (`free_at`, started where the burst started, so the bytes that filled the queue are
-    counted and the pacer pauses until they are through) at `GAIN` of the rate, and writes a frame only once
-    the modelled link is free. A sample while paced (the link got slower) re-measures and pauses
-    `REDRAIN_SECONDS`; a burst after `IDLE_RESTART` seconds idle measures again (the link may be faster). A
-    frame is `PIECE_SECONDS` of link time, so a latency-critical frame (sent between any two) waits for one
-    frame and for no queue."""
-
-    def __init__(self, peer: Peer) -> None:
-        self.peer = peer
-        self.enabled = True                 # False: frames cut and the backlog bounded, but never paced
-        self.link: float | None = None      # measured link rate (wire bytes/s)
-        self.rate: float | None = None      # the pacing rate; None: this burst is not paced (yet)
-        self.written = 0                    # KV wire bytes written
-        self.free_at = 0.0                  # when the modelled link has carried every byte written
-        self.samples = 0
-        self._burst_at, self._burst_out = 0.0, 0       # the burst's start: time, bytes out
-        self._last_write = -1e9
-        self._window: tuple[float, int] | None = None  # a sample's start (time, bytes out), while backlogged
-
-    @property
-    def piece_bytes(self) -> int:
-        if self.link is None:
-            return UNPACED_PIECE
-        return int(min(PIECE_MAX, max(PIECE_MIN, self.link * PIECE_SECONDS)))
-
-    async def wait(self, outbox: Outbox) -> bool:
-        """Wait until a KV frame may be written (True), or an urgent item is queued (False: send it first)."""
-        now = time.monotonic()
-        if now - self._last_write > IDLE_RESTART:          # a new burst
-            self.rate, self._window = None, None
-            self._burst_at, self._burst_out = now, self.written - self.peer.unsent()
-        while True:
-            if outbox.has_urgent():
-                return False
-            unsent = self.peer.unsent()
-            now = time.monotonic()
-            self._measure(now, unsent)
-            if unsent > 2 * self.piece_bytes:
-                await outbox.wait_urgent(0.002)
-            elif self.rate is not None and self.free_at > now:
-                await outbox.wait_urgent(self.free_at - now)
-            else:
-                return True
-
-    def idle(self) -> None:
-        """The sender has nothing to send: a span that includes this wait is no sample of the link."""
-        self._window = None
-
-    def sent(self, nbytes: int) -> None:
-        now = self._last_write = time.monotonic()
-        self.written += nbytes
-        if self.rate is not None:
-            self.free_at = max(self.free_at, now) + nbytes / self.rate
-
-    def _measure(self, now: float, unsent: int) -> None:
-        """A rate sample from a span in which bytes waited at every look (the caller looks before each write
-        and every few milliseconds while it waits)."""
-        out = self.written - unsent
-        # Unpaced, a span with KV always at hand measures the link (what the path took); paced, only one with bytes
-        # waiting at every look does (the link is slower than the pacing).
-        if self._window is None or (self.rate is not None and unsent <= 0):
-            self._window = (now, out) if unsent > 0 or self.rate is None else None
-            return
-        if self._window is None:
-            self._window = (now, out)
-            return
-        began, out0 = self._window
-        if now - began < SAMPLE_SECONDS or out - out0 < SAMPLE_BYTES:
-            return
-        self.link = (out - out0) / (now - began)
-        self.samples += 1
-        self._window = (now, out)
-        if not self.enabled or self.link <= 0:
-            return
-        if self.rate is None:        # the burst's first: the modelled link starts where the burst did
-            self.free_at = min(self._burst_at + (out - self._burst_out) / self.link, now + STARTUP_DRAIN_MAX)
-        else:                        # slower than paced: its queue is full
-            self.free_at = max(self.free_at, now + REDRAIN_SECONDS)
-        self.rate = GAIN * self.link
-
-
 async def _send_piece(outbox: Source, peer: Peer, pacer: Pacer | None, data: KVData) -> None:
     """Write one encoded KV frame: with a pacer, once it allows, sending every urgent item queued first."""
     if pacer is not None and isinstance(outbox, Outbox):
@@ -321,7 +219,7 @@ async def send_queued(queue: Source, peer: Peer, encoder_pool: Executor, dtype_n
     try:
         while True:
             if pacer is not None and isinstance(queue, Outbox) and queue.empty():
-                pacer.idle()
+                await pacer.idle()
             item = await queue.get()
             if not isinstance(item, KVSend):
                 await peer.send(item)

@@ -53,7 +53,8 @@ import sys
 import time
 from concurrent.futures import Executor
 
-from edgecore.core.kv_sender import LayerSender, Pacer, queue_rest, send_queued
+from edgecore.core.kv_sender import LayerSender, queue_rest, send_queued
+from edgecore.core.pacer import Pacer
 from edgecore.core.metrics import CoreMetrics
 from edgecore.core.outbox import Outbox
 from edgecore.core.transfer import HandoverLimits, Transfer, TransferState
@@ -81,18 +82,18 @@ PIECE_BYTES = 128 * 1024      # KV frame size of a request whose tokens go ahead
 
 def bound_write_path(peer: Peer) -> Pacer | None:
     """A version-3 connection's write path, below its outbox: asyncio's buffer and the kernel's unsent bytes
-    kept small, KV cut into frames at send time (a `Pacer` that does not pace, by default), so urgent frames pass
-    between any two (docs/wire-format.md §5a, "Latency-critical frames"). Its sender passes the pacer to
-    `send_queued`. `EDGECORE_KV_PACING` (for the measurements that chose this): "bounded" (the default),
-    "paced" (KV also paced at the measured link rate: it under-used a shaped link, 9.6 of 16 Mbit/s) or
-    "off" (the kernel's backlog bounded only, as before)."""
+    kept small, KV cut into frames at send time and paced at the rate the edge reports receiving it (core/pacer.py),
+    so urgent frames pass between any two and find no queue on the path (docs/wire-format.md §5a, "Latency-critical
+    frames"). Its sender passes the pacer to `send_queued`. `EDGECORE_KV_PACING` (for the measurements that chose
+    this): "paced" (the default), "bounded" (frames cut and the unsent bytes bounded, never paced: it fills the
+    path's queue) or "off" (the kernel's backlog bounded only, as before)."""
     _limit_unsent(peer.transport)
     mode = kv_pacing_mode()
     if mode == "off":
         return None
     peer.limit_write_buffer(WRITE_BUFFER)
     pacer = Pacer(peer)
-    pacer.enabled = mode != "bounded"
+    pacer.enabled = mode == "paced"
     return pacer
 
 

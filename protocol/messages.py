@@ -228,6 +228,10 @@ class Ping(_Msg, tag=11, frozen=True):
 class Pong(_Msg, tag=12, frozen=True):
     nonce: int
     load: int = 0                      # sender's queued + running requests
+    # What the sender's kernel had received on this connection (bytes, since it opened) when it read the Ping, and
+    # when (its own monotonic clock, µs); 0, 0: unknown. The Ping's sender paces its KV by them (core/pacer.py).
+    received: int = 0
+    at_us: int = 0
 
 
 Message = (Hello | Welcome | Auth | AuthOk | PrefillRequest | KVChunk | PrefillDone | Ack | Cancel | Error

@@ -1,22 +1,18 @@
 """asyncio transport for the sans-IO connection: the only module here that does I/O.
 
-Life cycle: `connect()` (edge) or `serve()` (core) opens a TCP (optionally TLS
-or mutual-TLS) stream, runs the handshake under `handshake_timeout`, and
-yields a `Peer`. A `Peer` moves bytes only: `send()` writes the frame buffers
-with `writelines` and awaits `drain()` (back-pressure) for at most `idle_timeout` (a peer that stops
-reading is dropped, its buffers with it), `recv()` reads until
-the state machine yields an event, answers Pings itself, and fails with
-`PeerError` when the peer sends a connection-level Error or a read stalls past
-`idle_timeout`. Received bytes go straight from the socket into the frame
-parser's buffer (an asyncio BufferedProtocol), so a large KV payload is
-received in place and never copied again. Any protocol violation makes this side send an Error frame
-and close. A frame that fails its MAC in READY is answered with `Reject` (not surfaced); a `Reject`
-from the peer is resolved by `FrameRejected.recovery()`: resend, tell the peer which request failed,
-or hand this side an Error for just that request (events.py). A heartbeat task pings an idle link
-so half-open connections are found. Servers bind 127.0.0.1 unless told otherwise. The transport
-uses only the Connection's methods (buffers, events, close), never its parser or state.
+Life cycle: `connect()` (edge) or `serve()` (core) opens a TCP (optionally TLS or mutual-TLS) stream, runs the
+handshake under `handshake_timeout`, and yields a `Peer`. A `Peer` moves bytes only: `send()` writes the frame
+buffers with `writelines` and awaits `drain()` (back-pressure) for at most `idle_timeout` (a peer that stops
+reading is dropped, its buffers with it), `recv()` reads until the state machine yields an event, answers Pings
+itself (the Pong carries this side's received-byte count, for the peer's pacer), and fails with `PeerError` when
+the peer sends a connection-level Error or a read stalls past `idle_timeout`. Received bytes go straight from the
+socket into the frame parser's buffer (an asyncio BufferedProtocol), so a large KV payload is received in place
+and never copied again. Any protocol violation makes this side send an Error frame and close. A frame that fails
+its MAC in READY is answered with `Reject` (not surfaced); a `Reject` from the peer is resolved by
+`FrameRejected.recovery()`: resend, tell the peer which request failed, or hand this side an Error for just that
+request (events.py). A heartbeat task pings an idle link so half-open connections are found. Servers bind
+127.0.0.1 unless told otherwise. The transport uses only the Connection's methods, never its parser or state.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -28,6 +24,7 @@ import ssl as ssl_module
 import sys
 import time
 import typing
+from collections import deque
 from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
 
@@ -158,6 +155,11 @@ class Peer:
         self.rtt: float | None = None
         self.last_received = time.monotonic()
         self._pings: dict[int, float] = {}
+        self._marks: dict[int, int] = {}         # a ping's nonce: `written` right after it
+        self.written = 0                         # bytes written on the connection by this Peer
+        self._write_log: deque[tuple[float, int]] | None = None
+        # (arrival, the Ping's send time, `written` after it or None, Pong) for a Pong with a byte count (core/pacer.py)
+        self.on_report: Callable[[float, float, int | None, m.Pong], None] | None = None
         self._nonce = itertools.count(1)
         self._heartbeat: asyncio.Task | None = None
         self._unguard: Callable[[], None] | None = None      # stops the revocation watch of this connection
@@ -202,7 +204,7 @@ class Peer:
     async def ping(self) -> None:
         nonce = next(self._nonce)
         self._pings[nonce] = time.monotonic()
-        await self.send(m.Ping(nonce))
+        await self.send(m.Ping(nonce), mark=nonce)
 
     # ---- the write path's bounds (a KV-carrying connection keeps what waits below the outbox small) ----------
     def limit_write_buffer(self, high: int) -> None:
@@ -211,34 +213,60 @@ class Peer:
         with contextlib.suppress(Exception):
             self.transport.set_write_buffer_limits(high=high, low=high // 4)
 
+    def log_writes(self) -> deque[tuple[float, int]]:
+        """From now on, keep (time, `written`) after every write (bounded, the newest last)."""
+        if self._write_log is None:
+            self._write_log = deque(maxlen=4096)
+        return self._write_log
+
+    def _tcp_info(self) -> bytes | None:
+        sock = self.transport.get_extra_info("socket")
+        if _TCP_INFO is None or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return None
+        try:
+            return sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 160)
+        except OSError:
+            return None
+
+    def received_bytes(self) -> int:
+        """Bytes this side's kernel has received here, read or not (TCP_INFO `tcpi_bytes_received`; 0: unknown)."""
+        info = self._tcp_info()
+        if info is None or len(info) < 136:
+            return 0
+        return int.from_bytes(info[128:136], sys.byteorder)
+
     def unsent(self) -> int:
         """Bytes written by this side but not yet sent by the kernel: the transport's buffer plus the socket's
         not-sent backlog (TCP_INFO `tcpi_notsent_bytes`, Linux; elsewhere the transport's buffer only)."""
         pending = self.transport.get_write_buffer_size()
-        sock = self.transport.get_extra_info("socket")
-        if _TCP_INFO is not None and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            with contextlib.suppress(OSError):
-                info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 160)
-                if len(info) >= 148:
-                    pending += int.from_bytes(info[144:148], sys.byteorder)
+        info = self._tcp_info()
+        if info is not None and len(info) >= 148:
+            pending += int.from_bytes(info[144:148], sys.byteorder)
         return pending
 
     async def probe(self) -> int:
         """Send a Ping now (its nonce): `answered(nonce)` then gives the round trip once the Pong is in."""
         nonce = next(self._nonce)
         self._pings[nonce] = time.monotonic()
-        await self.send(m.Ping(nonce))
+        await self.send(m.Ping(nonce), mark=nonce)
         return nonce
 
     def answered(self, nonce: int) -> float | None:
         """The round trip of the probe `nonce` once its Pong came (None while it is outstanding)."""
         return None if nonce in self._pings else self.rtt
 
-    async def send(self, event: m.Message | KVData) -> None:
+    async def send(self, event: m.Message | KVData, mark: int = 0) -> None:
+        """Write one event (`mark`: a ping's nonce, whose `written` after it is remembered), then wait for room."""
         if self.closed or self.stream.closed or not self.conn.usable:
             raise PeerError("connection is closed")
         try:
-            self.transport.writelines(self.conn.send(event))
+            bufs = self.conn.send(event)
+            self.transport.writelines(bufs)
+            self.written += sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in bufs)
+            if self._write_log is not None:
+                self._write_log.append((time.monotonic(), self.written))
+            if mark:
+                self._marks[mark] = self.written
             # A deadline on every drain: a peer that stops reading while it keeps sending (or pinging) must not
             # hold this side's sender, its Pong or its heartbeat for ever. Bytes leaving restart the wait (each
             # drain returns once the buffer is below its low-water mark), so a slow link is not a stalled one.
@@ -281,13 +309,18 @@ class Peer:
                 continue
             self.stream.taken()
             if isinstance(event, m.Ping):
-                await self.send(m.Pong(event.nonce, self.load_fn() if self.load_fn else 0))
+                received, at_us = self.received_bytes(), time.monotonic_ns() // 1000
+                await self.send(m.Pong(event.nonce, self.load_fn() if self.load_fn else 0, received, at_us * (received > 0)))
                 continue
             if isinstance(event, m.Pong):
                 self.peer_load = event.load
                 sent = self._pings.pop(event.nonce, None)
+                mark = self._marks.pop(event.nonce, None)
                 if sent is not None:
-                    self.rtt = time.monotonic() - sent
+                    now = time.monotonic()
+                    self.rtt = now - sent
+                    if self.on_report is not None and event.at_us:
+                        self.on_report(now, sent, mark, event)
                 continue
             if isinstance(event, BadFrame):
                 await self.send(event.reject())

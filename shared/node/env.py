@@ -14,9 +14,9 @@ EDGECORE_PACKED_FROM_ROWS  rows from which a small packed weight's oneDNN layout
 EDGECORE_CPU_MALLOC 0 keeps glibc's default heap thresholds (else see shared/node/malloc.py)
 EDGECORE_LINK_SEALED 0: the core-edge link's frames are authenticated but NOT encrypted (anyone on the wire reads
                     prompts, tokens and KV) — only to measure what encryption costs (bench/link_ttft.py)
-EDGECORE_KV_PACING  how a core writes KV on a version-3 link: bounded (default: buffers bounded, frames cut,
-                    not paced), paced (also paced at the measured rate) or off (only the kernel's backlog
-                    bounded, as before) — for measurement, core/prefill_service.py
+EDGECORE_KV_PACING  how a core writes KV on a version-3 link: paced (default: buffers bounded, frames cut and
+                    paced at the rate the edge reports receiving, core/pacer.py), bounded (not paced) or off
+                    (only the kernel's backlog bounded) — for measurement, core/prefill_service.py
 OPENBLAS_NUM_THREADS numpy's BLAS threads (read by OpenBLAS; the `edgecore` command sets 1 unless given, see
                     deploy/cli.py: the KV codecs' column sums run beside torch's threads)
 """
@@ -119,4 +119,4 @@ def link_sealed() -> bool:
 
 
 def kv_pacing_mode() -> str:
-    return os.environ.get("EDGECORE_KV_PACING", "bounded")
+    return os.environ.get("EDGECORE_KV_PACING", "paced")

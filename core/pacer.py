@@ -1,0 +1,215 @@
+"""A KV-carrying connection's pacing: KV leaves at the rate the edge receives it, so nothing queues on the path
+in front of a latency-critical frame (docs/wire-format.md §5a, "Latency-critical frames").
+
+Life cycle: `bound_write_path` (core/prefill_service.py) gives each version-3 connection one `Pacer`. The
+connection's sender (`send_queued`, core/kv_sender.py) asks `Pacer.wait` before every KV frame (urgent items
+queued meanwhile go first) and tells `Pacer.sent` after it. While KV waits to go, the pacer pings the edge every
+`REPORT_SECONDS`; the edge answers each Ping with a Pong carrying what its kernel has received on this connection
+and when, in its own clock (`Pong.received`, `Pong.at_us`). `LinkModel.report` turns each answer into:
+
+- the link's delivery rate: bytes received over the edge's clock between two readings at least `SAMPLE_SECONDS`
+  apart (the edge's stalls do not distort it: a reading is the kernel's count at the moment it is taken), the
+  largest of the last `SAMPLES` (`bw`);
+- the bytes queued on the path: what this side had written one forward trip before the reading, less what the
+  edge had received (`queue`). The forward trip is found without synchronised clocks: the least (Pong arrival -
+  reading time) is the return trip plus the clocks' offset, the least ping round trip is both trips.
+
+From that the pacer keeps a model of the bottleneck's clock (`free_at`: when it will have carried every byte
+written), re-anchored at every report from the measured queue and replayed over the writes since, and writes the
+next frame only once the modelled queue ahead is under `HEADROOM`. While reports show no queue the model runs at
+`PROBE_GAIN` times the measured rate, so a rate measured too low grows until the path queues; once it queues, at
+the measured rate. Until the first delivery sample (a connection's first KV) and for an edge that sends no
+reports (an older version), KV is only bounded: frames cut, and a new one written only while this side's unsent
+bytes (`Peer.unsent`) are under two frames. `LinkModel` does no I/O: tests drive it with a scripted link.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from edgecore.protocol import messages as m
+from edgecore.protocol.transport import Peer
+
+if TYPE_CHECKING:
+    from edgecore.core.outbox import Outbox
+
+PIECE_SECONDS = 0.004             # a paced KV frame lasts about this long on the link
+# Frames are cut only as small as the link needs (each chunk carries its own codec parameters, so smaller frames
+# cost bytes): 4 ms of a fast link is a large frame; before a measurement, a handover piece's size.
+PIECE_MIN, PIECE_MAX = 16 * 1024, 1024 * 1024
+UNPACED_PIECE = 128 * 1024        # before the link's rate is known (as a handover request's pieces are cut)
+HEADROOM = 0.004                  # a new frame is written once the modelled queue ahead is shorter than this
+PROBE_GAIN = 1.15                 # the model's rate over the measured one while the path shows no queue
+QUEUED_SECONDS = 0.002            # a report's queue longer than this: the link sets the pace
+REPORT_SECONDS = 0.01             # while KV waits to go, a Ping (its Pong is a report) this often
+SAMPLE_SECONDS = 0.1             # a delivery sample spans at least this much of the edge's clock
+SAMPLES = 64                      # the rate is the largest of this many recent samples
+WRITE_LOG = 4096                  # writes remembered (to look up what had been written at a report's time)
+
+
+@dataclass
+class LinkModel:
+    """What the edge's reports say about the path (sans-IO; times in this side's monotonic seconds unless named
+    edge_*). `writes`: (time, bytes written so far) after each write on the connection, oldest first."""
+    writes: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=WRITE_LOG))
+    rtt_min: float = math.inf         # least ping round trip
+    clock: float = math.inf           # least (Pong arrival - the edge's reading time): return trip + clock offset
+    offset: int | None = None         # bytes written here - bytes received there, at the least (see `report`)
+    bw: float | None = None           # delivery rate, bytes/s
+    queue: int = 0                    # bytes queued on the path at the last report
+    queued: bool = False              # the last report found a queue: the link sets the pace
+    free_at: float = 0.0              # when the modelled bottleneck has carried every byte written
+    reports: int = 0
+    reported_at: float = -math.inf    # when the last report arrived
+    ever_queued: bool = False         # some report found a queue
+    idle_at: float = -math.inf        # when this side last had no KV to send (a span since is not the link's)
+    _readings: deque[tuple[float, int, bool, float]] = field(default_factory=deque)  # (edge time, received, queued, here)
+    _samples: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+
+    def rate(self, now: float) -> float | None:
+        """The model's rate: the measured one, times `PROBE_GAIN` while the path shows no queue and the reports are
+        fresh (an edge whose answers are late gets no probe it could not stop)."""
+        if self.bw is None:
+            return None
+        fresh = now - self.reported_at <= self.rtt_min + 2 * REPORT_SECONDS
+        return self.bw if self.queued or not fresh else self.bw * PROBE_GAIN
+
+    def delay(self, now: float) -> float:
+        """Seconds until the next KV frame may be written: until the modelled queue ahead is under `HEADROOM` (0
+        while the rate is unknown: only the unsent bytes bound the writes then)."""
+        if self.bw is None:
+            return 0.0
+        return max(0.0, self.free_at - now - HEADROOM)
+
+    def wrote(self, now: float, nbytes: int) -> None:
+        """A KV frame of `nbytes` was written at `now` (the log itself is the connection's, `writes`)."""
+        rate = self.rate(now)
+        if rate is not None:
+            self.free_at = max(self.free_at, now) + nbytes / rate
+
+    def _since(self, t: float) -> tuple[int, list[tuple[float, int]]]:
+        """(bytes written up to time t, the writes after it, oldest first), scanning back from the newest: a
+        report's time is a forward trip ago, so few writes are later. Before the log's start: its oldest entry."""
+        later: list[tuple[float, int]] = []
+        for entry in reversed(self.writes):
+            if entry[0] <= t:
+                later.reverse()
+                return entry[1], later
+            later.append(entry)
+        later.reverse()
+        return (later[0][1] if later else 0), later[1:]
+
+    def report(self, now: float, ping_sent: float, mark: int | None, received: int, edge_at: float) -> None:
+        """A Pong arrived at `now` for a Ping sent at `ping_sent`: the edge had received `received` bytes at
+        `edge_at` (its clock). `mark`: bytes written here up to and including that Ping (None: unknown)."""
+        self.reports += 1
+        self.reported_at = now
+        self.rtt_min = min(self.rtt_min, now - ping_sent)
+        self.clock = min(self.clock, now - edge_at)
+        # The two byte counts start at different points (the handshake); the edge read its count after the Ping, so
+        # it holds at least everything up to it: mark - received <= offset, with equality when nothing behind the
+        # Ping had arrived yet (an idle link, or one without a queue). The largest such bound is the offset.
+        if mark is not None:
+            self.offset = mark - received if self.offset is None else max(self.offset, mark - received)
+        readings = self._readings
+        if readings and (edge_at <= readings[-1][0] or received < readings[-1][1]):
+            return                   # out of order (cannot happen on one TCP stream, but never trust a peer)
+        # The bytes that had left here one forward trip before the reading and had not arrived are queued.
+        at = edge_at + self.clock - self.rtt_min
+        written_then, later = self._since(at)
+        self.queue = max(0, written_then - self.offset - received) if self.offset is not None else 0
+        # Queued at the reading: what arrives from then on is the link's, while this side keeps KV waiting.
+        readings.append((edge_at, received, self.queue > (self.bw * QUEUED_SECONDS if self.bw else PIECE_MIN),
+                         now))
+        while len(readings) > 2 and edge_at - readings[1][0] >= SAMPLE_SECONDS:
+            readings.popleft()
+        t0, b0, busy, arrived = readings[0]
+        busy = busy and self.idle_at < arrived - self.rtt_min      # no idle moment since (nor just before)
+        if edge_at - t0 >= SAMPLE_SECONDS and received > b0:
+            # A span that began with bytes queued measured the link; one that did not measured this side's pace,
+            # which counts only above the rate known (the probe found more) and never starts an estimate.
+            sample = (received - b0) / (edge_at - t0)
+            if busy or (self.bw is not None and sample > self.bw):
+                self._samples.append(sample)
+                self.bw = max(self._samples)
+        if self.bw is None or self.offset is None:
+            return
+        self.queued = self.queue > self.bw * QUEUED_SECONDS
+        self.ever_queued = self.ever_queued or self.queued
+        rate = self.rate(now)
+        assert rate is not None       # bw is known
+        free, prev = at + self.queue / self.bw, written_then
+        for t, total in later:        # the writes since, through the modelled bottleneck
+            free = max(free, t) + (total - prev) / rate
+            prev = total
+        self.free_at = free
+
+
+class Pacer:
+    """One KV-carrying connection's write path below its outbox (see the module's docstring)."""
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        self.enabled = True                 # False: frames cut and the backlog bounded, but never paced
+        self.model = LinkModel(writes=peer.log_writes())
+        peer.on_report = self._report
+        self.written = 0                    # KV wire bytes written
+        self._last_ping = -math.inf
+
+    @property
+    def link(self) -> float | None:
+        """The measured link rate (bytes/s), once known."""
+        return self.model.bw
+
+    @property
+    def piece_bytes(self) -> int:
+        """A frame lasts `PIECE_SECONDS` of the link, but is cut below `UNPACED_PIECE` only on a link that has
+        queued (the link, not this side or the edge, sets the pace) and would carry that size in over twice as
+        long: a fast link's frames stay as large as a handover's pieces (each frame carries codec parameters)."""
+        bw = self.model.bw
+        if bw is None:
+            return UNPACED_PIECE
+        timed = bw * PIECE_SECONDS
+        if timed >= UNPACED_PIECE / 2 or not self.model.ever_queued:
+            return int(min(PIECE_MAX, max(UNPACED_PIECE, timed)))
+        return int(max(PIECE_MIN, timed))
+
+    def _report(self, now: float, ping_sent: float, mark: int | None, pong: m.Pong) -> None:
+        self.model.report(now, ping_sent, mark, pong.received, pong.at_us / 1e6)
+
+    async def wait(self, outbox: Outbox) -> bool:
+        """Wait until a KV frame may be written (True), or an urgent item is queued (False: send it first)."""
+        while True:
+            if outbox.has_urgent():
+                return False
+            now = time.monotonic()
+            if self.enabled and now - self._last_ping >= REPORT_SECONDS:
+                self._last_ping = now
+                await self.peer.ping()
+                continue
+            if self.peer.unsent() > 2 * self.piece_bytes:
+                await outbox.wait_urgent(0.002)
+                continue
+            delay = self.model.delay(now) if self.enabled else 0.0
+            if delay > 0:
+                await outbox.wait_urgent(min(delay, REPORT_SECONDS))
+                continue
+            return True
+
+    async def idle(self) -> None:
+        """The sender has nothing to send: while the byte counts' offset is unknown (a connection's start), a Ping
+        now finds the path empty and measures it exactly."""
+        now = time.monotonic()
+        self.model.idle_at = now
+        if self.enabled and self.model.offset is None and now - self._last_ping >= REPORT_SECONDS:
+            self._last_ping = now
+            await self.peer.ping()
+
+    def sent(self, nbytes: int) -> None:
+        self.written += nbytes
+        if self.enabled:
+            self.model.wrote(time.monotonic(), nbytes)

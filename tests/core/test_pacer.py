@@ -1,0 +1,160 @@
+"""The pacer's link model (core/pacer.py) against a scripted link: a FIFO bottleneck of known rate with a forward
+and a return delay, an edge that answers each Ping with its kernel's byte count (late when it stalls), clocks that
+disagree, and byte counts that start at different points. Driven in simulated time with the pacer's own rules (when
+a frame may go, how large it is): the queue it keeps, the rate it finds and the link it fills are checked against
+the truth."""
+
+import bisect
+from dataclasses import dataclass, field
+
+import pytest
+
+from types import SimpleNamespace
+
+from edgecore.core.pacer import HEADROOM, PIECE_MIN, REPORT_SECONDS, LinkModel, Pacer
+
+PING = 40
+SKEW = 123.0          # the edge's clock minus the core's
+COUNT_OFFSET = 9000   # the edge's byte count minus the core's (they start at different points)
+
+
+@dataclass
+class Link:
+    rate: float                     # bytes/s at the bottleneck
+    forward: float = 0.02           # bottleneck → edge
+    back: float = 0.02              # edge → core
+    queue_cap: int = 64 * 1024      # bytes the bottleneck holds (a sender beyond it is blocked)
+    free: float = 0.0               # when the bottleneck has serialized every byte given to it
+    given: int = 0
+    arrival_times: list = field(default_factory=list)    # when each write's last byte reaches the edge
+    arrival_totals: list = field(default_factory=list)   # bytes given up to and including that write
+
+    def give(self, t: float, n: int) -> float:
+        """n bytes reach the bottleneck at t; returns when their last byte reaches the edge."""
+        self.free = max(self.free, t) + n / self.rate
+        self.given += n
+        self.arrival_times.append(self.free + self.forward)
+        self.arrival_totals.append(self.given)
+        return self.free + self.forward
+
+    def received(self, t: float) -> int:
+        """Bytes the edge's kernel holds at t (byte by byte, as segments arrive: a write is not counted whole)."""
+        i = bisect.bisect_right(self.arrival_times, t)
+        done = self.arrival_totals[i - 1] if i else 0
+        if i < len(self.arrival_times):          # the write arriving now: its bytes so far
+            first = self.arrival_times[i] - (self.arrival_totals[i] - done) / self.rate
+            done += max(0, int((t - first) * self.rate))
+        return done
+
+    def queued(self, t: float) -> float:
+        """Seconds of bytes waiting at the bottleneck at t."""
+        return max(0.0, self.free - t)
+
+
+def piece(model: LinkModel) -> int:
+    """The pacer's frame size (Pacer.piece_bytes)."""
+    return Pacer.piece_bytes.fget(SimpleNamespace(model=model))
+
+
+def run(link: Link, seconds: float, model: LinkModel | None = None, stall_every: float = 0.0,
+        stall: float = 0.0, dt: float = 0.0005):
+    """The sender writes frames whenever the model allows and the bottleneck has room, and pings every
+    REPORT_SECONDS; returns (model, the queue ahead of each frame written, bytes delivered, (measured, true)
+    queue bytes at each report)."""
+    model = model or LinkModel()
+    written = 0
+    pongs: list[tuple[float, float, int, float]] = []       # (arrival here, ping sent, mark, the edge's reading)
+    given_at: list[tuple[float, int]] = [(0.0, 0)]
+    last_ping, t, queue_seen, queues = -1.0, 0.0, [], []
+    while t < seconds:
+        for p in sorted(p for p in pongs if p[0] <= t):
+            pongs.remove(p)
+            now, sent, mark, read_at = p
+            got = link.received(read_at)
+            model.report(now, sent, mark, got + COUNT_OFFSET, read_at + SKEW)
+            # The truth the model estimates: bytes given one forward trip before the reading, not yet arrived.
+            i = bisect.bisect_right(given_at, (read_at - link.forward, float("inf")))
+            queues.append((model.queue, given_at[i - 1][1] - got))
+        if t - last_ping >= REPORT_SECONDS:
+            last_ping = t
+            written += PING
+            model.writes.append((t, written))
+            read_at = link.give(t, PING)
+            given_at.append((t, written))
+            phase = read_at % stall_every if stall_every else 0.0
+            if stall_every and phase >= stall_every - stall:          # the edge's loop is busy: it reads late
+                read_at += stall_every - phase
+            pongs.append((read_at + link.back, t, written, read_at))
+        while model.delay(t) <= 0 and link.queued(t) * link.rate < link.queue_cap:
+            queue_seen.append(link.queued(t))
+            n = piece(model)
+            written += n
+            model.writes.append((t, written))
+            model.wrote(t, n)
+            link.give(t, n)
+            given_at.append((t, written))
+        t += dt
+    return model, queue_seen, link.received(seconds), queues
+
+
+def late(values, share=0.5):
+    """The values of the run's second half, sorted."""
+    return sorted(values[int(len(values) * share):])
+
+
+@pytest.mark.parametrize("mbit", [4, 16, 50, 200])
+def test_it_finds_the_rate_and_keeps_the_queue_short(mbit):
+    rate = mbit * 1e6 / 8
+    link = Link(rate)
+    model, queue_seen, delivered, _ = run(link, 2.0)
+    assert model.bw == pytest.approx(rate, rel=0.05)
+    later = late(queue_seen)
+    frame = piece(model) / rate
+    # A frame written once the rate is known finds at most the headroom, a frame and the probe's overshoot ahead.
+    assert later[-1] <= HEADROOM + frame + 0.015, later[-5:]
+    assert delivered >= 0.93 * rate * 2.0          # the link stayed busy (after an unpaced start)
+
+
+def test_the_queue_it_measures_is_the_queue_there_is():
+    model, _, _, queues = run(Link(2e6), 1.5)
+    assert model.offset == -COUNT_OFFSET
+    errors = [abs(measured - max(0, true)) for measured, true in queues[20:]]
+    # Exact but for a ping's own bytes (the round trip it measures includes its serialization), or a write that
+    # lands in that sliver of time.
+    assert sum(e <= PING for e in errors) >= 0.9 * len(errors)
+    assert max(errors) <= PIECE_MIN + PING
+
+
+def test_a_rate_measured_low_grows_to_the_link():
+    rate = 6e6
+    model = LinkModel()
+    model.bw = 0.6 * rate             # as if the first sample had under-measured the link
+    model._samples.append(model.bw)
+    model, _, _, _ = run(Link(rate), 1.5, model)
+    assert model.bw >= 0.95 * rate
+
+
+def test_a_rate_measured_high_keeps_the_queue_bounded():
+    rate = 2e6
+    model = LinkModel()
+    model.bw = 1.5 * rate             # a burst that read fast; the samples roll it out
+    model._samples.append(model.bw)
+    model, queue_seen, delivered, _ = run(Link(rate), 2.0, model)
+    assert late(queue_seen)[-1] <= 0.08     # never the whole router queue (64 KiB at 2 MB/s = 33 ms) + more
+    assert delivered >= 0.9 * rate * 2.0
+
+
+def test_an_edge_that_stalls_reads_late_but_counts_true():
+    rate = 2e6
+    model, queue_seen, delivered, _ = run(Link(rate), 3.0, stall_every=0.3, stall=0.1)
+    assert 0.9 * rate <= model.bw <= 1.1 * rate      # late readings do not make the link look faster or slower
+    later = late(queue_seen)
+    assert later[int(0.9 * len(later))] <= HEADROOM + PIECE_MIN / rate + 0.02
+    assert delivered >= 0.9 * rate * 3.0
+
+
+def test_without_reports_nothing_is_paced():
+    model = LinkModel()
+    assert model.delay(5.0) == 0.0
+    model.wrote(5.0, 16384)
+    assert model.delay(5.0) == 0.0
