@@ -421,7 +421,7 @@ async def _slow_row(args, edge, http: int, gen, n: int, mbit: float, handover: b
     row = {"ttft_ms": ms(med("ttft")), "core_prefill_ms": ms(med("prefill")),
            "ttft_over_own_prefill_ms": ms(statistics.median(x["ttft"] - x["prefill"] for x in reqs)),
            "kv_transfer_end_ms": ms(med("kv_end")), "kv_goodput_of_link": round(med("goodput"), 3),
-           "requests": len(reqs)}
+           "requests": len(reqs), "ttft_over_own_prefill_each_ms": [ms(x["ttft"] - x["prefill"]) for x in reqs]}
     if handover:
         row.update(max_gap_during_kv_ms=ms(med("max_gap_during_kv")), median_gap_ms=ms(med("median_gap")),
                    tokens_during_kv=med("tokens_during_kv"))
