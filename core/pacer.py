@@ -46,7 +46,7 @@ HEADROOM = 0.004                  # a new frame is written once the modelled que
 PROBE_GAIN = 1.15                 # the model's rate over the measured one while the path shows no queue
 QUEUED_SECONDS = 0.002            # a report's queue longer than this: the link sets the pace
 REPORT_SECONDS = 0.01             # while KV waits to go, a Ping (its Pong is a report) this often
-SAMPLE_SECONDS = 0.1             # a delivery sample spans at least this much of the edge's clock
+SAMPLE_SECONDS = 0.1              # a delivery sample spans at least this much of the edge's clock
 SAMPLES = 64                      # the rate is the largest of this many recent samples
 WRITE_LOG = 4096                  # writes remembered (to look up what had been written at a report's time)
 
@@ -159,11 +159,6 @@ class Pacer:
         peer.on_report = self._report
         self.written = 0                    # KV wire bytes written
         self._last_ping = -math.inf
-
-    @property
-    def link(self) -> float | None:
-        """The measured link rate (bytes/s), once known."""
-        return self.model.bw
 
     @property
     def piece_bytes(self) -> int:
