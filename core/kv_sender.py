@@ -219,7 +219,7 @@ async def send_queued(queue: Source, peer: Peer, encoder_pool: Executor, dtype_n
     try:
         while True:
             if pacer is not None and isinstance(queue, Outbox) and queue.empty():
-                await pacer.idle()
+                await pacer.idle(queue)
             item = await queue.get()
             if not isinstance(item, KVSend):
                 await peer.send(item)

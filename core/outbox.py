@@ -118,14 +118,14 @@ class Outbox:
 
     async def wait_urgent(self, timeout: float) -> None:
         """Sleep up to `timeout` seconds, less if an urgent item is put meanwhile (the sender's pacing wait)."""
-        if self._urgent or self.closed:
-            return
-        self._urgent_in.clear()
-        timer = asyncio.get_running_loop().call_later(timeout, self._urgent_in.set)
-        try:
-            await self._urgent_in.wait()
-        finally:
-            timer.cancel()
+        if not self._urgent and not self.closed:
+            await _sleep(self._urgent_in, timeout)
+
+    async def wait_ready(self, timeout: float | None) -> None:
+        """Sleep up to `timeout` seconds (None: no limit), less if anything is put meanwhile (the sender's reports
+        while idle)."""
+        if self.empty() and not self.closed:
+            await _sleep(self._ready, timeout)
 
     def get_nowait(self) -> Outgoing:
         if self.empty():
@@ -158,6 +158,7 @@ class Outbox:
             self.nbytes = 0
         self._room.set()
         self._urgent_in.set()
+        self._ready.set()
 
     def _uncount(self, n: int) -> None:
         if n:
@@ -167,6 +168,20 @@ class Outbox:
 
     def _update_room(self) -> None:
         self._room.set()         # waiters check their own condition again (`drained`)
+
+
+async def _sleep(event: asyncio.Event, timeout: float | None) -> None:
+    """Wait for `event` (cleared first) for up to `timeout` seconds (None: no limit); its waiters recheck their own
+    condition."""
+    event.clear()
+    if timeout is None:
+        await event.wait()
+        return
+    timer = asyncio.get_running_loop().call_later(timeout, event.set)
+    try:
+        await event.wait()
+    finally:
+        timer.cancel()
 
 
 def pieces(item: KVSend, piece_bytes: int) -> list[KVSend]:

@@ -18,9 +18,12 @@ From that the pacer keeps a model of the bottleneck's clock (`free_at`: when it 
 written), re-anchored at every report from the measured queue and replayed over the writes since, and writes the
 next frame only once the modelled queue ahead is under `HEADROOM`. While reports show no queue the model runs at
 `PROBE_GAIN` times the measured rate, so a rate measured too low grows until the path queues; once it queues, at
-the measured rate. Until the first delivery sample (a connection's first KV) and for an edge that sends no
-reports (an older version), KV is only bounded: frames cut, and a new one written only while this side's unsent
-bytes (`Peer.unsent`) are under two frames. `LinkModel` does no I/O: tests drive it with a scripted link.
+the measured rate. A connection's first KV, before any sample, often is one burst (a layer's KV) and then
+nothing: the sender keeps pinging while it drains (`Pacer.idle`), and a Ping that waited behind it gives a first
+estimate of the rate (`LinkModel.first`), so the next burst, the one a first token may follow, is paced already.
+Until then, and for an edge that sends no reports (an older version), KV is only bounded: frames cut, and a new
+one written only while this side's unsent bytes (`Peer.unsent`) are under two frames. `LinkModel` does no I/O:
+tests drive it with a scripted link.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ PROBE_GAIN = 1.15                 # the model's rate over the measured one while
 QUEUED_SECONDS = 0.002            # a report's queue longer than this: the link sets the pace
 REPORT_SECONDS = 0.01             # while KV waits to go, a Ping (its Pong is a report) this often
 SAMPLE_SECONDS = 0.1              # a delivery sample spans at least this much of the edge's clock
+FIRST_SECONDS = 0.03              # before the first sample, a queued Ping's wait this long gives a first rate
+FIRST_SLACK = 0.002               # ... from a reading up to this much before the wait began (the Ping written then)
+IDLE_REPORTS = 0.5                # while no rate is known, reports go on this long after the last KV frame
 SAMPLES = 64                      # the rate is the largest of this many recent samples
 WRITE_LOG = 4096                  # writes remembered (to look up what had been written at a report's time)
 
@@ -69,6 +75,12 @@ class LinkModel:
     idle_at: float = -math.inf        # when this side last had no KV to send (a span since is not the link's)
     _readings: deque[tuple[float, int, bool, float]] = field(default_factory=deque)  # (edge time, received, queued, here)
     _samples: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    first: bool = False               # `bw` is a first estimate (`_first_estimate`), replaced by the first sample
+
+    @property
+    def sampled(self) -> bool:
+        """The rate comes from a full delivery sample (not none, nor a first estimate)."""
+        return bool(self._samples)
 
     def rate(self, now: float) -> float | None:
         """The model's rate: the measured one, times `PROBE_GAIN` while the path shows no queue and the reports are
@@ -134,8 +146,13 @@ class LinkModel:
             # which counts only above the rate known (the probe found more) and never starts an estimate.
             sample = (received - b0) / (edge_at - t0)
             if busy or (self.bw is not None and sample > self.bw):
+                if self.first:
+                    self.first = False
+                    self._samples.clear()
                 self._samples.append(sample)
                 self.bw = max(self._samples)
+        if not self.sampled:
+            self._first_estimate(edge_at, received, at - ping_sent)
         if self.bw is None or self.offset is None:
             return
         self.queued = self.queue > self.bw * QUEUED_SECONDS
@@ -148,6 +165,19 @@ class LinkModel:
             prev = total
         self.free_at = free
 
+    def _first_estimate(self, edge_at: float, received: int, wait: float) -> None:
+        """Before the first sample (a connection's first KV, often one burst that then drains): a Ping that
+        reached the edge `wait` seconds later than an unqueued byte would have waited behind a queue, so the link
+        was busy for those seconds before its reading, and the bytes received since an earlier reading within
+        them (at least `FIRST_SECONDS` and `PIECE_MIN` bytes back) came at the link's rate. The largest such rate
+        is a first estimate, paced at until the first sample of `SAMPLE_SECONDS` replaces it (higher or lower)."""
+        if wait < FIRST_SECONDS:
+            return
+        best = max(((received - b) / (edge_at - t) for t, b, _, _ in self._readings
+                    if FIRST_SECONDS <= edge_at - t <= wait + FIRST_SLACK and received - b >= PIECE_MIN), default=None)
+        if best is not None and (self.bw is None or (self.first and best > self.bw)):
+            self.bw, self.first = best, True
+
 
 class Pacer:
     """One KV-carrying connection's write path below its outbox (see the module's docstring)."""
@@ -157,8 +187,8 @@ class Pacer:
         self.enabled = True                 # False: frames cut and the backlog bounded, but never paced
         self.model = LinkModel(writes=peer.log_writes())
         peer.on_report = self._report
-        self.written = 0                    # KV wire bytes written
         self._last_ping = -math.inf
+        self._kv_at = -math.inf             # when the last KV frame was written
 
     @property
     def piece_bytes(self) -> int:
@@ -183,8 +213,7 @@ class Pacer:
                 return False
             now = time.monotonic()
             if self.enabled and now - self._last_ping >= REPORT_SECONDS:
-                self._last_ping = now
-                await self.peer.ping()
+                await self._ping()
                 continue
             if self.peer.unsent() > 2 * self.piece_bytes:
                 await outbox.wait_urgent(0.002)
@@ -195,16 +224,33 @@ class Pacer:
                 continue
             return True
 
-    async def idle(self) -> None:
-        """The sender has nothing to send: while the byte counts' offset is unknown (a connection's start), a Ping
-        now finds the path empty and measures it exactly."""
-        now = time.monotonic()
-        self.model.idle_at = now
-        if self.enabled and self.model.offset is None and now - self._last_ping >= REPORT_SECONDS:
-            self._last_ping = now
-            await self.peer.ping()
+    async def idle(self, outbox: Outbox) -> None:
+        """The sender has nothing to send; returns once something is queued. While the byte counts' offset is
+        unknown (a connection's start), a Ping now finds the path empty and measures it exactly. While no rate
+        has been sampled and KV was written in the last `IDLE_REPORTS` seconds, Pings go on every
+        `REPORT_SECONDS`: a first burst still crossing the link gives a first rate (`LinkModel.first`), so the
+        next one is paced."""
+        model = self.model
+        model.idle_at = time.monotonic()
+        if self.enabled and ((model.offset is None and model.idle_at - self._last_ping >= REPORT_SECONDS) or
+                             (not model.sampled and model.idle_at - self._kv_at < IDLE_REPORTS)):
+            await self._ping()            # (right behind the last frame: its wait spans the queue ahead)
+        while outbox.empty() and not outbox.closed:
+            now = time.monotonic()
+            if not self.enabled or model.sampled or now - self._kv_at >= IDLE_REPORTS:
+                await outbox.wait_ready(None)
+                break
+            if now - self._last_ping >= REPORT_SECONDS:
+                await self._ping()
+            await outbox.wait_ready(max(0.0, self._last_ping + REPORT_SECONDS - time.monotonic()))
+        model.idle_at = time.monotonic()      # no KV to send until now: a span from before is not the link's
+
+    async def _ping(self) -> None:
+        self._last_ping = time.monotonic()
+        await self.peer.ping()
 
     def sent(self, nbytes: int) -> None:
-        self.written += nbytes
+        """A KV frame of `nbytes` was written: the model's bottleneck carries it."""
+        self._kv_at = time.monotonic()
         if self.enabled:
-            self.model.wrote(time.monotonic(), nbytes)
+            self.model.wrote(self._kv_at, nbytes)

@@ -57,12 +57,15 @@ def piece(model: LinkModel) -> int:
 
 
 def run(link: Link, seconds: float, model: LinkModel | None = None, stall_every: float = 0.0,
-        stall: float = 0.0, dt: float = 0.0005):
+        stall: float = 0.0, dt: float = 0.0005, bursts: list[tuple[float, int]] | None = None,
+        frames: list | None = None):
     """The sender writes frames whenever the model allows and the bottleneck has room, and pings every
     REPORT_SECONDS; returns (model, the queue ahead of each frame written, bytes delivered, (measured, true)
-    queue bytes at each report)."""
+    queue bytes at each report). `bursts`: (time, bytes) of KV that becomes ready then (default: always some);
+    `frames` collects (time, queue ahead) of every frame."""
     model = model or LinkModel()
-    written = 0
+    written, ready = 0, (None if bursts is None else 0)
+    bursts = sorted(bursts or [])
     pongs: list[tuple[float, float, int, float]] = []       # (arrival here, ping sent, mark, the edge's reading)
     given_at: list[tuple[float, int]] = [(0.0, 0)]
     last_ping, t, queue_seen, queues = -1.0, 0.0, [], []
@@ -75,7 +78,14 @@ def run(link: Link, seconds: float, model: LinkModel | None = None, stall_every:
             # The truth the model estimates: bytes given one forward trip before the reading, not yet arrived.
             i = bisect.bisect_right(given_at, (read_at - link.forward, float("inf")))
             queues.append((model.queue, given_at[i - 1][1] - got))
-        if t - last_ping >= REPORT_SECONDS:
+        while bursts and bursts[0][0] <= t:
+            ready += bursts.pop(0)[1]
+            model.idle_at = t                         # (Pacer.idle: the end of an idle spell)
+        if ready == 0:
+            model.idle_at = t
+        idle_now = ready == 0 and written and not model.sampled and t - last_ping > dt / 2 and \
+            model.writes[-1][1] - model.writes[-2][1] > PING if len(model.writes) > 1 else False
+        if t - last_ping >= REPORT_SECONDS or idle_now:      # (Pacer.idle pings right behind a burst's end)
             last_ping = t
             written += PING
             model.writes.append((t, written))
@@ -85,9 +95,13 @@ def run(link: Link, seconds: float, model: LinkModel | None = None, stall_every:
             if stall_every and phase >= stall_every - stall:          # the edge's loop is busy: it reads late
                 read_at += stall_every - phase
             pongs.append((read_at + link.back, t, written, read_at))
-        while model.delay(t) <= 0 and link.queued(t) * link.rate < link.queue_cap:
+        while model.delay(t) <= 0 and link.queued(t) * link.rate < link.queue_cap and (ready is None or ready > 0):
             queue_seen.append(link.queued(t))
-            n = piece(model)
+            if frames is not None:
+                frames.append((t, link.queued(t)))
+            n = piece(model) if ready is None else min(ready, piece(model))
+            if ready is not None:
+                ready -= n
             written += n
             model.writes.append((t, written))
             model.wrote(t, n)
@@ -158,3 +172,28 @@ def test_without_reports_nothing_is_paced():
     assert model.delay(5.0) == 0.0
     model.wrote(5.0, 16384)
     assert model.delay(5.0) == 0.0
+
+
+def test_a_first_burst_gives_a_rate_for_the_next():
+    """A connection's first KV is often one burst (a layer's), then nothing until the next: the reports while it
+    drains give a first rate, so the next burst is paced, and the first full sample takes over."""
+    rate = 2e6
+    model, _, _, _ = run(Link(rate), 0.19, bursts=[(0.0, 220_000)])
+    assert model.first and model.bw == pytest.approx(rate, rel=0.1)
+    frames: list = []
+    model, _, _, _ = run(Link(rate), 0.44, bursts=[(0.0, 220_000), (0.2, 220_000)], frames=frames)
+    later = [q for t, q in frames if t >= 0.2]
+    assert later and max(later) <= HEADROOM + PIECE_MIN / rate + 0.015, later[-5:]
+    assert model.first and model.bw == pytest.approx(rate, rel=0.1)
+    # Then a long transfer: its first full sample takes over.
+    model, _, delivered, _ = run(Link(rate), 1.6, bursts=[(0.0, 220_000), (0.2, 220_000), (0.45, 2_000_000)])
+    assert not model.first and model.bw == pytest.approx(rate, rel=0.05)
+    assert delivered >= 2_440_000          # and the link stayed full: all of it crossed by 1.6 s (1.47 at best)
+
+
+def test_a_burst_that_never_queues_gives_no_first_rate():
+    """A burst that never queues (it fits the link as it is written) gives no first rate: the sender set the
+    pace, not the link."""
+    rate = 2e6
+    model, _, _, _ = run(Link(rate), 0.3, bursts=[(0.0, 8_000), (0.1, 8_000), (0.2, 8_000)])
+    assert model.bw is None and not model.first
