@@ -75,12 +75,16 @@ class LinkModel:
     idle_at: float = -math.inf        # when this side last had no KV to send (a span since is not the link's)
     _readings: deque[tuple[float, int, bool, float]] = field(default_factory=deque)  # (edge time, received, queued, here)
     _samples: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
-    first: bool = False               # `bw` is a first estimate (`_first_estimate`), replaced by the first sample
 
     @property
     def sampled(self) -> bool:
         """The rate comes from a full delivery sample (not none, nor a first estimate)."""
         return bool(self._samples)
+
+    @property
+    def first(self) -> bool:
+        """`bw` is a first estimate (`_first_estimate`): the first sample replaces it, higher or lower."""
+        return self.bw is not None and not self._samples
 
     def rate(self, now: float) -> float | None:
         """The model's rate: the measured one, times `PROBE_GAIN` while the path shows no queue and the reports are
@@ -146,9 +150,6 @@ class LinkModel:
             # which counts only above the rate known (the probe found more) and never starts an estimate.
             sample = (received - b0) / (edge_at - t0)
             if busy or (self.bw is not None and sample > self.bw):
-                if self.first:
-                    self.first = False
-                    self._samples.clear()
                 self._samples.append(sample)
                 self.bw = max(self._samples)
         if not self.sampled:
@@ -175,8 +176,8 @@ class LinkModel:
             return
         best = max(((received - b) / (edge_at - t) for t, b, _, _ in self._readings
                     if FIRST_SECONDS <= edge_at - t <= wait + FIRST_SLACK and received - b >= PIECE_MIN), default=None)
-        if best is not None and (self.bw is None or (self.first and best > self.bw)):
-            self.bw, self.first = best, True
+        if best is not None and (self.bw is None or best > self.bw):
+            self.bw = best
 
 
 class Pacer:
