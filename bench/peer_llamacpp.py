@@ -16,7 +16,8 @@ hash maps to `gpt-2`); then alternates the engines over `--rounds` rounds:
 Both use `--threads` threads (2) and float32. Ratios are edgecore ÷ llama.cpp, medians over rounds.
 edgecore runs twice on the bundled model, eager and with its decode step compiled (`--compile`, the
 `_compiled` fields and the HTTP server `edgecore_compiled`); the ~1 GB model has no compiled step
-(its weights are too large for the compiled form), so it runs eagerly only.
+(its weights are too large for the compiled form), so it runs eagerly only. The speculative-decoding rows
+(prompt lookup in both engines on the same GGUF file) are bench/speculative_llamacpp.py's.
 """
 
 from __future__ import annotations
