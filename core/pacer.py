@@ -21,6 +21,8 @@ next frame only once the modelled queue ahead is under `HEADROOM`. While reports
 the measured rate. A connection's first KV, before any sample, often is one burst (a layer's KV) and then
 nothing: the sender keeps pinging while it drains (`Pacer.idle`), and a Ping that waited behind it gives a first
 estimate of the rate (`LinkModel.first`), so the next burst, the one a first token may follow, is paced already.
+Before any KV, a connection starts with a probe train of padded Pings (`Pacer._probe`) whose reports give that
+first estimate on a slow link before the first request.
 Until then, and for an edge that sends no reports (an older version), KV is only bounded: frames cut, and a new
 one written only while this side's unsent bytes (`Peer.unsent`) are under two frames. `LinkModel` does no I/O:
 tests drive it with a scripted link.
@@ -52,6 +54,9 @@ REPORT_SECONDS = 0.01             # while KV waits to go, a Ping (its Pong is a 
 SAMPLE_SECONDS = 0.1              # a delivery sample spans at least this much of the edge's clock
 FIRST_SECONDS = 0.03              # before the first sample, a queued Ping's wait this long gives a first rate
 FIRST_SLACK = 0.002               # ... from a reading up to this much before the wait began (the Ping written then)
+PROBE_TRAIN = 8                   # a connection's start: this many Pings back to back, each padded with
+PROBE_PAD = 32 * 1024             # ... this many bytes (a first rate on links up to ~50 Mbit/s: the train lasts >= 30 ms)
+PROBE_WAIT = 1.0                  # seconds the first Pong may take; later, the train is not sent
 IDLE_REPORTS = 0.5                # while no rate is known, reports go on this long after the last KV frame
 SAMPLES = 64                      # the rate is the largest of this many recent samples
 WRITE_LOG = 4096                  # writes remembered (to look up what had been written at a report's time)
@@ -143,10 +148,13 @@ class LinkModel:
                          now))
         while len(readings) > 2 and edge_at - readings[1][0] >= SAMPLE_SECONDS:
             readings.popleft()
-        t0, b0, busy, arrived = readings[0]
-        busy = busy and self.idle_at < arrived - self.rtt_min      # no idle moment since (nor just before)
+        t0, b0, _, arrived = readings[0]
+        # The link set the pace over the span only if every reading in it found a queue (a queue at its start alone
+        # may drain while this side encodes the next frame: the span then measured the encoder) and this side had
+        # no idle moment since (nor just before).
+        busy = all(r[2] for r in readings) and self.idle_at < arrived - self.rtt_min
         if edge_at - t0 >= SAMPLE_SECONDS and received > b0:
-            # A span that began with bytes queued measured the link; one that did not measured this side's pace,
+            # A span queued throughout measured the link; any other measured this side's pace (or its encoder),
             # which counts only above the rate known (the probe found more) and never starts an estimate.
             sample = (received - b0) / (edge_at - t0)
             if busy or (self.bw is not None and sample > self.bw):
@@ -190,6 +198,7 @@ class Pacer:
         peer.on_report = self._report
         self._last_ping = -math.inf
         self._kv_at = -math.inf             # when the last KV frame was written
+        self._probed = False                # the connection's probe train was sent (or not sent, for good)
 
     @property
     def piece_bytes(self) -> int:
@@ -233,6 +242,8 @@ class Pacer:
         next one is paced."""
         model = self.model
         model.idle_at = time.monotonic()
+        if self.enabled and not self._probed:
+            await self._probe(outbox)
         if self.enabled and ((model.offset is None and model.idle_at - self._last_ping >= REPORT_SECONDS) or
                              (not model.sampled and model.idle_at - self._kv_at < IDLE_REPORTS)):
             await self._ping()            # (right behind the last frame: its wait spans the queue ahead)
@@ -245,6 +256,24 @@ class Pacer:
                 await self._ping()
             await outbox.wait_ready(max(0.0, self._last_ping + REPORT_SECONDS - time.monotonic()))
         model.idle_at = time.monotonic()      # no KV to send until now: a span from before is not the link's
+
+    async def _probe(self, outbox: Outbox) -> None:
+        """A connection's start, before any KV: a Ping finds the path empty (the byte counts' offset, the least round
+        trip); once its Pong has come with a byte count, `PROBE_TRAIN` Pings padded with `PROBE_PAD` bytes each go
+        back to back. At the bottleneck each waits behind those before it, so their reports give a first rate
+        (`LinkModel.first`) on a link slow enough for the train to last `FIRST_SECONDS`: the first request's KV is
+        paced already and its first token does not wait behind it. Not sent once anything is queued, nor to an edge
+        that reports no byte counts (an older release)."""
+        self._probed = True
+        await self._ping()
+        deadline = time.monotonic() + PROBE_WAIT
+        while self.model.offset is None and outbox.empty() and not outbox.closed and time.monotonic() < deadline:
+            await outbox.wait_ready(REPORT_SECONDS)
+        if self.model.offset is None or not outbox.empty() or outbox.closed:
+            return
+        for _ in range(PROBE_TRAIN):
+            self._last_ping = time.monotonic()
+            await self.peer.ping(PROBE_PAD)
 
     async def _ping(self) -> None:
         self._last_ping = time.monotonic()

@@ -223,6 +223,7 @@ class BlockPullDone(_Msg, tag=20, frozen=True):
 
 class Ping(_Msg, tag=11, frozen=True):
     nonce: int
+    pad: bytes = b""        # ignored: a core's probe train at a connection's start carries bytes (core/pacer.py)
 
 
 class Pong(_Msg, tag=12, frozen=True):

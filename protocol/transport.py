@@ -201,10 +201,10 @@ class Peer:
         now = time.monotonic()
         return now - min(self._pings.values()) > after and now - self.last_received > after
 
-    async def ping(self) -> None:
+    async def ping(self, pad: int = 0) -> None:
         nonce = next(self._nonce)
         self._pings[nonce] = time.monotonic()
-        await self.send(m.Ping(nonce), mark=nonce)
+        await self.send(m.Ping(nonce, bytes(pad)), mark=nonce)
 
     # ---- the write path's bounds (a KV-carrying connection keeps what waits below the outbox small) ----------
     def limit_write_buffer(self, high: int) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from types import SimpleNamespace
 
-from edgecore.core.pacer import HEADROOM, PIECE_MIN, REPORT_SECONDS, LinkModel, Pacer
+from edgecore.core.pacer import HEADROOM, PIECE_MIN, PROBE_PAD, PROBE_TRAIN, REPORT_SECONDS, LinkModel, Pacer
 
 PING = 40
 SKEW = 123.0          # the edge's clock minus the core's
@@ -58,11 +58,12 @@ def piece(model: LinkModel) -> int:
 
 def run(link: Link, seconds: float, model: LinkModel | None = None, stall_every: float = 0.0,
         stall: float = 0.0, dt: float = 0.0005, bursts: list[tuple[float, int]] | None = None,
-        frames: list | None = None):
+        frames: list | None = None, encoding: bool = False):
     """The sender writes frames whenever the model allows and the bottleneck has room, and pings every
     REPORT_SECONDS; returns (model, the queue ahead of each frame written, bytes delivered, (measured, true)
     queue bytes at each report). `bursts`: (time, bytes) of KV that becomes ready then (default: always some);
-    `frames` collects (time, queue ahead) of every frame."""
+    `frames` collects (time, queue ahead) of every frame; `encoding`: between bursts the next one is being encoded
+    (queued, not idle: Pacer.idle is never reached)."""
     model = model or LinkModel()
     written, ready, drained = 0, (None if bursts is None else 0), False
     bursts = sorted(bursts or [])
@@ -80,8 +81,9 @@ def run(link: Link, seconds: float, model: LinkModel | None = None, stall_every:
             queues.append((model.queue, given_at[i - 1][1] - got))
         while bursts and bursts[0][0] <= t:
             ready += bursts.pop(0)[1]
-            model.idle_at = t                         # (Pacer.idle: the end of an idle spell)
-        if ready == 0:
+            if not encoding:
+                model.idle_at = t                     # (Pacer.idle: the end of an idle spell)
+        if ready == 0 and not encoding:
             model.idle_at = t
         if t - last_ping >= REPORT_SECONDS or (drained and not model.sampled):   # (Pacer.idle pings right
             last_ping, drained = t, False                                          # behind a burst's end)
@@ -199,3 +201,47 @@ def test_a_burst_that_never_queues_gives_no_first_rate():
     rate = 2e6
     model, _, _, _ = run(Link(rate), 0.3, bursts=[(0.0, 8_000), (0.1, 8_000), (0.2, 8_000)])
     assert model.bw is None and not model.first
+
+
+@pytest.mark.parametrize("mbit", [50, 200])
+def test_a_sender_slower_than_the_link_is_not_taken_for_the_link(mbit):
+    # A burst that queues, then KV only as fast as this side encodes it (40% of the link): the spans that began with
+    # the burst's queue measured the encoder once the queue drained. Taken for the link's rate, they held the KV to
+    # 0.3-0.7x of a 200 Mbit/s link (bench/ttft.py --slow-mbit 200: 2k tokens' KV crossed 2x later than unpaced).
+    rate = mbit * 1e6 / 8
+    chunk = int(rate * 0.4 * 0.004)
+    bursts = [(0.0, 256 * 1024)] + [(0.01 + i * 0.004, chunk) for i in range(500)]
+    model, _, _, _ = run(Link(rate), 2.0, bursts=bursts, encoding=True)
+    assert model.bw is None or model.bw >= 0.9 * rate, (model.bw, rate)
+
+
+def _probe_train(link: Link, model: LinkModel) -> None:
+    """Pacer._probe on the scripted link: one Ping on the empty path, then, once its Pong is in, PROBE_TRAIN Pings
+    padded with PROBE_PAD bytes written back to back; every report in arrival order."""
+    read_at = link.give(0.0, PING)
+    model.writes.append((0.0, PING))
+    model.report(read_at + link.back, 0.0, PING, link.received(read_at) + COUNT_OFFSET, read_at + SKEW)
+    start, written, pongs = read_at + link.back, PING, []
+    for _ in range(PROBE_TRAIN):
+        written += PROBE_PAD + PING
+        model.writes.append((start, written))
+        read_at = link.give(start, PROBE_PAD + PING)
+        pongs.append((read_at + link.back, start, written, read_at))
+    for now, sent, mark, read_at in sorted(pongs):
+        model.report(now, sent, mark, link.received(read_at) + COUNT_OFFSET, read_at + SKEW)
+
+
+@pytest.mark.parametrize("mbit", [4, 16, 50])
+def test_a_probe_train_gives_a_rate_before_any_kv(mbit):
+    rate = mbit * 1e6 / 8
+    model = LinkModel()
+    _probe_train(Link(rate, queue_cap=1 << 30), model)
+    assert model.bw is not None and abs(model.bw - rate) <= 0.05 * rate, (model.bw, rate)
+
+
+def test_a_probe_train_on_a_fast_link_gives_no_rate_it_cannot_measure():
+    # At 200 Mbit/s the train drains in 10 ms: no Ping waits FIRST_SECONDS behind it, so KV starts bounded (as it
+    # did before the train) rather than paced at a rate read from a few milliseconds.
+    model = LinkModel()
+    _probe_train(Link(200e6 / 8, queue_cap=1 << 30), model)
+    assert model.bw is None
