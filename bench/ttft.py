@@ -383,6 +383,7 @@ async def slow_link_rows(args, model_dir: Path) -> dict:
                                                  transfer_timeout=600, handover_tokens=64 if handover else 0),
                                       engine=LLMEngine.from_dir(model_dir, "bf16", "cpu", cache, budget))
                     await edge.start()
+                    await asyncio.sleep(args.slow_settle)
                     try:
                         for n in args.lengths:
                             key = f"{mbit:g}mbit/{n}/{codec}/handover_{'on' if handover else 'off'}"
@@ -464,6 +465,9 @@ def main():
     ap.add_argument("--slow-codecs", default="lossless,q3e")
     ap.add_argument("--slow-handover", default="on,off")
     ap.add_argument("--slow-out", default="ttft_slow_link")
+    ap.add_argument("--slow-settle", type=float, default=0.0, help="seconds between an edge's connecting and its "
+                    "first request (default 0: the first request meets a fresh connection, the core's probe train "
+                    "still crossing)")
     ap.add_argument("--pacing", default="paced", help="the core's EDGECORE_KV_PACING: paced, bounded or off")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
