@@ -2,16 +2,22 @@
 and a return delay, an edge that answers each Ping with its kernel's byte count (late when it stalls), clocks that
 disagree, and byte counts that start at different points. Driven in simulated time with the pacer's own rules (when
 a frame may go, how large it is): the queue it keeps, the rate it finds and the link it fills are checked against
-the truth."""
+the truth. The probe train a connection starts with is also run through `Pacer.idle` itself, on a fake peer."""
 
+import asyncio
 import bisect
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
 
 from types import SimpleNamespace
 
-from edgecore.core.pacer import HEADROOM, PIECE_MIN, PROBE_PAD, PROBE_TRAIN, REPORT_SECONDS, LinkModel, Pacer
+from edgecore.core.outbox import Outbox
+from edgecore.core.pacer import (HEADROOM, PIECE_MIN, PROBE_PAD, PROBE_TRAIN, PROBE_WAIT, REPORT_SECONDS, LinkModel,
+                                 Pacer)
+from edgecore.protocol import messages as m
 
 PING = 40
 SKEW = 123.0          # the edge's clock minus the core's
@@ -245,3 +251,55 @@ def test_a_probe_train_on_a_fast_link_gives_no_rate_it_cannot_measure():
     model = LinkModel()
     _probe_train(Link(200e6 / 8, queue_cap=1 << 30), model)
     assert model.bw is None
+
+
+class _Peer:
+    """What Pacer uses of a Peer: pings are recorded; the first one is answered by a Pong as the reader task would
+    deliver it, with byte counts or (an older edge) without."""
+
+    def __init__(self, counts: bool):
+        self.counts = counts
+        self.pings: list[int] = []       # each Ping's padding
+        self.on_report = None
+        self._writes: deque = deque(maxlen=4096)
+
+    def log_writes(self) -> deque:
+        return self._writes
+
+    async def ping(self, pad: int = 0) -> None:
+        self.pings.append(pad)
+        self._writes.append((time.monotonic(), PING * len(self.pings) + sum(self.pings)))
+        if len(self.pings) == 1 and self.counts:
+            asyncio.get_running_loop().call_later(0.02, self._answer)
+
+    def _answer(self) -> None:
+        now = time.monotonic()
+        self.on_report(now, now - 0.02, PING, m.Pong(1, 0, PING + COUNT_OFFSET, int((now - 0.01 + SKEW) * 1e6)))
+
+
+async def test_the_probe_train_goes_once_the_first_pong_is_in():
+    peer, outbox = _Peer(counts=True), Outbox()
+    task = asyncio.create_task(Pacer(peer).idle(outbox))
+    await asyncio.sleep(0.2)
+    assert peer.pings == [0] + [PROBE_PAD] * PROBE_TRAIN     # one plain Ping, then the padded train, back to back
+    outbox.close()
+    await asyncio.wait_for(task, 1)
+
+
+async def test_no_train_for_an_edge_without_byte_counts():
+    peer, outbox = _Peer(counts=False), Outbox()
+    task = asyncio.create_task(Pacer(peer).idle(outbox))
+    await asyncio.sleep(PROBE_WAIT + 0.2)            # no Pong with a count: the train is given up
+    assert peer.pings and PROBE_PAD not in peer.pings
+    outbox.close()
+    await asyncio.wait_for(task, 1)
+
+
+async def test_no_train_once_a_frame_is_queued():
+    peer, outbox = _Peer(counts=True), Outbox()
+    task = asyncio.create_task(Pacer(peer).idle(outbox))
+    await asyncio.sleep(0)
+    outbox.put(m.Ack("r"))                           # a request's frame, queued before the first Pong
+    await asyncio.wait_for(task, 1)                  # idle returns at once to send it
+    await asyncio.sleep(0.1)
+    assert peer.pings == [0]
