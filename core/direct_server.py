@@ -83,6 +83,8 @@ class DirectServer:
         session = _Session(peer, Outbox())
         self.sessions[key] = session
         pacer = bound_write_path(peer) if peer.conn.handover else None    # shares the bottleneck with rank 0's
+        if pacer is not None:
+            pacer.probe = False         # rank 0's connection probes the link: a train per rank would queue ahead of it
         sender = asyncio.create_task(send_queued(session.outbox, peer, self.encoder_pool, self.dtype_name,
                                                  rope=self.streamer.rope, step_scales=self.streamer.step_scales,
                                                  pacer=pacer))

@@ -55,7 +55,7 @@ SAMPLE_SECONDS = 0.1              # a delivery sample spans at least this much o
 FIRST_SECONDS = 0.03              # before the first sample, a queued Ping's wait this long gives a first rate
 FIRST_SLACK = 0.002               # ... from a reading up to this much before the wait began (the Ping written then)
 PROBE_TRAIN = 8                   # a connection's start: this many Pings back to back, each padded with
-PROBE_PAD = 32 * 1024             # ... this many bytes (a first rate on links up to ~50 Mbit/s: the train lasts >= 30 ms)
+PROBE_PAD = 32 * 1024             # ... this many bytes (a first rate on links up to ~60 Mbit/s: the train lasts >= 30 ms)
 PROBE_WAIT = 1.0                  # seconds the first Pong may take; later, the train is not sent
 IDLE_REPORTS = 0.5                # while no rate is known, reports go on this long after the last KV frame
 SAMPLES = 64                      # the rate is the largest of this many recent samples
@@ -194,6 +194,7 @@ class Pacer:
     def __init__(self, peer: Peer) -> None:
         self.peer = peer
         self.enabled = True                 # False: frames cut and the backlog bounded, but never paced
+        self.probe = True                   # False: no probe train (a parallel core's stream ports: rank 0's probes)
         self.model = LinkModel(writes=peer.log_writes())
         peer.on_report = self._report
         self._last_ping = -math.inf
@@ -242,7 +243,7 @@ class Pacer:
         next one is paced."""
         model = self.model
         model.idle_at = time.monotonic()
-        if self.enabled and not self._probed:
+        if self.enabled and self.probe and not self._probed and self._kv_at == -math.inf:
             await self._probe(outbox)
         if self.enabled and ((model.offset is None and model.idle_at - self._last_ping >= REPORT_SECONDS) or
                              (not model.sampled and model.idle_at - self._kv_at < IDLE_REPORTS)):
@@ -261,9 +262,10 @@ class Pacer:
         """A connection's start, before any KV: a Ping finds the path empty (the byte counts' offset, the least round
         trip); once its Pong has come with a byte count, `PROBE_TRAIN` Pings padded with `PROBE_PAD` bytes each go
         back to back. At the bottleneck each waits behind those before it, so their reports give a first rate
-        (`LinkModel.first`) on a link slow enough for the train to last `FIRST_SECONDS`: the first request's KV is
-        paced already and its first token does not wait behind it. Not sent once anything is queued, nor to an edge
-        that reports no byte counts (an older release)."""
+        (`LinkModel.first`; below ~10 Mbit/s the train lasts a full sample) on a link slow enough for the train to
+        last `FIRST_SECONDS`: the first request's KV is paced already and its first token does not wait behind it.
+        Not sent to an edge that reports no byte counts (an older release); cut short once anything is queued (a
+        request already prefilling when the train starts still finds it on the path)."""
         self._probed = True
         await self._ping()
         deadline = time.monotonic() + PROBE_WAIT
@@ -272,6 +274,8 @@ class Pacer:
         if self.model.offset is None or not outbox.empty() or outbox.closed:
             return
         for _ in range(PROBE_TRAIN):
+            if not outbox.empty() or outbox.closed:
+                return
             self._last_ping = time.monotonic()
             await self.peer.ping(PROBE_PAD)
 

@@ -257,8 +257,9 @@ class _Peer:
     """What Pacer uses of a Peer: pings are recorded; the first one is answered by a Pong as the reader task would
     deliver it, with byte counts or (an older edge) without."""
 
-    def __init__(self, counts: bool):
+    def __init__(self, counts: bool, queue_at: tuple[int, Outbox] | None = None):
         self.counts = counts
+        self.queue_at = queue_at         # (n, outbox): a request's frame is queued as the n-th Ping goes
         self.pings: list[int] = []       # each Ping's padding
         self.on_report = None
         self._writes: deque = deque(maxlen=4096)
@@ -271,6 +272,8 @@ class _Peer:
         self._writes.append((time.monotonic(), PING * len(self.pings) + sum(self.pings)))
         if len(self.pings) == 1 and self.counts:
             asyncio.get_running_loop().call_later(0.02, self._answer)
+        if self.queue_at is not None and len(self.pings) == self.queue_at[0]:
+            self.queue_at[1].put(m.Ack("r"))
 
     def _answer(self) -> None:
         now = time.monotonic()
@@ -303,3 +306,21 @@ async def test_no_train_once_a_frame_is_queued():
     await asyncio.wait_for(task, 1)                  # idle returns at once to send it
     await asyncio.sleep(0.1)
     assert peer.pings == [0]
+
+
+async def test_the_train_stops_once_a_frame_is_queued():
+    outbox = Outbox()
+    peer = _Peer(counts=True, queue_at=(3, outbox))      # queued while the train's second padded Ping goes
+    await asyncio.wait_for(Pacer(peer).idle(outbox), 1)
+    assert peer.pings == [0, PROBE_PAD, PROBE_PAD]
+
+
+async def test_no_train_after_kv_was_sent():
+    peer, outbox = _Peer(counts=True), Outbox()
+    pacer = Pacer(peer)
+    pacer.sent(PIECE_MIN)                               # KV went out before the sender was first idle
+    task = asyncio.create_task(pacer.idle(outbox))
+    await asyncio.sleep(0.2)
+    assert PROBE_PAD not in peer.pings
+    outbox.close()
+    await asyncio.wait_for(task, 1)
